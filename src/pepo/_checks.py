@@ -1,0 +1,112 @@
+"""Argument checks shared by the public functions.
+
+Every public entry point validates its tensors here so that bad input fails with a
+``ValueError`` that names the offending argument, its shape and what was expected, instead of
+broadcasting silently (``[B] * [B, 1]`` gives ``[B, B]``) or producing NaN later.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+__all__: list[str] = []
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def check_tensor(name: str, value: Any) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def check_float(name: str, t: torch.Tensor) -> None:
+    if not t.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+
+
+def check_bool_mask(name: str, mask: Any, shape: torch.Size) -> torch.Tensor:
+    mask = check_tensor(name, mask)
+    if mask.dtype != torch.bool:
+        raise ValueError(
+            f"{name} must have dtype torch.bool (True = valid token), got {mask.dtype}; "
+            f"convert with `{name}.bool()` if it holds 0/1 values"
+        )
+    if mask.shape != shape:
+        raise ValueError(
+            f"{name} must have the same shape as the tensor it masks "
+            f"[{', '.join(map(str, shape))}], got {_shape(mask)}"
+        )
+    return mask
+
+
+def check_batch(
+    advantages: Any, entropies: Any, mask: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Checks the ``(advantages [B], entropies [B, T], mask bool [B, T])`` triple."""
+    entropies = check_tensor("entropies", entropies)
+    if entropies.dim() != 2:
+        raise ValueError(f"entropies must be [B, T], got {_shape(entropies)}")
+    check_float("entropies", entropies)
+    b = entropies.shape[0]
+    advantages = check_tensor("advantages", advantages)
+    if advantages.dim() != 1 or advantages.shape[0] != b:
+        raise ValueError(
+            f"advantages must be [B]=[{b}] (one per sequence, matching entropies "
+            f"{_shape(entropies)}), got {_shape(advantages)}"
+        )
+    check_float("advantages", advantages)
+    mask = check_bool_mask("mask", mask, entropies.shape)
+    if advantages.device != entropies.device or mask.device != entropies.device:
+        raise ValueError(
+            f"advantages ({advantages.device}), entropies ({entropies.device}) and mask "
+            f"({mask.device}) must be on the same device"
+        )
+    return advantages, entropies, mask
+
+
+def check_entropies_mask(entropies: Any, mask: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    entropies = check_tensor("entropies", entropies)
+    if entropies.dim() != 2:
+        raise ValueError(f"entropies must be [B, T], got {_shape(entropies)}")
+    check_float("entropies", entropies)
+    mask = check_bool_mask("mask", mask, entropies.shape)
+    if mask.device != entropies.device:
+        raise ValueError(
+            f"entropies ({entropies.device}) and mask ({mask.device}) must be on the same device"
+        )
+    return entropies, mask
+
+
+def check_window(window: Any) -> int:
+    if isinstance(window, bool) or not isinstance(window, int):
+        raise ValueError(f"window must be an odd int >= 1, got {window!r}")
+    if window < 1 or window % 2 == 0:
+        raise ValueError(f"window must be an odd int >= 1, got {window}")
+    return window
+
+
+def check_positive(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    return float(value)
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+    return value
+
+
+def nonfinite_message(name: str, count: int) -> str:
+    return (
+        f"{name} holds {count} NaN/inf value(s) at valid (mask=True) positions; "
+        f"fix the producer, or pass check_finite=False to skip this check"
+    )

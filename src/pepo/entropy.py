@@ -1,0 +1,224 @@
+"""Memory-safe log-probs and entropies of the taken tokens.
+
+One forward of the rollout policy gives both ``old_logprobs`` and the entropies that weighting
+needs, so weighting costs no extra model pass. With a vocabulary of 151,936 (Qwen3) the full
+``[B, T, V]`` fp32 softmax of a 4k-token batch is tens of GB; these functions never hold more
+than one ``[chunk_size, V]`` slice of it:
+
+* :func:`logprobs_and_entropy` takes the logits the model already produced and processes them
+  ``chunk_size`` rows at a time in fp32. Its backward recomputes the softmax per chunk
+  (``∂ log p_y / ∂ z = (onehot_y - softmax(z)) / τ``) instead of saving it.
+* :func:`logprobs_and_entropy_from_hidden` takes the final hidden states and the output
+  projection instead, so the logits themselves are never materialised either; the gradient
+  flows to the hidden states and the weight, again chunk by chunk.
+
+Log-probs carry gradient; entropies are returned detached (they are importance signals, not
+part of the objective). ``-inf`` logits (masked vocabulary entries) are safe: they have
+probability 0, contribute 0 to the entropy and get gradient 0. A target whose logit is ``-inf``
+gets the lowest finite fp32 log-prob instead of ``-inf``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from pepo import _checks
+
+__all__ = ["logprobs_and_entropy", "logprobs_and_entropy_from_hidden"]
+
+_LOGPROB_FLOOR = torch.finfo(torch.float32).min
+
+
+def _chunk_stats(
+    z: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row ``(log p_target, entropy, logsumexp)`` of ``z / τ`` in fp32. ``z``: ``[n, V]``."""
+    x = z.float()
+    if temperature != 1.0:
+        x = x / temperature
+    lse = torch.logsumexp(x, dim=-1)  # [n]
+    lse = torch.where(torch.isfinite(lse), lse, 0.0)  # rows of all -inf
+    logp = x - lse[:, None]  # [n, V]
+    p = torch.exp(logp)
+    plogp = torch.where(p > 0, p * logp, 0.0)
+    entropy = -plogp.sum(dim=-1)
+    lp = logp.gather(1, targets[:, None]).squeeze(1).clamp_min(_LOGPROB_FLOOR)
+    return lp, entropy, lse
+
+
+def _chunk_grad(
+    z: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """``g · ∂ log p_target / ∂ z = g (onehot - softmax(z/τ)) / τ`` in fp32. ``[n, V]``."""
+    x = z.float()
+    if temperature != 1.0:
+        x = x / temperature
+    grad = torch.exp(x - lse[:, None]).mul_(-g[:, None])
+    grad.scatter_add_(1, targets[:, None], g[:, None])
+    if temperature != 1.0:
+        grad.div_(temperature)
+    return grad
+
+
+class _FromLogits(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, chunk: int, temperature: float):  # type: ignore[override]
+        n = logits.shape[0]
+        lp = logits.new_empty(n, dtype=torch.float32)
+        ent = logits.new_empty(n, dtype=torch.float32)
+        lse = logits.new_empty(n, dtype=torch.float32)
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            lp[s:e], ent[s:e], lse[s:e] = _chunk_stats(logits[s:e], targets[s:e], temperature)
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.chunk, ctx.temperature = chunk, temperature
+        ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx: Any, g_lp: torch.Tensor, g_ent: Optional[torch.Tensor]):  # type: ignore[override]
+        logits, targets, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        g_lp = g_lp.float()
+        for s in range(0, logits.shape[0], ctx.chunk):
+            e = min(s + ctx.chunk, logits.shape[0])
+            grad[s:e] = _chunk_grad(logits[s:e], targets[s:e], lse[s:e], g_lp[s:e], ctx.temperature)
+        return grad, None, None, None
+
+
+class _FromHidden(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, temperature: float):  # type: ignore[override]
+        n = hidden.shape[0]
+        lp = hidden.new_empty(n, dtype=torch.float32)
+        ent = hidden.new_empty(n, dtype=torch.float32)
+        lse = hidden.new_empty(n, dtype=torch.float32)
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            z = hidden[s:e] @ weight.t()  # [n, V] in the model's dtype, as its lm head gives
+            lp[s:e], ent[s:e], lse[s:e] = _chunk_stats(z, targets[s:e], temperature)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.chunk, ctx.temperature = chunk, temperature
+        ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx: Any, g_lp: torch.Tensor, g_ent: Optional[torch.Tensor]):  # type: ignore[override]
+        hidden, weight, targets, lse = ctx.saved_tensors
+        g_lp = g_lp.float()
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        for s in range(0, hidden.shape[0], ctx.chunk):
+            e = min(s + ctx.chunk, hidden.shape[0])
+            h = hidden[s:e]
+            z = h @ weight.t()
+            gz = _chunk_grad(z, targets[s:e], lse[s:e], g_lp[s:e], ctx.temperature)  # [n, V] fp32
+            if need_h:
+                grad_h[s:e] = (gz.to(weight.dtype) @ weight).to(hidden.dtype)
+            if need_w:
+                grad_w.addmm_(gz.t(), h.float())
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None
+
+
+def _check_targets(targets: Any, lead: torch.Size, vocab: int) -> torch.Tensor:
+    targets = _checks.check_tensor("targets", targets)
+    if targets.shape != lead:
+        raise ValueError(
+            f"targets must be [{', '.join(map(str, lead))}] (the logits' leading dims), got "
+            f"{_checks._shape(targets)}"
+        )
+    if targets.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise ValueError(f"targets must be an integer tensor of token ids, got {targets.dtype}")
+    if targets.numel():
+        lo, hi = torch.stack([targets.min(), targets.max()]).tolist()
+        if lo < 0 or hi >= vocab:
+            raise ValueError(
+                f"targets must be token ids in [0, {vocab}), got values in [{lo}, {hi}]; "
+                f"replace ignore indices such as -100 at padded positions with a valid id "
+                f"(e.g. 0) and mask them out downstream"
+            )
+    return targets.long()
+
+
+def _check_chunk(chunk_size: Any, temperature: Any) -> tuple[int, float]:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    return chunk_size, _checks.check_positive("temperature", temperature)
+
+
+def logprobs_and_entropy(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_size: int = 1024,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of ``targets`` and entropies of the distributions ``softmax(logits / τ)``.
+
+    ``logprob_t = z_{t, y_t}/τ - logsumexp(z_t/τ)``, ``H_t = -Σ_v p_{t,v} log p_{t,v}`` (Eq. 3).
+
+    Args:
+        logits: next-token logits, any float dtype (fp32 inside each chunk).
+        targets: the taken tokens (ids in ``[0, V)``).
+        chunk_size: rows (tokens) per chunk; peak extra memory is a few ``[chunk_size, V]``
+            fp32 tensors.
+        temperature: divide the logits by ``τ`` first (use the sampling temperature so the
+            log-probs are those of the sampling distribution).
+
+    Shape:
+        logits: ``[..., V]``; targets: ``[...]``; returns ``(logprobs, entropies)``, each
+        ``[...]`` fp32. ``logprobs`` carries gradient to ``logits``; ``entropies`` is detached.
+    """
+    logits = _checks.check_tensor("logits", logits)
+    _checks.check_float("logits", logits)
+    if logits.dim() < 2:
+        raise ValueError(f"logits must be [..., V], got {_checks._shape(logits)}")
+    chunk_size, temperature = _check_chunk(chunk_size, temperature)
+    lead, vocab = logits.shape[:-1], logits.shape[-1]
+    targets = _check_targets(targets, lead, vocab)
+    lp, ent = _FromLogits.apply(
+        logits.reshape(-1, vocab), targets.reshape(-1), chunk_size, temperature
+    )
+    return lp.view(lead), ent.view(lead)
+
+
+def logprobs_and_entropy_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_size: int = 1024,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`logprobs_and_entropy` of ``logits = hidden @ weight.T``, never materialising them.
+
+    Args:
+        hidden: final (normed) hidden states.
+        weight: the output projection (``lm_head.weight``, or the tied embedding).
+        targets, chunk_size, temperature: as in :func:`logprobs_and_entropy`.
+
+    Shape:
+        hidden: ``[..., D]``; weight: ``[V, D]``; targets: ``[...]``; returns two ``[...]``
+        fp32 tensors. Gradient flows to ``hidden`` and ``weight``.
+    """
+    hidden = _checks.check_tensor("hidden", hidden)
+    weight = _checks.check_tensor("weight", weight)
+    _checks.check_float("hidden", hidden)
+    _checks.check_float("weight", weight)
+    if hidden.dim() < 2:
+        raise ValueError(f"hidden must be [..., D], got {_checks._shape(hidden)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight must be [V, D] with D={hidden.shape[-1]} (hidden's last dim), got "
+            f"{_checks._shape(weight)}"
+        )
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
+    chunk_size, temperature = _check_chunk(chunk_size, temperature)
+    lead, dim = hidden.shape[:-1], hidden.shape[-1]
+    targets = _check_targets(targets, lead, weight.shape[0])
+    lp, ent = _FromHidden.apply(
+        hidden.reshape(-1, dim), weight, targets.reshape(-1), chunk_size, temperature
+    )
+    return lp.view(lead), ent.view(lead)
