@@ -1,0 +1,28 @@
+import pytest
+import torch
+
+
+def ragged_batch(lengths, t_max, *, holes=False, seed=0, dtype=torch.float32, scale=2.0, pad_value=float("nan")):
+    """A [B, T] batch of entropies in [0, scale) with the given valid counts per row.
+
+    With ``holes`` the valid tokens are scattered (sorted random positions) instead of forming
+    a prefix. Padding holds ``pad_value`` (NaN by default) so any leak shows.
+    """
+    g = torch.Generator().manual_seed(seed)
+    b = len(lengths)
+    ent = torch.rand(b, t_max, generator=g) * scale
+    mask = torch.zeros(b, t_max, dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        if holes:
+            pos = torch.randperm(t_max, generator=g)[:n]
+            mask[i, pos] = True
+        else:
+            mask[i, :n] = True
+    ent = torch.where(mask, ent, torch.tensor(pad_value)).to(dtype)
+    adv = torch.randn(b, generator=g)
+    return adv, ent, mask
+
+
+@pytest.fixture
+def make_batch():
+    return ragged_batch

@@ -1,0 +1,118 @@
+"""Slow references written straight from the paper's formulas (float64, loops, numpy).
+
+They share nothing with the vectorised code under test: compaction is a Python list
+comprehension, reflect padding is ``numpy.pad(mode="reflect")``, windows are explicit loops.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+
+def valid_values(row: torch.Tensor, mask_row: torch.Tensor) -> np.ndarray:
+    """The row's valid values, in order, as float64 (the row 'alone, unpadded')."""
+    return np.array(
+        [float(v) for v, m in zip(row.tolist(), mask_row.tolist()) if m], dtype=np.float64
+    )
+
+
+def scatter_back(values: np.ndarray, mask_row: torch.Tensor) -> np.ndarray:
+    out = np.zeros(len(mask_row), dtype=np.float64)
+    j = 0
+    for t, m in enumerate(mask_row.tolist()):
+        if m:
+            out[t] = values[j]
+            j += 1
+    return out
+
+
+def proximal_entropy_row(h: np.ndarray, window: int, temperature: float = 1.0, pad_mode: str = "reflect") -> np.ndarray:
+    """Eq. (6): e_t = exp(H_t/τ) / Σ_{|k-t| <= W/2} exp(H_k/τ), reflect-padded (App. C)."""
+    if len(h) == 0:
+        return h.copy()
+    half = window // 2
+    x = h / temperature
+    p = np.pad(x, half, mode=pad_mode)
+    e = np.empty(len(h))
+    for t in range(len(h)):
+        win = [p[t + j] for j in range(window)]  # window centred on t: padded t .. t + 2 half
+        m = max(win)  # shift for range safety; cancels in the ratio
+        e[t] = math.exp(x[t] - m) / math.fsum(math.exp(w - m) for w in win)
+    return e
+
+
+def proximal_entropy_row_fast(h: np.ndarray, window: int, temperature: float = 1.0) -> np.ndarray:
+    """Same as :func:`proximal_entropy_row`, vectorised in float64 for 32k-token rows."""
+    half = window // 2
+    x = h / temperature
+    p = np.pad(x, half, mode="reflect")
+    win = np.lib.stride_tricks.sliding_window_view(p, window)  # [L, W]
+    m = win.max(axis=1)
+    return np.exp(x - m) / np.exp(win - m[:, None]).sum(axis=1)
+
+
+def window_mean_row(h: np.ndarray, window: int) -> np.ndarray:
+    half = window // 2
+    if len(h) == 0:
+        return h.copy()
+    p = np.pad(h, half, mode="reflect")
+    return np.array([math.fsum(p[t : t + window]) / window for t in range(len(h))])
+
+
+def sum_preserving(w: np.ndarray) -> np.ndarray:
+    """c_t = w_t / Σ w · T (Eq. 7); uniform when the row has no positive mass."""
+    total = math.fsum(w)
+    if len(w) == 0:
+        return w.copy()
+    if total <= 0:
+        return np.ones_like(w)
+    return w / total * len(w)
+
+
+def proximal_entropy(entropies: torch.Tensor, mask: torch.Tensor, window: int, temperature: float = 1.0) -> np.ndarray:
+    rows = []
+    for i in range(entropies.shape[0]):
+        v = valid_values(entropies[i].double(), mask[i])
+        rows.append(scatter_back(proximal_entropy_row(v, window, temperature), mask[i]))
+    return np.stack(rows)
+
+
+def multiplicative(advantages, entropies, mask, weights_row, apply_to: str) -> np.ndarray:
+    """Â_{i,t} = c_{i,t} A_i, with uniform rows when apply_to='positive' and A_i <= 0."""
+    out = np.zeros(tuple(mask.shape))
+    for i in range(mask.shape[0]):
+        a = float(advantages[i])
+        v = valid_values(entropies[i].double(), mask[i])
+        if apply_to == "positive" and a <= 0:
+            c = np.ones_like(v)
+        else:
+            c = sum_preserving(weights_row(v))
+        out[i] = scatter_back(c * a, mask[i])
+    return out
+
+
+def entropy_bonus(advantages, entropies, mask, alpha, kappa) -> np.ndarray:
+    out = np.zeros(tuple(mask.shape))
+    for i in range(mask.shape[0]):
+        a = float(advantages[i])
+        for t in range(mask.shape[1]):
+            if mask[i, t]:
+                out[i, t] = a + min(alpha * float(entropies[i, t]), abs(a) / kappa)
+    return out
+
+
+def global_topk(advantages, scores, mask, fraction) -> np.ndarray:
+    """80/20 as TRL writes it: threshold = torch.quantile(valid scores, 1 - fraction), keep >=."""
+    valid = torch.tensor([float(scores[i, t]) for i in range(mask.shape[0]) for t in range(mask.shape[1]) if mask[i, t]], dtype=torch.float64)
+    out = np.zeros(tuple(mask.shape))
+    if len(valid) == 0:
+        return out
+    thr = float(torch.quantile(valid, 1 - fraction))
+    for i in range(mask.shape[0]):
+        for t in range(mask.shape[1]):
+            if mask[i, t] and float(scores[i, t]) >= thr:
+                out[i, t] = float(advantages[i])
+    return out

@@ -1,0 +1,354 @@
+"""pepo.weighting against the slow references of tests/reference.py."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import pepo.weighting as pw
+from pepo.weighting import _reflect_index
+from tests import reference as ref
+from tests.conftest import ragged_batch
+
+# fp32 results vs float64 references. Windowed sums add at most W positive terms, so the
+# relative error is O(W * 2^-24) in the worst case and far below in practice.
+RTOL32, ATOL32 = 2e-5, 1e-7
+
+W_SMALL = 5
+# Lengths 1..W+1 (every reflection regime, including rows shorter than the half-window),
+# plus longer rows.
+LENGTHS_SMALL = list(range(1, W_SMALL + 2)) + [11, 17]
+LENGTHS_101 = [1, 2, 3, 49, 50, 51, 52, 100, 101, 102, 257]
+
+
+def close(actual: torch.Tensor, expected: np.ndarray, rtol=RTOL32, atol=ATOL32):
+    np.testing.assert_allclose(actual.double().numpy(), expected, rtol=rtol, atol=atol)
+
+
+# ---------------------------------------------------------------------------- reflect padding
+
+
+def test_reflect_index_matches_numpy_pad_including_repeated_reflection():
+    for n in range(1, 13):
+        half = 30
+        expected = np.pad(np.arange(n), half, mode="reflect")
+        j = torch.arange(-half, n + half)
+        got = _reflect_index(j, torch.tensor(n))
+        assert got.tolist() == expected.tolist(), n
+
+
+# ---------------------------------------------------------------------------- proximal entropy
+
+
+@pytest.mark.parametrize("holes", [False, True])
+@pytest.mark.parametrize("window,lengths", [(1, [1, 2, 7]), (3, [1, 2, 3, 4, 9]), (W_SMALL, LENGTHS_SMALL), (101, LENGTHS_101)])
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_proximal_entropy_matches_reference(window, lengths, holes, temperature):
+    t_max = max(lengths) + (13 if holes else 3)
+    _, ent, mask = ragged_batch(lengths, t_max, holes=holes, seed=window)
+    got = pw.proximal_entropy(ent, mask, window=window, temperature=temperature)
+    assert got.dtype == torch.float32
+    close(got, ref.proximal_entropy(ent, mask, window, temperature))
+    assert (got[~mask] == 0).all()
+
+
+def test_tolerance_can_fail_on_wrong_padding_mode():
+    # The comparison above distinguishes reflect from numpy's 'symmetric' (edge repeated) and
+    # 'edge' padding: our tolerance is far tighter than the difference.
+    _, ent, mask = ragged_batch([40], 40, seed=3)
+    got = pw.proximal_entropy(ent, mask, window=11).double().numpy()[0]
+    v = ref.valid_values(ent[0].double(), mask[0])
+    for mode in ("symmetric", "edge"):
+        other = ref.proximal_entropy_row(v, 11, 1.0, pad_mode=mode)
+        assert not np.allclose(got, other, rtol=RTOL32, atol=ATOL32)
+
+
+def test_row_of_length_one_sees_itself_w_times():
+    ent = torch.tensor([[0.7, float("nan")]])
+    mask = torch.tensor([[True, False]])
+    e = pw.proximal_entropy(ent, mask, window=101)
+    assert e[0, 0].item() == pytest.approx(1 / 101, rel=1e-6)
+    out = pw.get_strategy("proximal_softmax")(torch.tensor([2.0]), ent, mask)
+    assert out.tolist() == [[pytest.approx(2.0, rel=1e-6), 0.0]]
+
+
+def test_proximal_entropy_hand_worked():
+    # H = [0, ln 2, 0], W = 3, reflect pad -> [ln2, 0, ln2, 0, ln2].
+    # t=0: window [ln2, 0, ln2] -> e = 1 / (2 + 1 + 2) = 0.2
+    # t=1: window [0, ln2, 0]   -> e = 2 / (1 + 2 + 1) = 0.5
+    # t=2: window [ln2, 0, ln2] -> e = 0.2
+    ent = torch.tensor([[0.0, math.log(2.0), 0.0]])
+    e = pw.proximal_entropy(ent, torch.ones(1, 3, dtype=torch.bool), window=3)
+    torch.testing.assert_close(e, torch.tensor([[0.2, 0.5, 0.2]]), rtol=1e-6, atol=1e-7)
+    # c = e / 0.9 * 3 and the advantage 1.5 of a positive row multiplies it.
+    out = pw.get_strategy("proximal_softmax", window=3)(torch.tensor([1.5]), ent, torch.ones(1, 3, dtype=torch.bool))
+    torch.testing.assert_close(out, 1.5 * torch.tensor([[0.2, 0.5, 0.2]]) / 0.9 * 3, rtol=1e-6, atol=1e-6)
+
+
+def test_proximal_entropy_long_rows_stay_accurate():
+    # 32k-token rows: a global cumulative sum would lose ~4 digits here.
+    g = torch.Generator().manual_seed(0)
+    t = 32768
+    ent = torch.rand(2, t, generator=g) * 3
+    mask = torch.ones(2, t, dtype=torch.bool)
+    mask[1, 30000:] = False
+    got = pw.proximal_entropy(ent, mask, window=101)
+    for i in range(2):
+        v = ref.valid_values(ent[i].double(), mask[i])
+        expected = ref.scatter_back(ref.proximal_entropy_row_fast(v, 101), mask[i])
+        close(got[i], expected)
+
+
+def test_wide_range_takes_exact_log_path():
+    # Temperature 0.01 scales entropies in [0, 3) to [0, 300): fp32 exp underflows for a
+    # shifted-exp formulation; the result must still match the reference.
+    adv, ent, mask = ragged_batch([1, 7, 30, 64], 64, seed=5, scale=3.0)
+    got = pw.proximal_entropy(ent, mask, window=9, temperature=0.01)
+    assert torch.isfinite(got).all()
+    close(got, ref.proximal_entropy(ent, mask, 9, 0.01), rtol=5e-5, atol=1e-7)
+
+
+def test_fast_and_log_paths_agree():
+    from pepo.weighting import _Rows, _proximal_compact
+
+    _, ent, mask = ragged_batch([1, 5, 50, 300], 300, seed=9)
+    rows = _Rows(torch.where(mask, ent, 0.0), mask, is_prefix=True)
+    fast = _proximal_compact(rows, 101, 1.0, exact_log=False)
+    slow = _proximal_compact(rows, 101, 1.0, exact_log=True)
+    valid = rows.valid()
+    torch.testing.assert_close(fast[valid], slow[valid], rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_inputs_are_upcast(dtype):
+    _, ent, mask = ragged_batch([3, 20, 64], 64, seed=2, dtype=dtype)
+    got = pw.proximal_entropy(ent, mask, window=11)
+    assert got.dtype == torch.float32
+    close(got, ref.proximal_entropy(ent.float(), mask, 11))  # reference from the same values
+
+
+def test_padded_row_equals_row_alone():
+    adv, ent, mask = ragged_batch([9, 37, 60], 64, holes=True, seed=4)
+    batch = pw.proximal_entropy(ent, mask, window=7)
+    for i in range(3):
+        alone = ent[i][mask[i]][None, :]
+        single = pw.proximal_entropy(alone, torch.ones_like(alone, dtype=torch.bool), window=7)
+        torch.testing.assert_close(batch[i][mask[i]], single[0], rtol=1e-6, atol=1e-8)
+
+
+# ---------------------------------------------------------------------------- strategies
+
+
+@pytest.mark.parametrize("holes", [False, True])
+@pytest.mark.parametrize("apply_to", ["positive", "all"])
+@pytest.mark.parametrize("window,lengths", [(W_SMALL, LENGTHS_SMALL), (101, LENGTHS_101)])
+def test_proximal_softmax_matches_reference(window, lengths, apply_to, holes):
+    adv, ent, mask = ragged_batch(lengths, max(lengths) + 5, holes=holes, seed=7)
+    adv[0], adv[1] = 0.0, -0.5  # zero and negative rows are kept uniform under 'positive'
+    got = pw.get_strategy("proximal_softmax", window=window, apply_to=apply_to)(adv, ent, mask)
+    expected = ref.multiplicative(adv, ent, mask, lambda v: ref.proximal_entropy_row(v, window), apply_to)
+    close(got, expected, rtol=RTOL32, atol=1e-6)
+    # Weight-sum preservation: Σ_t Â = T_i A_i on every row.
+    torch.testing.assert_close(got.sum(1), adv * mask.sum(1), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("holes", [False, True])
+@pytest.mark.parametrize("apply_to", ["positive", "all"])
+@pytest.mark.parametrize("window,lengths", [(W_SMALL, LENGTHS_SMALL), (101, LENGTHS_101)])
+def test_window_average_matches_reference(window, lengths, apply_to, holes):
+    adv, ent, mask = ragged_batch(lengths, max(lengths) + 5, holes=holes, seed=8)
+    adv[2] = -1.0
+    got = pw.get_strategy("window_average", window=window, apply_to=apply_to)(adv, ent, mask)
+    expected = ref.multiplicative(adv, ent, mask, lambda v: ref.window_mean_row(v, window), apply_to)
+    close(got, expected, rtol=RTOL32, atol=1e-6)
+
+
+def test_window_average_all_zero_entropy_row_is_uniform():
+    ent = torch.zeros(1, 6)
+    mask = torch.ones(1, 6, dtype=torch.bool)
+    out = pw.get_strategy("window_average", window=3)(torch.tensor([0.5]), ent, mask)
+    assert out.tolist() == [[0.5] * 6]
+
+
+@pytest.mark.parametrize("alpha,kappa", [(0.4, 2.0), (1.0, 1.5)])
+def test_entropy_bonus_matches_reference(alpha, kappa):
+    adv, ent, mask = ragged_batch([1, 4, 9, 16], 16, holes=True, seed=11)
+    adv[1] = 0.0
+    got = pw.get_strategy("entropy_bonus", alpha=alpha, kappa=kappa)(adv, ent, mask)
+    close(got, ref.entropy_bonus(adv, ent, mask, alpha, kappa), rtol=1e-6, atol=1e-7)
+
+
+def test_entropy_bonus_hand_worked():
+    # A = 1: bonus min(0.4 * 1.0, 0.5) = 0.4; min(0.4 * 2.0, 0.5) = 0.5 (clipped).
+    # A = -1: the clip |A|/kappa = 0.5 keeps -1 + 0.5 < 0.
+    ent = torch.tensor([[1.0, 2.0], [1.0, 2.0]])
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    out = pw.get_strategy("entropy_bonus")(torch.tensor([1.0, -1.0]), ent, mask)
+    torch.testing.assert_close(out, torch.tensor([[1.4, 1.5], [-0.6, -0.5]]))
+
+
+def test_uniform_is_grpo():
+    adv, ent, mask = ragged_batch([1, 3, 8], 8, holes=True)
+    out = pw.get_strategy("uniform")(adv, ent, mask)
+    expected = torch.where(mask, adv[:, None].expand(3, 8), 0.0)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("fraction", [0.05, 0.2, 0.5, 1.0])
+@pytest.mark.parametrize("holes", [False, True])
+def test_global_topk_matches_trl_quantile_rule(fraction, holes):
+    adv, ent, mask = ragged_batch([1, 7, 33, 64, 20], 64, holes=holes, seed=13)
+    got = pw.get_strategy("global_topk", fraction=fraction)(adv, ent, mask)
+    close(got, ref.global_topk(adv, ent, mask, fraction), rtol=0, atol=0)
+
+
+def test_global_topk_ties_are_included():
+    ent = torch.tensor([[1.0, 2.0, 2.0, 2.0, 0.5]])
+    mask = torch.ones(1, 5, dtype=torch.bool)
+    out = pw.get_strategy("global_topk", fraction=0.2)(torch.tensor([1.0]), ent, mask)
+    # quantile(0.8) of [0.5, 1, 2, 2, 2] is 2: all three 2's are kept.
+    assert out.tolist() == [[0.0, 1.0, 1.0, 1.0, 0.0]]
+
+
+def test_global_topk_is_global_not_per_row():
+    # Row 0 is all high, row 1 all low: a per-row threshold would pick tokens from both.
+    ent = torch.tensor([[5.0, 6.0, 7.0, 8.0], [0.1, 0.2, 0.3, 0.4]])
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    out = pw.get_strategy("global_topk", fraction=0.25)(torch.tensor([1.0, 1.0]), ent, mask)
+    assert out.tolist() == [[0.0, 0.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]]
+
+
+def test_global_topk_proximal_score_uses_proximal_entropy():
+    adv, ent, mask = ragged_batch([10, 40, 64], 64, holes=True, seed=17)
+    got = pw.get_strategy("global_topk", fraction=0.2, score="proximal", window=11)(adv, ent, mask)
+    scores = pw.proximal_entropy(ent, mask, window=11)
+    close(got, ref.global_topk(adv, scores, mask, 0.2), rtol=0, atol=0)
+
+
+def test_global_topk_selected_tokens_normalisation():
+    adv, ent, mask = ragged_batch([10, 40, 64], 64, seed=19)
+    plain = pw.get_strategy("global_topk")(adv, ent, mask)
+    scaled = pw.get_strategy("global_topk", normalize="selected_tokens")(adv, ent, mask)
+    n_sel = int((plain != 0).sum())
+    torch.testing.assert_close(scaled, plain * (int(mask.sum()) / n_sel))
+
+
+def test_global_topk_above_2_pow_24_tokens():
+    # torch.quantile refuses inputs above 2^24 elements; the selection must still be exact.
+    n = 2**25
+    # Distinct fp32 values, increasing with the index: consecutive bit patterns from 1.0 up.
+    rank = torch.randperm(n, generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    ent = (rank + 0x3F800000).view(torch.float32).view(256, -1)
+    mask = torch.ones_like(ent, dtype=torch.bool)
+    out = pw.get_strategy("global_topk", fraction=0.2)(torch.ones(256), ent, mask)
+    k = n - math.ceil(0.8 * (n - 1))
+    selected = out.view(-1) != 0
+    assert int(selected.sum()) == k
+    assert torch.equal(selected, rank >= n - k)
+
+
+def test_global_topk_empty_batch():
+    ent = torch.zeros(2, 3)
+    mask = torch.zeros(2, 3, dtype=torch.bool)
+    out = pw.get_strategy("global_topk")(torch.ones(2), ent, mask)
+    assert out.eq(0).all()
+
+
+# ---------------------------------------------------------------------------- contract
+
+
+@pytest.mark.parametrize("name", pw.list_strategies())
+def test_contract_detached_fp32_zero_on_padding_no_mutation(name):
+    adv, ent, mask = ragged_batch([1, 5, 30], 32, holes=True, seed=23)
+    ent = torch.where(mask, ent, float("nan")).bfloat16().requires_grad_(True)
+    adv = adv.requires_grad_(True)
+    before = (adv.detach().clone(), ent.detach().clone(), mask.clone())
+    out = pw.get_strategy(name)(adv, ent, mask)
+    assert out.shape == mask.shape and out.dtype == torch.float32
+    assert not out.requires_grad
+    assert torch.isfinite(out).all()
+    assert out[~mask].eq(0).all()
+    assert torch.equal(adv.detach(), before[0])
+    assert torch.equal(ent.detach().isnan(), before[1].isnan())
+    assert torch.equal(mask, before[2])
+
+
+def test_list_and_registry_names():
+    assert set(pw.list_strategies()) >= {"uniform", "global_topk", "entropy_bonus", "proximal_softmax", "window_average"}
+
+
+def test_register_custom_strategy():
+    @pw.register_strategy("test_double")
+    def double(factor: float = 2.0):
+        def fn(advantages, entropies, mask):
+            return advantages[:, None] * factor * torch.ones_like(entropies)
+
+        return fn
+
+    try:
+        assert "test_double" in pw.list_strategies()
+        adv, ent, mask = ragged_batch([2, 3], 3)
+        out = pw.get_strategy("test_double", factor=3.0)(adv, ent, mask)
+        assert torch.equal(out, torch.where(mask, 3.0 * adv[:, None].expand(2, 3), 0.0))
+        with pytest.raises(ValueError, match="already registered"):
+            pw.register_strategy("test_double")(double)
+    finally:
+        pw._REGISTRY.pop("test_double", None)
+
+
+@pytest.mark.parametrize(
+    "name,params,match",
+    [
+        ("nope", {}, r"unknown strategy 'nope'; registered strategies: \['entropy_bonus'"),
+        ("proximal_softmax", {"windw": 5}, r"unknown parameter\(s\) \['windw'\]; valid parameters"),
+        ("proximal_softmax", {"window": 4}, "window must be an odd int >= 1, got 4"),
+        ("proximal_softmax", {"window": 0}, "window must be an odd int >= 1, got 0"),
+        ("proximal_softmax", {"temperature": 0.0}, "temperature must be a finite number > 0, got 0.0"),
+        ("proximal_softmax", {"apply_to": "negative"}, "apply_to must be one of"),
+        ("global_topk", {"fraction": 0.0}, r"fraction must be in \(0, 1\], got 0.0"),
+        ("global_topk", {"fraction": 1.5}, r"fraction must be in \(0, 1\], got 1.5"),
+        ("global_topk", {"score": "gradient"}, "score must be one of"),
+        ("entropy_bonus", {"kappa": -1.0}, "kappa must be a finite number > 0"),
+        ("window_average", {"window": 2.0}, "window must be an odd int"),
+    ],
+)
+def test_bad_parameters(name, params, match):
+    with pytest.raises(ValueError, match=match):
+        pw.get_strategy(name, **params)
+
+
+def test_bad_inputs_name_the_problem():
+    s = pw.get_strategy("proximal_softmax", window=3)
+    adv, ent, mask = ragged_batch([4, 4], 4)
+    with pytest.raises(ValueError, match=r"advantages must be \[B\]=\[2\].*got \[2, 1\]"):
+        s(adv[:, None], ent, mask)
+    with pytest.raises(ValueError, match=r"mask must have dtype torch.bool.*got torch.float32"):
+        s(adv, ent, mask.float())
+    with pytest.raises(ValueError, match=r"mask must have the same shape .* \[2, 4\], got \[2, 3\]"):
+        s(adv, ent, mask[:, :3])
+    with pytest.raises(ValueError, match=r"entropies must be \[B, T\], got \[2, 4, 1\]"):
+        s(adv, ent[..., None], mask)
+    bad = ent.clone()
+    bad[1, 2] = float("nan")
+    with pytest.raises(ValueError, match="entropies holds 1 NaN/inf value"):
+        s(adv, bad, mask)
+    with pytest.raises(ValueError, match="advantages holds 1 NaN/inf"):
+        s(torch.tensor([1.0, float("inf")]), ent, mask)
+    with pytest.raises(ValueError, match="entropies holds 1 NaN/inf"):
+        pw.proximal_entropy(bad, mask, window=3)
+    with pytest.raises(ValueError, match="must be a floating-point tensor"):
+        s(adv, ent.long(), mask)
+
+
+def test_check_finite_false_skips_the_check():
+    s = pw.get_strategy("uniform")
+    adv, ent, mask = ragged_batch([4], 4)
+    ent[0, 1] = float("nan")
+    out = s(adv, ent, mask, check_finite=False)  # uniform ignores entropies
+    assert torch.isfinite(out).all()
+
+
+def test_strategy_repr_shows_parameters():
+    s = pw.get_strategy("proximal_softmax", window=51)
+    assert repr(s) == "Strategy('proximal_softmax', window=51, temperature=1.0, apply_to='positive')"
