@@ -31,11 +31,16 @@ __all__ = ["logprobs_and_entropy", "logprobs_and_entropy_from_hidden"]
 _LOGPROB_FLOOR = torch.finfo(torch.float32).min
 
 
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for fp16/bf16/fp32 inputs; fp64 stays fp64 (for gradcheck and references)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _chunk_stats(
     z: torch.Tensor, targets: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row ``(log p_target, entropy, logsumexp)`` of ``z / τ`` in fp32. ``z``: ``[n, V]``."""
-    x = z.float()
+    x = z.to(_compute_dtype(z.dtype))
     if temperature != 1.0:
         x = x / temperature
     lse = torch.logsumexp(x, dim=-1)  # [n]
@@ -52,7 +57,7 @@ def _chunk_grad(
     z: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, temperature: float
 ) -> torch.Tensor:
     """``g · ∂ log p_target / ∂ z = g (onehot - softmax(z/τ)) / τ`` in fp32. ``[n, V]``."""
-    x = z.float()
+    x = z.to(_compute_dtype(z.dtype))
     if temperature != 1.0:
         x = x / temperature
     grad = torch.exp(x - lse[:, None]).mul_(-g[:, None])
@@ -66,9 +71,9 @@ class _FromLogits(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, chunk: int, temperature: float):  # type: ignore[override]
         n = logits.shape[0]
-        lp = logits.new_empty(n, dtype=torch.float32)
-        ent = logits.new_empty(n, dtype=torch.float32)
-        lse = logits.new_empty(n, dtype=torch.float32)
+        lp = logits.new_empty(n, dtype=_compute_dtype(logits.dtype))
+        ent = logits.new_empty(n, dtype=_compute_dtype(logits.dtype))
+        lse = logits.new_empty(n, dtype=_compute_dtype(logits.dtype))
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
             lp[s:e], ent[s:e], lse[s:e] = _chunk_stats(logits[s:e], targets[s:e], temperature)
@@ -81,7 +86,7 @@ class _FromLogits(torch.autograd.Function):
     def backward(ctx: Any, g_lp: torch.Tensor, g_ent: Optional[torch.Tensor]):  # type: ignore[override]
         logits, targets, lse = ctx.saved_tensors
         grad = torch.empty_like(logits)
-        g_lp = g_lp.float()
+        g_lp = g_lp.to(lse.dtype)
         for s in range(0, logits.shape[0], ctx.chunk):
             e = min(s + ctx.chunk, logits.shape[0])
             grad[s:e] = _chunk_grad(logits[s:e], targets[s:e], lse[s:e], g_lp[s:e], ctx.temperature)
@@ -92,9 +97,9 @@ class _FromHidden(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, temperature: float):  # type: ignore[override]
         n = hidden.shape[0]
-        lp = hidden.new_empty(n, dtype=torch.float32)
-        ent = hidden.new_empty(n, dtype=torch.float32)
-        lse = hidden.new_empty(n, dtype=torch.float32)
+        lp = hidden.new_empty(n, dtype=_compute_dtype(hidden.dtype))
+        ent = hidden.new_empty(n, dtype=_compute_dtype(hidden.dtype))
+        lse = hidden.new_empty(n, dtype=_compute_dtype(hidden.dtype))
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
             z = hidden[s:e] @ weight.t()  # [n, V] in the model's dtype, as its lm head gives
@@ -107,10 +112,10 @@ class _FromHidden(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g_lp: torch.Tensor, g_ent: Optional[torch.Tensor]):  # type: ignore[override]
         hidden, weight, targets, lse = ctx.saved_tensors
-        g_lp = g_lp.float()
+        g_lp = g_lp.to(lse.dtype)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_w else None
         for s in range(0, hidden.shape[0], ctx.chunk):
             e = min(s + ctx.chunk, hidden.shape[0])
             h = hidden[s:e]
@@ -119,7 +124,7 @@ class _FromHidden(torch.autograd.Function):
             if need_h:
                 grad_h[s:e] = (gz.to(weight.dtype) @ weight).to(hidden.dtype)
             if need_w:
-                grad_w.addmm_(gz.t(), h.float())
+                grad_w.addmm_(gz.t(), h.to(lse.dtype))
         return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None
 
 
@@ -169,7 +174,7 @@ def logprobs_and_entropy(
 
     Shape:
         logits: ``[..., V]``; targets: ``[...]``; returns ``(logprobs, entropies)``, each
-        ``[...]`` fp32. ``logprobs`` carries gradient to ``logits``; ``entropies`` is detached.
+        ``[...]`` fp32 (fp64 for fp64 logits). ``logprobs`` carries gradient to ``logits``; ``entropies`` is detached.
     """
     logits = _checks.check_tensor("logits", logits)
     _checks.check_float("logits", logits)

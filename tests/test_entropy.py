@@ -1,0 +1,135 @@
+"""pepo.entropy against a naive full-softmax float64 reference."""
+
+import pytest
+import torch
+
+from pepo.entropy import logprobs_and_entropy, logprobs_and_entropy_from_hidden
+
+
+def ref(logits, targets, temperature=1.0):
+    """Naive formula: log_softmax over the whole vocabulary in float64."""
+    x = logits.double() / temperature
+    logp = torch.log_softmax(x, dim=-1)
+    p = logp.exp()
+    ent = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
+    return logp.gather(-1, targets[..., None]).squeeze(-1), ent
+
+
+def data(b=3, t=7, v=50, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(b, t, v, generator=g) * 3).to(dtype)
+    targets = torch.randint(0, v, (b, t), generator=g)
+    return logits, targets
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 5, 1024])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_values_and_gradient_match_naive(chunk, temperature):
+    logits, targets = data()
+    x = logits.clone().requires_grad_(True)
+    lp, ent = logprobs_and_entropy(x, targets, chunk_size=chunk, temperature=temperature)
+    r_lp, r_ent = ref(logits, targets, temperature)
+    assert lp.shape == ent.shape == (3, 7) and lp.dtype == ent.dtype == torch.float32
+    torch.testing.assert_close(lp.double(), r_lp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent.double(), r_ent, rtol=1e-5, atol=1e-5)
+    assert not ent.requires_grad
+    w = torch.randn(3, 7, generator=torch.Generator().manual_seed(1))
+    (g,) = torch.autograd.grad((lp * w).sum(), x)
+    xr = logits.double().requires_grad_(True)
+    (gr,) = torch.autograd.grad((ref(xr, targets, temperature)[0] * w.double()).sum(), xr)
+    torch.testing.assert_close(g.double(), gr, rtol=1e-5, atol=1e-6)
+
+
+def test_gradcheck_float64():
+    logits, targets = data(b=2, t=3, v=6)
+    x = logits.double().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda z: logprobs_and_entropy(z, targets, chunk_size=4, temperature=0.7)[0], (x,))
+    h = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: logprobs_and_entropy_from_hidden(a, b, targets, chunk_size=4)[0], (h, w))
+
+
+def test_minus_inf_logits_are_safe():
+    logits, targets = data(v=20)
+    logits[..., 10:] = float("-inf")  # a masked vocabulary half
+    targets = targets % 10
+    logits[0, 0, :] = float("-inf")  # a fully masked row: finite output, no NaN
+    x = logits.clone().requires_grad_(True)
+    lp, ent = logprobs_and_entropy(x, targets, chunk_size=4)
+    lp.sum().backward()
+    assert torch.isfinite(lp).all() and torch.isfinite(ent).all() and torch.isfinite(x.grad).all()
+    assert x.grad[..., 10:][1:].eq(0).all()
+    r_lp, r_ent = ref(logits[1:, :, :10], targets[1:])  # same as the unmasked half alone
+    torch.testing.assert_close(lp[1:].double(), r_lp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent[1:].double(), r_ent, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_logits_computed_in_fp32():
+    logits, targets = data(dtype=torch.bfloat16)
+    x = logits.clone().requires_grad_(True)
+    lp, ent = logprobs_and_entropy(x, targets, chunk_size=8)
+    r_lp, r_ent = ref(logits.float(), targets)  # the same bf16 values, exact arithmetic
+    torch.testing.assert_close(lp.double(), r_lp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent.double(), r_ent, rtol=1e-5, atol=1e-5)
+    lp.sum().backward()
+    assert x.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("chunk", [3, 1024])
+def test_hidden_variant_matches_naive(chunk):
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(2, 5, 8, generator=g)
+    w = torch.randn(40, 8, generator=g)
+    targets = torch.randint(0, 40, (2, 5), generator=g)
+    hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    lp, ent = logprobs_and_entropy_from_hidden(hh, ww, targets, chunk_size=chunk, temperature=0.8)
+    hr, wr = h.double().requires_grad_(True), w.double().requires_grad_(True)
+    r_lp, r_ent = ref(hr @ wr.t(), targets, 0.8)
+    torch.testing.assert_close(lp.double(), r_lp.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent.double(), r_ent.detach(), rtol=1e-5, atol=1e-5)
+    lp.sum().backward()
+    r_lp.sum().backward()
+    torch.testing.assert_close(hh.grad.double(), hr.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ww.grad.double(), wr.grad, rtol=1e-5, atol=1e-5)
+
+
+def _saved_bytes(fn):
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(saved)
+
+
+def test_autograd_saves_no_softmax_sized_tensor():
+    # A naive log_softmax saves its [N, V] fp32 output; the chunked function saves only its
+    # inputs and one fp32 per row.
+    n, v = 64, 1000
+    logits = torch.randn(n, v, requires_grad=True)
+    targets = torch.randint(0, v, (n,))
+    naive = _saved_bytes(lambda: torch.log_softmax(logits, -1).gather(1, targets[:, None]))
+    ours = _saved_bytes(lambda: logprobs_and_entropy(logits, targets, chunk_size=8))
+    assert naive >= n * v * 4
+    assert ours <= n * v * 4 + n * 8 + n * 4  # logits (a reference, not a copy), targets, lse
+    h = torch.randn(n, 32, requires_grad=True)
+    w = torch.randn(v, 32, requires_grad=True)
+    ours_h = _saved_bytes(lambda: logprobs_and_entropy_from_hidden(h, w, targets, chunk_size=8))
+    assert ours_h <= (n * 32 + v * 32) * 4 + n * 8 + n * 4  # no [N, V] at all
+
+
+def test_errors():
+    logits, targets = data()
+    with pytest.raises(ValueError, match=r"targets must be token ids in \[0, 50\), got values in \[-100"):
+        t = targets.clone()
+        t[0, 0] = -100
+        logprobs_and_entropy(logits, t)
+    with pytest.raises(ValueError, match=r"targets must be \[3, 7\]"):
+        logprobs_and_entropy(logits, targets[:, :3])
+    with pytest.raises(ValueError, match="chunk_size must be an int >= 1"):
+        logprobs_and_entropy(logits, targets, chunk_size=0)
+    with pytest.raises(ValueError, match=r"weight must be \[V, D\] with D=8"):
+        logprobs_and_entropy_from_hidden(torch.randn(2, 8), torch.randn(5, 7), torch.zeros(2, dtype=torch.long))

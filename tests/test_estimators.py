@@ -1,0 +1,151 @@
+"""pepo.estimators against loop references of GRPO's Eq. (1) and SPO's tracker."""
+
+import math
+import statistics
+
+import pytest
+import torch
+
+import pepo.estimators as est
+
+
+def ref_group(rewards, g, eps=1e-6, unbiased=True, normalize_std=True):
+    out = []
+    for s in range(0, len(rewards), g):
+        grp = [float(r) for r in rewards[s : s + g]]
+        if max(grp) == min(grp):
+            out += [0.0] * g
+            continue
+        mu = statistics.fmean(grp)
+        sd = statistics.stdev(grp) if unbiased else statistics.pstdev(grp)
+        out += [(r - mu) / (sd + eps) if normalize_std else r - mu for r in grp]
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("g", [2, 4, 8])
+@pytest.mark.parametrize("unbiased", [True, False])
+@pytest.mark.parametrize("normalize_std", [True, False])
+def test_group_advantages_match_reference(g, unbiased, normalize_std):
+    gen = torch.Generator().manual_seed(g)
+    r = (torch.rand(6 * g, generator=gen) > 0.5).float()
+    r[:g] = 1.0  # a degenerate group
+    r[g : 2 * g] = torch.rand(g, generator=gen)  # a continuous-reward group
+    got = est.group_advantages(r, g, unbiased=unbiased, normalize_std=normalize_std)
+    torch.testing.assert_close(got.double(), ref_group(r, g, unbiased=unbiased, normalize_std=normalize_std), rtol=1e-6, atol=1e-6)
+
+
+def test_group_advantages_hand_worked():
+    # Group [1, 0, 0, 0]: mean 0.25, unbiased std sqrt(0.25) = 0.5 -> [1.5, -0.5, -0.5, -0.5].
+    got = est.group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), 4, eps=0.0)
+    torch.testing.assert_close(got, torch.tensor([1.5, -0.5, -0.5, -0.5]))
+
+
+def test_degenerate_groups_are_exactly_zero():
+    r = torch.tensor([0.1] * 8 + [0.7] * 8)  # 0.1 is not exact in binary: mean != 0.1 in fp32
+    assert torch.equal(est.group_advantages(r, 8), torch.zeros(16))
+
+
+@pytest.mark.parametrize(
+    "rewards,g,match",
+    [
+        (torch.zeros(8), 1, "group_size must be an int >= 2"),
+        (torch.zeros(9), 4, "rewards has 9 entries, not a multiple of group_size=4"),
+        (torch.zeros(8, 1), 4, r"rewards must be \[N\], got \[8, 1\]"),
+        (torch.tensor([0.0, float("nan")]), 2, "rewards holds 1 NaN/inf"),
+    ],
+)
+def test_group_advantages_errors(rewards, g, match):
+    with pytest.raises(ValueError, match=match):
+        est.group_advantages(rewards, g)
+
+
+# ---------------------------------------------------------------------------- SPO
+
+
+def test_prior_from_offline_pass_rates_matches_reference_code():
+    # verl recipe/spo: N0 = 1/(1-0.875) = 8; alpha0 = N0 (k + 0.5)/(n + 1) with k of n = 8.
+    t = est.SingleStreamEstimator({"a": 0.25, "b": 1.0})
+    st = t.state_dict()
+    assert st["alpha"]["a"] == pytest.approx(8 * (2 + 0.5) / 9)
+    assert st["beta"]["a"] == pytest.approx(8 * (6 + 0.5) / 9)
+    assert t.values(["a", "b", "unseen"]).tolist() == pytest.approx([2.5 / 9, 8.5 / 9, 0.5])
+
+
+def test_advantages_use_pre_update_values_and_batch_normalisation():
+    t = est.SingleStreamEstimator({0: 0.5, 1: 0.25, 2: 0.75})
+    ids, r = [0, 1, 2, 2], torch.tensor([1.0, 0.0, 1.0, 0.0])
+    p = t.values(ids).double()
+    raw = r.double() - p
+    expected = (raw - raw.mean()) / (raw.std() + 1e-8)
+    got = t.advantages(ids, r)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-6)
+    assert abs(float(got.mean())) < 1e-6
+    t_raw = est.SingleStreamEstimator({0: 0.5, 1: 0.25, 2: 0.75}, normalize=False)
+    torch.testing.assert_close(t_raw.advantages(ids, r).double(), raw, rtol=1e-6, atol=1e-7)
+
+
+def test_update_with_kl_adaptive_forgetting():
+    t = est.SingleStreamEstimator()
+    t.update(["x"], [1.0], kl=[0.0])  # rho = clip(2^0 = 1) = 0.96
+    assert t.state_dict()["alpha"]["x"] == pytest.approx(0.96 * 0.5 + 1)
+    assert t.state_dict()["beta"]["x"] == pytest.approx(0.96 * 0.5)
+    a, b = t.state_dict()["alpha"]["x"], t.state_dict()["beta"]["x"]
+    t.update(["x"], [0.0], kl=[0.03])  # rho = 2^(-0.5) = 0.7071 -> clipped to 0.875
+    assert t.state_dict()["alpha"]["x"] == pytest.approx(0.875 * a)
+    assert t.state_dict()["beta"]["x"] == pytest.approx(0.875 * b + 1)
+    rho = t.forgetting(torch.tensor([0.0, 0.003, 0.06, 10.0]))
+    expected = [min(max(2 ** (-d / 0.06), 0.875), 0.96) for d in (0.0, 0.003, 0.06, 10.0)]
+    assert rho.tolist() == pytest.approx(expected)
+
+
+def test_update_constant_rho_and_repeats_in_order():
+    t = est.SingleStreamEstimator(rho=0.9)
+    t.update([7, 7], [1.0, 0.0])
+    a = 0.9 * (0.9 * 0.5 + 1) + 0
+    b = 0.9 * (0.9 * 0.5) + 1
+    assert t.state_dict()["alpha"][7] == pytest.approx(a)
+    assert t.state_dict()["beta"][7] == pytest.approx(b)
+
+
+def test_sampling_weights():
+    t = est.SingleStreamEstimator({"easy": 1.0, "mid": 0.5})
+    w = t.sampling_weights(["easy", "mid"])
+    p = 8.5 / 9
+    assert w.tolist() == pytest.approx([math.sqrt(p * (1 - p)) + 0.05, math.sqrt(0.5 * 0.5) + 0.05])
+
+
+def test_state_dict_round_trip_resumes_exactly():
+    t = est.SingleStreamEstimator({"a": 0.5}, rho_min=0.8)
+    t.update(["a", "b"], [1.0, 0.0], kl=[0.01, 0.2])
+    u = est.SingleStreamEstimator()
+    u.load_state_dict(t.state_dict())
+    for tracker in (t, u):
+        tracker.update(["a", "c"], [0.0, 1.0], kl=[0.05, 0.0])
+    assert u.state_dict() == t.state_dict()
+    assert u.rho_min == 0.8
+
+
+def test_tensor_prompt_ids():
+    t = est.SingleStreamEstimator()
+    t.update(torch.tensor([3, 4]), torch.tensor([1.0, 0.0]))
+    assert t.known([3, 4, 5]) == [True, True, False]
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda t: t.advantages([1, 2], torch.tensor([1.0])), r"rewards must be \[N\]=\[2\]"),
+        (lambda t: t.update([1], [1.5]), r"rewards must lie in \[0, 1\]"),
+        (lambda t: t.update([1], [1.0], kl=[-0.1]), "kl must be finite and >= 0"),
+        (lambda t: t.update([1, 2], [1.0, 0.0], kl=[0.1]), r"kl must be \[N\]=\[2\]"),
+        (lambda t: t.set_prior({"q": 2.0}), r"prior pass rate of prompt 'q' must be in \[0, 1\]"),
+    ],
+)
+def test_spo_errors(call, match):
+    with pytest.raises(ValueError, match=match):
+        call(est.SingleStreamEstimator())
+
+
+def test_spo_bad_config():
+    with pytest.raises(ValueError, match="rho_min"):
+        est.SingleStreamEstimator(rho_min=0.97, rho_max=0.96)

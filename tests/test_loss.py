@@ -1,0 +1,116 @@
+"""pepo.loss against a loop reference of Eq. (2)/(8)."""
+
+import pytest
+import torch
+
+from pepo.loss import clipped_policy_loss, policy_loss_metrics
+
+
+def ref_loss(lp, old, adv, mask, eps_low, eps_high, n=None):
+    total, count = 0.0, 0
+    for i in range(lp.shape[0]):
+        for t in range(lp.shape[1]):
+            if not mask[i, t]:
+                continue
+            ratio = torch.exp(lp[i, t].double() - old[i, t].double()).item()
+            a = float(adv[i, t])
+            clipped = min(max(ratio, 1 - eps_low), 1 + eps_high)
+            total += -min(ratio * a, clipped * a)
+            count += 1
+    return total / (n if n is not None else count)
+
+
+def batch(seed=0, b=4, t=9):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(b, t, generator=g) * 3
+    lp = old + torch.randn(b, t, generator=g) * 0.4  # ratios both inside and outside the clip
+    adv = torch.randn(b, t, generator=g)
+    mask = torch.rand(b, t, generator=g) > 0.3
+    return lp, old, adv, mask
+
+
+@pytest.mark.parametrize("eps_low,eps_high", [(0.2, 0.28), (0.1, 0.1), (0.0, 0.5)])
+def test_loss_matches_reference(eps_low, eps_high):
+    lp, old, adv, mask = batch()
+    got = clipped_policy_loss(lp, old, adv, mask, eps_low, eps_high)
+    assert got.dtype == torch.float32 and got.dim() == 0
+    assert got.item() == pytest.approx(ref_loss(lp, old, adv, mask, eps_low, eps_high), rel=1e-5, abs=1e-7)
+
+
+def test_hand_worked():
+    # ratio e^0.5 = 1.6487 > 1.28, A = 1: min(1.6487, 1.28) = 1.28 -> loss -1.28
+    # ratio 1, A = -2: -(-2) = 2.  Mean over 2 tokens: (-1.28 + 2) / 2 = 0.36
+    lp = torch.tensor([[0.5, 0.0]])
+    old = torch.zeros(1, 2)
+    adv = torch.tensor([[1.0, -2.0]])
+    got = clipped_policy_loss(lp, old, adv, torch.ones(1, 2, dtype=torch.bool))
+    assert got.item() == pytest.approx(0.36, rel=1e-6)
+
+
+def test_micro_batches_sum_to_full_batch_loss_and_gradient():
+    lp, old, adv, mask = batch(seed=1, b=8, t=12)
+    lp = lp.clone().requires_grad_(True)
+    full = clipped_policy_loss(lp, old, adv, mask)
+    (g_full,) = torch.autograd.grad(full, lp)
+    n = mask.sum()
+    parts = [clipped_policy_loss(lp[s : s + 2], old[s : s + 2], adv[s : s + 2], mask[s : s + 2], num_tokens=n) for s in range(0, 8, 2)]
+    total = sum(parts)
+    (g_acc,) = torch.autograd.grad(total, lp)
+    torch.testing.assert_close(total, full, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(g_acc, g_full, rtol=1e-6, atol=1e-8)
+    # Normalising each micro-batch by its own count would not match (the trap this avoids).
+    own = sum(clipped_policy_loss(lp[s : s + 2], old[s : s + 2], adv[s : s + 2], mask[s : s + 2]) for s in range(0, 8, 2)) / 4
+    assert abs(own.item() - full.item()) > 1e-4
+
+
+def test_padding_never_leaks_into_loss_or_gradient():
+    lp, old, adv, mask = batch(seed=2)
+    lp = torch.where(mask, lp, float("nan")).requires_grad_(True)
+    old = torch.where(mask, old, float("inf"))
+    adv = torch.where(mask, adv, float("nan"))
+    loss = clipped_policy_loss(lp, old, adv, mask)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert torch.isfinite(lp.grad).all()
+    assert lp.grad[~mask].eq(0).all()
+
+
+def test_all_masked_gives_zero_loss_and_no_update():
+    lp, old, adv, mask = batch(seed=3)
+    lp = lp.requires_grad_(True)
+    loss = clipped_policy_loss(lp, old, adv, torch.zeros_like(mask))
+    loss.backward()
+    assert loss.item() == 0.0 and lp.grad.eq(0).all()
+
+
+def test_errors():
+    lp, old, adv, mask = batch()
+    with pytest.raises(ValueError, match="advantages require grad"):
+        clipped_policy_loss(lp, old, adv.requires_grad_(True), mask)
+    with pytest.raises(ValueError, match=r"advantages must be \[B, T\]=\[4, 9\] like logprobs, got \[4\]; expand"):
+        clipped_policy_loss(lp, old, adv[:, 0].detach(), mask)
+    with pytest.raises(ValueError, match="mask must have dtype torch.bool"):
+        clipped_policy_loss(lp, old, adv.detach(), mask.long())
+    with pytest.raises(ValueError, match="eps_low must be < 1"):
+        clipped_policy_loss(lp, old, adv.detach(), mask, eps_low=1.0)
+    with pytest.raises(ValueError, match="num_tokens must be an int >= 1"):
+        clipped_policy_loss(lp, old, adv.detach(), mask, num_tokens=0)
+
+
+def test_metrics():
+    lp = torch.tensor([[0.5, 0.0, -0.5, 0.1]])
+    old = torch.zeros(1, 4)
+    adv = torch.tensor([[1.0, 0.0, -1.0, 2.0]])
+    mask = torch.tensor([[True, True, True, False]])
+    m = policy_loss_metrics(lp, old, adv, mask)
+    r = torch.exp(torch.tensor([0.5, 0.0, -0.5]))
+    # token 0: ratio 1.65 > 1.28 with A > 0 -> clipped (high); token 2: ratio 0.61 < 0.8, A < 0 -> clipped (low)
+    assert m["clip_fraction"].item() == pytest.approx(2 / 3)
+    assert m["clip_fraction_high"].item() == pytest.approx(1 / 3)
+    assert m["clip_fraction_low"].item() == pytest.approx(1 / 3)
+    assert m["ratio_mean"].item() == pytest.approx(r.mean().item(), rel=1e-6)
+    assert m["ratio_min"].item() == pytest.approx(r.min().item(), rel=1e-6)
+    assert m["ratio_max"].item() == pytest.approx(r.max().item(), rel=1e-6)
+    assert m["approx_kl"].item() == pytest.approx((r - 1 - r.log()).mean().item(), rel=1e-5)
+    assert m["weighted_fraction"].item() == pytest.approx(2 / 3)
+    assert int(m["num_tokens"]) == 3
