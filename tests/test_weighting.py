@@ -352,3 +352,12 @@ def test_check_finite_false_skips_the_check():
 def test_strategy_repr_shows_parameters():
     s = pw.get_strategy("proximal_softmax", window=51)
     assert repr(s) == "Strategy('proximal_softmax', window=51, temperature=1.0, apply_to='positive')"
+
+
+@pytest.mark.parametrize("name", pw.list_strategies())
+@pytest.mark.parametrize("shape", [(2, 0), (0, 5), (3, 4)])
+def test_empty_batches_and_fully_masked_rows(name, shape):
+    ent = torch.rand(shape)
+    mask = torch.zeros(shape, dtype=torch.bool)
+    out = pw.get_strategy(name)(torch.ones(shape[0]), ent, mask)
+    assert out.shape == shape and out.eq(0).all()

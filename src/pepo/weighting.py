@@ -74,7 +74,9 @@ def _reflect_index(j: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
     Matches ``numpy.pad(mode="reflect")``, which for pads longer than the row reflects again:
     the padded row is periodic with period ``2 (L - 1)``; a row of length 1 repeats itself.
+    Empty rows (``L = 0``) map everything to 0, a harmless in-bounds index.
     """
+    lengths = lengths.clamp_min(1)
     period = (2 * (lengths - 1)).clamp_min(1)
     j = torch.remainder(j, period)
     return torch.where(j > lengths - 1, period - j, j)
@@ -217,6 +219,8 @@ def _prepare(
 def _proximal(
     entropies: torch.Tensor, mask: torch.Tensor, window: int, temperature: float, check_finite: bool
 ) -> torch.Tensor:
+    if mask.numel() == 0:
+        return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
     rows, exact_log = _prepare(entropies, mask, temperature, check_finite, need_range=True)
     return rows.expand(_proximal_compact(rows, window, temperature, exact_log), mask)
 
@@ -257,6 +261,8 @@ def proximal_entropy(
 
 
 def _window_mean(entropies: torch.Tensor, mask: torch.Tensor, window: int) -> torch.Tensor:
+    if mask.numel() == 0:
+        return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
     rows, _ = _prepare(entropies, mask, 1.0, check_finite=False, need_range=False)
     half = window // 2
     t = rows.x.shape[1]

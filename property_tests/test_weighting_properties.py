@@ -1,0 +1,138 @@
+"""Properties of the weighting strategies (Prop. 1 and the invariances of DESIGN.md)."""
+
+import math
+
+import torch
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+import pepo.weighting as pw
+
+WINDOWED = ["proximal_softmax", "window_average"]
+
+
+@st.composite
+def batches(draw, max_b=4, max_t=40, min_valid=0):
+    b = draw(st.integers(1, max_b))
+    t = draw(st.integers(1, max_t))
+    mask_bits = draw(st.lists(st.booleans(), min_size=b * t, max_size=b * t))
+    mask = torch.tensor(mask_bits, dtype=torch.bool).view(b, t)
+    assume(int(mask.sum()) >= min_valid)
+    ent = draw(st.lists(st.floats(0.0, 8.0, width=32), min_size=b * t, max_size=b * t))
+    adv = draw(st.lists(st.floats(-3.0, 3.0, width=32), min_size=b, max_size=b))
+    return torch.tensor(adv), torch.tensor(ent).view(b, t), mask
+
+
+windows = st.integers(0, 20).map(lambda k: 2 * k + 1)
+temperatures = st.sampled_from([0.25, 0.5, 1.0, 2.0])
+
+
+@given(batches(), windows, temperatures, st.data())
+def test_shift_invariance_prop1_i(batch, window, tau, data):
+    """Adding any per-row constant to H leaves e and c unchanged."""
+    adv, ent, mask = batch
+    delta = torch.tensor(data.draw(st.lists(st.floats(-20, 20, width=32), min_size=len(adv), max_size=len(adv))))
+    shifted = ent + delta[:, None]
+    e0 = pw.proximal_entropy(ent, mask, window, tau)
+    e1 = pw.proximal_entropy(shifted, mask, window, tau)
+    # fp32 rounding of H + δ perturbs each H by <= ulp(28) ~ 2e-6, i.e. e by ~4e-6/τ relative.
+    torch.testing.assert_close(e1, e0, rtol=4e-5 / tau, atol=1e-9)
+    s = pw.get_strategy("proximal_softmax", window=window, temperature=tau, apply_to="all")
+    torch.testing.assert_close(s(adv, shifted, mask), s(adv, ent, mask), rtol=4e-5 / tau, atol=1e-5)
+
+
+@given(batches(), windows, st.floats(-0.05, 0.05))
+def test_trend_invariance_prop1_ii(batch, window, slope):
+    """Adding a linear trend s·t to H changes log e by at most |s|·(W // 2).
+
+    Every term of the window sum is multiplied by exp(s (k - t)) with |k - t| <= W // 2 (also
+    for reflected positions), so this is an exact bound, not only first order.
+    """
+    _, ent, mask = batch
+    pos = (mask.long().cumsum(1) - 1).clamp_min(0).float()  # position among valid tokens
+    e0 = pw.proximal_entropy(ent, mask, window)
+    e1 = pw.proximal_entropy(ent + slope * pos, mask, window)
+    ratio = torch.where(mask, (e1 / torch.where(mask, e0, 1.0)).log().abs(), 0.0)
+    assert float(ratio.max()) <= abs(slope) * (window // 2) + 1e-4
+
+
+@given(batches(), windows, temperatures, st.sampled_from(["positive", "all"]))
+def test_weight_sum_preservation(batch, window, tau, apply_to):
+    """Σ_t Â_{i,t} = T_i A_i for proximal_softmax and window_average."""
+    adv, ent, mask = batch
+    for name, params in (("proximal_softmax", {"temperature": tau}), ("window_average", {})):
+        out = pw.get_strategy(name, window=window, apply_to=apply_to, **params)(adv, ent, mask)
+        expected = adv * mask.sum(1)
+        torch.testing.assert_close(out.sum(1), expected, rtol=2e-5, atol=2e-5 * float(mask.sum(1).max().clamp_min(1)))
+
+
+strategy_specs = st.sampled_from(
+    [
+        ("uniform", {}),
+        ("entropy_bonus", {}),
+        ("proximal_softmax", {"window": 5}),
+        ("proximal_softmax", {"window": 101, "apply_to": "all"}),
+        ("window_average", {"window": 7}),
+        ("global_topk", {"fraction": 0.2}),
+        ("global_topk", {"fraction": 0.3, "score": "proximal", "window": 9}),
+    ]
+)
+
+
+@given(batches(), strategy_specs, st.data())
+def test_padding_contents_never_matter(batch, spec, data):
+    adv, ent, mask = batch
+    junk = data.draw(st.sampled_from([float("nan"), float("inf"), -float("inf"), 1e30, -7.0]))
+    s = pw.get_strategy(spec[0], **spec[1])
+    dirty = torch.where(mask, ent, torch.tensor(junk))
+    assert torch.equal(s(adv, dirty, mask), s(adv, ent, mask))
+
+
+@given(batches(max_t=30), strategy_specs, st.integers(0, 10))
+def test_masked_equals_sliced(batch, spec, extra):
+    """Each row of a padded batch equals the same row alone and unpadded (compacted).
+
+    Global top-k is excluded per row (its threshold is over the batch), so it is checked on a
+    one-row batch, where the two must also agree.
+    """
+    adv, ent, mask = batch
+    s = pw.get_strategy(*spec[:1], **spec[1])
+    if spec[0] == "global_topk":
+        adv, ent, mask = adv[:1], ent[:1], mask[:1]
+    padded_out = s(adv, torch.nn.functional.pad(ent, (0, extra), value=float("nan")), torch.nn.functional.pad(mask, (0, extra)))
+    for i in range(len(adv)):
+        row = ent[i][mask[i]][None]
+        alone = s(adv[i : i + 1], row, torch.ones_like(row, dtype=torch.bool))
+        torch.testing.assert_close(padded_out[i][torch.nn.functional.pad(mask, (0, extra))[i]], alone[0], rtol=1e-6, atol=1e-6)
+
+
+@given(batches(), strategy_specs, st.randoms(use_true_random=False))
+def test_row_permutation_equivariance(batch, spec, rnd):
+    adv, ent, mask = batch
+    perm = list(range(len(adv)))
+    rnd.shuffle(perm)
+    perm = torch.tensor(perm)
+    s = pw.get_strategy(spec[0], **spec[1])
+    torch.testing.assert_close(s(adv[perm], ent[perm], mask[perm]), s(adv, ent, mask)[perm], rtol=1e-6, atol=1e-6)
+
+
+@given(batches(min_valid=1), st.floats(0.01, 1.0), st.floats(0.01, 1.0), st.sampled_from(["entropy", "proximal"]))
+def test_topk_monotone_in_fraction(batch, f1, f2, score):
+    adv, ent, mask = batch
+    lo, hi = sorted((f1, f2))
+    ones = torch.ones_like(adv)
+    sel_lo = pw.get_strategy("global_topk", fraction=lo, score=score, window=5)(ones, ent, mask) != 0
+    sel_hi = pw.get_strategy("global_topk", fraction=hi, score=score, window=5)(ones, ent, mask) != 0
+    assert not (sel_lo & ~sel_hi).any()
+    n = int(mask.sum())
+    assert int(sel_lo.sum()) >= n - math.ceil((1 - lo) * (n - 1))  # at least k (ties add more)
+
+
+@given(batches(), windows, temperatures)
+def test_proximal_entropy_bounds(batch, window, tau):
+    """0 < e <= 1, and e = 1/W exactly when the window is constant."""
+    _, ent, mask = batch
+    e = pw.proximal_entropy(ent, mask, window, tau)
+    assert (e[mask] > 0).all() and (e[mask] <= 1 + 1e-6).all()
+    const = pw.proximal_entropy(torch.full_like(ent, 0.3), mask, window, tau)
+    torch.testing.assert_close(const[mask], torch.full_like(const[mask], 1 / window), rtol=1e-5, atol=0)
