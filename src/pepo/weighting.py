@@ -83,27 +83,26 @@ def _reflect_index(j: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
 
 class _Rows:
-    """A batch with each row's valid values moved to the front (``compact``).
+    """A batch with each row's valid values moved to the front.
 
     Attributes:
-        x: ``[B, T]`` fp32, row ``i`` holds its ``L_i`` valid values in order, then 0.
+        x: ``[B, T]`` fp32; row ``i`` holds its ``L_i`` valid values in order, then values no
+            valid token's window reaches.
         lengths: ``[B]`` int64, ``L_i``.
         pos: ``[B, T]`` int64, for each original position the index of its value in ``x``;
-            ``None`` when every mask is already a prefix (then ``x`` is aligned as given).
+            ``None`` when every mask is already a prefix (``x`` is then the input as given).
     """
 
-    def __init__(self, values: torch.Tensor, mask: torch.Tensor, is_prefix: bool):
+    def __init__(self, clean: torch.Tensor, mask: torch.Tensor, is_prefix: bool):
         self.lengths = mask.sum(dim=1)  # [B]
-        values = torch.where(mask, values.float(), 0.0)  # [B, T]
         if is_prefix:
-            self.x = values
+            self.x = clean
             self.pos = None
         else:
             b, t = mask.shape
             pos = mask.long().cumsum(dim=1) - 1  # [B, T]
-            sink = torch.full_like(pos, t)
-            buf = values.new_zeros(b, t + 1)
-            buf.scatter_(1, torch.where(mask, pos, sink), values)
+            buf = clean.new_zeros(b, t + 1)  # column t is a sink for masked positions
+            buf.scatter_(1, torch.where(mask, pos, t), clean)
             self.x = buf[:, :t]
             self.pos = pos.clamp_min(0)
 
@@ -112,117 +111,128 @@ class _Rows:
         out = compact if self.pos is None else compact.gather(1, self.pos)
         return torch.where(mask, out, 0.0)
 
-    def valid(self) -> torch.Tensor:
-        t = self.x.shape[1]
-        return torch.arange(t, device=self.x.device) < self.lengths[:, None]  # [B, T]
+
+def _clean(entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """fp32 copy with 0 at masked positions: padding contents (NaN included) go no further."""
+    return torch.where(mask, entropies.float(), 0.0)
 
 
-def _is_prefix_mask(mask: torch.Tensor) -> torch.Tensor:
-    """0-dim bool tensor: every row's valid tokens form a prefix (right padding only)."""
-    lengths = mask.sum(dim=1, keepdim=True)
-    return (mask == (torch.arange(mask.shape[1], device=mask.device) < lengths)).all()
+def _analyse(
+    clean: torch.Tensor, mask: torch.Tensor, temperature: Optional[float]
+) -> tuple[bool, bool, Optional[torch.Tensor]]:
+    """One host sync: is every mask a prefix, does some row exceed the safe exp range, and
+    each row's maximum of ``H/τ`` (``[B]``, the exp shift).
 
-
-def _reflect_pad(x: torch.Tensor, lengths: torch.Tensor, half: int) -> torch.Tensor:
-    """``[B, T]`` compact rows -> ``[B, T + 2 half]`` with each row reflect-padded at its ends.
-
-    Padded position ``p`` holds row value ``reflect(p - half, L_i)`` for ``p < L_i + 2 half``;
-    later positions are unspecified (no window of a valid token reaches them).
+    The range is taken over whole rows, padding zeros included: an over-estimate, so the exact
+    log path is taken whenever the shifted exp could underflow (and a little more often).
     """
-    if half == 0:
-        return x
-    device = x.device
-    padded = F.pad(x, (half, half))  # [B, T + 2h]
-    offs = torch.arange(half, device=device)  # [h]
-    left_src = _reflect_index(offs[None, :] - half, lengths[:, None])  # [B, h]
-    padded[:, :half] = x.gather(1, left_src)
-    right_j = lengths[:, None] + offs[None, :]  # [B, h], positions L..L+h-1 in row coordinates
-    right_src = _reflect_index(right_j, lengths[:, None])
-    padded.scatter_(1, right_j + half, x.gather(1, right_src))
-    return padded
+    flags = [(mask[:, 1:] > mask[:, :-1]).any()]  # a valid token after a masked one
+    hi = None
+    if temperature is not None:
+        lo, hi = torch.aminmax(clean, dim=1)
+        flags.append(((hi - lo) > _EXP_SAFE_RANGE * temperature).any())
+        hi = hi / temperature
+    values = torch.stack(flags).tolist()
+    return not values[0], (bool(values[1]) if temperature is not None else False), hi
 
 
-def _window_sum(padded: torch.Tensor, window: int, t: int) -> torch.Tensor:
-    """``S[:, s] = padded[:, s : s + window].sum(-1)`` for ``s < t``, in O(B·T) (two-block scan)."""
-    b, lp = padded.shape
-    nb = -(-lp // window)
-    if nb * window != lp:
-        padded = F.pad(padded, (0, nb * window - lp))
-    blocks = padded.view(b, nb, window)
-    prefix = blocks.cumsum(-1).view(b, -1)  # [B, nb*W]
-    suffix = blocks.flip(-1).cumsum(-1).flip(-1).view(b, -1)  # [B, nb*W]
-    head = suffix[:, :t]
-    # A window starting on a block boundary is that block alone; otherwise it ends in the next
-    # block, whose prefix up to the window's end completes it.
-    starts_block = (torch.arange(t, device=padded.device) % window) == 0  # [T]
-    return torch.where(starts_block, head, head + prefix[:, window - 1 : window - 1 + t])
+def _padded_buffer(x: torch.Tensor, lengths: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+    """``[B, T]`` compact rows (times ``scale``) -> ``[B, nb * W]`` reflect-padded at their ends.
+
+    Position ``p`` holds ``scale * x[reflect(p - half, L_i)]`` for ``p < L_i + 2 half``; later
+    positions hold values no valid token's window reaches. The width is rounded up to a
+    multiple of ``W`` for the block scan.
+    """
+    b, t = x.shape
+    half = window // 2
+    nb = -(-(t + 2 * half) // window)
+    buf = x.new_zeros(b, nb * window)
+    mid = buf[:, half : half + t]
+    if scale != 1.0:
+        torch.mul(x, scale, out=mid)
+    else:
+        mid.copy_(x)
+    if half:
+        offs = torch.arange(half, device=x.device)  # [h]
+        lengths = lengths[:, None]
+        left = _reflect_index(offs[None, :] - half, lengths)  # [B, h]
+        buf[:, :half] = mid.gather(1, left)
+        right_j = lengths + offs[None, :]  # [B, h]: row positions L .. L + h - 1
+        buf.scatter_(1, right_j + half, mid.gather(1, _reflect_index(right_j, lengths)))
+    return buf
 
 
-def _window_logsumexp(padded: torch.Tensor, window: int, t: int) -> torch.Tensor:
-    """Log-domain twin of :func:`_window_sum`: ``logsumexp(padded[:, s : s + window])``."""
-    b, lp = padded.shape
-    nb = -(-lp // window)
-    if nb * window != lp:
-        padded = F.pad(padded, (0, nb * window - lp), value=-math.inf)
-    blocks = padded.view(b, nb, window)
-    prefix = torch.logcumsumexp(blocks, -1).view(b, -1)
-    suffix = torch.logcumsumexp(blocks.flip(-1), -1).flip(-1).view(b, -1)
-    head = suffix[:, :t]
-    starts_block = (torch.arange(t, device=padded.device) % window) == 0
-    return torch.where(
-        starts_block, head, torch.logaddexp(head, prefix[:, window - 1 : window - 1 + t])
-    )
+def _block_scans(buf: torch.Tensor, window: int, scan: Callable[[torch.Tensor], torch.Tensor]):
+    b = buf.shape[0]
+    blocks = buf.view(b, -1, window)  # [B, nb, W]
+    prefix = scan(blocks)
+    suffix = scan(blocks.flip(-1)).flip(-1)
+    return prefix, suffix
 
 
-def _proximal_compact(rows: _Rows, window: int, temperature: float, exact_log: bool) -> torch.Tensor:
-    """Eq. (6) on compact rows: ``e_t = exp(H_t/τ) / Σ_{k∈W(t)} exp(H_k/τ)``. ``[B, T]``."""
+def _window_sum(buf: torch.Tensor, window: int, t: int) -> torch.Tensor:
+    """``S[:, s] = buf[:, s : s + W].sum(-1)`` for ``s < t``, in O(B·T) (two-block scan).
+
+    ``buf``'s width must be a multiple of ``W`` and at least ``t + W - 1``.
+    """
+    b = buf.shape[0]
+    prefix, suffix = _block_scans(buf, window, lambda z: z.cumsum(-1))
+    # A window starting on a block boundary is that block alone; any other window ends inside
+    # the next block, whose prefix completes it. Zeroing each block's full-block prefix (the
+    # one a boundary-aligned window would add twice) makes one addition serve both cases.
+    prefix[..., window - 1] = 0.0
+    prefix, suffix = prefix.view(b, -1), suffix.view(b, -1)
+    return suffix[:, :t] + prefix[:, window - 1 : window - 1 + t]
+
+
+def _window_logsumexp(buf: torch.Tensor, window: int, t: int) -> torch.Tensor:
+    """Log-domain twin of :func:`_window_sum`: ``logsumexp(buf[:, s : s + W])``."""
+    b = buf.shape[0]
+    prefix, suffix = _block_scans(buf, window, lambda z: torch.logcumsumexp(z, -1))
+    prefix[..., window - 1] = -math.inf
+    prefix, suffix = prefix.view(b, -1), suffix.view(b, -1)
+    return torch.logaddexp(suffix[:, :t], prefix[:, window - 1 : window - 1 + t])
+
+
+def _proximal_compact(
+    rows: _Rows, window: int, temperature: float, exact_log: bool, shift: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Eq. (6) on compact rows: ``e_t = exp(H_t/τ) / Σ_{k∈W(t)} exp(H_k/τ)``. ``[B, T]``.
+
+    ``shift`` (``[B]``, at least each row's largest ``H/τ``) keeps ``exp`` from overflowing; the
+    softmax is invariant to it. The exact path works in log space and needs none.
+    """
     half = window // 2
     t = rows.x.shape[1]
-    x = rows.x / temperature if temperature != 1.0 else rows.x  # [B, T]
-    padded = _reflect_pad(x, rows.lengths, half)  # [B, T + 2h]
+    buf = _padded_buffer(rows.x, rows.lengths, window, 1.0 / temperature)  # [B, nb*W]
     if exact_log:
-        lse = _window_logsumexp(padded, window, t)  # [B, T]
-        return torch.exp(x - lse)
-    valid = rows.valid()
-    row_max = torch.where(valid, x, -math.inf).amax(dim=1, keepdim=True)  # [B, 1]
-    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)  # empty rows
-    ex = torch.exp(padded - row_max)  # [B, T + 2h]
-    return ex[:, half : half + t] / _window_sum(ex, window, t)
+        x = buf[:, half : half + t]
+        return torch.exp(x - _window_logsumexp(buf, window, t))
+    if shift is None:
+        shift = rows.x.amax(dim=1) / temperature
+    buf.sub_(shift[:, None]).exp_()
+    return buf[:, half : half + t] / _window_sum(buf, window, t)
 
 
-def _prepare(
-    entropies: torch.Tensor,
-    mask: torch.Tensor,
-    temperature: float,
-    check_finite: bool,
-    need_range: bool,
-) -> tuple[_Rows, bool]:
-    """One host sync: non-finite check, prefix-mask test and the fp32 exp range test."""
-    flags = [_is_prefix_mask(mask)]
-    ent = entropies.float()
-    if check_finite:
-        flags.append((~torch.isfinite(ent) & mask).sum())
-    if need_range:
-        safe = torch.where(mask, ent, 0.0)
-        hi = torch.where(mask, safe, -math.inf).amax(dim=1)
-        lo = torch.where(mask, safe, math.inf).amin(dim=1)
-        spread = torch.where(mask.any(dim=1), hi - lo, 0.0) / temperature
-        # NaN spread (non-finite input with check_finite=False) counts as unsafe.
-        flags.append(~(spread <= _EXP_SAFE_RANGE).all())
-    values = torch.stack([f.to(torch.int64) for f in flags]).tolist()
-    if check_finite and values[1] > 0:
-        raise ValueError(_checks.nonfinite_message("entropies", values[1]))
-    rows = _Rows(ent, mask, is_prefix=bool(values[0]))
-    return rows, bool(values[-1]) if need_range else False
-
-
-def _proximal(
-    entropies: torch.Tensor, mask: torch.Tensor, window: int, temperature: float, check_finite: bool
-) -> torch.Tensor:
+def _proximal(clean: torch.Tensor, mask: torch.Tensor, window: int, temperature: float) -> torch.Tensor:
+    """Proximal entropy of cleaned (fp32, 0 where masked) entropies. ``[B, T]``, 0 where masked."""
     if mask.numel() == 0:
         return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-    rows, exact_log = _prepare(entropies, mask, temperature, check_finite, need_range=True)
-    return rows.expand(_proximal_compact(rows, window, temperature, exact_log), mask)
+    is_prefix, exact_log, shift = _analyse(clean, mask, temperature)
+    rows = _Rows(clean, mask, is_prefix)
+    return rows.expand(_proximal_compact(rows, window, temperature, exact_log, shift), mask)
+
+
+def _check_finite_clean(**tensors: torch.Tensor) -> None:
+    """Raises if a tensor (already 0 at masked positions) holds NaN/inf. One host sync: a sum
+    per tensor is cheaper than an isfinite pass; the count is taken only on failure."""
+    sums = torch.stack([t.sum() for t in tensors.values()])
+    if bool(torch.isfinite(sums).all()):
+        return
+    for name, t in tensors.items():
+        bad = int((~torch.isfinite(t)).sum())
+        if bad:
+            raise ValueError(_checks.nonfinite_message(name, bad))
 
 
 def proximal_entropy(
@@ -257,17 +267,19 @@ def proximal_entropy(
     window = _checks.check_window(window)
     temperature = _checks.check_positive("temperature", temperature)
     with torch.no_grad():
-        return _proximal(entropies.detach(), mask, window, temperature, check_finite)
+        clean = _clean(entropies.detach(), mask)
+        if check_finite:
+            _check_finite_clean(entropies=clean)
+        return _proximal(clean, mask, window, temperature)
 
 
-def _window_mean(entropies: torch.Tensor, mask: torch.Tensor, window: int) -> torch.Tensor:
+def _window_mean(clean: torch.Tensor, mask: torch.Tensor, window: int) -> torch.Tensor:
     if mask.numel() == 0:
         return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-    rows, _ = _prepare(entropies, mask, 1.0, check_finite=False, need_range=False)
-    half = window // 2
-    t = rows.x.shape[1]
-    padded = _reflect_pad(rows.x, rows.lengths, half)
-    return rows.expand(_window_sum(padded, window, t) / window, mask)
+    is_prefix, _, _ = _analyse(clean, mask, None)
+    rows = _Rows(clean, mask, is_prefix)
+    buf = _padded_buffer(rows.x, rows.lengths, window, 1.0)
+    return rows.expand(_window_sum(buf, window, rows.x.shape[1]) / window, mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -313,16 +325,9 @@ class Strategy:
         advantages, entropies, mask = _checks.check_batch(advantages, entropies, mask)
         with torch.no_grad():
             adv = advantages.detach().float()
-            ent = entropies.detach()
+            ent = _clean(entropies.detach(), mask)
             if check_finite:
-                bad = torch.stack(
-                    [(~torch.isfinite(adv)).sum(), (~torch.isfinite(ent) & mask).sum()]
-                ).tolist()
-                if bad[0]:
-                    raise ValueError(_checks.nonfinite_message("advantages", bad[0]))
-                if bad[1]:
-                    raise ValueError(_checks.nonfinite_message("entropies", bad[1]))
-            ent = torch.where(mask, ent.float(), 0.0)
+                _check_finite_clean(advantages=adv, entropies=ent)
             out = self._fn(adv, ent, mask)
             if not isinstance(out, torch.Tensor) or out.shape != mask.shape:
                 got = _checks._shape(out) if isinstance(out, torch.Tensor) else type(out).__name__
@@ -429,7 +434,7 @@ def proximal_softmax(
     apply_to = _checks.check_choice("apply_to", apply_to, ("positive", "all"))
 
     def fn(advantages: torch.Tensor, entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        e = _proximal(entropies, mask, window, temperature, check_finite=False)  # [B, T]
+        e = _proximal(entropies, mask, window, temperature)  # [B, T]
         c = _normalise_to_length(e, mask)  # [B, T]
         return _apply(advantages, c, apply_to)
 
@@ -507,7 +512,7 @@ def global_topk(
 
     def fn(advantages: torch.Tensor, entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if score == "proximal":
-            s = _proximal(entropies, mask, window, temperature, check_finite=False)
+            s = _proximal(entropies, mask, window, temperature)
         else:
             s = entropies
         selected, n_valid, n_selected = _select_top(s, mask, q, process_group)

@@ -1,0 +1,342 @@
+"""Speed and memory of pepo.weighting and pepo.entropy against their direct formulations.
+
+Every ratio is measured in one run: the two implementations are timed alternately on the same
+inputs, and the speed-up is the ratio of their medians. Peak memory is measured in a fresh
+subprocess per (implementation, workload): on CUDA ``torch.cuda.max_memory_allocated``, on CPU
+the growth of the process's peak RSS (``ru_maxrss``) over the inputs alone.
+
+    python benchmarks/bench_weighting.py                # everything, CPU
+    python benchmarks/bench_weighting.py --only weighting --repeats 5
+    python benchmarks/bench_weighting.py --device cuda  # on a GPU
+
+Direct formulations (the baselines):
+* windowed strategies: compact the valid tokens, reflect-pad by gathering, ``unfold`` into
+  ``[B, T, W]`` and ``logsumexp`` (or ``mean``) over the window;
+* ``global_topk``: ``torch.quantile`` of the valid scores, as TRL does (it refuses > 2^24);
+* ``entropy_bonus``, ``uniform``: the one-line formula (a floor: they have nothing to speed up);
+* ``logprobs_and_entropy``: ``log_softmax`` over the full ``[B, T, V]`` logits in fp32, with
+  the entropy from ``softmax * log_softmax``; the hidden-state variant's baseline also
+  materialises ``hidden @ weight.T``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable
+
+import torch
+
+import pepo.weighting as pw
+from pepo.entropy import logprobs_and_entropy, logprobs_and_entropy_from_hidden
+
+WINDOW = 101
+
+# ------------------------------------------------------------------------------ workloads
+
+
+def ragged_batch(b: int, t: int, device: str, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(t // 4, t + 1, (b,), generator=g)  # ragged: 25%..100% of T
+    mask = torch.arange(t)[None, :] < lengths[:, None]
+    ent = torch.rand(b, t, generator=g) * 2.0
+    adv = torch.randn(b, generator=g)
+    return adv.to(device), ent.to(device), mask.to(device)
+
+
+# ------------------------------------------------------------------------------ direct formulations
+
+
+def _direct_windows(ent: torch.Tensor, mask: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compact rows, reflect-pad by gather, unfold: ``[B, T, W]`` windows and compact values."""
+    b, t = mask.shape
+    half = window // 2
+    lengths = mask.sum(1, keepdim=True)
+    pos = mask.long().cumsum(1) - 1
+    compact = torch.zeros(b, t + 1, device=ent.device).scatter_(
+        1, torch.where(mask, pos, t), torch.where(mask, ent, 0.0)
+    )[:, :t]
+    j = torch.arange(-half, t + half, device=ent.device)[None, :]
+    period = (2 * (lengths - 1)).clamp_min(1)
+    j = torch.remainder(j, period)
+    idx = torch.where(j > lengths - 1, period - j, j)
+    padded = compact.gather(1, idx)  # [B, T + 2h]
+    return padded.unfold(1, window, 1), compact  # [B, T, W] view; the ops below materialise it
+
+
+def _expand(compact: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    pos = (mask.long().cumsum(1) - 1).clamp_min(0)
+    return torch.where(mask, compact.gather(1, pos), 0.0)
+
+
+def direct_proximal(ent, mask, window=WINDOW):
+    win, compact = _direct_windows(ent, mask, window)
+    return _expand(torch.exp(compact - torch.logsumexp(win, dim=-1)), mask)
+
+
+def direct_proximal_softmax(adv, ent, mask):
+    e = direct_proximal(ent, mask)
+    c = e / e.sum(1, keepdim=True) * mask.sum(1, keepdim=True)
+    return torch.where(mask, torch.where(adv[:, None] > 0, c * adv[:, None], adv[:, None]), 0.0)
+
+
+def direct_window_average(adv, ent, mask):
+    win, _ = _direct_windows(ent, mask, WINDOW)
+    m = _expand(win.mean(-1), mask)
+    c = m / (m.sum(1, keepdim=True) / mask.sum(1, keepdim=True))
+    return torch.where(mask, torch.where(adv[:, None] > 0, c * adv[:, None], adv[:, None]), 0.0)
+
+
+def _quantile_topk(adv, score, mask, fraction=0.2):
+    thr = torch.quantile(score[mask], 1 - fraction)
+    return torch.where(mask & (score >= thr), adv[:, None], 0.0)
+
+
+def direct_global_topk(adv, ent, mask):
+    return _quantile_topk(adv, ent, mask)
+
+
+def direct_global_topk_proximal(adv, ent, mask):
+    return _quantile_topk(adv, direct_proximal(ent, mask), mask)
+
+
+def direct_entropy_bonus(adv, ent, mask):
+    a = adv[:, None]
+    return torch.where(mask, a + torch.minimum(0.4 * ent, a.abs() / 2.0), 0.0)
+
+
+def direct_uniform(adv, ent, mask):
+    return torch.where(mask, adv[:, None], 0.0)
+
+
+STRATEGIES: dict[str, tuple[Callable, Callable]] = {
+    "uniform": (pw.get_strategy("uniform"), direct_uniform),
+    "entropy_bonus": (pw.get_strategy("entropy_bonus"), direct_entropy_bonus),
+    "global_topk": (pw.get_strategy("global_topk"), direct_global_topk),
+    "global_topk(proximal)": (pw.get_strategy("global_topk", score="proximal"), direct_global_topk_proximal),
+    "window_average": (pw.get_strategy("window_average", window=WINDOW), direct_window_average),
+    "proximal_softmax": (pw.get_strategy("proximal_softmax", window=WINDOW), direct_proximal_softmax),
+}
+
+
+def naive_logprobs_entropy(logits, targets):
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [B, T, V] fp32
+    ent = -(logp.exp() * logp).sum(-1)
+    return logp.gather(-1, targets[..., None]).squeeze(-1), ent.detach()
+
+
+def naive_from_hidden(hidden, weight, targets):
+    return naive_logprobs_entropy(hidden @ weight.t(), targets)
+
+
+# ------------------------------------------------------------------------------ measurement
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_pair(fa: Callable[[], object], fb: Callable[[], object], repeats: int, device: str) -> tuple[float, float]:
+    """Median seconds of ``fa`` and ``fb``, timed alternately after one warm-up each."""
+    fa(), fb()
+    ta, tb = [], []
+    for _ in range(repeats):
+        for f, out in ((fa, ta), (fb, tb)):
+            _sync(device)
+            s = time.perf_counter()
+            f()
+            _sync(device)
+            out.append(time.perf_counter() - s)
+    return statistics.median(ta), statistics.median(tb)
+
+
+def _entropy_workload(kind: str, device: str, b: int, t: int, v: int, d: int):
+    g = torch.Generator().manual_seed(0)
+    targets = torch.randint(0, v, (b, t), generator=g).to(device)
+    if kind == "logits":
+        logits = (torch.randn(b, t, v, generator=g)).to(device).requires_grad_(True)
+        return (logits,), targets
+    hidden = (torch.randn(b, t, d, generator=g) / math.sqrt(d)).to(device).requires_grad_(True)
+    weight = torch.randn(v, d, generator=g).to(device).requires_grad_(True)
+    return (hidden, weight), targets
+
+
+def _entropy_fns(kind: str, inputs, targets, chunk: int):
+    def ours():
+        fn = logprobs_and_entropy if kind == "logits" else logprobs_and_entropy_from_hidden
+        lp, _ = fn(*inputs, targets, chunk_size=chunk)
+        lp.sum().backward()
+
+    def naive():
+        fn = naive_logprobs_entropy if kind == "logits" else naive_from_hidden
+        lp, _ = fn(*inputs, targets)
+        lp.sum().backward()
+
+    return ours, naive
+
+
+def measure_memory(spec: dict) -> int:
+    """Runs one measurement in a fresh interpreter; returns peak extra bytes."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--memory-child", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def memory_child(spec: dict) -> None:
+    device = spec["device"]
+    torch.manual_seed(0)
+    if spec["what"] == "strategy":
+        adv, ent, mask = ragged_batch(spec["b"], spec["t"], device)
+        fn = STRATEGIES[spec["name"]][0 if spec["impl"] == "ours" else 1]
+        run = lambda: fn(adv, ent, mask)  # noqa: E731
+    else:
+        inputs, targets = _entropy_workload(spec["kind"], device, spec["b"], spec["t"], spec["v"], spec["d"])
+        ours, naive = _entropy_fns(spec["kind"], inputs, targets, spec["chunk"])
+        run = ours if spec["impl"] == "ours" else naive
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        run()
+        torch.cuda.synchronize()
+        print(torch.cuda.max_memory_allocated() - base)
+    else:
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        run()
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        print((peak - base) * 1024)  # ru_maxrss is in KiB on Linux
+
+
+def _mib(x: int) -> str:
+    return f"{x / 2**20:,.0f} MiB"
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return (
+        f"{cpu}, {os.cpu_count()} logical cores, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads"
+    )
+
+
+def bench_weighting(device: str, repeats: int, shapes: list[tuple[int, int]], memory: bool) -> None:
+    print(f"\n## Weighting strategies (W = {WINDOW}, fp32, ragged lengths 25-100% of T, {device})\n")
+    print("| strategy | shape | pepo | direct | speed-up | peak extra mem pepo | direct |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for b, t in shapes:
+        adv, ent, mask = ragged_batch(b, t, device)
+        for name, (ours, direct) in STRATEGIES.items():
+            # Same results first: the baseline is the same math.
+            a, d = ours(adv, ent, mask), direct(adv, ent, mask)
+            if name not in ("global_topk", "global_topk(proximal)"):
+                torch.testing.assert_close(a, d, rtol=1e-4, atol=1e-5)
+            t_ours, t_direct = time_pair(lambda: ours(adv, ent, mask), lambda: direct(adv, ent, mask), repeats, device)
+            if memory:
+                spec = {"what": "strategy", "name": name, "b": b, "t": t, "device": device}
+                m_ours = _mib(measure_memory({**spec, "impl": "ours"}))
+                m_direct = _mib(measure_memory({**spec, "impl": "direct"}))
+            else:
+                m_ours = m_direct = "-"
+            print(
+                f"| {name} | [{b}, {t}] | {t_ours * 1e3:.1f} ms | {t_direct * 1e3:.1f} ms | "
+                f"{t_direct / t_ours:.1f}x | {m_ours} | {m_direct} |",
+                flush=True,
+            )
+
+
+def bench_topk_large(device: str) -> None:
+    n = 2**25
+    b = 1024
+    adv, ent, mask = torch.randn(b, device=device), torch.rand(b, n // b, device=device), torch.ones(b, n // b, dtype=torch.bool, device=device)
+    s = pw.get_strategy("global_topk")
+    s(adv, ent, mask)
+    _sync(device)
+    start = time.perf_counter()
+    out = s(adv, ent, mask)
+    _sync(device)
+    took = time.perf_counter() - start
+    try:
+        torch.quantile(ent[mask], 0.8)
+        quantile = "works"
+    except RuntimeError as e:
+        quantile = f"fails: {str(e).splitlines()[0][:60]}"
+    print(f"\n## global_topk on 2^25 = {n:,} tokens ({device})\n")
+    print(f"selected {int((out != 0).sum()):,} tokens in {took * 1e3:.0f} ms; torch.quantile on the same: {quantile}")
+
+
+def bench_entropy(device: str, repeats: int, b: int, t: int, v: int, d: int, chunk: int, memory: bool) -> None:
+    print(f"\n## logprobs_and_entropy, forward + backward ({device}, chunk_size={chunk})\n")
+    print("| function | work | pepo | naive | speed-up | peak extra mem pepo | naive |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for kind in ("logits", "hidden"):
+        inputs, targets = _entropy_workload(kind, device, b, t, v, d)
+        ours, naive = _entropy_fns(kind, inputs, targets, chunk)
+        t_ours, t_naive = time_pair(ours, naive, repeats, device)
+        del inputs, targets
+        if memory:
+            spec = {"what": "entropy", "kind": kind, "b": b, "t": t, "v": v, "d": d, "chunk": chunk, "device": device}
+            m_ours, m_naive = _mib(measure_memory({**spec, "impl": "ours"})), _mib(measure_memory({**spec, "impl": "naive"}))
+        else:
+            m_ours = m_naive = "-"
+        work = f"logits [{b}, {t}, {v}]" if kind == "logits" else f"hidden [{b}, {t}, {d}] @ W [{v}, {d}]"
+        name = "logprobs_and_entropy" if kind == "logits" else "..._from_hidden"
+        print(
+            f"| {name} | {work} | {t_ours:.2f} s | {t_naive:.2f} s | {t_naive / t_ours:.2f}x | {m_ours} | {m_naive} |",
+            flush=True,
+        )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--only", choices=["weighting", "topk", "entropy"], default=None)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--no-memory", action="store_true", help="skip the subprocess memory runs")
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--entropy-batch", type=int, default=1, help="B of the entropy workload (paper-scale: 4)")
+    p.add_argument("--entropy-tokens", type=int, default=4096)
+    p.add_argument("--hidden-dim", type=int, default=256, help="D of the hidden-state workload")
+    p.add_argument("--chunk-size", type=int, default=1024)
+    p.add_argument("--memory-child", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.memory_child:
+        memory_child(json.loads(args.memory_child))
+        return
+    print(f"# pepo benchmark\n\nmachine: {machine()}")
+    if args.device.startswith("cuda"):
+        print(f"device: {torch.cuda.get_device_name()}")
+    memory = not args.no_memory
+    if args.only in (None, "weighting"):
+        bench_weighting(args.device, args.repeats, [(256, 4096), (32, 32768)], memory)
+    if args.only in (None, "topk"):
+        bench_topk_large(args.device)
+    if args.only in (None, "entropy"):
+        bench_entropy(
+            args.device, max(1, args.repeats // 3), args.entropy_batch, args.entropy_tokens,
+            args.vocab, args.hidden_dim, args.chunk_size, memory,
+        )
+
+
+if __name__ == "__main__":
+    main()
