@@ -3,7 +3,8 @@
 Every ratio is measured in one run: the two implementations are timed alternately on the same
 inputs, and the speed-up is the ratio of their medians. Peak memory is measured in a fresh
 subprocess per (implementation, workload): on CUDA ``torch.cuda.max_memory_allocated``, on CPU
-the growth of the process's peak RSS (``ru_maxrss``) over the inputs alone.
+the peak resident memory (``VmHWM``, reset after the inputs are built) minus the resident
+memory with the inputs alone. CPU figures need Linux's ``/proc``.
 
     python benchmarks/bench_weighting.py                # everything, CPU
     python benchmarks/bench_weighting.py --only weighting --repeats 5
@@ -26,7 +27,6 @@ import json
 import math
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -214,10 +214,26 @@ def memory_child(spec: dict) -> None:
         torch.cuda.synchronize()
         print(torch.cuda.max_memory_allocated() - base)
     else:
-        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        base = _rss_kib("VmRSS")
+        _reset_peak_rss()
         run()
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        print((peak - base) * 1024)  # ru_maxrss is in KiB on Linux
+        print((_rss_kib("VmHWM") - base) * 1024)
+
+
+def _rss_kib(field: str) -> int:
+    """Current (VmRSS) or peak (VmHWM) resident memory of this process, in KiB (Linux)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not found in /proc/self/status")
+
+
+def _reset_peak_rss() -> None:
+    # Writing 5 to clear_refs resets the peak RSS (VmHWM) to the current RSS (Linux >= 4.0), so
+    # the peak measures this workload, not the interpreter's start-up.
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def _mib(x: int) -> str:
