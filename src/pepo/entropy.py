@@ -20,7 +20,7 @@ gets the lowest finite fp32 log-prob instead of ``-inf``.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -46,10 +46,10 @@ def _chunk_stats(
     lse = torch.logsumexp(x, dim=-1)  # [n]
     lse = torch.where(torch.isfinite(lse), lse, 0.0)  # rows of all -inf
     logp = x - lse[:, None]  # [n, V]
-    p = torch.exp(logp)
-    plogp = torch.where(p > 0, p * logp, 0.0)
-    entropy = -plogp.sum(dim=-1)
     lp = logp.gather(1, targets[:, None]).squeeze(1).clamp_min(_LOGPROB_FLOOR)
+    p = torch.exp(logp)  # [n, V]
+    logp.masked_fill_(p == 0, 0.0)  # 0 · log 0 = 0 (masked vocabulary entries, underflow)
+    entropy = -torch.linalg.vecdot(p, logp)  # no third [n, V] temporary
     return lp, entropy, lse
 
 
@@ -67,16 +67,26 @@ def _chunk_grad(
     return grad
 
 
+def _chunked(
+    rows: torch.Tensor,
+    chunk: int,
+    stats: Callable[[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Runs ``stats(start, end)`` over row chunks of ``rows`` and stacks the three results."""
+    n = rows.shape[0]
+    out = [rows.new_empty(n, dtype=_compute_dtype(rows.dtype)) for _ in range(3)]
+    for s in range(0, n, chunk):
+        e = min(s + chunk, n)
+        out[0][s:e], out[1][s:e], out[2][s:e] = stats(s, e)
+    return out[0], out[1], out[2]
+
+
 class _FromLogits(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, chunk: int, temperature: float):  # type: ignore[override]
-        n = logits.shape[0]
-        lp = logits.new_empty(n, dtype=_compute_dtype(logits.dtype))
-        ent = logits.new_empty(n, dtype=_compute_dtype(logits.dtype))
-        lse = logits.new_empty(n, dtype=_compute_dtype(logits.dtype))
-        for s in range(0, n, chunk):
-            e = min(s + chunk, n)
-            lp[s:e], ent[s:e], lse[s:e] = _chunk_stats(logits[s:e], targets[s:e], temperature)
+        lp, ent, lse = _chunked(
+            logits, chunk, lambda s, e: _chunk_stats(logits[s:e], targets[s:e], temperature)
+        )
         ctx.save_for_backward(logits, targets, lse)
         ctx.chunk, ctx.temperature = chunk, temperature
         ctx.mark_non_differentiable(ent)
@@ -96,14 +106,12 @@ class _FromLogits(torch.autograd.Function):
 class _FromHidden(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, temperature: float):  # type: ignore[override]
-        n = hidden.shape[0]
-        lp = hidden.new_empty(n, dtype=_compute_dtype(hidden.dtype))
-        ent = hidden.new_empty(n, dtype=_compute_dtype(hidden.dtype))
-        lse = hidden.new_empty(n, dtype=_compute_dtype(hidden.dtype))
-        for s in range(0, n, chunk):
-            e = min(s + chunk, n)
-            z = hidden[s:e] @ weight.t()  # [n, V] in the model's dtype, as its lm head gives
-            lp[s:e], ent[s:e], lse[s:e] = _chunk_stats(z, targets[s:e], temperature)
+        # Each chunk's logits are made in the model's dtype, as its lm head would make them.
+        lp, ent, lse = _chunked(
+            hidden,
+            chunk,
+            lambda s, e: _chunk_stats(hidden[s:e] @ weight.t(), targets[s:e], temperature),
+        )
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.chunk, ctx.temperature = chunk, temperature
         ctx.mark_non_differentiable(ent)
