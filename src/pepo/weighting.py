@@ -195,12 +195,12 @@ def _window_logsumexp(buf: torch.Tensor, window: int, t: int) -> torch.Tensor:
 
 
 def _proximal_compact(
-    rows: _Rows, window: int, temperature: float, exact_log: bool, shift: Optional[torch.Tensor] = None
+    rows: _Rows, window: int, temperature: float, exact_log: bool, shift: torch.Tensor
 ) -> torch.Tensor:
     """Eq. (6) on compact rows: ``e_t = exp(H_t/τ) / Σ_{k∈W(t)} exp(H_k/τ)``. ``[B, T]``.
 
     ``shift`` (``[B]``, at least each row's largest ``H/τ``) keeps ``exp`` from overflowing; the
-    softmax is invariant to it. The exact path works in log space and needs none.
+    softmax is invariant to it. The exact path works in log space and ignores it.
     """
     half = window // 2
     t = rows.x.shape[1]
@@ -208,8 +208,6 @@ def _proximal_compact(
     if exact_log:
         x = buf[:, half : half + t]
         return torch.exp(x - _window_logsumexp(buf, window, t))
-    if shift is None:
-        shift = rows.x.amax(dim=1) / temperature
     buf.sub_(shift[:, None]).exp_()
     return buf[:, half : half + t] / _window_sum(buf, window, t)
 
@@ -515,10 +513,12 @@ def global_topk(
             s = _proximal(entropies, mask, window, temperature)
         else:
             s = entropies
-        selected, n_valid, n_selected = _select_top(s, mask, q, process_group)
+        selected, n_valid = _select_top(s, mask, q, process_group)
         out = torch.where(selected, advantages[:, None], 0.0)
-        if normalize == "selected_tokens" and n_selected > 0:
-            out = out * (n_valid / n_selected)
+        if normalize == "selected_tokens":
+            n_selected = _global_count(selected, process_group)
+            if n_selected > 0:
+                out = out * (n_valid / n_selected)
         return out
 
     return fn
@@ -529,21 +529,12 @@ def _select_top(
 ) -> tuple[torch.Tensor, int, int]:
     """Tokens with ``score >= quantile_q(valid scores)`` over the batch (and all ranks).
 
-    Returns the ``[B, T]`` bool selection, the global valid count and the global selected count.
+    Returns the ``[B, T]`` bool selection and the global valid count.
     """
     flat = torch.where(mask, scores.float(), -math.inf).reshape(-1)  # [B*T]
-    n_local = int(mask.sum())
-    if process_group is None:
-        n = n_local
-    else:
-        import torch.distributed as dist
-
-        world = dist.get_world_size(process_group)
-        counts = [torch.zeros(1, dtype=torch.int64, device=flat.device) for _ in range(world)]
-        dist.all_gather(counts, torch.tensor([n_local], device=flat.device), group=process_group)
-        n = int(sum(int(c) for c in counts))
+    n = _global_count(mask, process_group)
     if n == 0:
-        return torch.zeros_like(mask), 0, 0
+        return torch.zeros_like(mask), 0
     # torch.quantile's linear interpolation puts the threshold between sorted[floor(q(n-1))] and
     # sorted[ceil(q(n-1))]; `s >= threshold` then keeps exactly the elements from sorted index
     # ceil(q(n-1)) up, i.e. the k largest with ties at the k-th included.
@@ -551,6 +542,8 @@ def _select_top(
     if process_group is None:
         threshold = flat.kthvalue(flat.numel() - k + 1).values
     else:
+        import torch.distributed as dist
+
         k_local = min(k, flat.numel())
         top = flat.topk(k_local).values if k_local > 0 else flat.new_empty(0)
         if k_local < k:
@@ -559,13 +552,17 @@ def _select_top(
         dist.all_gather(gathered, top, group=process_group)
         everything = torch.cat(gathered)
         threshold = everything.kthvalue(everything.numel() - k + 1).values
-    selected = mask & (scores.float() >= threshold)
-    n_selected = int(selected.sum())
+    return mask & (scores.float() >= threshold), n
+
+
+def _global_count(flags: torch.Tensor, process_group: Optional[Any]) -> int:
+    """Number of True entries of ``flags``, summed over the ranks of ``process_group``."""
+    total = flags.sum().reshape(1)
     if process_group is not None:
-        total = torch.tensor([n_selected], device=flat.device)
+        import torch.distributed as dist
+
         dist.all_reduce(total, group=process_group)
-        n_selected = int(total)
-    return selected, n, n_selected
+    return int(total)
 
 
 def _normalise_to_length(w: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -574,8 +571,7 @@ def _normalise_to_length(w: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     lengths = mask.sum(dim=1, keepdim=True).float()  # [B, 1]
     total = w.sum(dim=1, keepdim=True)  # [B, 1]
     ok = total > 0
-    scale = torch.where(ok, lengths / torch.where(ok, total, 1.0), 1.0)
-    return torch.where(ok, w * scale, 1.0)
+    return torch.where(ok, w * (lengths / torch.where(ok, total, 1.0)), 1.0)
 
 
 def _apply(advantages: torch.Tensor, c: torch.Tensor, apply_to: str) -> torch.Tensor:
