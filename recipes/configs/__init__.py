@@ -1,0 +1,1 @@
+"""Bundled configs of ``pepo_recipe`` (found by name: ``--config tiny``)."""

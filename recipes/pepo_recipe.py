@@ -1,0 +1,478 @@
+"""RL with verifiable rewards, any token-weighting strategy, group or single-stream advantages.
+
+    tune run pepo_recipe --config tiny [key=value ...]
+
+One step (PEPO paper, Sec. 3-4 and App. B; ``docs/recipe.md`` has the details):
+
+1. sample prompts: ``prompts_per_step`` from a seeded epoch-wise shuffle (group mode), or SPO's
+   prioritised draw from a candidate pool by ``sqrt(p(1-p)) + eps`` (single-stream mode);
+2. generate ``estimator.group_size`` rollouts per prompt (1 in single-stream mode) with a KV
+   cache, temperature, top-k and top-p (``pepo.generation``);
+3. verify → rewards (``reward`` component) → sequence advantages (``pepo.estimators``);
+4. one no-grad forward of the rollout policy → old log-probs and entropies
+   (``pepo.entropy.logprobs_and_entropy``, at the sampling temperature);
+5. token advantages from the strategy named in ``strategy.name`` (``pepo.weighting``);
+6. ``ppo_epochs`` × ``ppo_mini_batches`` AdamW steps of ``pepo.loss.clipped_policy_loss``,
+   with gradient accumulation over micro-batches normalised by the mini-batch's token count;
+7. single-stream only: the value tracker absorbs the rewards, forgetting at the rate set by the
+   mean |Δ log-prob| of each prompt's response across the update (SPO's adaptive ρ).
+
+Deviations from the paper's setup, all deliberate:
+
+* Log-probs and entropies ignore top-k/top-p truncation (as verl and TRL do): they are those of
+  the temperature-scaled softmax.
+* Generation is torchtune's KV-cached decoder in the training process (no vLLM), and the whole
+  batch decodes in lock-step.
+* ``validation`` samples ``samples`` responses per held-out prompt with the training sampler's
+  settings and a fixed seed, so successive evaluations differ only by the policy.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torchtune import config, training, utils
+from torchtune.recipe_interfaces import FTRecipeInterface
+from tqdm import tqdm
+
+from pepo import estimators, weighting
+from pepo.checkpointing import AtomicCheckpointer, load_model_weights
+from pepo.entropy import logprobs_and_entropy
+from pepo.generation import Rollouts, generate, sequence_inputs
+from pepo.loss import clipped_policy_loss, policy_loss_metrics
+from pepo.recipe_config import find_config, register_resolvers, strategy_params, validate_config
+from pepo.reporting import plot_curves, write_rollouts
+from pepo.sampling import PromptSampler, prioritized_sample
+
+log = utils.get_logger("INFO")
+
+register_resolvers()
+
+
+class NonFiniteError(RuntimeError):
+    """Raised after ``max_nonfinite_steps`` consecutive optimizer steps with a non-finite loss
+    or gradient."""
+
+
+class PEPORecipe(FTRecipeInterface):
+    """The RLVR training loop. ``cfg`` is read in ``__init__`` and :meth:`setup` only."""
+
+    def __init__(self, cfg: DictConfig) -> None:
+        validate_config(cfg)
+        self._device = utils.get_device(cfg.get("device", "cpu"))
+        self._dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=self._device)
+        self.seed = training.set_seed(seed=cfg.seed)
+        self.output_dir = Path(cfg.output_dir)
+        self.num_steps = cfg.num_steps
+        self.prompts_per_step = cfg.prompts_per_step
+        self.mode = cfg.estimator.name
+        self.group_size = cfg.estimator.group_size if self.mode == "group" else 1
+        self.candidate_pool = cfg.estimator.get("candidate_pool", 1)
+        self.prior_samples = cfg.estimator.get("prior_samples", 0)
+        self.adaptive_forgetting = bool(cfg.estimator.get("adaptive_forgetting", True))
+        self.normalize_std = bool(cfg.estimator.get("normalize_std", True))
+        self.ppo_epochs = cfg.ppo_epochs
+        self.ppo_mini_batches = cfg.ppo_mini_batches
+        self.micro_batch_size = cfg.micro_batch_size
+        self.eps_low, self.eps_high = float(cfg.loss.eps_low), float(cfg.loss.eps_high)
+        self.clip_grad_norm = cfg.get("clip_grad_norm")
+        self.max_nonfinite_steps = cfg.max_nonfinite_steps
+        g = cfg.generation
+        self.gen_kwargs = dict(
+            max_new_tokens=g.max_new_tokens,
+            temperature=float(g.temperature),
+            top_k=g.get("top_k"),
+            top_p=float(g.top_p),
+        )
+        self.logprob_chunk = cfg.get("logprob_chunk_size", 1024)
+        self.val_every = cfg.validation.every
+        self.val_samples = cfg.validation.samples
+        self.save_every = cfg.save_every
+        self.dump_every = cfg.dump_rollouts_every
+        self.resume = bool(cfg.get("resume_from_checkpoint", False))
+        self.plot = bool(cfg.get("plot", True))
+        self.step = 0
+        self.history: list[dict[str, Any]] = []
+        self.nonfinite_total = 0
+        self.nonfinite_in_a_row = 0
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, cfg: DictConfig) -> None:
+        self.tokenizer = config.instantiate(cfg.tokenizer)
+        self.stop_tokens = list(self.tokenizer.stop_tokens) + [
+            self.tokenizer.token_id(t, "generation.stop_tokens")
+            for t in cfg.generation.get("stop_tokens", None) or []
+        ]
+        with training.set_default_dtype(self._dtype), self._device:
+            self.model = config.instantiate(cfg.model)
+        emb = self.model.tok_embeddings.num_embeddings
+        if self.tokenizer.vocab_size > emb:
+            raise ValueError(
+                f"tokenizer has {self.tokenizer.vocab_size} tokens but the model embeds only {emb}"
+            )
+        load_model_weights(self.model, cfg.checkpoint_dir)
+        self.optimizer = config.instantiate(cfg.optimizer, self.model.parameters())
+        self.lr_scheduler = None
+        if cfg.get("lr_scheduler") is not None:
+            self.lr_scheduler = config.instantiate(
+                cfg.lr_scheduler,
+                self.optimizer,
+                num_training_steps=self.num_steps * self.ppo_epochs * self.ppo_mini_batches,
+            )
+        self.train_data = list(config.instantiate(cfg.dataset))
+        self.val_data = list(config.instantiate(cfg.val_dataset)) if cfg.get("val_dataset") else []
+        self.sampler = PromptSampler(len(self.train_data), seed=self.seed)
+        name, params = strategy_params(cfg)
+        self.strategy_name = name
+        self.strategy = weighting.get_strategy(name, **params)
+        self.reward_fn = config.instantiate(cfg.reward)
+        self.tracker: Optional[estimators.SingleStreamEstimator] = None
+        if self.mode == "single_stream":
+            accepted = inspect.signature(estimators.SingleStreamEstimator).parameters
+            kwargs = {k: v for k, v in cfg.estimator.items() if k in accepted}
+            if not kwargs.get("prior_samples"):  # 0: no offline prior, Jeffreys start
+                kwargs.pop("prior_samples", None)
+            self.tracker = estimators.SingleStreamEstimator(**kwargs)
+        self.rng = torch.Generator(device="cpu").manual_seed(self.seed)
+        self.metric_logger = config.instantiate(cfg.metric_logger)
+        self.metric_logger.log_config(cfg)
+        self.checkpointer = AtomicCheckpointer(
+            self.output_dir / "checkpoints", keep=cfg.get("keep_checkpoints", 2)
+        )
+        self.config_name = cfg.get("name", "pepo")
+        if self.resume:
+            self._load_checkpoint()
+        elif self.tracker is not None and self.prior_samples > 0:
+            self._estimate_prior()
+
+    def _load_checkpoint(self) -> None:
+        path = self.checkpointer.latest()
+        if path is None:
+            raise ValueError(
+                f"resume_from_checkpoint=True but {self.checkpointer.root} holds no checkpoint"
+            )
+        load_model_weights(self.model, path)
+        state = self.checkpointer.load_state(path)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.rng.set_state(state["rng"])
+        torch.set_rng_state(state["torch_rng"])
+        if self.tracker is not None:
+            self.tracker.load_state_dict(state["tracker"])
+        self.step = state["step"]
+        self.history = list(state["history"])
+        self.nonfinite_total = state["nonfinite_total"]
+        self.nonfinite_in_a_row = state["nonfinite_in_a_row"]
+        log.info(f"Resumed from {path} at step {self.step}")
+
+    def _estimate_prior(self) -> None:
+        """SPO's offline prior: ``prior_samples`` rollouts of every training prompt."""
+        n = self.prior_samples
+        t0 = time.perf_counter()
+        rates: dict[str, float] = {}
+        chunk = max(1, 256 // n)
+        for i in range(0, len(self.train_data), chunk):
+            problems = self.train_data[i : i + chunk]
+            rewards = self._rollout([p for p in problems for _ in range(n)])[1]
+            for j, p in enumerate(problems):
+                rates[p.id] = float(rewards[j * n : (j + 1) * n].mean())
+        self.tracker.set_prior(rates)
+        mean = sum(rates.values()) / len(rates)
+        log.info(
+            f"Single-stream prior: {n} rollouts x {len(rates)} prompts, mean pass rate "
+            f"{mean:.3f} ({time.perf_counter() - t0:.1f}s)"
+        )
+
+    # -------------------------------------------------------------- one step
+    def _rollout(self, problems: list, generator: Optional[torch.Generator] = None):
+        """Generates one response per problem; returns rollouts, rewards [B] and texts."""
+        prompts = [self.tokenizer.encode(p.prompt) for p in problems]
+        ro = generate(
+            self.model,
+            prompts,
+            pad_id=self.tokenizer.pad_id,
+            stop_tokens=self.stop_tokens,
+            generator=self.rng if generator is None else generator,
+            **self.gen_kwargs,
+        )
+        texts = [self.tokenizer.decode(t[m].tolist()) for t, m in zip(ro.tokens, ro.mask)]
+        rewards = torch.tensor(
+            self.reward_fn(texts, [p.answer for p in problems]), dtype=torch.float32
+        )  # [B]
+        if rewards.shape != (len(problems),) or not bool(torch.isfinite(rewards).all()):
+            raise ValueError(
+                f"the reward function must return {len(problems)} finite floats, got {rewards}"
+            )
+        return ro, rewards, texts
+
+    def _forward_logprobs(
+        self, ro: Rollouts, rows: torch.Tensor, inputs: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropies ``[b, T]`` of the responses of ``rows``."""
+        seq, attn, pos = inputs
+        plen = ro.prompt_tokens.shape[1]
+        logits = self.model(seq[rows], mask=attn[rows], input_pos=pos[rows])  # [b, S, V]
+        return logprobs_and_entropy(
+            logits[:, plen - 1 : -1],
+            ro.tokens[rows],
+            chunk_size=self.logprob_chunk,
+            temperature=self.gen_kwargs["temperature"],
+        )
+
+    def _all_logprobs(self, ro: Rollouts, inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = torch.arange(ro.tokens.shape[0])
+        with torch.no_grad():
+            parts = [self._forward_logprobs(ro, r, inputs) for r in rows.split(self.micro_batch_size)]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+    def _next_problems(self) -> list:
+        if self.mode == "group":
+            idx = self.sampler.next(self.prompts_per_step)
+            return [self.train_data[i] for i in idx for _ in range(self.group_size)]
+        pool = [self.train_data[i] for i in self.sampler.next(self.prompts_per_step * self.candidate_pool)]
+        w = self.tracker.sampling_weights([p.id for p in pool])
+        return [pool[i] for i in prioritized_sample(w, self.prompts_per_step, self.rng)]
+
+    def train_step(self) -> dict[str, float]:
+        """One RL step; returns its metrics."""
+        t0 = time.perf_counter()
+        problems = self._next_problems()
+        ro, rewards, texts = self._rollout(problems)
+        t_gen = time.perf_counter() - t0
+        ids = [p.id for p in problems]
+        if self.mode == "group":
+            adv = estimators.group_advantages(
+                rewards, self.group_size, normalize_std=self.normalize_std
+            )  # [B]
+        else:
+            adv = self.tracker.advantages(ids, rewards)  # [B]
+
+        resp, mask = ro.tokens, ro.mask  # [B, T]
+        seq = torch.cat([ro.prompt_tokens, resp], dim=1)  # [B, S]
+        attn, pos = sequence_inputs(ro.prompt_mask, resp.shape[1])  # [B, S, S], [B, S]
+        inputs = (seq, attn, pos)
+        old_lp, entropies = self._all_logprobs(ro, inputs)  # [B, T] each
+        token_adv = self.strategy(adv, entropies, mask)  # [B, T], detached
+
+        B = resp.shape[0]
+        losses, stats = [], []
+        grad_norm = torch.tensor(0.0)
+        for _ in range(self.ppo_epochs):
+            order = (
+                torch.randperm(B, generator=self.rng) if self.ppo_mini_batches > 1 else torch.arange(B)
+            )
+            for mb in order.chunk(self.ppo_mini_batches):
+                num_tokens = mask[mb].sum()
+                self.optimizer.zero_grad(set_to_none=True)
+                mb_loss = torch.zeros(())
+                for micro in mb.split(self.micro_batch_size):
+                    lp, _ = self._forward_logprobs(ro, micro, inputs)
+                    loss = clipped_policy_loss(
+                        lp, old_lp[micro], token_adv[micro], mask[micro],
+                        eps_low=self.eps_low, eps_high=self.eps_high, num_tokens=num_tokens,
+                    )
+                    loss.backward()
+                    mb_loss += loss.detach()
+                    stats.append(policy_loss_metrics(
+                        lp.detach(), old_lp[micro], token_adv[micro], mask[micro],
+                        self.eps_low, self.eps_high,
+                    ))
+                grad_norm = torch.nn.utils.clip_grad_norm_(
+                    self.model.parameters(),
+                    max_norm=math.inf if self.clip_grad_norm is None else self.clip_grad_norm,
+                )
+                self._optimizer_step(mb_loss, grad_norm)
+                losses.append(mb_loss)
+
+        if self.tracker is not None:
+            kl = None
+            if self.adaptive_forgetting:
+                new_lp, _ = self._all_logprobs(ro, inputs)
+                kl = (
+                    torch.where(mask, (new_lp - old_lp).abs(), 0.0).sum(-1)
+                    / mask.sum(-1).clamp_min(1)
+                )  # [B]
+            self.tracker.update(ids, rewards, kl=kl)
+
+        dt = time.perf_counter() - t0
+        ntok = int(mask.sum())
+        n_valid = mask.sum().clamp_min(1)
+        metrics = {
+            "reward": float(rewards.mean()),
+            "accuracy": float((rewards > 0).float().mean()),
+            "loss": float(torch.stack(losses).mean()),
+            "grad_norm": float(grad_norm),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "entropy": float(torch.where(mask, entropies, 0.0).sum() / n_valid),
+            "response_len": ntok / B,
+            "truncated": float((~ro.finished).float().mean()),
+            "zero_advantage": float((adv == 0).float().mean()),
+            "clip_fraction": float(torch.stack([s["clip_fraction"] for s in stats]).mean()),
+            "approx_kl": float(torch.stack([s["approx_kl"] for s in stats]).mean()),
+            "nonfinite_skipped": self.nonfinite_total,
+            "tokens_per_s": ntok / dt,
+            "step_time": dt,
+            "gen_time": t_gen,
+        }
+        if self.dump_every and self.step % self.dump_every == 0:
+            self._dump(problems, ro, texts, rewards, adv, entropies, token_adv)
+        return metrics
+
+    def _optimizer_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        if bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm)):
+            self.optimizer.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            self.nonfinite_in_a_row = 0
+            return
+        self.optimizer.zero_grad(set_to_none=True)
+        self.nonfinite_total += 1
+        self.nonfinite_in_a_row += 1
+        log.warning(
+            f"step {self.step}: non-finite loss ({float(loss)}) or gradient norm "
+            f"({float(grad_norm)}); optimizer step skipped ({self.nonfinite_in_a_row} in a row)"
+        )
+        if self.nonfinite_in_a_row >= self.max_nonfinite_steps:
+            raise NonFiniteError(
+                f"{self.nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or "
+                f"gradient (max_nonfinite_steps={self.max_nonfinite_steps}); stopping at step "
+                f"{self.step}. The last checkpoint is in {self.checkpointer.root}."
+            )
+
+    def _dump(self, problems, ro, texts, rewards, adv, entropies, token_adv) -> None:
+        records = []
+        for i, p in enumerate(problems):
+            m = ro.mask[i]
+            ids = ro.tokens[i][m].tolist()
+            a = float(adv[i])
+            ta = token_adv[i][m].tolist()
+            records.append({
+                "step": self.step,
+                "prompt_id": p.id,
+                "prompt": p.prompt,
+                "answer": p.answer,
+                "response": texts[i],
+                "token_ids": ids,
+                "tokens": [self.tokenizer.id_to_token(t) for t in ids],
+                "entropies": entropies[i][m].tolist(),
+                "reward": float(rewards[i]),
+                "advantage": a,
+                "token_advantages": ta,
+                "token_weights": [x / a for x in ta] if a != 0 else None,
+                "strategy": self.strategy_name,
+            })
+        write_rollouts(self.output_dir / "rollouts" / f"step_{self.step:06d}.jsonl", records)
+
+    # ------------------------------------------------------------ validation
+    def validate(self) -> float:
+        """avg@k: mean reward>0 over ``validation.samples`` draws per held-out prompt."""
+        if not self.val_data:
+            return float("nan")
+        gen = torch.Generator().manual_seed(self.seed + 7919)
+        problems = [p for p in self.val_data for _ in range(self.val_samples)]
+        correct = []
+        for i in range(0, len(problems), 256):
+            _, rewards, _ = self._rollout(problems[i : i + 256], generator=gen)
+            correct.append((rewards > 0).float())
+        return float(torch.cat(correct).mean())
+
+    # -------------------------------------------------------------- the loop
+    def train(self) -> None:
+        if self.step == 0 and self.val_every:
+            acc = self.validate()
+            self.history.append({"step": 0, "val_accuracy": acc})
+            self.metric_logger.log_dict({"val_accuracy": acc}, step=0)
+            log.info(f"Validation accuracy before training (avg@{self.val_samples}): {acc:.3f}")
+        first = self.history[0].get("val_accuracy") if self.history else None
+        bar = tqdm(total=self.num_steps, initial=self.step, desc=f"pepo[{self.strategy_name}]",
+                   dynamic_ncols=True, file=sys.stdout)
+        while self.step < self.num_steps:
+            self.step += 1
+            m = self.train_step()
+            if self.val_every and (self.step % self.val_every == 0 or self.step == self.num_steps):
+                m["val_accuracy"] = self.validate()
+            self.history.append({"step": self.step, **m})
+            self.metric_logger.log_dict(m, step=self.step)
+            bar.update(1)
+            bar.set_postfix(
+                reward=f"{m['reward']:.3f}", acc=f"{m['accuracy']:.3f}", loss=f"{m['loss']:.4f}",
+                tok_s=f"{m['tokens_per_s']:.0f}", step_s=f"{m['step_time']:.2f}",
+                **({"val": f"{m['val_accuracy']:.3f}"} if "val_accuracy" in m else {}),
+            )
+            if (self.save_every and self.step % self.save_every == 0) or self.step == self.num_steps:
+                self.save_checkpoint(self.step)
+        bar.close()
+        last = next((h["val_accuracy"] for h in reversed(self.history) if "val_accuracy" in h), None)
+        if first is not None and last is not None:
+            log.info(f"Validation accuracy (avg@{self.val_samples}): {first:.3f} before -> {last:.3f} after")
+        if self.plot:
+            path = plot_curves(self.history, self.output_dir / "training_curves.png",
+                               title=f"{self.config_name}: {self.strategy_name}, {self.mode}")
+            log.info(f"Training curves: {path}")
+
+    def save_checkpoint(self, step: int) -> None:
+        state = {
+            "step": step,
+            "optimizer": self.optimizer.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "rng": self.rng.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "history": self.history,
+            "nonfinite_total": self.nonfinite_total,
+            "nonfinite_in_a_row": self.nonfinite_in_a_row,
+        }
+        if self.lr_scheduler is not None:
+            state["lr_scheduler"] = self.lr_scheduler.state_dict()
+        if self.tracker is not None:
+            state["tracker"] = self.tracker.state_dict()
+        self.checkpointer.save(step, self.model, state)
+
+    def cleanup(self) -> None:
+        self.metric_logger.close()
+
+
+def recipe_main(cfg: DictConfig) -> None:
+    """Runs the recipe on a resolved config (also the entry point for in-process tests)."""
+    recipe = PEPORecipe(cfg)
+    config.log_config(recipe_name="PEPORecipe", cfg=cfg)
+    recipe.setup(cfg)
+    try:
+        recipe.train()
+    finally:
+        recipe.cleanup()
+
+
+def _resolve_config_arg(argv: list[str]) -> list[str]:
+    """Replaces the value after ``--config`` by the bundled config's path when it is a name."""
+    argv = list(argv)
+    if "--config" in argv:
+        i = argv.index("--config") + 1
+        if i < len(argv):
+            try:
+                argv[i] = find_config(argv[i])
+            except ValueError as e:
+                sys.exit(f"error: {e}")
+    return argv
+
+
+@config.parse
+def _main(cfg: DictConfig) -> None:
+    try:
+        validate_config(cfg)
+    except ValueError as e:  # a config error is the user's to fix: no traceback
+        sys.exit(f"config error: {e}")
+    recipe_main(cfg)
+
+
+if __name__ == "__main__":
+    sys.argv = _resolve_config_arg(sys.argv)
+    sys.exit(_main())

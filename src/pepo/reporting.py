@@ -1,0 +1,78 @@
+"""What a training run leaves behind for people: curves as a PNG and rollouts as JSONL.
+
+Rollout dumps hold, per rollout: the step, prompt id and text, response text, token ids and
+token strings, per-token entropies, reward, sequence advantage, token advantages and token
+weights (token advantage / sequence advantage, None where the advantage is 0). One file per
+dumped step (``rollouts/step_000010.jsonl``), so a resumed run rewrites rather than duplicates.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence, Union
+
+__all__ = ["plot_curves", "write_rollouts"]
+
+
+def write_rollouts(path: Union[str, Path], records: Sequence[Mapping[str, Any]]) -> Path:
+    """Writes ``records`` as JSON lines to ``path`` atomically (temp file, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def plot_curves(
+    history: Sequence[Mapping[str, Any]],
+    path: Union[str, Path],
+    title: Optional[str] = None,
+) -> Path:
+    """Plots training reward and validation accuracy against step into the PNG ``path``.
+
+    ``history`` holds one dict per logged step; ``reward`` and ``val_accuracy`` are read where
+    present (validation runs only every few steps).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def series(key: str) -> tuple[list[int], list[float]]:
+        pts = [
+            (h["step"], float(h[key]))
+            for h in history
+            if key in h and h[key] is not None and math.isfinite(float(h[key]))
+        ]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    sx, sy = series("reward")
+    if sx:
+        ax.plot(sx, sy, color="tab:blue", alpha=0.35, lw=1, label="train reward (per step)")
+        win = max(1, len(sy) // 10)
+        smooth = [sum(sy[max(0, i - win + 1) : i + 1]) / len(sy[max(0, i - win + 1) : i + 1])
+                  for i in range(len(sy))]
+        ax.plot(sx, smooth, color="tab:blue", lw=2, label=f"train reward ({win}-step mean)")
+    vx, vy = series("val_accuracy")
+    if vx:
+        ax.plot(vx, vy, "o-", color="tab:red", lw=2, label="validation accuracy (avg@k)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward / accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

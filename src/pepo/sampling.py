@@ -1,0 +1,67 @@
+"""Prompt sampling with an exactly resumable position.
+
+:class:`PromptSampler` walks a fresh seeded permutation of the dataset each epoch; its state is
+``(epoch, position)``, so a resumed run draws the same prompts as an uninterrupted one.
+:func:`prioritized_sample` is SPO's prioritised sampling: from a candidate pool, draw without
+replacement with probability proportional to the tracker's weights ``sqrt(p(1-p)) + eps``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["PromptSampler", "prioritized_sample"]
+
+
+class PromptSampler:
+    """Epoch-wise shuffled indices into a dataset of ``size`` items."""
+
+    def __init__(self, size: int, seed: int = 0) -> None:
+        if size < 1:
+            raise ValueError(f"cannot sample from an empty dataset (size={size})")
+        self.size, self.seed = size, seed
+        self.epoch, self.position = 0, 0
+
+    def _perm(self, epoch: int) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.size, generator=g).tolist()
+
+    def next(self, k: int) -> list[int]:
+        """The next ``k`` indices, crossing into the next epoch's permutation when needed."""
+        out: list[int] = []
+        while len(out) < k:
+            perm = self._perm(self.epoch)
+            take = min(k - len(out), self.size - self.position)
+            out.extend(perm[self.position : self.position + take])
+            self.position += take
+            if self.position == self.size:
+                self.epoch, self.position = self.epoch + 1, 0
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "size": self.size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["size"] != self.size:
+            raise ValueError(
+                f"sampler state is for a dataset of {state['size']} items, this one has "
+                f"{self.size}"
+            )
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+def prioritized_sample(
+    weights: torch.Tensor, k: int, generator: torch.Generator
+) -> list[int]:
+    """``k`` indices drawn without replacement with probability ∝ ``weights`` (``[N]``, > 0).
+
+    When ``k >= N`` every index is returned (in a random order).
+    """
+    if weights.ndim != 1 or weights.numel() == 0:
+        raise ValueError(f"weights must be a non-empty [N] tensor, got {list(weights.shape)}")
+    if not bool(torch.isfinite(weights).all()) or bool((weights <= 0).any()):
+        raise ValueError("sampling weights must be finite and > 0")
+    k = min(k, weights.numel())
+    return torch.multinomial(weights.double(), k, replacement=False, generator=generator).tolist()

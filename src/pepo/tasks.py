@@ -1,0 +1,92 @@
+"""The embedded verifiable task: multi-step modular arithmetic worked step by step.
+
+A problem is a chain of 6-9 digits joined by ``+``/``-``, to be reduced mod 10 from left to
+right. The expected response writes every intermediate result and ends with the answer boxed::
+
+    prompt:   "4+7-2+9-3+8 mod 10\\n"
+    response: "4+7=1\\n1-2=9\\n9+9=8\\n8-3=5\\n5+8=3\\n\\\\boxed{3}" then <|im_end|>
+
+so a correct answer takes a chain of 39-57 tokens in which each result depends on the previous
+one: one wrong step and the boxed answer is (almost surely) wrong. Problems are generated from a
+seed; a problem's split (train or validation) is fixed by a hash of its prompt, so the two
+splits never share a prompt whatever the sizes and seeds asked for.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["Problem", "modsum_dataset", "modsum_problem", "modsum_solution"]
+
+VAL_FRACTION_DENOM = 8  # one prompt in 8 belongs to the validation split
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt with its gold answer; ``id`` keys the single-stream value tracker."""
+
+    id: str
+    prompt: str
+    answer: str
+    solution: Optional[str] = None
+
+
+def modsum_solution(digits: list[int], ops: list[str]) -> tuple[str, str]:
+    """The worked solution and the answer of ``digits[0] ops[0] digits[1] ...`` mod 10."""
+    acc = digits[0]
+    lines = []
+    for op, d in zip(ops, digits[1:]):
+        new = (acc + d) % 10 if op == "+" else (acc - d) % 10
+        lines.append(f"{acc}{op}{d}={new}")
+        acc = new
+    return "\n".join(lines) + f"\n\\boxed{{{acc}}}", str(acc)
+
+
+def modsum_problem(rng: random.Random, num_operands: int) -> Problem:
+    """A random problem with ``num_operands`` digits."""
+    if num_operands < 2:
+        raise ValueError(f"num_operands must be >= 2, got {num_operands}")
+    digits = [rng.randrange(10) for _ in range(num_operands)]
+    ops = [rng.choice("+-") for _ in range(num_operands - 1)]
+    expr = str(digits[0]) + "".join(f"{o}{d}" for o, d in zip(ops, digits[1:]))
+    prompt = f"{expr} mod 10\n"
+    solution, answer = modsum_solution(digits, ops)
+    return Problem(id=expr, prompt=prompt, answer=answer, solution=solution)
+
+
+def _split_of(prompt: str) -> str:
+    return "val" if zlib.crc32(prompt.encode()) % VAL_FRACTION_DENOM == 0 else "train"
+
+
+def modsum_dataset(
+    size: int,
+    seed: int = 0,
+    split: str = "train",
+    min_operands: int = 6,
+    max_operands: int = 9,
+) -> list[Problem]:
+    """``size`` distinct problems of one split, reproducible from ``seed``.
+
+    Raises:
+        ValueError: bad size, split or operand range.
+    """
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"size must be a positive int, got {size!r}")
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    if not 2 <= min_operands <= max_operands:
+        raise ValueError(
+            f"need 2 <= min_operands <= max_operands, got {min_operands}, {max_operands}"
+        )
+    rng = random.Random(f"modsum-{seed}")
+    seen: set[str] = set()
+    out: list[Problem] = []
+    while len(out) < size:
+        p = modsum_problem(rng, rng.randint(min_operands, max_operands))
+        if p.id not in seen and _split_of(p.prompt) == split:
+            seen.add(p.id)
+            out.append(p)
+    return out

@@ -1,0 +1,74 @@
+"""Tiny models, checkpoints and rewards for in-process recipe tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import save_file
+
+from pepo.models import tiny_qwen3
+from pepo.recipe_config import find_config, register_resolvers
+
+MODEL_OVERRIDES = {"embed_dim": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
+                   "intermediate_dim": 64}
+
+
+class DigitReward:
+    """A reward that varies across random responses: the share of digits among the chars."""
+
+    def __call__(self, responses: Sequence[str], answers: Sequence[str]) -> list[float]:
+        return [sum(c.isdigit() for c in r) / max(1, len(r)) for r in responses]
+
+
+class ConstantReward:
+    def __call__(self, responses: Sequence[str], answers: Sequence[str]) -> list[float]:
+        return [1.0] * len(responses)
+
+
+
+def random_checkpoint(path: Path, seed: int = 0) -> Path:
+    torch.manual_seed(seed)
+    model = tiny_qwen3(**MODEL_OVERRIDES)
+    with torch.no_grad():  # small init, as Hugging Face's: a near-uniform, diverse policy
+        for p in model.parameters():
+            if p.dim() >= 2:
+                torch.nn.init.normal_(p, std=0.02)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              str(path / "model.safetensors"))
+    return path
+
+
+def tiny_cfg(tmp_path: Path, name: str = "tiny", **overrides):
+    """The bundled config ``name`` shrunk to a random 1-layer model and a few rollouts."""
+    register_resolvers()
+    cfg = OmegaConf.load(find_config(name))
+    ckpt = random_checkpoint(tmp_path / "init")
+    base = {
+        "output_dir": str(tmp_path / "run"),
+        "checkpoint_dir": str(ckpt),
+        "model": {"_component_": "pepo.models.tiny_qwen3", **MODEL_OVERRIDES},
+        "dataset": {"size": 64},
+        "val_dataset": {"size": 4},
+        "reward": {"_component_": "tests.recipe_helpers.DigitReward"},
+        "generation": {"max_new_tokens": 12},
+        "num_steps": 2,
+        "prompts_per_step": 2,
+        "micro_batch_size": 4,
+        "validation": {"every": 0, "samples": 2},
+        "save_every": 1,
+        "dump_rollouts_every": 1,
+        "plot": False,
+        "optimizer": {"lr": 1e-2},
+    }
+    if name == "tiny":
+        base["estimator"] = {"group_size": 4}
+    else:
+        base["prompts_per_step"] = 8
+        base["estimator"] = {"prior_samples": 1, "candidate_pool": 2}
+        base["dataset"] = {"size": 16}
+    cfg = OmegaConf.merge(cfg, base, overrides)
+    return cfg

@@ -1,0 +1,162 @@
+"""The recipe, in-process, on a random 1-layer Qwen3 for a few steps (seconds each)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import pepo.weighting as pw
+import pepo_recipe
+from pepo.recipe_config import find_config, list_configs, register_resolvers, validate_config
+from tests.recipe_helpers import tiny_cfg
+
+
+def run(cfg):
+    recipe = pepo_recipe.PEPORecipe(cfg)
+    recipe.setup(cfg)
+    try:
+        recipe.train()
+    finally:
+        recipe.cleanup()
+    return recipe
+
+
+def losses(recipe):
+    return [h["loss"] for h in recipe.history if "loss" in h]
+
+
+# Recorded from this test's own configuration (torch 2.13.0, CPU). A change in any part of the
+# step (sampling, advantages, weighting, loss, optimizer) moves them.
+RECORDED_LOSSES = [-0.2946012616157532, 0.017558187246322632, -0.12414099276065826]
+
+
+def test_losses_match_recorded_values(tmp_path):
+    recipe = run(tiny_cfg(tmp_path, num_steps=3))
+    got = losses(recipe)
+    assert len(got) == 3
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(RECORDED_LOSSES), rtol=1e-4, atol=1e-6)
+
+
+def test_bundled_configs_validate_and_instantiate(tmp_path):
+    register_resolvers()
+    assert {"tiny", "tiny_spo"} <= set(list_configs())
+    for name in list_configs():
+        cfg = OmegaConf.load(find_config(name))
+        validate_config(cfg)
+        recipe = pepo_recipe.PEPORecipe(OmegaConf.merge(cfg, {"output_dir": str(tmp_path / name)}))
+        recipe.setup(OmegaConf.merge(cfg, {"output_dir": str(tmp_path / name),
+                                           "estimator": {"prior_samples": 0}}))
+        assert sum(p.numel() for p in recipe.model.parameters()) > 0
+        recipe.cleanup()
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny_spo"])
+def test_resume_is_exact(tmp_path, name):
+    full = run(tiny_cfg(tmp_path / "full", name, num_steps=4))
+    first = run(tiny_cfg(tmp_path / "split", name, num_steps=2))
+    second = run(tiny_cfg(tmp_path / "split", name, num_steps=4, resume_from_checkpoint=True))
+    assert second.step == 4 and first.step == 2
+    torch.testing.assert_close(
+        torch.tensor(losses(second)), torch.tensor(losses(full)), rtol=0, atol=1e-6
+    )
+    for (k, a), b in zip(full.model.state_dict().items(), second.model.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=k)
+
+
+def test_single_stream_runs_and_updates_tracker(tmp_path):
+    recipe = run(tiny_cfg(tmp_path, "tiny_spo", num_steps=2))
+    assert recipe.mode == "single_stream"
+    assert len(recipe.tracker) == 16  # every training prompt got a prior
+    rows = [json.loads(line) for line in
+            (tmp_path / "run" / "rollouts" / "step_000002.jsonl").read_text().splitlines()]
+    assert len(rows) == 8 and len({r["prompt_id"] for r in rows}) == 8  # one rollout per prompt
+
+
+@pytest.mark.parametrize("strategy", pw.list_strategies())
+def test_every_strategy_runs(tmp_path, strategy):
+    recipe = run(tiny_cfg(tmp_path, num_steps=1, strategy={"name": strategy}))
+    assert all(math.isfinite(v) for v in losses(recipe))
+
+
+def test_parameters_change(tmp_path):
+    cfg = tiny_cfg(tmp_path, num_steps=1)
+    recipe = pepo_recipe.PEPORecipe(cfg)
+    recipe.setup(cfg)
+    before = {k: v.clone() for k, v in recipe.model.state_dict().items()}
+    recipe.train()
+    changed = [k for k, v in recipe.model.state_dict().items() if not torch.equal(v, before[k])]
+    assert len(changed) == len(before), set(before) - set(changed)
+
+
+def test_equal_rewards_give_no_update(tmp_path):
+    cfg = tiny_cfg(tmp_path, num_steps=1,
+                   reward={"_component_": "tests.recipe_helpers.ConstantReward"})
+    recipe = pepo_recipe.PEPORecipe(cfg)
+    recipe.setup(cfg)
+    before = {k: v.clone() for k, v in recipe.model.state_dict().items()}
+    recipe.train()
+    for k, v in recipe.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert recipe.history[-1]["zero_advantage"] == 1.0
+
+
+def test_outputs_written(tmp_path):
+    run(tiny_cfg(tmp_path, num_steps=2, plot=True, validation={"every": 1, "samples": 1}))
+    out = tmp_path / "run"
+    assert (out / "training_curves.png").stat().st_size > 1000
+    assert "val_accuracy" in (out / "logs" / "metrics.txt").read_text()
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_2"
+    row = json.loads((out / "rollouts" / "step_000001.jsonl").read_text().splitlines()[0])
+    n = len(row["token_ids"])
+    assert n == len(row["entropies"]) == len(row["token_advantages"]) == len(row["tokens"]) > 0
+    assert set(row) >= {"prompt", "response", "reward", "advantage", "token_weights"}
+
+
+def test_nonfinite_steps_are_skipped_then_stop(tmp_path, monkeypatch):
+    cfg = tiny_cfg(tmp_path, num_steps=3, max_nonfinite_steps=3)
+    recipe = pepo_recipe.PEPORecipe(cfg)
+    recipe.setup(cfg)
+    before = {k: v.clone() for k, v in recipe.model.state_dict().items()}
+    real = pepo_recipe.clipped_policy_loss
+    monkeypatch.setattr(pepo_recipe, "clipped_policy_loss",
+                        lambda *a, **k: real(*a, **k) * float("nan"))
+    with pytest.raises(pepo_recipe.NonFiniteError, match="3 optimizer steps in a row"):
+        recipe.train()
+    # ppo_mini_batches=2: the first step skips two optimizer steps, the second stops at one more
+    assert recipe.nonfinite_total == 3
+    assert recipe.history[-1]["nonfinite_skipped"] == 2
+    for k, v in recipe.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"strategy": {"name": "nope"}}, "unknown strategy 'nope'"),
+        ({"strategy": {"proximal_softmax": {"window": 4}}}, "window must be an odd int"),
+        ({"micro_batch_size": 3}, "micro_batch_size=3 does not divide"),
+        ({"ppo_mini_batches": 3}, "ppo_mini_batches=3 does not divide"),
+        ({"estimator": {"group_size": 1}}, "estimator.group_size must be an int >= 2"),
+        ({"estimator": {"name": "ppo"}}, "estimator.name must be one of"),
+        ({"checkpoint_dir": "/nonexistent/ckpt"}, "checkpoint_dir='/nonexistent/ckpt' has no model"),
+        ({"generation": {"top_p": 0.0}}, "generation.top_p must be a number in"),
+    ],
+)
+def test_bad_config_fails_before_model(tmp_path, override, message, monkeypatch):
+    cfg = tiny_cfg(tmp_path, **override)
+    built = []
+    monkeypatch.setattr("pepo.models.tiny_qwen3", lambda *a, **k: built.append(1))
+    with pytest.raises(ValueError, match=message):
+        pepo_recipe.PEPORecipe(cfg)
+    assert not built
+
+
+def test_resume_without_checkpoint_is_clear(tmp_path):
+    cfg = tiny_cfg(tmp_path, resume_from_checkpoint=True)
+    recipe = pepo_recipe.PEPORecipe(cfg)
+    with pytest.raises(ValueError, match="holds no checkpoint"):
+        recipe.setup(cfg)
