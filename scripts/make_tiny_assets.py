@@ -84,7 +84,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--noise", type=float, default=0.08)
+    ap.add_argument("--noise", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     out = Path(args.out)

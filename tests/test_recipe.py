@@ -47,9 +47,11 @@ def test_bundled_configs_validate_and_instantiate(tmp_path):
     for name in list_configs():
         cfg = OmegaConf.load(find_config(name))
         validate_config(cfg)
-        recipe = pepo_recipe.PEPORecipe(OmegaConf.merge(cfg, {"output_dir": str(tmp_path / name)}))
-        recipe.setup(OmegaConf.merge(cfg, {"output_dir": str(tmp_path / name),
-                                           "estimator": {"prior_samples": 0}}))
+        # no single-stream prior: it would sample the whole training set
+        cfg = OmegaConf.merge(cfg, {"output_dir": str(tmp_path / name),
+                                    "estimator": {"prior_samples": 0}})
+        recipe = pepo_recipe.PEPORecipe(cfg)
+        recipe.setup(cfg)
         assert sum(p.numel() for p in recipe.model.parameters()) > 0
         recipe.cleanup()
 
@@ -160,3 +162,19 @@ def test_resume_without_checkpoint_is_clear(tmp_path):
     recipe = pepo_recipe.PEPORecipe(cfg)
     with pytest.raises(ValueError, match="holds no checkpoint"):
         recipe.setup(cfg)
+
+
+def test_custom_strategy_through_imports(tmp_path, monkeypatch):
+    (tmp_path / "my_halving_strategy.py").write_text(
+        "import pepo.weighting as pw\n"
+        "@pw.register_strategy('halved_uniform_for_test', overwrite=True)\n"
+        "def halved():\n"
+        "    return lambda a, e, m: 0.5 * a[:, None].expand(m.shape)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = tiny_cfg(tmp_path, num_steps=1, imports=["my_halving_strategy"],
+                   strategy={"name": "halved_uniform_for_test"})
+    recipe = run(cfg)
+    assert recipe.strategy_name == "halved_uniform_for_test" and losses(recipe)
+    with pytest.raises(ValueError, match="imports: cannot import 'no_such_module_xyz'"):
+        pepo_recipe.PEPORecipe(tiny_cfg(tmp_path / "b", imports=["no_such_module_xyz"]))

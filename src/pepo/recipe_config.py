@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.resources
 from pathlib import Path
 from typing import Any, Optional
@@ -111,6 +112,11 @@ def validate_config(cfg: DictConfig) -> None:
     Raises:
         ValueError: naming the first bad key and its value.
     """
+    for module in cfg.get("imports") or []:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ValueError(f"imports: cannot import {module!r}: {e}") from None
     name, params = strategy_params(cfg)
     try:
         weighting.get_strategy(name, **params)

@@ -1,0 +1,130 @@
+"""Sampling filters against loop references; KV-cached decoding against full forwards."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import pepo.generation as G
+from pepo.entropy import logprobs_and_entropy
+from pepo.models import tiny_qwen3
+
+
+def ref_filter(logits, temperature, top_k, top_p):
+    """Per row: scale, keep the top-k, then the smallest prefix of sorted probs reaching top_p."""
+    out = []
+    for row in logits.double() / temperature:
+        keep = set(range(row.numel()))
+        order = sorted(range(row.numel()), key=lambda v: -row[v].item())
+        if top_k is not None:
+            keep = set(order[:top_k])
+        probs = torch.softmax(torch.tensor([row[v].item() if v in keep else -math.inf
+                                            for v in range(row.numel())]), 0)
+        cum, nucleus = 0.0, set()
+        for v in order:
+            if v not in keep:
+                continue
+            if cum >= top_p:
+                break
+            nucleus.add(v)
+            cum += probs[v].item()
+        out.append([row[v].item() if v in nucleus else -math.inf for v in range(row.numel())])
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [
+    (1.0, None, 1.0), (0.6, None, 0.6), (1.0, 3, 1.0), (0.7, 5, 0.9), (2.0, None, 0.05),
+    (1.0, None, 0.999999),
+])
+def test_filter_logits_matches_reference(temperature, top_k, top_p):
+    torch.manual_seed(0)
+    logits = torch.randn(6, 17) * 3
+    got = G.filter_logits(logits, temperature, top_k, top_p)
+    ref = ref_filter(logits, temperature, top_k, top_p).float()
+    assert torch.equal(torch.isinf(got), torch.isinf(ref))
+    finite = torch.isfinite(ref)
+    torch.testing.assert_close(got[finite], ref[finite], rtol=1e-6, atol=1e-6)
+    assert bool(torch.isfinite(got).any(-1).all())  # the most likely token always survives
+
+
+@pytest.mark.parametrize("kw, msg", [({"temperature": 0.0}, "temperature"),
+                                     ({"top_p": 0.0}, "top_p"), ({"top_k": 0}, "top_k")])
+def test_filter_logits_rejects_bad_values(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        G.filter_logits(torch.zeros(1, 4), **kw)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = tiny_qwen3(embed_dim=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_dim=64)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.1)
+    return m
+
+
+PROMPTS = [[5, 6, 7, 8, 9], [3, 4], [10, 11, 12, 13, 14, 15, 16]]
+
+
+def test_kv_cached_sampling_sees_full_forward_distribution(model, monkeypatch):
+    seen = []
+    real = G.filter_logits
+    monkeypatch.setattr(G, "filter_logits", lambda l, *a: seen.append(l.clone()) or real(l, *a))
+    ro = G.generate(model, PROMPTS, max_new_tokens=10, pad_id=0, stop_tokens=[1],
+                    generator=torch.Generator().manual_seed(0))
+    cached = torch.stack(seen, 1).log_softmax(-1)  # [B, T, V]
+    seq = torch.cat([ro.prompt_tokens, ro.tokens], 1)
+    attn, pos = G.sequence_inputs(ro.prompt_mask, ro.tokens.shape[1])
+    P = ro.prompt_tokens.shape[1]
+    full = model(seq, mask=attn, input_pos=pos)[:, P - 1 : -1].log_softmax(-1)
+    torch.testing.assert_close(cached[ro.mask], full[ro.mask], rtol=1e-4, atol=1e-4)
+
+
+def test_padded_rows_equal_unpadded_rows(model):
+    ro = G.generate(model, PROMPTS, max_new_tokens=10, pad_id=0, stop_tokens=[1],
+                    generator=torch.Generator().manual_seed(1))
+    seq = torch.cat([ro.prompt_tokens, ro.tokens], 1)
+    attn, pos = G.sequence_inputs(ro.prompt_mask, ro.tokens.shape[1])
+    P = ro.prompt_tokens.shape[1]
+    lp, _ = logprobs_and_entropy(model(seq, mask=attn, input_pos=pos)[:, P - 1 : -1], ro.tokens)
+    for i, p in enumerate(PROMPTS):
+        r = ro.tokens[i][ro.mask[i]]
+        alone = model(torch.tensor([p + r.tolist()]))  # plain causal, no padding
+        lp_i, _ = logprobs_and_entropy(alone[:, len(p) - 1 : -1], r[None])
+        torch.testing.assert_close(lp_i[0], lp[i][ro.mask[i]], rtol=1e-5, atol=1e-5)
+
+
+def test_stop_tokens_end_rows_and_are_kept(model):
+    # a stop set of every id: each row stops at its first token
+    ro = G.generate(model, PROMPTS, max_new_tokens=8, pad_id=0, stop_tokens=list(range(32)),
+                    generator=torch.Generator().manual_seed(0))
+    assert ro.tokens.shape == (3, 1) and bool(ro.mask.all()) and bool(ro.finished.all())
+    ro = G.generate(model, PROMPTS, max_new_tokens=8, pad_id=0, stop_tokens=[],
+                    generator=torch.Generator().manual_seed(0))
+    assert ro.tokens.shape == (3, 8) and bool(ro.mask.all()) and not bool(ro.finished.any())
+
+
+def test_generation_is_reproducible_from_the_generator(model):
+    a = G.generate(model, PROMPTS, max_new_tokens=8, pad_id=0, stop_tokens=[1],
+                   generator=torch.Generator().manual_seed(3))
+    b = G.generate(model, PROMPTS, max_new_tokens=8, pad_id=0, stop_tokens=[1],
+                   generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.mask, b.mask)
+    assert not model.caches_are_setup()
+
+
+def test_masks_are_prefixes_and_padding_is_pad(model):
+    ro = G.generate(model, PROMPTS * 4, max_new_tokens=12, pad_id=0, stop_tokens=[1, 2, 3],
+                    generator=torch.Generator().manual_seed(0))
+    lengths = ro.mask.sum(-1, keepdim=True)
+    assert torch.equal(ro.mask, torch.arange(ro.mask.shape[1]) < lengths)
+    assert bool((ro.tokens[~ro.mask] == 0).all())
+
+
+def test_too_long_is_refused(model):
+    with pytest.raises(ValueError, match="exceeds the model's max_seq_len"):
+        G.generate(model, PROMPTS, max_new_tokens=1000, pad_id=0, stop_tokens=[1])

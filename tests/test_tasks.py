@@ -1,0 +1,93 @@
+"""The embedded task, its verifier, the tokenizer and the prompt sampler."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pepo.recipe_config import asset_dir
+from pepo.rewards import BoxedMatch, boxed_match, last_boxed
+from pepo.sampling import PromptSampler, prioritized_sample
+from pepo.tasks import modsum_dataset, modsum_problem
+from pepo.tokenizers import load_tokenizer
+
+
+def test_solutions_are_correct_and_long():
+    rng = random.Random(0)
+    tok = load_tokenizer(asset_dir("tiny"))
+    for _ in range(200):
+        n = rng.randint(6, 9)
+        p = modsum_problem(rng, n)
+        expr = p.id.replace("-", "+-").split("+")
+        assert int(p.answer) == sum(int(x) for x in expr) % 10  # left to right mod 10 = sum mod 10
+        assert boxed_match([p.solution], [p.answer]) == [1.0]
+        assert len(tok.encode(p.solution)) >= 30
+        assert tok.decode(tok.encode(p.prompt + p.solution)) == p.prompt + p.solution
+
+
+def test_splits_are_disjoint_and_reproducible():
+    train = modsum_dataset(2000, seed=0, split="train")
+    val = modsum_dataset(200, seed=0, split="val")
+    assert not {p.id for p in train} & {p.id for p in val}
+    assert len({p.id for p in train}) == 2000
+    assert modsum_dataset(50, seed=0, split="val") == val[:50]
+    assert modsum_dataset(50, seed=1, split="val") != val[:50]
+
+
+@pytest.mark.parametrize("kw, msg", [({"size": 0}, "size"), ({"size": 3, "split": "test"}, "split"),
+                                     ({"size": 3, "min_operands": 5, "max_operands": 4}, "operands")])
+def test_dataset_rejects_bad_values(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        modsum_dataset(**kw)
+
+
+@pytest.mark.parametrize("text, boxed", [
+    ("1+2=3\n\\boxed{3}", "3"), ("no box", None), ("\\boxed{1} then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+    ("\\boxed{unclosed", None), ("\\boxed{}", ""),
+])
+def test_last_boxed(text, boxed):
+    assert last_boxed(text) == boxed
+
+
+def test_boxed_match():
+    assert BoxedMatch()(["\\boxed{ 7 }", "\\boxed{7}x", "7", "\\boxed{8}"], ["7", "7", "7", "7"]) == [
+        1.0, 1.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="2 responses but 1 answers"):
+        boxed_match(["a", "b"], ["a"])
+
+
+def test_tokenizer_specials():
+    tok = load_tokenizer(asset_dir("tiny"))
+    assert tok.stop_tokens == [tok.eos_id] and tok.pad_id != tok.eos_id
+    assert tok.decode([tok.eos_id, tok.encode("5")[0]]) == "5"
+    with pytest.raises(ValueError, match="has no tokenizer.json"):
+        load_tokenizer("/nonexistent")
+    with pytest.raises(ValueError, match="'<nope>' is not in the tokenizer's vocabulary"):
+        tok.token_id("<nope>", "generation.stop_tokens")
+
+
+def test_sampler_covers_each_epoch_and_resumes():
+    s = PromptSampler(10, seed=3)
+    first = s.next(7) + s.next(7)  # crosses into epoch 1
+    assert sorted(first[:10]) == list(range(10))
+    state = s.state_dict()
+    cont = s.next(9)
+    t = PromptSampler(10, seed=3)
+    t.load_state_dict(state)
+    assert t.next(9) == cont
+    with pytest.raises(ValueError, match="dataset of 10 items"):
+        PromptSampler(11).load_state_dict(state)
+
+
+def test_prioritized_sample_follows_weights():
+    g = torch.Generator().manual_seed(0)
+    w = torch.tensor([1.0, 1.0, 8.0, 1e-6])
+    counts = torch.zeros(4)
+    for _ in range(2000):
+        counts[prioritized_sample(w, 1, g)[0]] += 1
+    torch.testing.assert_close(counts / 2000, w / w.sum(), atol=0.03, rtol=0)
+    assert sorted(prioritized_sample(w, 10, g)) == [0, 1, 2, 3]  # k > N: everything once
+    with pytest.raises(ValueError, match="finite and > 0"):
+        prioritized_sample(torch.tensor([1.0, 0.0]), 1, g)
