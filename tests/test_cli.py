@@ -1,0 +1,36 @@
+"""`tune run pepo_recipe` as a user types it, from a directory outside the repository."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+TUNE = [sys.executable, "-m", "torchtune._cli.tune", "run", "pepo_recipe"]
+
+
+def tune(tmp_path, *args):
+    return subprocess.run([*TUNE, *args], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_tune_run_tiny_one_step(tmp_path):
+    r = tune(tmp_path, "--config", "tiny", "num_steps=1", "output_dir=out", "validation.samples=1",
+             "val_dataset.size=4", "strategy.name=global_topk")
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    assert "pepo[global_topk]" in out and "tok_s=" in out  # the progress bar
+    assert "Validation accuracy (avg@1):" in out and "before ->" in out
+    assert (tmp_path / "out" / "training_curves.png").is_file()
+    assert (tmp_path / "out" / "logs" / "metrics.txt").is_file()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config", "no_such_config"], "neither a file nor a bundled config; bundled configs: ["),
+    (["--config", "tiny", "strategy.name=nope"], "config error: strategy.name='nope': unknown"),
+])
+def test_tune_run_bad_config_is_one_clear_line(tmp_path, args, message):
+    r = tune(tmp_path, *args)
+    assert r.returncode != 0
+    assert message in r.stderr and "Traceback" not in r.stderr
