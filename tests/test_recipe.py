@@ -178,3 +178,12 @@ def test_custom_strategy_through_imports(tmp_path, monkeypatch):
     assert recipe.strategy_name == "halved_uniform_for_test" and losses(recipe)
     with pytest.raises(ValueError, match="imports: cannot import 'no_such_module_xyz'"):
         pepo_recipe.PEPORecipe(tiny_cfg(tmp_path / "b", imports=["no_such_module_xyz"]))
+
+
+def test_find_config_by_name_and_path(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("name: mine\n")
+    assert find_config(str(path)) == str(path)
+    assert find_config("tiny").endswith("tiny.yaml")
+    with pytest.raises(ValueError, match="bundled configs: \\['tiny', 'tiny_spo'"):
+        find_config("tinyy")
