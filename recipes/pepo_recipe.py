@@ -140,7 +140,10 @@ class PEPORecipe(FTRecipeInterface):
             if not kwargs.get("prior_samples"):  # 0: no offline prior, Jeffreys start
                 kwargs.pop("prior_samples", None)
             self.tracker = estimators.SingleStreamEstimator(**kwargs)
+        # host-side choices (prompt draws, mini-batch order) and token sampling on the model's
+        # device use separate generators; both are checkpointed
         self.rng = torch.Generator(device="cpu").manual_seed(self.seed)
+        self.sample_rng = torch.Generator(device=self._device).manual_seed(self.seed + 1)
         self.metric_logger = config.instantiate(cfg.metric_logger)
         self.metric_logger.log_config(cfg)
         self.checkpointer = AtomicCheckpointer(
@@ -165,6 +168,7 @@ class PEPORecipe(FTRecipeInterface):
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.sampler.load_state_dict(state["sampler"])
         self.rng.set_state(state["rng"])
+        self.sample_rng.set_state(state["sample_rng"])
         torch.set_rng_state(state["torch_rng"])
         if self.tracker is not None:
             self.tracker.load_state_dict(state["tracker"])
@@ -201,13 +205,13 @@ class PEPORecipe(FTRecipeInterface):
             prompts,
             pad_id=self.tokenizer.pad_id,
             stop_tokens=self.stop_tokens,
-            generator=self.rng if generator is None else generator,
+            generator=self.sample_rng if generator is None else generator,
             **self.gen_kwargs,
         )
         texts = [self.tokenizer.decode(t[m].tolist()) for t, m in zip(ro.tokens, ro.mask)]
         rewards = torch.tensor(
             self.reward_fn(texts, [p.answer for p in problems]), dtype=torch.float32
-        )  # [B]
+        ).to(self._device)  # [B]
         if rewards.shape != (len(problems),) or not bool(torch.isfinite(rewards).all()):
             raise ValueError(
                 f"the reward function must return {len(problems)} finite floats, got {rewards}"
@@ -239,7 +243,7 @@ class PEPORecipe(FTRecipeInterface):
             idx = self.sampler.next(self.prompts_per_step)
             return [self.train_data[i] for i in idx for _ in range(self.group_size)]
         pool = [self.train_data[i] for i in self.sampler.next(self.prompts_per_step * self.candidate_pool)]
-        w = self.tracker.sampling_weights([p.id for p in pool])
+        w = self.tracker.sampling_weights([p.id for p in pool]).cpu()
         return [pool[i] for i in prioritized_sample(w, self.prompts_per_step, self.rng)]
 
     def train_step(self) -> dict[str, float]:
@@ -254,7 +258,7 @@ class PEPORecipe(FTRecipeInterface):
                 rewards, self.group_size, normalize_std=self.normalize_std
             )  # [B]
         else:
-            adv = self.tracker.advantages(ids, rewards)  # [B]
+            adv = self.tracker.advantages(ids, rewards.cpu()).to(self._device)  # [B]
 
         resp, mask = ro.tokens, ro.mask  # [B, T]
         seq = torch.cat([ro.prompt_tokens, resp], dim=1)  # [B, S]
@@ -265,7 +269,7 @@ class PEPORecipe(FTRecipeInterface):
 
         B = resp.shape[0]
         losses, stats = [], []
-        grad_norm = torch.tensor(0.0)
+        grad_norm = torch.zeros((), device=self._device)
         for _ in range(self.ppo_epochs):
             order = (
                 torch.randperm(B, generator=self.rng) if self.ppo_mini_batches > 1 else torch.arange(B)
@@ -273,7 +277,7 @@ class PEPORecipe(FTRecipeInterface):
             for mb in order.chunk(self.ppo_mini_batches):
                 num_tokens = mask[mb].sum()
                 self.optimizer.zero_grad(set_to_none=True)
-                mb_loss = torch.zeros(())
+                mb_loss = torch.zeros((), device=self._device)
                 for micro in mb.split(self.micro_batch_size):
                     lp, _ = self._forward_logprobs(ro, micro, inputs)
                     loss = clipped_policy_loss(
@@ -301,7 +305,7 @@ class PEPORecipe(FTRecipeInterface):
                     torch.where(mask, (new_lp - old_lp).abs(), 0.0).sum(-1)
                     / mask.sum(-1).clamp_min(1)
                 )  # [B]
-            self.tracker.update(ids, rewards, kl=kl)
+            self.tracker.update(ids, rewards.cpu(), kl=None if kl is None else kl.cpu())
 
         dt = time.perf_counter() - t0
         ntok = int(mask.sum())
@@ -377,7 +381,7 @@ class PEPORecipe(FTRecipeInterface):
         """avg@k: mean reward>0 over ``validation.samples`` draws per held-out prompt."""
         if not self.val_data:
             return float("nan")
-        gen = torch.Generator().manual_seed(self.seed + 7919)
+        gen = torch.Generator(device=self._device).manual_seed(self.seed + 7919)
         problems = [p for p in self.val_data for _ in range(self.val_samples)]
         correct = []
         for i in range(0, len(problems), 256):
@@ -425,6 +429,7 @@ class PEPORecipe(FTRecipeInterface):
             "optimizer": self.optimizer.state_dict(),
             "sampler": self.sampler.state_dict(),
             "rng": self.rng.get_state(),
+            "sample_rng": self.sample_rng.get_state().cpu(),
             "torch_rng": torch.get_rng_state(),
             "history": self.history,
             "nonfinite_total": self.nonfinite_total,
