@@ -23,6 +23,9 @@ Deviations from the paper's setup, all deliberate:
   the temperature-scaled softmax.
 * Generation is torchtune's KV-cached decoder in the training process (no vLLM), and the whole
   batch decodes in lock-step.
+* Single-stream forgetting: ``D`` is the mean |Δ log-prob| of each prompt's response of this
+  step across this step's update (one extra no-grad forward), as the SPO reference code
+  computes it, rather than the policy change since the prompt's previous visit.
 * ``validation`` samples ``samples`` responses per held-out prompt with the training sampler's
   settings and a fixed seed, so successive evaluations differ only by the policy.
 """
@@ -98,6 +101,11 @@ class PEPORecipe(FTRecipeInterface):
         self.dump_every = cfg.dump_rollouts_every
         self.resume = bool(cfg.get("resume_from_checkpoint", False))
         self.plot = bool(cfg.get("plot", True))
+        if not self.resume and (self.output_dir / "checkpoints" / "latest").exists():
+            raise ValueError(
+                f"output_dir={str(self.output_dir)!r} already holds a run's checkpoints; pass "
+                f"resume_from_checkpoint=True to continue it, or choose another output_dir"
+            )
         self.step = 0
         self.history: list[dict[str, Any]] = []
         self.nonfinite_total = 0
@@ -120,14 +128,16 @@ class PEPORecipe(FTRecipeInterface):
         load_model_weights(self.model, cfg.checkpoint_dir)
         self.optimizer = config.instantiate(cfg.optimizer, self.model.parameters())
         self.lr_scheduler = None
+        self.schedule_steps = self.num_steps * self.ppo_epochs * self.ppo_mini_batches
         if cfg.get("lr_scheduler") is not None:
             self.lr_scheduler = config.instantiate(
-                cfg.lr_scheduler,
-                self.optimizer,
-                num_training_steps=self.num_steps * self.ppo_epochs * self.ppo_mini_batches,
+                cfg.lr_scheduler, self.optimizer, num_training_steps=self.schedule_steps
             )
-        self.train_data = list(config.instantiate(cfg.dataset))
-        self.val_data = list(config.instantiate(cfg.val_dataset)) if cfg.get("val_dataset") else []
+        self.train_data = self._fitting(list(config.instantiate(cfg.dataset)), "dataset")
+        self.val_data = (
+            self._fitting(list(config.instantiate(cfg.val_dataset)), "val_dataset")
+            if cfg.get("val_dataset") else []
+        )
         self.sampler = PromptSampler(len(self.train_data), seed=self.seed)
         name, params = strategy_params(cfg)
         self.strategy_name = name
@@ -165,6 +175,12 @@ class PEPORecipe(FTRecipeInterface):
         state = self.checkpointer.load_state(path)
         self.optimizer.load_state_dict(state["optimizer"])
         if self.lr_scheduler is not None:
+            if state.get("schedule_steps") != self.schedule_steps:
+                raise ValueError(
+                    f"the checkpoint's LR schedule spans {state.get('schedule_steps')} optimizer "
+                    f"steps, this config's {self.schedule_steps} (num_steps x ppo_epochs x "
+                    f"ppo_mini_batches): an exact resume needs the same schedule"
+                )
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.sampler.load_state_dict(state["sampler"])
         self.rng.set_state(state["rng"])
@@ -177,6 +193,25 @@ class PEPORecipe(FTRecipeInterface):
         self.nonfinite_total = state["nonfinite_total"]
         self.nonfinite_in_a_row = state["nonfinite_in_a_row"]
         log.info(f"Resumed from {path} at step {self.step}")
+
+    def _fitting(self, problems: list, key: str) -> list:
+        """Drops prompts too long for the model with the response budget (with a warning)."""
+        limit = getattr(self.model, "max_seq_len", None)
+        if limit is None:
+            return problems
+        budget = limit - self.gen_kwargs["max_new_tokens"]
+        kept = [p for p in problems if len(self.tokenizer.encode(p.prompt)) <= budget]
+        if not kept:
+            raise ValueError(
+                f"no prompt of {key} fits the model's max_seq_len={limit} with "
+                f"generation.max_new_tokens={self.gen_kwargs['max_new_tokens']}"
+            )
+        if len(kept) < len(problems):
+            log.warning(
+                f"{key}: dropped {len(problems) - len(kept)} of {len(problems)} prompts longer "
+                f"than {budget} tokens (max_seq_len - generation.max_new_tokens)"
+            )
+        return kept
 
     def _estimate_prior(self) -> None:
         """SPO's offline prior: ``prior_samples`` rollouts of every training prompt."""
@@ -437,17 +472,21 @@ class PEPORecipe(FTRecipeInterface):
         }
         if self.lr_scheduler is not None:
             state["lr_scheduler"] = self.lr_scheduler.state_dict()
+            state["schedule_steps"] = self.schedule_steps
         if self.tracker is not None:
             state["tracker"] = self.tracker.state_dict()
         self.checkpointer.save(step, self.model, state)
 
     def cleanup(self) -> None:
         self.metric_logger.close()
+        close = getattr(self.reward_fn, "close", None)
+        if callable(close):  # e.g. MathVerify's worker processes
+            close()
 
 
-def recipe_main(cfg: DictConfig) -> None:
-    """Runs the recipe on a resolved config (also the entry point for in-process tests)."""
-    recipe = PEPORecipe(cfg)
+def recipe_main(cfg: DictConfig, recipe: Optional[PEPORecipe] = None) -> None:
+    """Runs the recipe on a resolved config (also the entry point for in-process runs)."""
+    recipe = recipe if recipe is not None else PEPORecipe(cfg)
     config.log_config(recipe_name="PEPORecipe", cfg=cfg)
     recipe.setup(cfg)
     try:
@@ -472,10 +511,10 @@ def _resolve_config_arg(argv: list[str]) -> list[str]:
 @config.parse
 def _main(cfg: DictConfig) -> None:
     try:
-        validate_config(cfg)
+        recipe = PEPORecipe(cfg)  # validates the config; builds nothing yet
     except ValueError as e:  # a config error is the user's to fix: no traceback
         sys.exit(f"config error: {e}")
-    recipe_main(cfg)
+    recipe_main(cfg, recipe)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,9 @@ def test_tune_run_tiny_one_step(tmp_path):
     assert "Validation accuracy (avg@1):" in out and "before ->" in out
     assert (tmp_path / "out" / "training_curves.png").is_file()
     assert (tmp_path / "out" / "logs" / "metrics.txt").is_file()
+    again = tune(tmp_path, "--config", "tiny", "num_steps=1", "output_dir=out")
+    assert again.returncode != 0 and "Traceback" not in again.stderr
+    assert "already holds a run's checkpoints; pass resume_from_checkpoint=True" in again.stderr
 
 
 @pytest.mark.parametrize("args, message", [

@@ -48,8 +48,9 @@ def test_bundled_configs_validate_and_instantiate(tmp_path):
         cfg = OmegaConf.load(find_config(name))
         validate_config(cfg)
         # no single-stream prior: it would sample the whole training set
-        cfg = OmegaConf.merge(cfg, {"output_dir": str(tmp_path / name),
-                                    "estimator": {"prior_samples": 0}})
+        cfg = OmegaConf.merge(cfg, {"output_dir": str(tmp_path / name)})
+        if cfg.estimator.name == "single_stream":
+            cfg.estimator.prior_samples = 0
         recipe = pepo_recipe.PEPORecipe(cfg)
         recipe.setup(cfg)
         assert sum(p.numel() for p in recipe.model.parameters()) > 0
@@ -146,6 +147,9 @@ def test_nonfinite_steps_are_skipped_then_stop(tmp_path, monkeypatch):
         ({"estimator": {"name": "ppo"}}, "estimator.name must be one of"),
         ({"checkpoint_dir": "/nonexistent/ckpt"}, "checkpoint_dir='/nonexistent/ckpt' has no model"),
         ({"generation": {"top_p": 0.0}}, "generation.top_p must be a number in"),
+        ({"seed": None}, "seed must be an int"),
+        ({"estimator": {"group_sise": 4}}, "unknown estimator key\\(s\\) \\['group_sise'\\]"),
+        ({"keep_checkpoints": 0}, "keep_checkpoints must be an int >= 1"),
     ],
 )
 def test_bad_config_fails_before_model(tmp_path, override, message, monkeypatch):
@@ -187,3 +191,33 @@ def test_find_config_by_name_and_path(tmp_path):
     assert find_config("tiny").endswith("tiny.yaml")
     with pytest.raises(ValueError, match="bundled configs: \\['tiny', 'tiny_spo'"):
         find_config("tinyy")
+
+
+def test_single_stream_tracker_values_are_checked_early(tmp_path):
+    with pytest.raises(ValueError, match="estimator: need 0 < rho_min <= rho_max <= 1, got rho_min=2.0"):
+        pepo_recipe.PEPORecipe(tiny_cfg(tmp_path, "tiny_spo", estimator={"rho_min": 2.0}))
+
+
+def test_fresh_run_refuses_an_output_dir_with_checkpoints(tmp_path):
+    run(tiny_cfg(tmp_path, num_steps=1))
+    with pytest.raises(ValueError, match="already holds a run's checkpoints"):
+        pepo_recipe.PEPORecipe(tiny_cfg(tmp_path, num_steps=1))
+
+
+def test_resume_refuses_a_different_lr_schedule(tmp_path):
+    sched = {"_component_": "torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
+             "num_warmup_steps": 1}
+    run(tiny_cfg(tmp_path, num_steps=1, lr_scheduler=sched))
+    cfg = tiny_cfg(tmp_path, num_steps=3, lr_scheduler=sched, resume_from_checkpoint=True)
+    recipe = pepo_recipe.PEPORecipe(cfg)
+    with pytest.raises(ValueError, match="LR schedule spans 2 optimizer steps, this config's 6"):
+        recipe.setup(cfg)
+
+
+def test_prompts_too_long_are_dropped(tmp_path):
+    cfg = tiny_cfg(tmp_path, num_steps=1, model={"max_seq_len": 32},
+                   generation={"max_new_tokens": 12})
+    recipe = pepo_recipe.PEPORecipe(cfg)
+    recipe.setup(cfg)  # prompts are 16-24 tokens: those over 20 go
+    lengths = [len(recipe.tokenizer.encode(p.prompt)) for p in recipe.train_data]
+    assert 0 < len(lengths) < 64 and max(lengths) <= 20

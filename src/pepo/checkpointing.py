@@ -79,6 +79,8 @@ class AtomicCheckpointer:
     def save(self, step: int, model: torch.nn.Module, state: dict[str, Any]) -> Path:
         """Writes checkpoint ``step`` atomically and points ``latest`` at it."""
         self.root.mkdir(parents=True, exist_ok=True)
+        for stale in self.root.glob(".tmp_step_*"):  # left by a crash during an earlier save
+            shutil.rmtree(stale, ignore_errors=True)
         final = self.root / f"step_{step}"
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp_step_{step}_", dir=self.root))
         try:
@@ -89,6 +91,7 @@ class AtomicCheckpointer:
             if final.exists():  # a re-run of this step after a resume
                 shutil.rmtree(final)
             os.replace(tmp, final)
+            _fsync_dir(self.root)  # the new directory is durable before `latest` names it
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.resources
+import inspect
 from pathlib import Path
 from typing import Any, Optional
 
@@ -106,6 +107,34 @@ def _float(cfg: DictConfig, key: str, low: float, high: Optional[float] = None) 
     return float(value)
 
 
+_RECIPE_ESTIMATOR_KEYS = {
+    "group": {"name", "group_size", "normalize_std"},
+    "single_stream": {"name", "candidate_pool", "prior_samples", "adaptive_forgetting"},
+}
+
+
+def _check_estimator_keys(cfg: DictConfig, est: str) -> None:
+    """Unknown ``estimator.*`` keys are typos; single-stream tracker values are checked by
+    building the tracker."""
+    from pepo.estimators import SingleStreamEstimator
+
+    tracker_keys = set(inspect.signature(SingleStreamEstimator).parameters) - {"prior_pass_rates"}
+    allowed = _RECIPE_ESTIMATOR_KEYS[est] | (tracker_keys if est == "single_stream" else set())
+    unknown = sorted(set(cfg.estimator) - allowed)
+    if unknown:
+        raise ValueError(
+            f"unknown estimator key(s) {unknown} for estimator.name={est!r}; valid: {sorted(allowed)}"
+        )
+    if est == "single_stream":
+        kwargs = {k: v for k, v in cfg.estimator.items() if k in tracker_keys}
+        if not kwargs.get("prior_samples"):
+            kwargs.pop("prior_samples", None)
+        try:
+            SingleStreamEstimator(**kwargs)
+        except ValueError as e:
+            raise ValueError(f"estimator: {e}") from None
+
+
 def validate_config(cfg: DictConfig) -> None:
     """Checks the recipe config before anything is built.
 
@@ -140,7 +169,10 @@ def validate_config(cfg: DictConfig) -> None:
         pool = cfg.estimator.get("candidate_pool", 1)
         if isinstance(pool, bool) or not isinstance(pool, int) or pool < 1:
             raise ValueError(f"estimator.candidate_pool must be an int >= 1, got {pool!r}")
-        _int(cfg, "estimator.prior_samples", 0)
+        prior = cfg.estimator.get("prior_samples", 0)
+        if isinstance(prior, bool) or not isinstance(prior, int) or prior < 0:
+            raise ValueError(f"estimator.prior_samples must be an int >= 0, got {prior!r}")
+    _check_estimator_keys(cfg, est)
 
     minis = _int(cfg, "ppo_mini_batches", 1)
     micro = _int(cfg, "micro_batch_size", 1)
@@ -169,6 +201,13 @@ def validate_config(cfg: DictConfig) -> None:
         _int(cfg, key, 0)
     if cfg.get("clip_grad_norm") is not None:
         _float(cfg, "clip_grad_norm", 0.0)
+
+    seed = cfg.get("seed")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an int (exact resume replays the seeded shuffle), got {seed!r}")
+    for key in ("keep_checkpoints", "logprob_chunk_size"):
+        if cfg.get(key) is not None:
+            _int(cfg, key, 1)
 
     ckpt = _require(cfg, "checkpoint_dir")
     if not (Path(ckpt) / "model.safetensors").is_file():

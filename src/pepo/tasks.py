@@ -84,7 +84,14 @@ def modsum_dataset(
     rng = random.Random(f"modsum-{seed}")
     seen: set[str] = set()
     out: list[Problem] = []
+    attempts = 0
     while len(out) < size:
+        attempts += 1
+        if attempts > 100 * size + 10_000:
+            raise ValueError(
+                f"could not find {size} distinct {split} problems with {min_operands}-"
+                f"{max_operands} operands; ask for fewer or allow more operands"
+            )
         p = modsum_problem(rng, rng.randint(min_operands, max_operands))
         if p.id not in seen and _split_of(p.prompt) == split:
             seen.add(p.id)
