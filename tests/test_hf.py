@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+import transformers
 
-from pepo.hf import from_hf, load_hf_config, save_hf  # noqa: E402
+from pepo.hf import from_hf, load_hf_config, save_hf
 
 
 def randomise(model):

@@ -8,8 +8,6 @@ import pytest
 
 import pepo.rewards as R
 
-pytest.importorskip("math_verify")
-
 QWEN3 = ("<think>\nOkay, so I need to find x. If 2x = 1 then x = 1/2... wait, let me double-check."
          "\n</think>\n\nWe solve $2x = 1$, so $x = \\frac{1}{2}$.\n\n**Final Answer**\n"
          "\\[\n\\boxed{\\dfrac{1}{2}}\n\\]")
