@@ -200,7 +200,7 @@ class PEPORecipe(FTRecipeInterface):
         if limit is None:
             return problems
         budget = limit - self.gen_kwargs["max_new_tokens"]
-        kept = [p for p in problems if len(self.tokenizer.encode(p.prompt)) <= budget]
+        kept = [p for p in problems if len(self.tokenizer.encode_prompt(p.prompt)) <= budget]
         if not kept:
             raise ValueError(
                 f"no prompt of {key} fits the model's max_seq_len={limit} with "
@@ -234,7 +234,7 @@ class PEPORecipe(FTRecipeInterface):
     # -------------------------------------------------------------- one step
     def _rollout(self, problems: list, generator: Optional[torch.Generator] = None):
         """Generates one response per problem; returns rollouts, rewards [B] and texts."""
-        prompts = [self.tokenizer.encode(p.prompt) for p in problems]
+        prompts = [self.tokenizer.encode_prompt(p.prompt) for p in problems]
         ro = generate(
             self.model,
             prompts,

@@ -43,15 +43,29 @@ def _write_file(path: Path, write) -> None:
 
 
 def load_model_weights(model: torch.nn.Module, checkpoint_dir: Union[str, Path]) -> None:
-    """Loads ``model.safetensors`` from ``checkpoint_dir`` into ``model`` (strict).
+    """Loads the weights of ``checkpoint_dir`` into ``model`` (strict).
+
+    Either this module's own ``model.safetensors`` (torchtune key names), or a Hugging Face
+    checkpoint (``config.json`` with ``model.safetensors`` or sharded files), converted by
+    :mod:`pepo.hf`.
 
     Raises:
-        ValueError: the file is missing, or its keys or shapes do not match the model.
+        ValueError: no weights, or keys or shapes that do not match the model.
     """
-    path = Path(checkpoint_dir) / MODEL_FILE
-    if not path.is_file():
-        raise ValueError(f"checkpoint_dir={str(checkpoint_dir)!r} has no {MODEL_FILE}")
-    state = load_file(str(path))
+    d = Path(checkpoint_dir)
+    if (d / "config.json").is_file():
+        from pepo import hf
+
+        cfg = hf.load_hf_config(d)
+        state = hf.load_hf_state(d)
+        if hf.is_hf_state(state):
+            state = hf.hf_to_tune_state(state, cfg)
+        path = d
+    else:
+        path = d / MODEL_FILE
+        if not path.is_file():
+            raise ValueError(f"checkpoint_dir={str(checkpoint_dir)!r} has no {MODEL_FILE}")
+        state = load_file(str(path))
     own = model.state_dict()
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))

@@ -210,8 +210,11 @@ def validate_config(cfg: DictConfig) -> None:
             _int(cfg, key, 1)
 
     ckpt = _require(cfg, "checkpoint_dir")
-    if not (Path(ckpt) / "model.safetensors").is_file():
-        raise ValueError(f"checkpoint_dir={ckpt!r} has no model.safetensors")
+    if not any((Path(ckpt) / f).is_file()
+               for f in ("model.safetensors", "model.safetensors.index.json")):
+        raise ValueError(
+            f"checkpoint_dir={ckpt!r} has no model.safetensors (nor model.safetensors.index.json)"
+        )
     tok = _require(cfg, "tokenizer.path")
     for f in ("tokenizer.json", "tokenizer_config.json"):
         if not (Path(tok) / f).is_file():

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 from tokenizers import Tokenizer
 
-__all__ = ["TextTokenizer", "load_tokenizer"]
+__all__ = ["ChatTokenizer", "TextTokenizer", "load_tokenizer"]
 
 
 class TextTokenizer:
@@ -58,6 +58,10 @@ class TextTokenizer:
         """Token ids of ``text`` (no special tokens added)."""
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_prompt(self, prompt: str) -> list[int]:
+        """The ids the model is given for ``prompt`` (here: the text as it is)."""
+        return self.encode(prompt)
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
@@ -85,3 +89,78 @@ def load_tokenizer(path: Union[str, Path]) -> TextTokenizer:
         eos_token=cfg["eos_token"],
         stop_tokens=cfg.get("stop_tokens", ()),
     )
+
+
+class ChatTokenizer:
+    """A checkpoint's own tokenizer and chat template, through ``transformers``.
+
+    ``encode_prompt`` renders the prompt as one user turn with the model's chat template and the
+    generation prompt (Qwen3's ``enable_thinking`` passed through). Stop tokens are the
+    tokenizer's eos plus every ``eos_token_id`` of ``generation_config.json`` (Qwen3:
+    ``<|im_end|>`` and ``<|endoftext|>``; Llama 3: ``<|eot_id|>``, ``<|eom_id|>`` and
+    ``<|end_of_text|>``).
+
+    Args:
+        path: a local checkpoint or tokenizer directory.
+        enable_thinking: Qwen3's thinking mode (ignored by templates without it).
+        system_prompt: optional system turn.
+        stop_tokens: further stop strings (tokens of the vocabulary).
+    """
+
+    def __init__(
+        self,
+        path: Union[str, Path],
+        enable_thinking: bool = True,
+        system_prompt: Optional[str] = None,
+        stop_tokens: Sequence[str] = (),
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        if not Path(path).is_dir():
+            raise ValueError(f"tokenizer path {str(path)!r} is not a directory")
+        self._tok = AutoTokenizer.from_pretrained(str(path))
+        if self._tok.chat_template is None:
+            raise ValueError(f"the tokenizer in {str(path)!r} has no chat template")
+        self.enable_thinking = enable_thinking
+        self.system_prompt = system_prompt
+        self.eos_id = self._tok.eos_token_id
+        if self.eos_id is None:
+            raise ValueError(f"the tokenizer in {str(path)!r} has no eos token")
+        pad = self._tok.pad_token_id
+        self.pad_id = self.eos_id if pad is None else pad
+        stops = [self.eos_id]
+        gen = Path(path) / "generation_config.json"
+        if gen.is_file():
+            extra = json.loads(gen.read_text()).get("eos_token_id", [])
+            stops += extra if isinstance(extra, list) else [extra]
+        stops += [self.token_id(t, "stop_tokens") for t in stop_tokens]
+        self.stop_tokens = list(dict.fromkeys(int(t) for t in stops))
+
+    def token_id(self, token: str, key: str = "token") -> int:
+        i = self._tok.convert_tokens_to_ids(token)
+        if i is None or i == self._tok.unk_token_id:
+            raise ValueError(f"{key}={token!r} is not in the tokenizer's vocabulary")
+        return int(i)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tok)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False)
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        messages = ([{"role": "system", "content": self.system_prompt}]
+                    if self.system_prompt else [])
+        messages.append({"role": "user", "content": prompt})
+        text = self._tok.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True,
+            enable_thinking=self.enable_thinking,
+        )
+        return self.encode(text)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, i: int) -> str:
+        return self._tok.decode([int(i)])
