@@ -48,6 +48,7 @@ from tqdm import tqdm
 from pepo import estimators, weighting
 from pepo.checkpointing import AtomicCheckpointer, load_model_weights
 from pepo.entropy import logprobs_and_entropy
+from pepo.evaluation import avg_at_k, eval_generator
 from pepo.generation import Rollouts, generate, sequence_inputs
 from pepo.loss import clipped_policy_loss, policy_loss_metrics
 from pepo.recipe_config import find_config, register_resolvers, strategy_params, validate_config
@@ -413,16 +414,14 @@ class PEPORecipe(FTRecipeInterface):
 
     # ------------------------------------------------------------ validation
     def validate(self) -> float:
-        """avg@k: mean reward>0 over ``validation.samples`` draws per held-out prompt."""
+        """avg@k on the held-out prompts (``pepo.evaluation.avg_at_k``, as ``pepo_eval``)."""
         if not self.val_data:
             return float("nan")
-        gen = torch.Generator(device=self._device).manual_seed(self.seed + 7919)
-        problems = [p for p in self.val_data for _ in range(self.val_samples)]
-        correct = []
-        for i in range(0, len(problems), 256):
-            _, rewards, _ = self._rollout(problems[i : i + 256], generator=gen)
-            correct.append((rewards > 0).float())
-        return float(torch.cat(correct).mean())
+        return avg_at_k(
+            self.model, self.tokenizer, self.val_data, self.val_samples, self.reward_fn,
+            generator=eval_generator(self.seed, self._device),
+            stop_tokens=self.stop_tokens, **self.gen_kwargs,
+        )
 
     # -------------------------------------------------------------- the loop
     def train(self) -> None:

@@ -46,6 +46,8 @@ def test_bundled_configs_validate_and_instantiate(tmp_path):
     assert {"tiny", "tiny_spo"} <= set(list_configs())
     for name in list_configs():
         cfg = OmegaConf.load(find_config(name))
+        if "estimator" not in cfg:  # an evaluation config (tests/test_eval.py)
+            continue
         validate_config(cfg)
         # no single-stream prior: it would sample the whole training set
         cfg = OmegaConf.merge(cfg, {"output_dir": str(tmp_path / name)})
@@ -189,7 +191,7 @@ def test_find_config_by_name_and_path(tmp_path):
     path.write_text("name: mine\n")
     assert find_config(str(path)) == str(path)
     assert find_config("tiny").endswith("tiny.yaml")
-    with pytest.raises(ValueError, match="bundled configs: \\['tiny', 'tiny_spo'"):
+    with pytest.raises(ValueError, match="bundled configs: \\[.*'tiny', 'tiny_spo'"):
         find_config("tinyy")
 
 

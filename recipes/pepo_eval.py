@@ -1,0 +1,107 @@
+"""avg@k of a checkpoint on math benchmarks, printed in the paper's table layout.
+
+    tune run pepo_eval --config eval_tiny [key=value ...]
+    tune run pepo_eval --config eval_math checkpoint_dir=/models/Qwen3-4B \
+        benchmarks.AIME2024.path=/data/aime24.parquet ...
+
+Each entry of ``benchmarks`` names a dataset component and its ``k``; the model samples ``k``
+responses per problem with ``generation``'s settings and a fixed seed, ``reward`` scores them,
+and avg@k is the mean share of correct responses (``pepo.evaluation.avg_at_k``, the function
+the training recipe validates with). Results go to ``output_dir/eval_results.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+from torchtune import config, training, utils
+
+from pepo.checkpointing import load_model_weights
+from pepo.evaluation import avg_at_k, eval_generator, format_table, write_results
+from pepo.recipe_config import find_config, register_resolvers
+
+log = utils.get_logger("INFO")
+register_resolvers()
+
+
+def validate_eval_config(cfg: DictConfig) -> None:
+    """Checks an eval config before any model is built (``ValueError`` naming the key)."""
+    if not cfg.get("benchmarks"):
+        raise ValueError("config key 'benchmarks' is required (name -> {dataset, k})")
+    for name, b in cfg.benchmarks.items():
+        k = b.get("k")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"benchmarks.{name}.k must be an int >= 1, got {k!r}")
+        if b.get("dataset") is None:
+            raise ValueError(f"benchmarks.{name}.dataset is required")
+        path = b.dataset.get("path")
+        if path is not None and not Path(path).exists():
+            raise ValueError(f"benchmarks.{name}.dataset.path={path!r} does not exist")
+    ckpt = cfg.get("checkpoint_dir")
+    if ckpt is None or not any(
+        (Path(ckpt) / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json")
+    ):
+        raise ValueError(f"checkpoint_dir={ckpt!r} has no model.safetensors")
+
+
+def eval_main(cfg: DictConfig) -> dict[str, float]:
+    """Runs the evaluation; returns ``{benchmark: avg@k}``."""
+    validate_eval_config(cfg)
+    device = utils.get_device(cfg.get("device", "cpu"))
+    dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=device)
+    tokenizer = config.instantiate(cfg.tokenizer)
+    with training.set_default_dtype(dtype), device:
+        model = config.instantiate(cfg.model)
+    load_model_weights(model, cfg.checkpoint_dir)
+    model.eval()
+    reward = config.instantiate(cfg.reward)
+    g = cfg.generation
+    results: dict[str, float] = {}
+    try:
+        for name, b in cfg.benchmarks.items():
+            problems = list(config.instantiate(b.dataset))
+            t0 = time.perf_counter()
+            results[name] = avg_at_k(
+                model, tokenizer, problems, b.k, reward,
+                max_new_tokens=g.max_new_tokens, temperature=float(g.temperature),
+                top_k=g.get("top_k"), top_p=float(g.top_p),
+                generator=eval_generator(cfg.seed, device),
+                batch_size=cfg.get("batch_size", 256),
+            )
+            log.info(f"{name}: avg@{b.k} = {100 * results[name]:.2f} over {len(problems)} "
+                     f"problems ({time.perf_counter() - t0:.1f}s)")
+    finally:
+        close = getattr(reward, "close", None)
+        if callable(close):
+            close()
+    name = cfg.get("model_name") or Path(str(cfg.checkpoint_dir)).name
+    table = format_table(results, name)
+    js, md = write_results(results, cfg.output_dir, name,
+                           meta={"k": {n: b.k for n, b in cfg.benchmarks.items()},
+                                 "generation": OmegaConf.to_container(g, resolve=True)})
+    print("\n" + table + "\n")
+    log.info(f"Results: {js} and {md}")
+    return results
+
+
+@config.parse
+def _main(cfg: DictConfig) -> None:
+    try:
+        validate_eval_config(cfg)
+    except ValueError as e:
+        sys.exit(f"config error: {e}")
+    eval_main(cfg)
+
+
+if __name__ == "__main__":
+    if "--config" in sys.argv:
+        i = sys.argv.index("--config") + 1
+        if i < len(sys.argv):
+            try:
+                sys.argv[i] = find_config(sys.argv[i])
+            except ValueError as e:
+                sys.exit(f"error: {e}")
+    sys.exit(_main())

@@ -1,0 +1,94 @@
+"""avg@k evaluation, shared by the training recipe's validation and ``tune run pepo_eval``.
+
+avg@k of a benchmark is the mean over its problems of the fraction of ``k`` sampled responses
+whose reward is > 0 (the paper reports avg@1 on MATH500 and avg@16 on AMC and AIME).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
+
+import torch
+
+from pepo.generation import generate
+
+__all__ = ["PAPER_COLUMNS", "avg_at_k", "eval_generator", "format_table", "write_results"]
+
+PAPER_COLUMNS = ("AIME2024", "AIME2025", "AMC", "MATH500")
+
+
+def eval_generator(seed: int, device: Union[str, torch.device] = "cpu") -> torch.Generator:
+    """The sampling generator of an evaluation: the same for every evaluation of a run (and
+    for ``pepo_eval`` with the same seed), so two evaluations differ only by the policy."""
+    return torch.Generator(device=device).manual_seed(seed + 7919)
+
+
+@torch.no_grad()
+def avg_at_k(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    problems: Sequence[Any],
+    k: int,
+    reward_fn: Callable[[list[str], list[str]], list[float]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: float = 1.0,
+    generator: Optional[torch.Generator] = None,
+    batch_size: int = 256,
+    stop_tokens: Optional[Sequence[int]] = None,
+) -> float:
+    """avg@k of ``problems`` (objects with ``prompt`` and ``answer``).
+
+    Generation runs in batches of ``batch_size`` rollouts; ``generator`` makes it reproducible.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if not problems:
+        raise ValueError("no problems to evaluate")
+    rows = [p for p in problems for _ in range(k)]
+    correct: list[float] = []
+    stops = list(tokenizer.stop_tokens if stop_tokens is None else stop_tokens)
+    for i in range(0, len(rows), batch_size):
+        chunk = rows[i : i + batch_size]
+        ro = generate(
+            model, [tokenizer.encode_prompt(p.prompt) for p in chunk],
+            max_new_tokens=max_new_tokens, pad_id=tokenizer.pad_id, stop_tokens=stops,
+            temperature=temperature, top_k=top_k, top_p=top_p, generator=generator,
+        )
+        texts = [tokenizer.decode(t[m].tolist()) for t, m in zip(ro.tokens, ro.mask)]
+        correct += [float(r > 0) for r in reward_fn(texts, [p.answer for p in chunk])]
+    return sum(correct) / len(correct)
+
+
+def format_table(results: Mapping[str, float], model_name: str = "model") -> str:
+    """A Markdown table in the paper's layout: AIME2024, AIME2025, AMC, MATH500, Mean (in %).
+
+    Benchmarks outside the paper's four follow them; Mean averages the benchmarks present.
+    """
+    cols = [c for c in PAPER_COLUMNS if c in results] + sorted(
+        c for c in results if c not in PAPER_COLUMNS
+    )
+    mean = sum(results[c] for c in cols) / len(cols)
+    head = "| Model | " + " | ".join(cols) + " | Mean |"
+    rule = "|---|" + "---:|" * (len(cols) + 1)
+    row = f"| {model_name} | " + " | ".join(f"{100 * results[c]:.2f}" for c in cols)
+    return "\n".join([head, rule, row + f" | {100 * mean:.2f} |"])
+
+
+def write_results(
+    results: Mapping[str, float], out_dir: Union[str, Path], model_name: str,
+    meta: Optional[Mapping[str, Any]] = None,
+) -> tuple[Path, Path]:
+    """Writes ``eval_results.json`` and ``eval_results.md`` into ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    js = out / "eval_results.json"
+    js.write_text(json.dumps({"model": model_name, "results": dict(results), **(meta or {})},
+                             indent=2) + "\n")
+    md = out / "eval_results.md"
+    md.write_text(format_table(results, model_name) + "\n")
+    return js, md
