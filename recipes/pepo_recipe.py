@@ -43,11 +43,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune import config, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
+from torchtune.modules import TiedLinear, TransformerSelfAttentionLayer
 from tqdm import tqdm
 
 from pepo import estimators, weighting
 from pepo.checkpointing import AtomicCheckpointer, load_model_weights
-from pepo.entropy import logprobs_and_entropy
+from pepo.entropy import logprobs_and_entropy, logprobs_and_entropy_from_hidden
 from pepo.evaluation import avg_at_k, eval_generator
 from pepo.generation import Rollouts, generate, sequence_inputs
 from pepo.loss import clipped_policy_loss, policy_loss_metrics
@@ -96,6 +97,9 @@ class PEPORecipe(FTRecipeInterface):
             top_p=float(g.top_p),
         )
         self.logprob_chunk = cfg.get("logprob_chunk_size", 1024)
+        self.logprobs_from_hidden = bool(cfg.get("logprobs_from_hidden", False))
+        self.activation_checkpointing = bool(cfg.get("enable_activation_checkpointing", False))
+        self.gen_batch_size = cfg.generation.get("batch_size")
         self.val_every = cfg.validation.every
         self.val_samples = cfg.validation.samples
         self.save_every = cfg.save_every
@@ -127,6 +131,10 @@ class PEPORecipe(FTRecipeInterface):
                 f"tokenizer has {self.tokenizer.vocab_size} tokens but the model embeds only {emb}"
             )
         load_model_weights(self.model, cfg.checkpoint_dir)
+        if self.activation_checkpointing:
+            training.set_activation_checkpointing(
+                self.model, auto_wrap_policy={TransformerSelfAttentionLayer}
+            )
         self.optimizer = config.instantiate(cfg.optimizer, self.model.parameters())
         self.lr_scheduler = None
         self.schedule_steps = self.num_steps * self.ppo_epochs * self.ppo_mini_batches
@@ -242,6 +250,7 @@ class PEPORecipe(FTRecipeInterface):
             pad_id=self.tokenizer.pad_id,
             stop_tokens=self.stop_tokens,
             generator=self.sample_rng if generator is None else generator,
+            batch_size=self.gen_batch_size,
             **self.gen_kwargs,
         )
         texts = [self.tokenizer.decode(t[m].tolist()) for t, m in zip(ro.tokens, ro.mask)]
@@ -254,24 +263,34 @@ class PEPORecipe(FTRecipeInterface):
             )
         return ro, rewards, texts
 
-    def _forward_logprobs(
-        self, ro: Rollouts, rows: torch.Tensor, inputs: tuple[torch.Tensor, ...]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs and entropies ``[b, T]`` of the responses of ``rows``."""
-        seq, attn, pos = inputs
-        plen = ro.prompt_tokens.shape[1]
-        logits = self.model(seq[rows], mask=attn[rows], input_pos=pos[rows])  # [b, S, V]
-        return logprobs_and_entropy(
-            logits[:, plen - 1 : -1],
-            ro.tokens[rows],
-            chunk_size=self.logprob_chunk,
-            temperature=self.gen_kwargs["temperature"],
-        )
+    def _forward_logprobs(self, ro: Rollouts, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropies ``[b, T]`` of the responses of ``rows``.
 
-    def _all_logprobs(self, ro: Rollouts, inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        The attention mask is built for these rows only (``[b, S, S]``). With
+        ``logprobs_from_hidden`` the decoder runs up to its final norm and
+        ``logprobs_and_entropy_from_hidden`` applies the output projection chunk by chunk, so
+        the ``[b, S, V]`` logits are never held (torchtune's forward would build them whole).
+        """
+        plen = ro.prompt_tokens.shape[1]
+        seq = torch.cat([ro.prompt_tokens[rows], ro.tokens[rows]], dim=1)  # [b, S]
+        attn, pos = sequence_inputs(ro.prompt_mask[rows], ro.tokens.shape[1])  # [b,S,S], [b,S]
+        kw = dict(chunk_size=self.logprob_chunk, temperature=self.gen_kwargs["temperature"])
+        if not self.logprobs_from_hidden:
+            logits = self.model(seq, mask=attn, input_pos=pos)  # [b, S, V]
+            return logprobs_and_entropy(logits[:, plen - 1 : -1], ro.tokens[rows], **kw)
+        m = self.model
+        h = m.tok_embeddings(seq)  # [b, S, D]
+        for layer in m.layers:
+            h = layer(h, mask=attn, input_pos=pos)
+        h = m.norm(h)
+        out = m.output
+        weight = out.tied_module.weight if isinstance(out, TiedLinear) else out.weight  # [V, D]
+        return logprobs_and_entropy_from_hidden(h[:, plen - 1 : -1], weight, ro.tokens[rows], **kw)
+
+    def _all_logprobs(self, ro: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
         rows = torch.arange(ro.tokens.shape[0])
         with torch.no_grad():
-            parts = [self._forward_logprobs(ro, r, inputs) for r in rows.split(self.micro_batch_size)]
+            parts = [self._forward_logprobs(ro, r) for r in rows.split(self.micro_batch_size)]
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
     def _next_problems(self) -> list:
@@ -297,10 +316,7 @@ class PEPORecipe(FTRecipeInterface):
             adv = self.tracker.advantages(ids, rewards.cpu()).to(self._device)  # [B]
 
         resp, mask = ro.tokens, ro.mask  # [B, T]
-        seq = torch.cat([ro.prompt_tokens, resp], dim=1)  # [B, S]
-        attn, pos = sequence_inputs(ro.prompt_mask, resp.shape[1])  # [B, S, S], [B, S]
-        inputs = (seq, attn, pos)
-        old_lp, entropies = self._all_logprobs(ro, inputs)  # [B, T] each
+        old_lp, entropies = self._all_logprobs(ro)  # [B, T] each
         token_adv = self.strategy(adv, entropies, mask)  # [B, T], detached
 
         B = resp.shape[0]
@@ -315,7 +331,7 @@ class PEPORecipe(FTRecipeInterface):
                 self.optimizer.zero_grad(set_to_none=True)
                 mb_loss = torch.zeros((), device=self._device)
                 for micro in mb.split(self.micro_batch_size):
-                    lp, _ = self._forward_logprobs(ro, micro, inputs)
+                    lp, _ = self._forward_logprobs(ro, micro)
                     loss = clipped_policy_loss(
                         lp, old_lp[micro], token_adv[micro], mask[micro],
                         eps_low=self.eps_low, eps_high=self.eps_high, num_tokens=num_tokens,
@@ -336,7 +352,7 @@ class PEPORecipe(FTRecipeInterface):
         if self.tracker is not None:
             kl = None
             if self.adaptive_forgetting:
-                new_lp, _ = self._all_logprobs(ro, inputs)
+                new_lp, _ = self._all_logprobs(ro)
                 kl = (
                     torch.where(mask, (new_lp - old_lp).abs(), 0.0).sum(-1)
                     / mask.sum(-1).clamp_min(1)

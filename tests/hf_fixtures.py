@@ -115,3 +115,20 @@ def write_benchmarks(root: Path) -> dict[str, Path]:
     paths["aime25"] = root / "aime25.jsonl"
     paths["aime25"].write_text("".join(json.dumps(r) + "\n" for r in aime25_rows()))
     return paths
+
+
+def tiny_hf_llama(path: Path, seed: int = 0) -> Path:
+    import transformers
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(path)
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+        tie_word_embeddings=True, rope_theta=500_000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    )
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return path

@@ -128,3 +128,21 @@ def test_masks_are_prefixes_and_padding_is_pad(model):
 def test_too_long_is_refused(model):
     with pytest.raises(ValueError, match="exceeds the model's max_seq_len"):
         G.generate(model, PROMPTS, max_new_tokens=1000, pad_id=0, stop_tokens=[1])
+
+
+def test_batched_generation_merges_into_one_padded_batch(model):
+    prompts = PROMPTS * 3
+    ro = G.generate(model, prompts, max_new_tokens=10, pad_id=0, stop_tokens=[1, 2],
+                    generator=torch.Generator().manual_seed(0), batch_size=4)
+    assert ro.tokens.shape[0] == 9 and ro.prompt_tokens.shape[1] == max(map(len, prompts))
+    assert torch.equal(ro.prompt_mask.sum(-1), torch.tensor([len(p) for p in prompts]))
+    # each row is a valid sample of its prompt: padded forward equals its unpadded forward
+    seq = torch.cat([ro.prompt_tokens, ro.tokens], 1)
+    attn, pos = G.sequence_inputs(ro.prompt_mask, ro.tokens.shape[1])
+    P = ro.prompt_tokens.shape[1]
+    lp, _ = logprobs_and_entropy(model(seq, mask=attn, input_pos=pos)[:, P - 1 : -1], ro.tokens)
+    for i, p in enumerate(prompts):
+        r = ro.tokens[i][ro.mask[i]]
+        alone = model(torch.tensor([p + r.tolist()]))
+        lp_i, _ = logprobs_and_entropy(alone[:, len(p) - 1 : -1], r[None])
+        torch.testing.assert_close(lp_i[0], lp[i][ro.mask[i]], rtol=1e-5, atol=1e-5)

@@ -46,8 +46,8 @@ def test_bundled_configs_validate_and_instantiate(tmp_path):
     assert {"tiny", "tiny_spo"} <= set(list_configs())
     for name in list_configs():
         cfg = OmegaConf.load(find_config(name))
-        if "estimator" not in cfg:  # an evaluation config (tests/test_eval.py)
-            continue
+        if "estimator" not in cfg or OmegaConf.is_missing(cfg, "checkpoint_dir"):
+            continue  # evaluation configs (test_eval.py); paper configs (test_recipe_hf.py)
         validate_config(cfg)
         # no single-stream prior: it would sample the whole training set
         cfg = OmegaConf.merge(cfg, {"output_dir": str(tmp_path / name)})
@@ -223,3 +223,14 @@ def test_prompts_too_long_are_dropped(tmp_path):
     recipe.setup(cfg)  # prompts are 16-24 tokens: those over 20 go
     lengths = [len(recipe.tokenizer.encode(p.prompt)) for p in recipe.train_data]
     assert 0 < len(lengths) < 64 and max(lengths) <= 20
+
+
+def test_memory_options_give_the_same_losses(tmp_path):
+    """Hidden-state log-probs, activation checkpointing and batched generation are memory
+    settings: the losses stay those of the plain path."""
+    plain = losses(run(tiny_cfg(tmp_path / "a", num_steps=2)))
+    lean = losses(run(tiny_cfg(tmp_path / "b", num_steps=2, logprobs_from_hidden=True,
+                               enable_activation_checkpointing=True)))
+    torch.testing.assert_close(torch.tensor(lean), torch.tensor(plain), rtol=1e-4, atol=1e-6)
+    batched = run(tiny_cfg(tmp_path / "c", num_steps=2, generation={"batch_size": 3}))
+    assert all(math.isfinite(v) for v in losses(batched))

@@ -65,3 +65,31 @@ def test_recipe_runs_on_hf_qwen3(tmp_path, hf_dir, name, rows):
     assert all(math.isfinite(h["loss"]) for h in recipe.history if "loss" in h)
     rows_out = (tmp_path / "run" / "rollouts" / "step_000002.jsonl").read_text().splitlines()
     assert len(rows_out) == (8 if name == "tiny" else 2)
+
+
+@pytest.mark.parametrize("name", ["qwen3_1_7b_pepo", "qwen3_4b_pepo", "llama3_2_3b_pepo",
+                                  "qwen3_4b_pespo"])
+def test_paper_configs_run_on_tiny_stand_ins(tmp_path, hf_dir, name):
+    """Each paper config, pointed at a tiny checkpoint of its architecture and fixture data,
+    with the sizes shrunk and the device set to CPU, runs a step."""
+    register_resolvers()
+    model_dir = F.tiny_hf_llama(tmp_path / "llama") if "llama" in name else hf_dir
+    rows = F.dapo_rows(8) if "pespo" in name else F.deepmath_rows(8)
+    data = F.write_parquet(tmp_path / "train.parquet", rows)
+    cfg = OmegaConf.merge(OmegaConf.load(find_config(name)), {
+        "checkpoint_dir": str(model_dir), "train_data": str(data),
+        "output_dir": str(tmp_path / "run"), "device": "cpu", "dtype": "fp32",
+        "model": {"max_seq_len": 512}, "reward": {"workers": 1, "timeout": 2},
+        "generation": {"max_new_tokens": 8, "batch_size": 4},
+        "num_steps": 1, "prompts_per_step": 2 if "pespo" not in name else 4,
+        "micro_batch_size": 1, "validation": {"every": 0},
+        "estimator": {"prior_samples": 1} if "pespo" in name else {},
+    })
+    recipe = pepo_recipe.PEPORecipe(cfg)
+    recipe.setup(cfg)
+    try:
+        recipe.train()
+    finally:
+        recipe.cleanup()
+    assert recipe.step == 1 and math.isfinite(recipe.history[-1]["loss"])
+    assert recipe.strategy_name == "proximal_softmax"

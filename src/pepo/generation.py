@@ -117,6 +117,7 @@ def generate(
     top_k: Optional[int] = None,
     top_p: float = 1.0,
     generator: Optional[torch.Generator] = None,
+    batch_size: Optional[int] = None,
 ) -> Rollouts:
     """Samples one response per prompt (repeat prompts for several samples).
 
@@ -131,9 +132,21 @@ def generate(
         stop_tokens: ids that end a response.
         temperature, top_k, top_p: sampling filters (:func:`filter_logits`).
         generator: RNG for the draws (seed it for reproducible rollouts).
+        batch_size: decode at most this many rows at once (the KV cache grows with it); the
+            pieces are merged into one :class:`Rollouts`.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if batch_size is not None and len(prompts) > batch_size:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        parts = [
+            generate(model, prompts[i : i + batch_size], max_new_tokens=max_new_tokens,
+                     pad_id=pad_id, stop_tokens=stop_tokens, temperature=temperature,
+                     top_k=top_k, top_p=top_p, generator=generator)
+            for i in range(0, len(prompts), batch_size)
+        ]
+        return _cat(parts, pad_id)
     device = next(model.parameters()).device
     prompt_tokens, prompt_mask = pad_prompts(prompts, pad_id, device)
     bsz, plen = prompt_tokens.shape
@@ -183,4 +196,26 @@ def generate(
         tokens=out[:, :width],
         mask=valid[:, :width],
         finished=done,
+    )
+
+
+def _cat(parts: Sequence[Rollouts], pad_id: int) -> Rollouts:
+    """Rollouts of several generate calls as one batch (prompts re-left-padded, responses
+    re-right-padded)."""
+    plen = max(r.prompt_tokens.shape[1] for r in parts)
+    tlen = max(r.tokens.shape[1] for r in parts)
+    pad = torch.nn.functional.pad
+
+    def left(x: torch.Tensor, value) -> torch.Tensor:
+        return pad(x, (plen - x.shape[1], 0), value=value)
+
+    def right(x: torch.Tensor, value) -> torch.Tensor:
+        return pad(x, (0, tlen - x.shape[1]), value=value)
+
+    return Rollouts(
+        prompt_tokens=torch.cat([left(r.prompt_tokens, pad_id) for r in parts]),
+        prompt_mask=torch.cat([left(r.prompt_mask, False) for r in parts]),
+        tokens=torch.cat([right(r.tokens, pad_id) for r in parts]),
+        mask=torch.cat([right(r.mask, False) for r in parts]),
+        finished=torch.cat([r.finished for r in parts]),
     )

@@ -190,6 +190,9 @@ def validate_config(cfg: DictConfig) -> None:
     _int(cfg, "generation.max_new_tokens", 1)
     _float(cfg, "generation.temperature", 0.0)
     _float(cfg, "generation.top_p", 0.0, 1.0)
+    gen_bs = cfg.generation.get("batch_size")
+    if gen_bs is not None and (isinstance(gen_bs, bool) or not isinstance(gen_bs, int) or gen_bs < 1):
+        raise ValueError(f"generation.batch_size must be an int >= 1 or null, got {gen_bs!r}")
     top_k = cfg.generation.get("top_k")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"generation.top_k must be an int >= 1 or null, got {top_k!r}")
