@@ -51,6 +51,7 @@ from pepo.checkpointing import AtomicCheckpointer, load_model_weights
 from pepo.entropy import logprobs_and_entropy, logprobs_and_entropy_from_hidden
 from pepo.evaluation import avg_at_k, eval_generator
 from pepo.generation import Rollouts, generate, sequence_inputs
+from pepo.hf import save_hf
 from pepo.loss import clipped_policy_loss, policy_loss_metrics
 from pepo.recipe_config import find_config, register_resolvers, strategy_params, validate_config
 from pepo.reporting import plot_curves, write_rollouts
@@ -169,6 +170,9 @@ class PEPORecipe(FTRecipeInterface):
             self.output_dir / "checkpoints", keep=cfg.get("keep_checkpoints", 2)
         )
         self.config_name = cfg.get("name", "pepo")
+        # a run that starts from a Hugging Face checkpoint also ends with one (for vLLM, HF)
+        src = Path(str(cfg.checkpoint_dir))
+        self.hf_source = src if (src / "config.json").is_file() else None
         if self.resume:
             self._load_checkpoint()
         elif self.tracker is not None and self.prior_samples > 0:
@@ -468,6 +472,9 @@ class PEPORecipe(FTRecipeInterface):
         last = next((h["val_accuracy"] for h in reversed(self.history) if "val_accuracy" in h), None)
         if first is not None and last is not None:
             log.info(f"Validation accuracy (avg@{self.val_samples}): {first:.3f} before -> {last:.3f} after")
+        if self.hf_source is not None:
+            path = save_hf(self.model, self.output_dir / "hf_model", source_dir=self.hf_source)
+            log.info(f"Hugging Face checkpoint of the final model: {path}")
         if self.plot:
             path = plot_curves(self.history, self.output_dir / "training_curves.png",
                                title=f"{self.config_name}: {self.strategy_name}, {self.mode}")

@@ -63,6 +63,7 @@ def test_recipe_runs_on_hf_qwen3(tmp_path, hf_dir, name, rows):
         recipe.cleanup()
     assert recipe.step == 2
     assert all(math.isfinite(h["loss"]) for h in recipe.history if "loss" in h)
+    assert (tmp_path / "run" / "hf_model" / "config.json").is_file()  # final HF export
     rows_out = (tmp_path / "run" / "rollouts" / "step_000002.jsonl").read_text().splitlines()
     assert len(rows_out) == (8 if name == "tiny" else 2)
 
