@@ -5,9 +5,9 @@
 reads one dump file (``rollouts/step_N.jsonl``) or a directory of them and writes:
 
 * ``positional_bias.png`` / ``.csv`` — the relative deviation ``(x_t - mean_t x) / mean_t x`` of
-  global entropy ``H``, proximal entropy ``e`` (Eq. 6) and the windowed average ``m`` from each
-  rollout's own mean, averaged over rollouts in bins of generation percentile ``t / T`` (the
-  paper's Fig. 2 and Fig. 5), for each window;
+  global entropy ``H``, proximal entropy ``e`` (Eq. 6) and its softmax-free counterpart, the
+  windowed average ``H_t / Σ_{k∈W(t)} H_k``, from each rollout's own mean, averaged over rollouts
+  in bins of generation percentile ``t / T`` (the paper's Fig. 2 and Fig. 5), for each window;
 * ``difficulty_bias.md`` — prompts grouped by pass rate over their rollouts of one step into
   hard (≤ 1/8), moderate and easy (≥ 7/8), with the mean global and proximal entropy of their
   tokens (Table 1); needs group-mode dumps;
@@ -124,11 +124,14 @@ def positional_bias(
     for w in windows:
         e = weighting.proximal_entropy(r.entropies, r.mask, window=w)
         out[f"proximal_{w}"] = _binned_mean(_relative_deviation(e, r.mask), r.mask, n_bins)
-        # window_average's weight is m / mean_t(m): the relative deviation of m itself
-        avg = weighting.get_strategy("window_average", window=w, apply_to="all")(
+        # the windowed average without the softmax: H_t / Σ_{k∈W(t)} H_k. window_average's
+        # weight is c = m / mean_t(m) with m the window mean, and the relative deviation is
+        # invariant to a per-row scale, so H / c stands in for H / Σ H.
+        c = weighting.get_strategy("window_average", window=w, apply_to="all")(
             torch.ones(len(r)), r.entropies, r.mask
         )
-        out[f"window_average_{w}"] = _binned_mean(_relative_deviation(avg, r.mask), r.mask, n_bins)
+        lin = torch.where(c > 0, r.entropies / torch.where(c > 0, c, 1.0), 0.0)
+        out[f"window_average_{w}"] = _binned_mean(_relative_deviation(lin, r.mask), r.mask, n_bins)
     return out
 
 
@@ -272,7 +275,7 @@ def _plot_positional(curves: dict[str, torch.Tensor], windows: Sequence[int], pa
         ax.plot(x, (100 * curves[f"proximal_{w}"]).tolist(), color="tab:purple", lw=2,
                 label="proximal entropy")
         ax.plot(x, (100 * curves[f"window_average_{w}"]).tolist(), "--", color="tab:orange",
-                label="windowed average")
+                label="windowed average (no softmax)")
         ax.set_title(f"W = {w}")
         ax.set_xlabel("generation percentile (%)")
         ax.grid(alpha=0.3)
