@@ -151,6 +151,8 @@ def main() -> None:
     ap.add_argument("--only", choices=["group", "single_stream"], default=None)
     ap.add_argument("--val-every", type=int, default=20)
     ap.add_argument("--docs", default=str(ROOT / "docs"))
+    ap.add_argument("--discussion", default=str(ROOT / "docs" / "results_discussion.md"),
+                    help="Markdown appended to the report (what the numbers mean)")
     args = ap.parse_args()
     out = Path(args.out)
     results = []
@@ -167,14 +169,18 @@ def main() -> None:
     text = report(results, out, args.seeds)
     pepo_run = next((r for r in results if r["method"] == "PEPO"), None)
     if pepo_run is not None:
-        files = analysis.run(pepo_run["rollouts_dir"], docs / "images" / "pepo_tiny_analysis",
+        rollouts = out / "group" / slug("PEPO") / f"seed_{pepo_run['seed']}" / "rollouts"
+        files = analysis.run(rollouts, docs / "images" / "pepo_tiny_analysis",
                              windows=(5, 11, 21))
         text += ("\n## Diagnostics of one PEPO run (seed {seed})\n\n"
                  "`python -m pepo.analysis {d} --out docs/images/pepo_tiny_analysis "
                  "--windows 5 11 21`\n\n![positional bias](images/pepo_tiny_analysis/"
                  "positional_bias.png)\n\n{diff}\n{mass}").format(
-            seed=pepo_run["seed"], d=pepo_run["rollouts_dir"],
+            seed=pepo_run["seed"], d=rollouts,
             diff=files["difficulty_md"].read_text(), mass=files["mass_md"].read_text())
+    discussion = Path(args.discussion) if args.discussion else None
+    if discussion is not None and discussion.is_file():  # the authors' reading of the numbers
+        text += "\n" + discussion.read_text()
     (docs / "results.md").write_text(text)
     print(f"wrote {docs / 'results.md'}")
 
