@@ -506,15 +506,20 @@ class PEPORecipe(FTRecipeInterface):
             close()
 
 
-def recipe_main(cfg: DictConfig, recipe: Optional[PEPORecipe] = None) -> None:
-    """Runs the recipe on a resolved config (also the entry point for in-process runs)."""
+def recipe_main(
+    cfg: DictConfig, recipe: Optional[PEPORecipe] = None, log_config: bool = True
+) -> PEPORecipe:
+    """Runs the recipe on a resolved config and returns it (its ``history`` holds the metrics);
+    also the entry point for in-process runs."""
     recipe = recipe if recipe is not None else PEPORecipe(cfg)
-    config.log_config(recipe_name="PEPORecipe", cfg=cfg)
+    if log_config:
+        config.log_config(recipe_name="PEPORecipe", cfg=cfg)
     recipe.setup(cfg)
     try:
         recipe.train()
     finally:
         recipe.cleanup()
+    return recipe
 
 
 def _resolve_config_arg(argv: list[str]) -> list[str]:

@@ -63,12 +63,7 @@ def run_one(mode: str, label: str, strategy: dict, seed: int, out: Path, val_eve
                                 "validation": {"every": val_every}, "plot": False,
                                 "save_every": 0, "keep_checkpoints": 1})
     t0 = time.perf_counter()
-    recipe = pepo_recipe.PEPORecipe(cfg)
-    recipe.setup(cfg)
-    try:
-        recipe.train()
-    finally:
-        recipe.cleanup()
+    recipe = pepo_recipe.recipe_main(cfg, log_config=False)
     val = [(h["step"], h["val_accuracy"]) for h in recipe.history if "val_accuracy" in h]
     steps = [h["step_time"] for h in recipe.history if "step_time" in h]
     result = {

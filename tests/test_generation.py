@@ -84,18 +84,23 @@ def test_kv_cached_sampling_sees_full_forward_distribution(model, monkeypatch):
     torch.testing.assert_close(cached[ro.mask], full[ro.mask], rtol=1e-4, atol=1e-4)
 
 
-def test_padded_rows_equal_unpadded_rows(model):
-    ro = G.generate(model, PROMPTS, max_new_tokens=10, pad_id=0, stop_tokens=[1],
-                    generator=torch.Generator().manual_seed(1))
+def assert_rows_match_unpadded(model, ro, prompts):
+    """Each row's log-probs in the padded batch equal those of the row alone, unpadded."""
     seq = torch.cat([ro.prompt_tokens, ro.tokens], 1)
     attn, pos = G.sequence_inputs(ro.prompt_mask, ro.tokens.shape[1])
     P = ro.prompt_tokens.shape[1]
     lp, _ = logprobs_and_entropy(model(seq, mask=attn, input_pos=pos)[:, P - 1 : -1], ro.tokens)
-    for i, p in enumerate(PROMPTS):
+    for i, p in enumerate(prompts):
         r = ro.tokens[i][ro.mask[i]]
         alone = model(torch.tensor([p + r.tolist()]))  # plain causal, no padding
         lp_i, _ = logprobs_and_entropy(alone[:, len(p) - 1 : -1], r[None])
         torch.testing.assert_close(lp_i[0], lp[i][ro.mask[i]], rtol=1e-5, atol=1e-5)
+
+
+def test_padded_rows_equal_unpadded_rows(model):
+    ro = G.generate(model, PROMPTS, max_new_tokens=10, pad_id=0, stop_tokens=[1],
+                    generator=torch.Generator().manual_seed(1))
+    assert_rows_match_unpadded(model, ro, PROMPTS)
 
 
 def test_stop_tokens_end_rows_and_are_kept(model):
@@ -136,13 +141,4 @@ def test_batched_generation_merges_into_one_padded_batch(model):
                     generator=torch.Generator().manual_seed(0), batch_size=4)
     assert ro.tokens.shape[0] == 9 and ro.prompt_tokens.shape[1] == max(map(len, prompts))
     assert torch.equal(ro.prompt_mask.sum(-1), torch.tensor([len(p) for p in prompts]))
-    # each row is a valid sample of its prompt: padded forward equals its unpadded forward
-    seq = torch.cat([ro.prompt_tokens, ro.tokens], 1)
-    attn, pos = G.sequence_inputs(ro.prompt_mask, ro.tokens.shape[1])
-    P = ro.prompt_tokens.shape[1]
-    lp, _ = logprobs_and_entropy(model(seq, mask=attn, input_pos=pos)[:, P - 1 : -1], ro.tokens)
-    for i, p in enumerate(prompts):
-        r = ro.tokens[i][ro.mask[i]]
-        alone = model(torch.tensor([p + r.tolist()]))
-        lp_i, _ = logprobs_and_entropy(alone[:, len(p) - 1 : -1], r[None])
-        torch.testing.assert_close(lp_i[0], lp[i][ro.mask[i]], rtol=1e-5, atol=1e-5)
+    assert_rows_match_unpadded(model, ro, prompts)  # the merged batch is still exact

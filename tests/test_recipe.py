@@ -16,13 +16,7 @@ from tests.recipe_helpers import tiny_cfg
 
 
 def run(cfg):
-    recipe = pepo_recipe.PEPORecipe(cfg)
-    recipe.setup(cfg)
-    try:
-        recipe.train()
-    finally:
-        recipe.cleanup()
-    return recipe
+    return pepo_recipe.recipe_main(cfg, log_config=False)
 
 
 def losses(recipe):

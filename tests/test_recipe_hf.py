@@ -55,12 +55,7 @@ def test_chat_tokenizer(hf_dir):
 def test_recipe_runs_on_hf_qwen3(tmp_path, hf_dir, name, rows):
     data = F.write_parquet(tmp_path / "data.parquet", rows(8))
     cfg = hf_cfg(tmp_path, hf_dir, name, data)
-    recipe = pepo_recipe.PEPORecipe(cfg)
-    recipe.setup(cfg)
-    try:
-        recipe.train()
-    finally:
-        recipe.cleanup()
+    recipe = pepo_recipe.recipe_main(cfg, log_config=False)
     assert recipe.step == 2
     assert all(math.isfinite(h["loss"]) for h in recipe.history if "loss" in h)
     assert (tmp_path / "run" / "hf_model" / "config.json").is_file()  # final HF export
@@ -86,11 +81,6 @@ def test_paper_configs_run_on_tiny_stand_ins(tmp_path, hf_dir, name):
         "micro_batch_size": 1, "validation": {"every": 0},
         "estimator": {"prior_samples": 1} if "pespo" in name else {},
     })
-    recipe = pepo_recipe.PEPORecipe(cfg)
-    recipe.setup(cfg)
-    try:
-        recipe.train()
-    finally:
-        recipe.cleanup()
+    recipe = pepo_recipe.recipe_main(cfg, log_config=False)
     assert recipe.step == 1 and math.isfinite(recipe.history[-1]["loss"])
     assert recipe.strategy_name == "proximal_softmax"

@@ -153,10 +153,15 @@ def load_hf_state(model_dir: Union[str, Path]) -> dict[str, torch.Tensor]:
     return state
 
 
-_QWEN3_EXTRA = {
+# torchtune's Llama mapping, with Qwen3's q/k norms and pepo's HeadNormProjection names
+_QWEN3_FROM_HF = {
+    **convert_weights._FROM_HF,
+    "model.layers.{}.self_attn.q_proj.weight": "layers.{}.attn.q_proj.linear.weight",
+    "model.layers.{}.self_attn.k_proj.weight": "layers.{}.attn.k_proj.linear.weight",
     "model.layers.{}.self_attn.q_norm.weight": "layers.{}.attn.q_proj.norm.scale",
     "model.layers.{}.self_attn.k_norm.weight": "layers.{}.attn.k_proj.norm.scale",
 }
+_QWEN3_TO_HF = {v: k for k, v in _QWEN3_FROM_HF.items() if v is not None}
 
 
 def _map_key(key: str, mapping: dict[str, str]) -> str:
@@ -184,13 +189,9 @@ def hf_to_tune_state(state: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dic
     if tied:
         state.pop("lm_head.weight", None)  # tied: the embedding is the head
     if cfg["model_type"] == "llama":
-        out = convert_weights.hf_to_tune(state, num_heads=heads, num_kv_heads=kv,
-                                         dim=cfg["hidden_size"], head_dim=_head_dim(cfg))
-        return out
-    mapping = {**convert_weights._FROM_HF, **_QWEN3_EXTRA}
-    mapping["model.layers.{}.self_attn.q_proj.weight"] = "layers.{}.attn.q_proj.linear.weight"
-    mapping["model.layers.{}.self_attn.k_proj.weight"] = "layers.{}.attn.k_proj.linear.weight"
-    return {_map_key(k, mapping): v for k, v in state.items()}
+        return convert_weights.hf_to_tune(state, num_heads=heads, num_kv_heads=kv,
+                                          dim=cfg["hidden_size"], head_dim=_head_dim(cfg))
+    return {_map_key(k, _QWEN3_FROM_HF): v for k, v in state.items()}
 
 
 def tune_to_hf_state(state: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -200,11 +201,7 @@ def tune_to_hf_state(state: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dic
     if cfg["model_type"] == "llama":
         return convert_weights.tune_to_hf(dict(state), num_heads=heads, num_kv_heads=kv,
                                           dim=cfg["hidden_size"], head_dim=_head_dim(cfg))
-    mapping = {**convert_weights._FROM_HF, **_QWEN3_EXTRA}
-    mapping["model.layers.{}.self_attn.q_proj.weight"] = "layers.{}.attn.q_proj.linear.weight"
-    mapping["model.layers.{}.self_attn.k_proj.weight"] = "layers.{}.attn.k_proj.linear.weight"
-    inverse = {v: k for k, v in mapping.items() if v is not None}
-    return {_map_key(k, inverse): v for k, v in state.items()}
+    return {_map_key(k, _QWEN3_TO_HF): v for k, v in state.items()}
 
 
 def from_hf(
