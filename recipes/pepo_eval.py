@@ -21,7 +21,7 @@ from torchtune import config, training, utils
 
 from pepo.checkpointing import load_model_weights
 from pepo.evaluation import avg_at_k, eval_generator, format_table, write_results
-from pepo.recipe_config import find_config, register_resolvers
+from pepo.recipe_config import check_checkpoint_dir, register_resolvers, resolve_config_arg
 
 log = utils.get_logger("INFO")
 register_resolvers()
@@ -40,11 +40,7 @@ def validate_eval_config(cfg: DictConfig) -> None:
         path = b.dataset.get("path")
         if path is not None and not Path(path).exists():
             raise ValueError(f"benchmarks.{name}.dataset.path={path!r} does not exist")
-    ckpt = cfg.get("checkpoint_dir")
-    if ckpt is None or not any(
-        (Path(ckpt) / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json")
-    ):
-        raise ValueError(f"checkpoint_dir={ckpt!r} has no model.safetensors")
+    check_checkpoint_dir(cfg.get("checkpoint_dir"))
 
 
 def eval_main(cfg: DictConfig) -> dict[str, float]:
@@ -97,11 +93,5 @@ def _main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    if "--config" in sys.argv:
-        i = sys.argv.index("--config") + 1
-        if i < len(sys.argv):
-            try:
-                sys.argv[i] = find_config(sys.argv[i])
-            except ValueError as e:
-                sys.exit(f"error: {e}")
+    sys.argv = resolve_config_arg(sys.argv)
     sys.exit(_main())

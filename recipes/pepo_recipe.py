@@ -32,7 +32,6 @@ Deviations from the paper's setup, all deliberate:
 
 from __future__ import annotations
 
-import inspect
 import math
 import sys
 import time
@@ -49,11 +48,17 @@ from tqdm import tqdm
 from pepo import estimators, weighting
 from pepo.checkpointing import AtomicCheckpointer, load_model_weights
 from pepo.entropy import logprobs_and_entropy, logprobs_and_entropy_from_hidden
-from pepo.evaluation import avg_at_k, eval_generator
-from pepo.generation import Rollouts, generate, sequence_inputs
+from pepo.evaluation import avg_at_k, eval_generator, sample_and_score
+from pepo.generation import Rollouts, sequence_inputs
 from pepo.hf import save_hf
 from pepo.loss import clipped_policy_loss, policy_loss_metrics
-from pepo.recipe_config import find_config, register_resolvers, strategy_params, validate_config
+from pepo.recipe_config import (
+    register_resolvers,
+    resolve_config_arg,
+    strategy_params,
+    tracker_kwargs,
+    validate_config,
+)
 from pepo.reporting import plot_curves, write_rollouts
 from pepo.sampling import PromptSampler, prioritized_sample
 
@@ -155,11 +160,7 @@ class PEPORecipe(FTRecipeInterface):
         self.reward_fn = config.instantiate(cfg.reward)
         self.tracker: Optional[estimators.SingleStreamEstimator] = None
         if self.mode == "single_stream":
-            accepted = inspect.signature(estimators.SingleStreamEstimator).parameters
-            kwargs = {k: v for k, v in cfg.estimator.items() if k in accepted}
-            if not kwargs.get("prior_samples"):  # 0: no offline prior, Jeffreys start
-                kwargs.pop("prior_samples", None)
-            self.tracker = estimators.SingleStreamEstimator(**kwargs)
+            self.tracker = estimators.SingleStreamEstimator(**tracker_kwargs(cfg.estimator))
         # host-side choices (prompt draws, mini-batch order) and token sampling on the model's
         # device use separate generators; both are checkpointed
         self.rng = torch.Generator(device="cpu").manual_seed(self.seed)
@@ -247,25 +248,11 @@ class PEPORecipe(FTRecipeInterface):
     # -------------------------------------------------------------- one step
     def _rollout(self, problems: list, generator: Optional[torch.Generator] = None):
         """Generates one response per problem; returns rollouts, rewards [B] and texts."""
-        prompts = [self.tokenizer.encode_prompt(p.prompt) for p in problems]
-        ro = generate(
-            self.model,
-            prompts,
-            pad_id=self.tokenizer.pad_id,
-            stop_tokens=self.stop_tokens,
+        return sample_and_score(
+            self.model, self.tokenizer, problems, self.reward_fn, stop_tokens=self.stop_tokens,
             generator=self.sample_rng if generator is None else generator,
-            batch_size=self.gen_batch_size,
-            **self.gen_kwargs,
+            batch_size=self.gen_batch_size, **self.gen_kwargs,
         )
-        texts = [self.tokenizer.decode(t[m].tolist()) for t, m in zip(ro.tokens, ro.mask)]
-        rewards = torch.tensor(
-            self.reward_fn(texts, [p.answer for p in problems]), dtype=torch.float32
-        ).to(self._device)  # [B]
-        if rewards.shape != (len(problems),) or not bool(torch.isfinite(rewards).all()):
-            raise ValueError(
-                f"the reward function must return {len(problems)} finite floats, got {rewards}"
-            )
-        return ro, rewards, texts
 
     def _forward_logprobs(self, ro: Rollouts, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropies ``[b, T]`` of the responses of ``rows``.
@@ -388,7 +375,7 @@ class PEPORecipe(FTRecipeInterface):
         return metrics
 
     def _optimizer_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        if bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm)):
+        if bool(torch.isfinite(loss) & torch.isfinite(grad_norm)):  # one host sync
             self.optimizer.step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
@@ -440,6 +427,7 @@ class PEPORecipe(FTRecipeInterface):
         return avg_at_k(
             self.model, self.tokenizer, self.val_data, self.val_samples, self.reward_fn,
             generator=eval_generator(self.seed, self._device),
+            batch_size=self.gen_batch_size or 256,  # the training rollouts' memory bound too
             stop_tokens=self.stop_tokens, **self.gen_kwargs,
         )
 
@@ -522,19 +510,6 @@ def recipe_main(
     return recipe
 
 
-def _resolve_config_arg(argv: list[str]) -> list[str]:
-    """Replaces the value after ``--config`` by the bundled config's path when it is a name."""
-    argv = list(argv)
-    if "--config" in argv:
-        i = argv.index("--config") + 1
-        if i < len(argv):
-            try:
-                argv[i] = find_config(argv[i])
-            except ValueError as e:
-                sys.exit(f"error: {e}")
-    return argv
-
-
 @config.parse
 def _main(cfg: DictConfig) -> None:
     try:
@@ -545,5 +520,5 @@ def _main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    sys.argv = _resolve_config_arg(sys.argv)
+    sys.argv = resolve_config_arg(sys.argv)
     sys.exit(_main())

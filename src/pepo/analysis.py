@@ -36,7 +36,7 @@ import torch
 from pepo import weighting
 
 __all__ = [
-    "Rollouts",
+    "RolloutDump",
     "difficulty_bias",
     "heatmap_html",
     "load_dump",
@@ -48,7 +48,7 @@ __all__ = [
 GROUPS = ("hard", "moderate", "easy")
 
 
-class Rollouts:
+class RolloutDump:
     """Dumped rollouts as padded tensors.
 
     Attributes:
@@ -78,7 +78,7 @@ class Rollouts:
         return len(self.records)
 
 
-def load_dump(path: Union[str, Path]) -> Rollouts:
+def load_dump(path: Union[str, Path]) -> RolloutDump:
     """Reads a rollout dump: one ``.jsonl`` file or a directory of them (sorted)."""
     p = Path(path)
     files = sorted(p.glob("*.jsonl")) if p.is_dir() else [p]
@@ -88,7 +88,7 @@ def load_dump(path: Union[str, Path]) -> Rollouts:
     for f in files:
         with open(f) as fh:
             records.extend(json.loads(line) for line in fh if line.strip())
-    return Rollouts(records)
+    return RolloutDump(records)
 
 
 def _relative_deviation(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -114,7 +114,7 @@ def _binned_mean(x: torch.Tensor, mask: torch.Tensor, n_bins: int) -> torch.Tens
 
 
 def positional_bias(
-    r: Rollouts, windows: Sequence[int] = (31, 51, 101), n_bins: int = 20
+    r: RolloutDump, windows: Sequence[int] = (31, 51, 101), n_bins: int = 20
 ) -> dict[str, torch.Tensor]:
     """Mean relative deviation from the rollout mean per percentile bin.
 
@@ -135,7 +135,7 @@ def positional_bias(
     return out
 
 
-def _difficulty(r: Rollouts) -> list[Optional[str]]:
+def _difficulty(r: RolloutDump) -> list[Optional[str]]:
     """hard / moderate / easy per rollout, from its prompt's pass rate within its step."""
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, rec in enumerate(r.records):
@@ -151,7 +151,7 @@ def _difficulty(r: Rollouts) -> list[Optional[str]]:
     return out
 
 
-def difficulty_bias(r: Rollouts, window: int = 101) -> dict[str, dict[str, float]]:
+def difficulty_bias(r: RolloutDump, window: int = 101) -> dict[str, dict[str, float]]:
     """Mean global and proximal entropy of the tokens of each difficulty group (Table 1)."""
     labels = _difficulty(r)
     e = weighting.proximal_entropy(r.entropies, r.mask, window=window)
@@ -176,7 +176,7 @@ STRATEGIES = {
 }
 
 
-def weight_mass(r: Rollouts, window: int = 101) -> dict[str, dict[str, float]]:
+def weight_mass(r: RolloutDump, window: int = 101) -> dict[str, dict[str, float]]:
     """Share of each strategy's total token weight by position decile and difficulty group.
 
     Weights are the strategies' token advantages with every sequence advantage set to +1,
@@ -216,7 +216,7 @@ def _colour(v: float, lo: float = 0.0, hi: float = 3.0) -> str:
     return f"rgba(40,90,220,{0.6 * a:.3f})"
 
 
-def heatmap_html(r: Rollouts, indices: Sequence[int], window: int = 101) -> str:
+def heatmap_html(r: RolloutDump, indices: Sequence[int], window: int = 101) -> str:
     """Self-contained HTML: each rollout's tokens coloured by ``H / mean H`` (left) and by the
     PEPO weight ``c`` (right). Token text is HTML-escaped."""
     c = weighting.get_strategy("proximal_softmax", window=window, apply_to="all")(

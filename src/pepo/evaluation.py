@@ -12,9 +12,16 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from pepo.generation import generate
+from pepo.generation import Rollouts, generate
 
-__all__ = ["PAPER_COLUMNS", "avg_at_k", "eval_generator", "format_table", "write_results"]
+__all__ = [
+    "PAPER_COLUMNS",
+    "avg_at_k",
+    "eval_generator",
+    "format_table",
+    "sample_and_score",
+    "write_results",
+]
 
 PAPER_COLUMNS = ("AIME2024", "AIME2025", "AMC", "MATH500")
 
@@ -26,6 +33,41 @@ def eval_generator(seed: int, device: Union[str, torch.device] = "cpu") -> torch
 
 
 @torch.no_grad()
+def sample_and_score(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    problems: Sequence[Any],
+    reward_fn: Callable[[list[str], list[str]], list[float]],
+    *,
+    stop_tokens: Sequence[int],
+    generator: Optional[torch.Generator] = None,
+    batch_size: Optional[int] = None,
+    **gen_kwargs: Any,
+) -> tuple[Rollouts, torch.Tensor, list[str]]:
+    """One sampled response per problem, decoded and scored: ``(rollouts, rewards [B], texts)``.
+
+    The training step and every evaluation go through here. ``gen_kwargs`` are
+    :func:`pepo.generation.generate`'s sampling arguments (``max_new_tokens``, ``temperature``,
+    ``top_k``, ``top_p``); ``batch_size`` bounds the rows decoded at once.
+
+    Raises:
+        ValueError: the reward function does not return one finite float per response.
+    """
+    ro = generate(
+        model, [tokenizer.encode_prompt(p.prompt) for p in problems], pad_id=tokenizer.pad_id,
+        stop_tokens=stop_tokens, generator=generator, batch_size=batch_size, **gen_kwargs,
+    )
+    texts = [tokenizer.decode(t[m].tolist()) for t, m in zip(ro.tokens, ro.mask)]
+    rewards = torch.tensor(
+        reward_fn(texts, [p.answer for p in problems]), dtype=torch.float32
+    ).to(ro.tokens.device)  # [B]
+    if rewards.shape != (len(problems),) or not bool(torch.isfinite(rewards).all()):
+        raise ValueError(
+            f"the reward function must return {len(problems)} finite floats, got {rewards}"
+        )
+    return ro, rewards, texts
+
+
 def avg_at_k(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -49,19 +91,13 @@ def avg_at_k(
         raise ValueError(f"k must be >= 1, got {k}")
     if not problems:
         raise ValueError("no problems to evaluate")
-    rows = [p for p in problems for _ in range(k)]
-    correct: list[float] = []
-    stops = list(tokenizer.stop_tokens if stop_tokens is None else stop_tokens)
-    for i in range(0, len(rows), batch_size):
-        chunk = rows[i : i + batch_size]
-        ro = generate(
-            model, [tokenizer.encode_prompt(p.prompt) for p in chunk],
-            max_new_tokens=max_new_tokens, pad_id=tokenizer.pad_id, stop_tokens=stops,
-            temperature=temperature, top_k=top_k, top_p=top_p, generator=generator,
-        )
-        texts = [tokenizer.decode(t[m].tolist()) for t, m in zip(ro.tokens, ro.mask)]
-        correct += [float(r > 0) for r in reward_fn(texts, [p.answer for p in chunk])]
-    return sum(correct) / len(correct)
+    _, rewards, _ = sample_and_score(
+        model, tokenizer, [p for p in problems for _ in range(k)], reward_fn,
+        stop_tokens=list(tokenizer.stop_tokens if stop_tokens is None else stop_tokens),
+        generator=generator, batch_size=batch_size, max_new_tokens=max_new_tokens,
+        temperature=temperature, top_k=top_k, top_p=top_p,
+    )
+    return float((rewards > 0).float().mean())
 
 
 def format_table(results: Mapping[str, float], model_name: str = "model") -> str:

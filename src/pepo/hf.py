@@ -222,16 +222,10 @@ def from_hf(
     if isinstance(dtype, str):
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "float32": torch.float32,
                  "bfloat16": torch.bfloat16}[dtype]
+    from pepo.checkpointing import load_model_weights  # converts HF keys, checks every shape
+
     model = architecture_from_hf(model_dir, max_seq_len=max_seq_len)
-    state = hf_to_tune_state(load_hf_state(model_dir), load_hf_config(model_dir))
-    own = model.state_dict()
-    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-    if missing or unexpected:
-        raise ValueError(
-            f"{model_dir}: weights do not match config.json: missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]}"
-        )
-    model.load_state_dict(state)
+    load_model_weights(model, model_dir)
     return model.to(dtype)
 
 

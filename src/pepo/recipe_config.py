@@ -23,10 +23,13 @@ from pepo import weighting
 
 __all__ = [
     "asset_dir",
+    "check_checkpoint_dir",
     "find_config",
     "list_configs",
     "register_resolvers",
+    "resolve_config_arg",
     "strategy_params",
+    "tracker_kwargs",
     "validate_config",
 ]
 
@@ -73,6 +76,46 @@ def find_config(name_or_path: str) -> str:
         f"--config {name_or_path!r} is neither a file nor a bundled config; "
         f"bundled configs: {list_configs()}"
     )
+
+
+def resolve_config_arg(argv: list[str]) -> list[str]:
+    """``argv`` with the value after ``--config`` replaced by the bundled config's path when it
+    is a name (what ``tune run pepo_recipe|pepo_eval --config tiny`` needs); exits with one line
+    when it is neither a file nor a bundled name."""
+    import sys
+
+    argv = list(argv)
+    if "--config" in argv:
+        i = argv.index("--config") + 1
+        if i < len(argv):
+            try:
+                argv[i] = find_config(argv[i])
+            except ValueError as e:
+                sys.exit(f"error: {e}")
+    return argv
+
+
+def tracker_kwargs(estimator: Any) -> dict[str, Any]:
+    """The ``SingleStreamEstimator`` arguments among the ``estimator`` config's keys
+    (``prior_samples: 0`` means no offline prior: the tracker's default)."""
+    from pepo.estimators import SingleStreamEstimator
+
+    accepted = set(inspect.signature(SingleStreamEstimator).parameters) - {"prior_pass_rates"}
+    kwargs = {k: v for k, v in estimator.items() if k in accepted}
+    if not kwargs.get("prior_samples"):
+        kwargs.pop("prior_samples", None)
+    return kwargs
+
+
+def check_checkpoint_dir(ckpt: Any, key: str = "checkpoint_dir") -> None:
+    """Raises ``ValueError`` unless ``ckpt`` holds ``model.safetensors`` or a sharded index."""
+    if ckpt is None or not any(
+        (Path(str(ckpt)) / f).is_file()
+        for f in ("model.safetensors", "model.safetensors.index.json")
+    ):
+        raise ValueError(
+            f"{key}={ckpt!r} has no model.safetensors (nor model.safetensors.index.json)"
+        )
 
 
 def strategy_params(cfg: DictConfig) -> tuple[str, dict[str, Any]]:
@@ -126,11 +169,8 @@ def _check_estimator_keys(cfg: DictConfig, est: str) -> None:
             f"unknown estimator key(s) {unknown} for estimator.name={est!r}; valid: {sorted(allowed)}"
         )
     if est == "single_stream":
-        kwargs = {k: v for k, v in cfg.estimator.items() if k in tracker_keys}
-        if not kwargs.get("prior_samples"):
-            kwargs.pop("prior_samples", None)
         try:
-            SingleStreamEstimator(**kwargs)
+            SingleStreamEstimator(**tracker_kwargs(cfg.estimator))
         except ValueError as e:
             raise ValueError(f"estimator: {e}") from None
 
@@ -212,12 +252,7 @@ def validate_config(cfg: DictConfig) -> None:
         if cfg.get(key) is not None:
             _int(cfg, key, 1)
 
-    ckpt = _require(cfg, "checkpoint_dir")
-    if not any((Path(ckpt) / f).is_file()
-               for f in ("model.safetensors", "model.safetensors.index.json")):
-        raise ValueError(
-            f"checkpoint_dir={ckpt!r} has no model.safetensors (nor model.safetensors.index.json)"
-        )
+    check_checkpoint_dir(_require(cfg, "checkpoint_dir"))
     tok = _require(cfg, "tokenizer.path")
     for f in ("tokenizer.json", "tokenizer_config.json"):
         if not (Path(tok) / f).is_file():
