@@ -41,6 +41,19 @@ def test_shift_invariance_prop1_i(batch, window, tau, data):
     torch.testing.assert_close(s(adv, shifted, mask), s(adv, ent, mask), rtol=4e-5 / tau, atol=1e-5)
 
 
+@given(batches(), windows, st.data())
+def test_scale_invariance_of_the_linear_statistic(batch, window, data):
+    """App. E's r = H / Σ_W H is the linear twin of Prop. 1(i): multiplying a row's entropies
+    by any constant > 0 leaves r and window_average's weights unchanged."""
+    adv, ent, mask = batch
+    scale = torch.tensor(data.draw(st.lists(st.floats(0.015625, 64.0, width=32), min_size=len(adv), max_size=len(adv))))
+    scaled = ent * scale[:, None]
+    r0 = pw.linear_proximal_entropy(ent, mask, window)
+    torch.testing.assert_close(pw.linear_proximal_entropy(scaled, mask, window), r0, rtol=1e-5, atol=1e-7)
+    s = pw.get_strategy("window_average", window=window, apply_to="all")
+    torch.testing.assert_close(s(adv, scaled, mask), s(adv, ent, mask), rtol=1e-5, atol=1e-5)
+
+
 @given(batches(), windows, st.floats(-0.05, 0.05))
 def test_trend_invariance_prop1_ii(batch, window, slope):
     """Adding a linear trend s·t to H changes log e by at most |s|·(W // 2).

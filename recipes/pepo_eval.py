@@ -19,19 +19,38 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from torchtune import config, training, utils
 
-from pepo.checkpointing import load_model_weights
 from pepo.evaluation import avg_at_k, eval_generator, format_table, write_results
-from pepo.recipe_config import check_checkpoint_dir, register_resolvers, resolve_config_arg
+from pepo.recipe_config import (
+    check_checkpoint_dir,
+    check_keys,
+    register_resolvers,
+    resolve_config_arg,
+)
+from pepo.tokenizers import stop_token_ids
+from pepo.weights import load_model_weights
 
 log = utils.get_logger("INFO")
 register_resolvers()
 
 
+EVAL_SCHEMA = {
+    "output_dir": "value", "model_name": "value", "seed": "value", "device": "value",
+    "dtype": "value", "batch_size": "value", "tokenizer": None, "model": None,
+    "checkpoint_dir": "value", "reward": None,
+    "generation": {"max_new_tokens", "temperature", "top_k", "top_p", "stop_tokens"},
+    "benchmarks": None,  # name -> {k, dataset}, checked below
+}
+
+
 def validate_eval_config(cfg: DictConfig) -> None:
     """Checks an eval config before any model is built (``ValueError`` naming the key)."""
+    check_keys(cfg, EVAL_SCHEMA)
     if not cfg.get("benchmarks"):
         raise ValueError("config key 'benchmarks' is required (name -> {dataset, k})")
     for name, b in cfg.benchmarks.items():
+        for key in b:
+            if key not in ("k", "dataset"):
+                raise ValueError(f"unknown config key 'benchmarks.{name}.{key}'; valid keys: ['dataset', 'k']")
         k = b.get("k")
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"benchmarks.{name}.k must be an int >= 1, got {k!r}")
@@ -55,6 +74,7 @@ def eval_main(cfg: DictConfig) -> dict[str, float]:
     model.eval()
     reward = config.instantiate(cfg.reward)
     g = cfg.generation
+    stop_tokens = stop_token_ids(tokenizer, g.get("stop_tokens"))
     results: dict[str, float] = {}
     try:
         for name, b in cfg.benchmarks.items():
@@ -65,7 +85,7 @@ def eval_main(cfg: DictConfig) -> dict[str, float]:
                 max_new_tokens=g.max_new_tokens, temperature=float(g.temperature),
                 top_k=g.get("top_k"), top_p=float(g.top_p),
                 generator=eval_generator(cfg.seed, device),
-                batch_size=cfg.get("batch_size", 256),
+                batch_size=cfg.get("batch_size", 256), stop_tokens=stop_tokens,
             )
             log.info(f"{name}: avg@{b.k} = {100 * results[name]:.2f} over {len(problems)} "
                      f"problems ({time.perf_counter() - t0:.1f}s)")

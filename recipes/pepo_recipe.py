@@ -4,18 +4,24 @@
 
 One step (PEPO paper, Sec. 3-4 and App. B; ``docs/recipe.md`` has the details):
 
-1. sample prompts: ``prompts_per_step`` from a seeded epoch-wise shuffle (group mode), or SPO's
-   prioritised draw from a candidate pool by ``sqrt(p(1-p)) + eps`` (single-stream mode);
-2. generate ``estimator.group_size`` rollouts per prompt (1 in single-stream mode) with a KV
-   cache, temperature, top-k and top-p (``pepo.generation``);
-3. verify → rewards (``reward`` component) → sequence advantages (``pepo.estimators``);
+1. choose prompts: a candidate pool from a seeded epoch-wise shuffle, from which the estimator
+   picks ``prompts_per_step`` (group mode: the pool as it is; single-stream mode: SPO's
+   prioritised draw by ``sqrt(p(1-p)) + eps`` from a pool ``candidate_pool`` times larger);
+2. generate the estimator's rollouts per prompt (``group_size``, or 1) with a KV cache,
+   temperature, top-k and top-p (``pepo.generation``);
+3. verify → rewards (``reward`` component) and success flags (``pepo.evaluation.is_success``)
+   → sequence advantages (``pepo.estimators``);
 4. one no-grad forward of the rollout policy → old log-probs and entropies
    (``pepo.entropy.logprobs_and_entropy``, at the sampling temperature);
-5. token advantages from the strategy named in ``strategy.name`` (``pepo.weighting``);
+5. token advantages from the strategy named in ``strategy.name`` (``pepo.weighting``), which
+   weights the successful rollouts under ``apply_to: positive``;
 6. ``ppo_epochs`` × ``ppo_mini_batches`` AdamW steps of ``pepo.loss.clipped_policy_loss``,
    with gradient accumulation over micro-batches normalised by the mini-batch's token count;
-7. single-stream only: the value tracker absorbs the rewards, forgetting at the rate set by the
-   mean |Δ log-prob| of each prompt's response across the update (SPO's adaptive ρ).
+7. the estimator observes the step (single-stream: the value tracker absorbs the rewards,
+   forgetting by the policy drift since each prompt's last visit, SPO's adaptive ρ; the drift
+   of this step's update, the batch's mean |Δ log-prob|, is one extra no-grad forward).
+
+Both estimators share one interface (``pepo.estimators``), so the step has no mode checks.
 
 Deviations from the paper's setup, all deliberate:
 
@@ -23,9 +29,11 @@ Deviations from the paper's setup, all deliberate:
   the temperature-scaled softmax.
 * Generation is torchtune's KV-cached decoder in the training process (no vLLM), and the whole
   batch decodes in lock-step.
-* Single-stream forgetting: ``D`` is the mean |Δ log-prob| of each prompt's response of this
-  step across this step's update (one extra no-grad forward), as the SPO reference code
-  computes it, rather than the policy change since the prompt's previous visit.
+* Single-stream forgetting: SPO's ``D(x)`` (the policy change since prompt ``x`` was last
+  seen) is measured as the sum, over the steps in between, of each step's mean |Δ log-prob|
+  across its update on that step's batch, a cheap stand-in for the KL between the two policies.
+* Dropout is off in every forward (the model stays in eval mode), so the ratio of the first
+  mini-batch is exactly 1 and old and new log-probs come from the same function.
 * ``validation`` samples ``samples`` responses per held-out prompt with the training sampler's
   settings and a fixed seed, so successive evaluations differ only by the policy.
 """
@@ -46,21 +54,23 @@ from torchtune.modules import TiedLinear, TransformerSelfAttentionLayer
 from tqdm import tqdm
 
 from pepo import estimators, weighting
-from pepo.checkpointing import AtomicCheckpointer, load_model_weights
+from pepo.checkpointing import AtomicCheckpointer
 from pepo.entropy import logprobs_and_entropy, logprobs_and_entropy_from_hidden
-from pepo.evaluation import avg_at_k, eval_generator, sample_and_score
+from pepo.evaluation import avg_at_k, eval_generator, is_success, sample_and_score
 from pepo.generation import Rollouts, sequence_inputs
 from pepo.hf import save_hf
 from pepo.loss import clipped_policy_loss, policy_loss_metrics
 from pepo.recipe_config import (
+    estimator_kwargs,
     register_resolvers,
     resolve_config_arg,
     strategy_params,
-    tracker_kwargs,
     validate_config,
 )
 from pepo.reporting import plot_curves, write_rollouts
-from pepo.sampling import PromptSampler, prioritized_sample
+from pepo.sampling import PromptSampler
+from pepo.tokenizers import stop_token_ids
+from pepo.weights import load_model_weights
 
 log = utils.get_logger("INFO")
 
@@ -83,12 +93,8 @@ class PEPORecipe(FTRecipeInterface):
         self.output_dir = Path(cfg.output_dir)
         self.num_steps = cfg.num_steps
         self.prompts_per_step = cfg.prompts_per_step
-        self.mode = cfg.estimator.name
-        self.group_size = cfg.estimator.group_size if self.mode == "group" else 1
-        self.candidate_pool = cfg.estimator.get("candidate_pool", 1)
-        self.prior_samples = cfg.estimator.get("prior_samples", 0)
-        self.adaptive_forgetting = bool(cfg.estimator.get("adaptive_forgetting", True))
-        self.normalize_std = bool(cfg.estimator.get("normalize_std", True))
+        est_name, est_kwargs = estimator_kwargs(cfg)
+        self.estimator = estimators.build_estimator(est_name, **est_kwargs)
         self.ppo_epochs = cfg.ppo_epochs
         self.ppo_mini_batches = cfg.ppo_mini_batches
         self.micro_batch_size = cfg.micro_batch_size
@@ -112,7 +118,7 @@ class PEPORecipe(FTRecipeInterface):
         self.dump_every = cfg.dump_rollouts_every
         self.resume = bool(cfg.get("resume_from_checkpoint", False))
         self.plot = bool(cfg.get("plot", True))
-        if not self.resume and (self.output_dir / "checkpoints" / "latest").exists():
+        if not self.resume and AtomicCheckpointer(self.output_dir / "checkpoints").has_checkpoints():
             raise ValueError(
                 f"output_dir={str(self.output_dir)!r} already holds a run's checkpoints; pass "
                 f"resume_from_checkpoint=True to continue it, or choose another output_dir"
@@ -125,10 +131,7 @@ class PEPORecipe(FTRecipeInterface):
     # ------------------------------------------------------------------ setup
     def setup(self, cfg: DictConfig) -> None:
         self.tokenizer = config.instantiate(cfg.tokenizer)
-        self.stop_tokens = list(self.tokenizer.stop_tokens) + [
-            self.tokenizer.token_id(t, "generation.stop_tokens")
-            for t in cfg.generation.get("stop_tokens", None) or []
-        ]
+        self.stop_tokens = stop_token_ids(self.tokenizer, cfg.generation.get("stop_tokens"))
         with training.set_default_dtype(self._dtype), self._device:
             self.model = config.instantiate(cfg.model)
         emb = self.model.tok_embeddings.num_embeddings
@@ -137,6 +140,7 @@ class PEPORecipe(FTRecipeInterface):
                 f"tokenizer has {self.tokenizer.vocab_size} tokens but the model embeds only {emb}"
             )
         load_model_weights(self.model, cfg.checkpoint_dir)
+        self.model.eval()  # no dropout anywhere: rollout, old and new log-probs are one function
         if self.activation_checkpointing:
             training.set_activation_checkpointing(
                 self.model, auto_wrap_policy={TransformerSelfAttentionLayer}
@@ -158,9 +162,6 @@ class PEPORecipe(FTRecipeInterface):
         self.strategy_name = name
         self.strategy = weighting.get_strategy(name, **params)
         self.reward_fn = config.instantiate(cfg.reward)
-        self.tracker: Optional[estimators.SingleStreamEstimator] = None
-        if self.mode == "single_stream":
-            self.tracker = estimators.SingleStreamEstimator(**tracker_kwargs(cfg.estimator))
         # host-side choices (prompt draws, mini-batch order) and token sampling on the model's
         # device use separate generators; both are checkpointed
         self.rng = torch.Generator(device="cpu").manual_seed(self.seed)
@@ -176,17 +177,19 @@ class PEPORecipe(FTRecipeInterface):
         self.hf_source = src if (src / "config.json").is_file() else None
         if self.resume:
             self._load_checkpoint()
-        elif self.tracker is not None and self.prior_samples > 0:
-            self._estimate_prior()
+        else:
+            self._prepare_estimator()
 
     def _load_checkpoint(self) -> None:
-        path = self.checkpointer.latest()
-        if path is None:
+        found = self.checkpointer.load_latest()  # the newest intact one (warns about others)
+        if found is None:
+            damaged = " intact" if self.checkpointer.has_checkpoints() else ""
             raise ValueError(
-                f"resume_from_checkpoint=True but {self.checkpointer.root} holds no checkpoint"
+                f"resume_from_checkpoint=True but {self.checkpointer.root} holds no{damaged} "
+                f"checkpoint"
             )
+        path, state = found
         load_model_weights(self.model, path)
-        state = self.checkpointer.load_state(path)
         self.optimizer.load_state_dict(state["optimizer"])
         if self.lr_scheduler is not None:
             if state.get("schedule_steps") != self.schedule_steps:
@@ -200,8 +203,7 @@ class PEPORecipe(FTRecipeInterface):
         self.rng.set_state(state["rng"])
         self.sample_rng.set_state(state["sample_rng"])
         torch.set_rng_state(state["torch_rng"])
-        if self.tracker is not None:
-            self.tracker.load_state_dict(state["tracker"])
+        self.estimator.load_state_dict(state["estimator"])
         self.step = state["step"]
         self.history = list(state["history"])
         self.nonfinite_total = state["nonfinite_total"]
@@ -227,23 +229,24 @@ class PEPORecipe(FTRecipeInterface):
             )
         return kept
 
-    def _estimate_prior(self) -> None:
-        """SPO's offline prior: ``prior_samples`` rollouts of every training prompt."""
-        n = self.prior_samples
-        t0 = time.perf_counter()
-        rates: dict[str, float] = {}
-        chunk = max(1, 256 // n)
-        for i in range(0, len(self.train_data), chunk):
-            problems = self.train_data[i : i + chunk]
-            rewards = self._rollout([p for p in problems for _ in range(n)])[1]
-            for j, p in enumerate(problems):
-                rates[p.id] = float(rewards[j * n : (j + 1) * n].mean())
-        self.tracker.set_prior(rates)
-        mean = sum(rates.values()) / len(rates)
-        log.info(
-            f"Single-stream prior: {n} rollouts x {len(rates)} prompts, mean pass rate "
-            f"{mean:.3f} ({time.perf_counter() - t0:.1f}s)"
-        )
+    def _prepare_estimator(self) -> None:
+        """Whatever the estimator needs before training (SPO: its offline prior), with the
+        rollouts it asks for scored as training rollouts are."""
+        data, t0, count = self.train_data, time.perf_counter(), [0, 0.0]
+
+        def score(indices: list[int]) -> torch.Tensor:
+            rewards = self._rollout([data[i] for i in indices])[1]
+            count[0] += len(indices)
+            count[1] += float(rewards.sum())
+            return rewards
+
+        self.estimator.prepare([p.id for p in data], score)
+        if count[0]:
+            log.info(
+                f"Estimator {self.estimator.name!r} prepared on {count[0]} rollouts of "
+                f"{len(data)} prompts, mean reward {count[1] / count[0]:.3f} "
+                f"({time.perf_counter() - t0:.1f}s)"
+            )
 
     # -------------------------------------------------------------- one step
     def _rollout(self, problems: list, generator: Optional[torch.Generator] = None):
@@ -279,18 +282,24 @@ class PEPORecipe(FTRecipeInterface):
         return logprobs_and_entropy_from_hidden(h[:, plen - 1 : -1], weight, ro.tokens[rows], **kw)
 
     def _all_logprobs(self, ro: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
+        """No-grad log-probs and entropies ``[B, T]`` in the micro-batches training uses."""
         rows = torch.arange(ro.tokens.shape[0])
         with torch.no_grad():
             parts = [self._forward_logprobs(ro, r) for r in rows.split(self.micro_batch_size)]
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
     def _next_problems(self) -> list:
-        if self.mode == "group":
-            idx = self.sampler.next(self.prompts_per_step)
-            return [self.train_data[i] for i in idx for _ in range(self.group_size)]
-        pool = [self.train_data[i] for i in self.sampler.next(self.prompts_per_step * self.candidate_pool)]
-        w = self.tracker.sampling_weights([p.id for p in pool]).cpu()
-        return [pool[i] for i in prioritized_sample(w, self.prompts_per_step, self.rng)]
+        """This step's problems, each repeated for the estimator's rollouts per prompt."""
+        est = self.estimator
+        pool = [self.train_data[i] for i in self.sampler.next(self.prompts_per_step * est.candidate_pool)]
+        picked = est.choose([p.id for p in pool], self.prompts_per_step, self.rng)
+        return [pool[i] for i in picked for _ in range(est.rollouts_per_prompt)]
+
+    def _policy_drift(self, ro: Rollouts, old_lp: torch.Tensor) -> float:
+        """Mean |Δ log-prob| over the batch's valid tokens across this step's update."""
+        new_lp, _ = self._all_logprobs(ro)
+        mask = ro.mask
+        return float(torch.where(mask, (new_lp - old_lp).abs(), 0.0).sum() / mask.sum().clamp_min(1))
 
     def train_step(self) -> dict[str, float]:
         """One RL step; returns its metrics."""
@@ -299,20 +308,54 @@ class PEPORecipe(FTRecipeInterface):
         ro, rewards, texts = self._rollout(problems)
         t_gen = time.perf_counter() - t0
         ids = [p.id for p in problems]
-        if self.mode == "group":
-            adv = estimators.group_advantages(
-                rewards, self.group_size, normalize_std=self.normalize_std
-            )  # [B]
-        else:
-            adv = self.tracker.advantages(ids, rewards.cpu()).to(self._device)  # [B]
+        adv = self.estimator.advantages(ids, rewards)  # [B]
+        success = is_success(self.reward_fn, rewards)  # [B] bool
 
-        resp, mask = ro.tokens, ro.mask  # [B, T]
+        mask = ro.mask  # [B, T]
         old_lp, entropies = self._all_logprobs(ro)  # [B, T] each
-        token_adv = self.strategy(adv, entropies, mask)  # [B, T], detached
+        token_adv = self.strategy(adv, entropies, mask, positive=success)  # [B, T], detached
+        losses, stats, grad_norms = self._update(ro, old_lp, token_adv)
+        drift = self._policy_drift(ro, old_lp) if self.estimator.needs_drift else None
+        self.estimator.observe(ids, rewards, drift)
 
-        B = resp.shape[0]
-        losses, stats = [], []
-        grad_norm = torch.zeros((), device=self._device)
+        dt = time.perf_counter() - t0
+        B = mask.shape[0]
+        ntok = int(mask.sum())
+        n_valid = mask.sum().clamp_min(1)
+        grad_norms = torch.stack(grad_norms)
+        metrics = {
+            "reward": float(rewards.mean()),
+            "accuracy": float(success.float().mean()),
+            "loss": float(torch.stack(losses).mean()),
+            "grad_norm": float(grad_norms.mean()),
+            "grad_norm_max": float(grad_norms.max()),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "entropy": float(torch.where(mask, entropies, 0.0).sum() / n_valid),
+            "response_len": ntok / B,
+            "truncated": float((~ro.finished).float().mean()),
+            "zero_advantage": float((adv == 0).float().mean()),
+            "clip_fraction": float(torch.stack([s["clip_fraction"] for s in stats]).mean()),
+            "approx_kl": float(torch.stack([s["approx_kl"] for s in stats]).mean()),
+            "nonfinite_skipped": self.nonfinite_total,
+            "tokens_per_s": ntok / dt,
+            "step_time": dt,
+            "gen_time": t_gen,
+        }
+        if drift is not None:
+            metrics["policy_drift"] = drift
+        if self.dump_every and self.step % self.dump_every == 0:
+            self._dump(problems, ro, texts, rewards, success, adv, entropies, token_adv)
+        return metrics
+
+    def _update(self, ro: Rollouts, old_lp: torch.Tensor, token_adv: torch.Tensor):
+        """``ppo_epochs`` x ``ppo_mini_batches`` optimizer steps on this step's rollouts.
+
+        Returns the mini-batch losses, the per-micro-batch loss metrics and the gradient norm
+        of every optimizer step (0-dim tensors; no host sync here beyond the finiteness check).
+        """
+        mask = ro.mask
+        B = mask.shape[0]
+        losses, stats, grad_norms = [], [], []
         for _ in range(self.ppo_epochs):
             order = (
                 torch.randperm(B, generator=self.rng) if self.ppo_mini_batches > 1 else torch.arange(B)
@@ -339,40 +382,8 @@ class PEPORecipe(FTRecipeInterface):
                 )
                 self._optimizer_step(mb_loss, grad_norm)
                 losses.append(mb_loss)
-
-        if self.tracker is not None:
-            kl = None
-            if self.adaptive_forgetting:
-                new_lp, _ = self._all_logprobs(ro)
-                kl = (
-                    torch.where(mask, (new_lp - old_lp).abs(), 0.0).sum(-1)
-                    / mask.sum(-1).clamp_min(1)
-                )  # [B]
-            self.tracker.update(ids, rewards.cpu(), kl=None if kl is None else kl.cpu())
-
-        dt = time.perf_counter() - t0
-        ntok = int(mask.sum())
-        n_valid = mask.sum().clamp_min(1)
-        metrics = {
-            "reward": float(rewards.mean()),
-            "accuracy": float((rewards > 0).float().mean()),
-            "loss": float(torch.stack(losses).mean()),
-            "grad_norm": float(grad_norm),
-            "lr": self.optimizer.param_groups[0]["lr"],
-            "entropy": float(torch.where(mask, entropies, 0.0).sum() / n_valid),
-            "response_len": ntok / B,
-            "truncated": float((~ro.finished).float().mean()),
-            "zero_advantage": float((adv == 0).float().mean()),
-            "clip_fraction": float(torch.stack([s["clip_fraction"] for s in stats]).mean()),
-            "approx_kl": float(torch.stack([s["approx_kl"] for s in stats]).mean()),
-            "nonfinite_skipped": self.nonfinite_total,
-            "tokens_per_s": ntok / dt,
-            "step_time": dt,
-            "gen_time": t_gen,
-        }
-        if self.dump_every and self.step % self.dump_every == 0:
-            self._dump(problems, ro, texts, rewards, adv, entropies, token_adv)
-        return metrics
+                grad_norms.append(grad_norm.detach())
+        return losses, stats, grad_norms
 
     def _optimizer_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         if bool(torch.isfinite(loss) & torch.isfinite(grad_norm)):  # one host sync
@@ -395,7 +406,7 @@ class PEPORecipe(FTRecipeInterface):
                 f"{self.step}. The last checkpoint is in {self.checkpointer.root}."
             )
 
-    def _dump(self, problems, ro, texts, rewards, adv, entropies, token_adv) -> None:
+    def _dump(self, problems, ro, texts, rewards, success, adv, entropies, token_adv) -> None:
         records = []
         for i, p in enumerate(problems):
             m = ro.mask[i]
@@ -412,6 +423,7 @@ class PEPORecipe(FTRecipeInterface):
                 "tokens": [self.tokenizer.id_to_token(t) for t in ids],
                 "entropies": entropies[i][m].tolist(),
                 "reward": float(rewards[i]),
+                "success": bool(success[i]),
                 "advantage": a,
                 "token_advantages": ta,
                 "token_weights": [x / a for x in ta] if a != 0 else None,
@@ -465,7 +477,7 @@ class PEPORecipe(FTRecipeInterface):
             log.info(f"Hugging Face checkpoint of the final model: {path}")
         if self.plot:
             path = plot_curves(self.history, self.output_dir / "training_curves.png",
-                               title=f"{self.config_name}: {self.strategy_name}, {self.mode}")
+                               title=f"{self.config_name}: {self.strategy_name}, {self.estimator.name}")
             log.info(f"Training curves: {path}")
 
     def save_checkpoint(self, step: int) -> None:
@@ -483,8 +495,7 @@ class PEPORecipe(FTRecipeInterface):
         if self.lr_scheduler is not None:
             state["lr_scheduler"] = self.lr_scheduler.state_dict()
             state["schedule_steps"] = self.schedule_steps
-        if self.tracker is not None:
-            state["tracker"] = self.tracker.state_dict()
+        state["estimator"] = self.estimator.state_dict()
         self.checkpointer.save(step, self.model, state)
 
     def cleanup(self) -> None:

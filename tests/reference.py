@@ -54,12 +54,17 @@ def proximal_entropy_row_fast(h: np.ndarray, window: int, temperature: float = 1
     return np.exp(x - m) / np.exp(win - m[:, None]).sum(axis=1)
 
 
-def window_mean_row(h: np.ndarray, window: int) -> np.ndarray:
+def linear_proximal_row(h: np.ndarray, window: int) -> np.ndarray:
+    """App. E's softmax-free statistic: r_t = H_t / Σ_{|k-t| <= W/2} H_k, 1/W where that is 0."""
     half = window // 2
     if len(h) == 0:
         return h.copy()
     p = np.pad(h, half, mode="reflect")
-    return np.array([math.fsum(p[t : t + window]) / window for t in range(len(h))])
+    out = np.empty(len(h))
+    for t in range(len(h)):
+        total = math.fsum(p[t + j] for j in range(window))
+        out[t] = h[t] / total if total > 0 else 1.0 / window
+    return out
 
 
 def sum_preserving(w: np.ndarray) -> np.ndarray:
@@ -80,13 +85,18 @@ def proximal_entropy(entropies: torch.Tensor, mask: torch.Tensor, window: int, t
     return np.stack(rows)
 
 
-def multiplicative(advantages, entropies, mask, weights_row, apply_to: str) -> np.ndarray:
-    """Â_{i,t} = c_{i,t} A_i, with uniform rows when apply_to='positive' and A_i <= 0."""
+def multiplicative(advantages, entropies, mask, weights_row, apply_to: str, positive=None) -> np.ndarray:
+    """Â_{i,t} = c_{i,t} A_i on weighted rows; A_i on every token of the others.
+
+    With apply_to='positive' the weighted rows are those flagged in ``positive`` (default
+    A_i > 0, the strategies' default); with 'all' every row.
+    """
     out = np.zeros(tuple(mask.shape))
     for i in range(mask.shape[0]):
         a = float(advantages[i])
         v = valid_values(entropies[i].double(), mask[i])
-        if apply_to == "positive" and a <= 0:
+        flagged = (a > 0) if positive is None else bool(positive[i])
+        if apply_to == "positive" and not flagged:
             c = np.ones_like(v)
         else:
             c = sum_preserving(weights_row(v))

@@ -133,3 +133,69 @@ def test_errors():
         logprobs_and_entropy(logits, targets, chunk_size=0)
     with pytest.raises(ValueError, match=r"weight must be \[V, D\] with D=8"):
         logprobs_and_entropy_from_hidden(torch.randn(2, 8), torch.randn(5, 7), torch.zeros(2, dtype=torch.long))
+
+
+def _poisoned(chunk):
+    """Logits [2, 9, 12] with NaN, +inf, mixed ±inf and all -inf rows placed on both sides of
+    chunk boundaries (flattened rows chunk-1 and chunk), returned with their flat row indices."""
+    logits, targets = data(b=2, t=9, v=12, seed=3)
+    flat = logits.view(-1, 12)
+    bad = {chunk - 1: ("nan", 5), chunk: ("+inf", 0), 11: ("±inf", 2)}
+    for row, (kind, col) in bad.items():
+        if kind == "nan":
+            flat[row, col] = float("nan")
+        elif kind == "+inf":
+            flat[row, col] = float("inf")
+        else:
+            flat[row, col] = float("inf")
+            flat[row, col + 1] = float("-inf")
+    flat[14] = float("-inf")  # fully masked row: keeps its documented finite output
+    targets.view(-1)[chunk] = 3  # not the +inf entry: the old guard gave it log p = z_3 ≈ finite
+    return logits, targets, sorted(bad), 14
+
+
+@pytest.mark.parametrize("chunk", [4, 5, 8])
+def test_nan_and_plus_inf_logits_give_nan_not_a_finite_value(chunk):
+    """Catches the all--inf guard (``lse = 0`` where it is not finite) also catching NaN and
+    +inf rows: their log-prob came out as the raw logit (0 for p = 1), a finite wrong value that
+    silently enters the loss. Every other row, on either side of a chunk boundary, must still
+    match the float64 reference."""
+    logits, targets, bad, masked = _poisoned(chunk)
+    x = logits.clone().requires_grad_(True)
+    lp, ent = logprobs_and_entropy(x, targets, chunk_size=chunk)
+    lp, ent = lp.view(-1), ent.view(-1)
+    assert torch.isnan(lp[bad]).all() and torch.isnan(ent[bad]).all()
+    assert lp[masked] == torch.finfo(torch.float32).min and ent[masked] == 0
+    good = [r for r in range(18) if r not in bad and r != masked]
+    xr = logits.view(-1, 12)[good].double().requires_grad_(True)
+    r_lp, r_ent = ref(xr, targets.view(-1)[good])
+    torch.testing.assert_close(lp[good].double(), r_lp.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent[good].double(), r_ent, rtol=1e-5, atol=1e-5)
+    # gradient: the reference's on good rows, finite on the masked row, non-finite on bad ones
+    (grad,) = torch.autograd.grad(lp.sum(), x)
+    grad = grad.view(-1, 12)
+    (r_grad,) = torch.autograd.grad(r_lp.sum(), xr)
+    torch.testing.assert_close(grad[good].double(), r_grad, rtol=1e-5, atol=1e-6)
+    assert torch.isfinite(grad[masked]).all()
+    assert not torch.isfinite(grad[bad]).all(dim=-1).any()
+
+
+@pytest.mark.parametrize("chunk", [3, 1024])
+def test_hidden_variant_gives_nan_for_nan_and_overflowing_logits(chunk):
+    """Catches the same guard in the hidden-state path: a NaN hidden state, or one whose logits
+    overflow to +inf, must give NaN, and its neighbours the float64 reference."""
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(2, 4, 8, generator=g)
+    w = torch.randn(16, 8, generator=g)
+    targets = torch.randint(0, 16, (2, 4), generator=g)
+    flat = h.view(-1, 8)
+    flat[2, 0] = float("nan")  # row 2: last row of the first chunk of 3
+    flat[3] = 1e38  # row 3: first row of the second chunk; logits overflow to ±inf
+    lp, ent = logprobs_and_entropy_from_hidden(h, w, targets, chunk_size=chunk)
+    lp, ent = lp.view(-1), ent.view(-1)
+    assert torch.isinf(flat[3] @ w.t()).any()
+    assert torch.isnan(lp[[2, 3]]).all() and torch.isnan(ent[[2, 3]]).all()
+    good = [0, 1, 4, 5, 6, 7]
+    r_lp, r_ent = ref(flat[good].double() @ w.double().t(), targets.view(-1)[good])
+    torch.testing.assert_close(lp[good].double(), r_lp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent[good].double(), r_ent, rtol=1e-5, atol=1e-5)

@@ -117,12 +117,79 @@ def test_sampling_weights():
 def test_state_dict_round_trip_resumes_exactly():
     t = est.SingleStreamEstimator({"a": 0.5}, rho_min=0.8)
     t.update(["a", "b"], [1.0, 0.0], kl=[0.01, 0.2])
-    u = est.SingleStreamEstimator()
+    t.add_drift(0.02)
+    u = est.SingleStreamEstimator(rho_min=0.8)
     u.load_state_dict(t.state_dict())
     for tracker in (t, u):
-        tracker.update(["a", "c"], [0.0, 1.0], kl=[0.05, 0.0])
+        tracker.observe(["a", "c"], [0.0, 1.0], drift=0.05)
     assert u.state_dict() == t.state_dict()
     assert u.rho_min == 0.8
+
+
+def test_load_state_dict_refuses_other_hyper_parameters():
+    """Catches a resume that silently swaps the configured hyper-parameters for the saved."""
+    t = est.SingleStreamEstimator(rho_min=0.8)
+    with pytest.raises(ValueError, match="rho_min: saved 0.8, configured 0.875"):
+        est.SingleStreamEstimator().load_state_dict(t.state_dict())
+    g = est.GroupEstimator(group_size=4)
+    with pytest.raises(ValueError, match="group_size: saved 4, configured 8"):
+        est.GroupEstimator(group_size=8).load_state_dict(g.state_dict())
+    with pytest.raises(ValueError, match="state_dict is of estimator 'group', not 'single_stream'"):
+        est.SingleStreamEstimator().load_state_dict(
+            {**g.state_dict(), "alpha": {}, "beta": {}, "drift_total": 0.0, "last_visit": {}})
+    with pytest.raises(ValueError, match="state_dict is of estimator 'single_stream', not 'group'"):
+        est.GroupEstimator().load_state_dict(t.state_dict())
+
+
+def test_drift_since_last_visit_is_the_change_between_the_two_rewards_policies():
+    """D(x) sums the drift of the updates made between the two visits' rollouts: a prompt seen
+    at step 1 and again at step 4 gets d1 + d2 + d3 (its step-1 reward came from the policy
+    before update 1, its step-4 reward from the policy before update 4)."""
+    t = est.SingleStreamEstimator(rho_min=0.01, rho_max=1.0, d_half=0.1)
+    t.set_prior({"x": 0.5})  # the prior's rollouts came from the initial policy
+    drifts = [0.03, 0.05, 0.07]
+    t.observe(["x"], [1.0], drift=drifts[0])  # step 1: D = 0 (prior taken just before)
+    a1, b1 = t.state_dict()["alpha"]["x"], t.state_dict()["beta"]["x"]
+    t.observe(["y"], [0.0], drift=drifts[1])  # step 2: another prompt
+    t.observe(["y"], [1.0], drift=drifts[2])  # step 3
+    torch.testing.assert_close(t.drift_since_last_visit(["x", "y", "new"]),
+                               torch.tensor([0.15, 0.07, 0.15], dtype=torch.float64))
+    t.observe(["x"], [0.0], drift=0.01)  # step 4: D = 0.03 + 0.05 + 0.07
+    rho = 2 ** (-0.15 / 0.1)
+    assert t.state_dict()["alpha"]["x"] == pytest.approx(rho * a1)
+    assert t.state_dict()["beta"]["x"] == pytest.approx(rho * b1 + 1)
+    assert t.drift_total == pytest.approx(0.16)
+    with pytest.raises(ValueError, match="needs the step's policy drift"):
+        t.observe(["x"], [1.0])
+    constant = est.SingleStreamEstimator(adaptive_forgetting=False, rho=0.9)
+    assert not constant.needs_drift
+    constant.observe(["x"], [1.0])
+    assert constant.state_dict()["alpha"]["x"] == pytest.approx(0.9 * 0.5 + 1)
+
+
+def test_step_interface_of_both_estimators():
+    g = est.build_estimator("group", group_size=2)
+    assert (g.rollouts_per_prompt, g.candidate_pool, g.needs_drift) == (2, 1, False)
+    assert g.choose(["a", "b", "c"], 2, torch.Generator()) == [0, 1]
+    adv = g.advantages(["a", "a", "b", "b"], torch.tensor([1.0, 0.0, 1.0, 1.0]))
+    torch.testing.assert_close(adv, est.group_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2))
+    with pytest.raises(ValueError, match="contiguous groups of 2"):
+        g.advantages(["a", "b", "a", "b"], torch.tensor([1.0, 0.0, 1.0, 1.0]))
+    s = est.build_estimator("single_stream", candidate_pool=3, prior_samples=2)
+    assert (s.rollouts_per_prompt, s.candidate_pool, s.needs_drift) == (1, 3, True)
+    calls = []
+
+    def score(idx):
+        calls.append(list(idx))
+        return torch.tensor([1.0 if i == 1 else 0.0 for i in idx])
+
+    s.prepare(["p0", "p1", "p2"], score)
+    assert calls == [[0, 0, 1, 1, 2, 2]]
+    assert s.values(["p0", "p1"]).tolist() == pytest.approx([0.5 / 3, 2.5 / 3])
+    with pytest.raises(ValueError, match=r"unknown single_stream estimator key\(s\) \['group_size'\]"):
+        est.build_estimator("single_stream", group_size=4)
+    with pytest.raises(ValueError, match="estimator name must be one of"):
+        est.build_estimator("ppo")
 
 
 def test_tensor_prompt_ids():

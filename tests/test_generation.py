@@ -142,3 +142,21 @@ def test_batched_generation_merges_into_one_padded_batch(model):
     assert ro.tokens.shape[0] == 9 and ro.prompt_tokens.shape[1] == max(map(len, prompts))
     assert torch.equal(ro.prompt_mask.sum(-1), torch.tensor([len(p) for p in prompts]))
     assert_rows_match_unpadded(model, ro, prompts)  # the merged batch is still exact
+
+
+@pytest.mark.parametrize("top_k, top_p", [(1, 1.0), (None, 1e-6), (1, 1e-6)])
+def test_greedy_limits_of_the_sampler_give_the_argmax(model, top_k, top_p):
+    """``top_k=1`` or a tiny ``top_p`` leaves only the most likely token: sampling must give the
+    argmax at every step, whatever the generator draws. Catches a filter that keeps the second
+    token or samples from the unfiltered distribution."""
+    torch.manual_seed(3)
+    prompts = [[5, 9, 17, 4], [8, 2], [20, 21, 22]]
+    ro = G.generate(model, prompts, max_new_tokens=10, pad_id=0, stop_tokens=[], temperature=1.3,
+                    top_k=top_k, top_p=top_p, generator=torch.Generator().manual_seed(11))
+    for i, p in enumerate(prompts):
+        seq = list(p)
+        for t in range(10):
+            with torch.no_grad():
+                logits = model(torch.tensor([seq]))[0, -1]
+            assert int(ro.tokens[i, t]) == int(logits.argmax()), (i, t)
+            seq.append(int(ro.tokens[i, t]))

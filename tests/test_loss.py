@@ -114,3 +114,55 @@ def test_metrics():
     assert m["approx_kl"].item() == pytest.approx((r - 1 - r.log()).mean().item(), rel=1e-5)
     assert m["weighted_fraction"].item() == pytest.approx(2 / 3)
     assert int(m["num_tokens"]) == 3
+
+
+def ref_loss_float64(lp, old, adv, mask, eps_low, eps_high, n):
+    """Eq. (2)/(8) as a float64 loop over tokens, differentiable by autograd."""
+    total = lp.new_zeros((), dtype=torch.float64)
+    for i in range(lp.shape[0]):
+        for t in range(lp.shape[1]):
+            if mask[i, t]:
+                ratio = torch.exp(lp[i, t] - old[i, t].double())
+                a = float(adv[i, t])
+                clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+                total = total - torch.minimum(ratio * a, clipped * a)
+    return total / n
+
+
+@pytest.mark.parametrize("eps_low,eps_high", [(0.2, 0.28), (0.1, 0.5)])
+def test_gradient_matches_autograd_of_a_float64_loop_reference(eps_low, eps_high):
+    """Catches a wrong gradient anywhere in the clip logic: min/max swapped, a clip that
+    passes gradient, or a missing one. Tokens are placed in every region (the assertions
+    below check each is populated): inside the clip range, and outside it on both sides with
+    each sign of the advantage, where the gradient must be exactly 0 only when the clipped
+    term is the active one (ratio above 1 + eps_high with A > 0, below 1 - eps_low with
+    A < 0)."""
+    g = torch.Generator().manual_seed(5)
+    b, t = 6, 40
+    old = -torch.rand(b, t, generator=g) * 2
+    log_ratio = (torch.rand(b, t, generator=g) - 0.5) * 1.6  # ratios in [0.45, 2.2]
+    adv = torch.randn(b, t, generator=g)
+    mask = torch.rand(b, t, generator=g) > 0.2
+    lp = (old + log_ratio).clone().requires_grad_(True)
+    n = 53  # the full batch's count when this is one micro-batch of it
+    loss = clipped_policy_loss(lp, old, adv, mask, eps_low, eps_high, num_tokens=n)
+    (grad,) = torch.autograd.grad(loss, lp)
+    lp64 = (old + log_ratio).double().requires_grad_(True)
+    ref = ref_loss_float64(lp64, old, adv, mask, eps_low, eps_high, n)
+    (ref_grad,) = torch.autograd.grad(ref, lp64)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-5, atol=1e-7)
+    ratio = log_ratio.exp()
+    clipped_high = mask & (ratio > 1 + eps_high) & (adv > 0)
+    clipped_low = mask & (ratio < 1 - eps_low) & (adv < 0)
+    free_high = mask & (ratio > 1 + eps_high) & (adv < 0)  # unclipped term is the min: gradient flows
+    free_low = mask & (ratio < 1 - eps_low) & (adv > 0)
+    inside = mask & (ratio > 1 - eps_low) & (ratio < 1 + eps_high)
+    for region in (clipped_high, clipped_low, free_high, free_low, inside):
+        assert int(region.sum()) >= 3
+    assert grad[clipped_high | clipped_low].eq(0).all()
+    assert grad[free_high | free_low | inside].ne(0).all()
+    # d(-ρ A / n)/d lp = -ρ A / n where the unclipped term is active
+    active = free_high | free_low | inside
+    torch.testing.assert_close(grad[active], (-ratio * adv / n)[active], rtol=1e-5, atol=1e-8)
+    assert grad[~mask].eq(0).all()

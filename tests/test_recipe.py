@@ -24,8 +24,10 @@ def losses(recipe):
 
 
 # Recorded from this test's own configuration (torch 2.13.0, CPU). A change in any part of the
-# step (sampling, advantages, weighting, loss, optimizer) moves them.
-RECORDED_LOSSES = [-0.074771448969841, -0.06184901297092438, -0.0949687659740448]
+# step (sampling, advantages, weighting, loss, optimizer) moves them. Last moved when PEPO's
+# positive-only weighting switched from A > 0 to the reward's success flags (DigitReward's
+# partial credit makes some rollouts with A <= 0 successful).
+RECORDED_LOSSES = [-0.07475857436656952, -0.06186573952436447, -0.09496703743934631]
 
 
 def test_losses_match_recorded_values(tmp_path):
@@ -56,6 +58,7 @@ def test_bundled_configs_validate_and_instantiate(tmp_path):
 @pytest.mark.parametrize("name", ["tiny", "tiny_spo"])
 def test_resume_is_exact(tmp_path, name):
     full = run(tiny_cfg(tmp_path / "full", name, num_steps=4))
+    full_torch_rng = torch.get_rng_state()
     first = run(tiny_cfg(tmp_path / "split", name, num_steps=2))
     second = run(tiny_cfg(tmp_path / "split", name, num_steps=4, resume_from_checkpoint=True))
     assert second.step == 4 and first.step == 2
@@ -64,12 +67,29 @@ def test_resume_is_exact(tmp_path, name):
     )
     for (k, a), b in zip(full.model.state_dict().items(), second.model.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=k)
+    # the state that decides the next step: estimator (SPO tracker), data position, RNGs
+    assert _same_estimator_state(second.estimator.state_dict(), full.estimator.state_dict())
+    assert second.sampler.state_dict() == full.sampler.state_dict()
+    assert torch.equal(second.rng.get_state(), full.rng.get_state())
+    assert torch.equal(second.sample_rng.get_state(), full.sample_rng.get_state())
+    assert torch.equal(torch.get_rng_state(), full_torch_rng)
+
+
+def _same_estimator_state(a, b) -> bool:
+    for key in ("alpha", "beta", "last_visit"):
+        if key in a:
+            assert a[key].keys() == b[key].keys(), key
+            for pid in a[key]:
+                assert a[key][pid] == pytest.approx(b[key][pid], rel=1e-6, abs=1e-9), (key, pid)
+    assert a.get("drift_total", 0.0) == pytest.approx(b.get("drift_total", 0.0), rel=1e-6, abs=1e-9)
+    assert a["config"] == b["config"]
+    return True
 
 
 def test_single_stream_runs_and_updates_tracker(tmp_path):
     recipe = run(tiny_cfg(tmp_path, "tiny_spo", num_steps=2))
-    assert recipe.mode == "single_stream"
-    assert len(recipe.tracker) == 16  # every training prompt got a prior
+    assert recipe.estimator.name == "single_stream"
+    assert len(recipe.estimator) == 16  # every training prompt got a prior
     rows = [json.loads(line) for line in
             (tmp_path / "run" / "rollouts" / "step_000002.jsonl").read_text().splitlines()]
     assert len(rows) == 8 and len({r["prompt_id"] for r in rows}) == 8  # one rollout per prompt
@@ -149,12 +169,21 @@ def test_nonfinite_steps_are_skipped_then_stop(tmp_path, monkeypatch):
     ],
 )
 def test_bad_config_fails_before_model(tmp_path, override, message, monkeypatch):
-    cfg = tiny_cfg(tmp_path, **override)
+    """The whole entry point (validation, then setup) must raise before any model is built.
+    The spy on the model builder is shown to fire on a valid config, so it cannot pass
+    vacuously."""
+    import pepo.models
+
     built = []
-    monkeypatch.setattr("pepo.models.tiny_qwen3", lambda *a, **k: built.append(1))
+    real = pepo.models.tiny_qwen3
+    monkeypatch.setattr(pepo.models, "tiny_qwen3", lambda *a, **k: built.append(1) or real(*a, **k))
     with pytest.raises(ValueError, match=message):
-        pepo_recipe.PEPORecipe(cfg)
+        run(tiny_cfg(tmp_path / "bad", **override))
     assert not built
+    recipe = pepo_recipe.PEPORecipe(tiny_cfg(tmp_path / "good", num_steps=1))
+    recipe.setup(tiny_cfg(tmp_path / "good", num_steps=1))
+    assert built  # the spy sees real builds
+    recipe.cleanup()
 
 
 def test_resume_without_checkpoint_is_clear(tmp_path):

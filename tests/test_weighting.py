@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import pepo.weighting as pw
-from pepo.weighting import _reflect_index
+from pepo._windows import reflect_index
 from tests import reference as ref
 from tests.conftest import ragged_batch
 
@@ -34,7 +34,7 @@ def test_reflect_index_matches_numpy_pad_including_repeated_reflection():
         half = 30
         expected = np.pad(np.arange(n), half, mode="reflect")
         j = torch.arange(-half, n + half)
-        got = _reflect_index(j, torch.tensor(n))
+        got = reflect_index(j, torch.tensor(n))
         assert got.tolist() == expected.tolist(), n
 
 
@@ -110,13 +110,13 @@ def test_wide_range_takes_exact_log_path():
 
 
 def test_fast_and_log_paths_agree():
-    from pepo.weighting import _Rows, _proximal_compact
+    from pepo._windows import Rows, proximal_compact
 
     _, ent, mask = ragged_batch([1, 5, 50, 300], 300, seed=9)
-    rows = _Rows(torch.where(mask, ent, 0.0), mask, is_prefix=True)
+    rows = Rows(torch.where(mask, ent, 0.0), mask, is_prefix=True)
     shift = rows.x.amax(dim=1)
-    fast = _proximal_compact(rows, 101, 1.0, exact_log=False, shift=shift)
-    slow = _proximal_compact(rows, 101, 1.0, exact_log=True, shift=shift)
+    fast = proximal_compact(rows, 101, 1.0, exact_log=False, shift=shift)
+    slow = proximal_compact(rows, 101, 1.0, exact_log=True, shift=shift)
     valid = torch.arange(300) < rows.lengths[:, None]
     torch.testing.assert_close(fast[valid], slow[valid], rtol=1e-5, atol=1e-8)
 
@@ -154,6 +154,111 @@ def test_proximal_softmax_matches_reference(window, lengths, apply_to, holes):
     torch.testing.assert_close(got.sum(1), adv * mask.sum(1), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+@pytest.mark.parametrize("window,lengths", [(W_SMALL, LENGTHS_SMALL), (101, LENGTHS_101)])
+def test_proximal_softmax_temperature_matches_reference(window, lengths, temperature):
+    """Catches a strategy that drops its ``temperature`` (τ = 1 would be used for every τ)."""
+    adv, ent, mask = ragged_batch(lengths, max(lengths) + 5, holes=True, seed=29, scale=3.0)
+    s = pw.get_strategy("proximal_softmax", window=window, temperature=temperature, apply_to="all")
+    expected = ref.multiplicative(
+        adv, ent, mask, lambda v: ref.proximal_entropy_row(v, window, temperature), "all"
+    )
+    close(s(adv, ent, mask), expected, rtol=RTOL32, atol=1e-6)
+    if temperature != 1.0:  # the comparison can tell the temperatures apart
+        at_one = ref.multiplicative(adv, ent, mask, lambda v: ref.proximal_entropy_row(v, window), "all")
+        assert not np.allclose(s(adv, ent, mask).double().numpy(), at_one, rtol=RTOL32, atol=1e-6)
+
+
+def test_global_topk_proximal_score_uses_the_temperature():
+    adv, ent, mask = ragged_batch([10, 40, 64], 64, holes=True, seed=31, scale=3.0)
+    for tau in (0.5, 2.0):
+        got = pw.get_strategy("global_topk", score="proximal", window=11, temperature=tau)(adv, ent, mask)
+        scores = torch.tensor(ref.proximal_entropy(ent, mask, 11, tau), dtype=torch.float32)
+        close(got, ref.global_topk(adv, scores, mask, 0.2), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["proximal_softmax", "window_average"])
+def test_positive_flags_choose_the_weighted_rows(name):
+    """The rows weighted under apply_to='positive' are those flagged ``positive`` (successful
+    rollouts), not those with A > 0: a successful rollout with A <= 0 (SPO's batch-normalised
+    advantages) is weighted, a failed one with A > 0 is not. Catches a strategy that keeps
+    keying on the advantage's sign."""
+    adv, ent, mask = ragged_batch([7, 9, 12, 5], 12, holes=True, seed=37)
+    adv = torch.tensor([-0.7, 0.4, 1.3, -0.2])
+    positive = torch.tensor([True, False, True, False])
+    row = ref.proximal_entropy_row if name == "proximal_softmax" else ref.linear_proximal_row
+    s = pw.get_strategy(name, window=5)
+    got = s(adv, ent, mask, positive=positive)
+    close(got, ref.multiplicative(adv, ent, mask, lambda v: row(v, 5), "positive", positive), atol=1e-6)
+    # without flags the advantage's sign decides (rows 1 and 2 weighted)
+    close(s(adv, ent, mask), ref.multiplicative(adv, ent, mask, lambda v: row(v, 5), "positive"), atol=1e-6)
+    assert not torch.allclose(got, s(adv, ent, mask))
+    # 'all' ignores the flags
+    every = pw.get_strategy(name, window=5, apply_to="all")
+    assert torch.equal(every(adv, ent, mask, positive=positive), every(adv, ent, mask, positive=~positive))
+
+
+def test_positive_flags_are_checked():
+    s = pw.get_strategy("proximal_softmax", window=3)
+    adv, ent, mask = ragged_batch([4, 4], 4)
+    with pytest.raises(ValueError, match=r"positive must be \[B\]=\[2\].*got \[3\]"):
+        s(adv, ent, mask, positive=torch.tensor([True, False, True]))
+    with pytest.raises(ValueError, match="positive must have dtype torch.bool"):
+        s(adv, ent, mask, positive=torch.tensor([1.0, 0.0]))
+
+
+def test_custom_strategy_receives_positive_flags_when_it_asks():
+    seen = {}
+
+    @pw.register_strategy("test_flags", overwrite=True)
+    def flags():
+        def fn(advantages, entropies, mask, positive):
+            seen["positive"] = positive.clone()
+            return advantages[:, None].expand(mask.shape)
+        return fn
+
+    try:
+        adv, ent, mask = ragged_batch([2, 3], 3)
+        flags_in = torch.tensor([False, True])
+        pw.get_strategy("test_flags")(adv, ent, mask, positive=flags_in)
+        assert torch.equal(seen["positive"], flags_in)
+        pw.get_strategy("test_flags")(torch.tensor([1.0, -1.0]), ent, mask)
+        assert seen["positive"].tolist() == [True, False]  # default: A > 0
+    finally:
+        pw._REGISTRY.pop("test_flags", None)
+
+
+@pytest.mark.parametrize("window,lengths", [(1, [1, 2, 7]), (3, [1, 2, 3, 4, 9]), (W_SMALL, LENGTHS_SMALL), (101, LENGTHS_101)])
+@pytest.mark.parametrize("holes", [False, True])
+def test_linear_proximal_entropy_matches_reference(window, lengths, holes):
+    _, ent, mask = ragged_batch(lengths, max(lengths) + (13 if holes else 3), holes=holes, seed=41)
+    got = pw.linear_proximal_entropy(ent, mask, window=window)
+    expected = np.stack([
+        ref.scatter_back(ref.linear_proximal_row(ref.valid_values(ent[i].double(), mask[i]), window), mask[i])
+        for i in range(len(lengths))
+    ])
+    close(got, expected)
+    assert (got[~mask] == 0).all()
+
+
+def test_linear_proximal_entropy_hand_worked_and_zero_windows():
+    # H = [0, 1, 0, 0, 0], W = 3, reflect pad -> [1, 0, 1, 0, 0, 0, 0]
+    # t=0: window [1, 0, 1] -> r = 0 / 2 = 0; t=1: [0, 1, 0] -> 1 / 1 = 1; t=2: [1, 0, 0] -> 0
+    # t=3: [0, 0, 0] sums to 0 -> 1/W; t=4: [0, 0, 0] (reflected) -> 1/W
+    ent = torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0]])
+    r = pw.linear_proximal_entropy(ent, torch.ones(1, 5, dtype=torch.bool), window=3)
+    torch.testing.assert_close(r, torch.tensor([[0.0, 1.0, 0.0, 1 / 3, 1 / 3]]))
+
+
+def test_linear_proximal_entropy_refuses_negative_entropies():
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match="entropies must be >= 0 .* minimum of -0.5"):
+        pw.linear_proximal_entropy(torch.tensor([[0.2, -0.5, 0.1]]), mask, window=3)
+    # fp32 rounding just below 0 counts as 0
+    r = pw.linear_proximal_entropy(torch.tensor([[0.2, -1e-7, 0.1]]), mask, window=3)
+    assert r[0, 1] == 0.0
+
+
 @pytest.mark.parametrize("holes", [False, True])
 @pytest.mark.parametrize("apply_to", ["positive", "all"])
 @pytest.mark.parametrize("window,lengths", [(W_SMALL, LENGTHS_SMALL), (101, LENGTHS_101)])
@@ -161,8 +266,36 @@ def test_window_average_matches_reference(window, lengths, apply_to, holes):
     adv, ent, mask = ragged_batch(lengths, max(lengths) + 5, holes=holes, seed=8)
     adv[2] = -1.0
     got = pw.get_strategy("window_average", window=window, apply_to=apply_to)(adv, ent, mask)
-    expected = ref.multiplicative(adv, ent, mask, lambda v: ref.window_mean_row(v, window), apply_to)
+    expected = ref.multiplicative(adv, ent, mask, lambda v: ref.linear_proximal_row(v, window), apply_to)
     close(got, expected, rtol=RTOL32, atol=1e-6)
+    torch.testing.assert_close(got.sum(1), adv * mask.sum(1), rtol=1e-5, atol=1e-4)
+
+
+def _decile_means(w, mask):
+    """Mean of w per position decile, over rows (positions among each row's valid tokens)."""
+    pos = (mask.long().cumsum(1) - 1).float() / mask.sum(1, keepdim=True).float()
+    dec = (pos * 10).floor().clamp_max(9).long()
+    return torch.stack([w[mask & (dec == d)].mean() for d in range(10)])
+
+
+def test_window_average_is_flat_over_position_on_a_trended_input():
+    """App. E: the window statistic removes the positional trend. On entropies that decay
+    along the response (H = f(t) · u, f from 3 to 0.3), the weights stay flat over position;
+    a windowed *mean* (the old implementation) keeps the trend (first decile ~1.7x, last ~0.25x)."""
+    g = torch.Generator().manual_seed(0)
+    n, T, W = 32, 600, 21
+    f = 3.0 * torch.exp(-torch.arange(T) / T * math.log(10))  # 3 -> 0.3
+    ent = f * (0.2 + torch.rand(n, T, generator=g))
+    mask = torch.ones(n, T, dtype=torch.bool)
+    c = pw.get_strategy("window_average", window=W, apply_to="all")(torch.ones(n), ent, mask)
+    deciles = _decile_means(c, mask)
+    assert float((deciles - 1).abs().max()) < 0.05, deciles
+    # the same check catches the windowed mean
+    half = W // 2
+    padded = torch.from_numpy(np.pad(ent.numpy(), ((0, 0), (half, half)), mode="reflect"))
+    m = padded.unfold(1, W, 1).mean(-1)
+    trended = _decile_means(m / m.mean(1, keepdim=True), mask)
+    assert float(trended[0]) > 1.5 and float(trended[-1]) < 0.5
 
 
 def test_window_average_all_zero_entropy_row_is_uniform():
@@ -311,6 +444,9 @@ def test_register_custom_strategy():
         ("global_topk", {"fraction": 1.5}, r"fraction must be in \(0, 1\], got 1.5"),
         ("global_topk", {"score": "gradient"}, "score must be one of"),
         ("entropy_bonus", {"kappa": -1.0}, "kappa must be a finite number > 0"),
+        ("entropy_bonus", {"kappa": 1.0}, "kappa must be > 1 .* got 1.0"),
+        ("entropy_bonus", {"kappa": 0.5}, "kappa must be > 1"),
+        ("proximal_softmax", {"temperature": 1e-300}, r"temperature must be in \[1e-06, 1e\+06\]"),
         ("window_average", {"window": 2.0}, "window must be an odd int"),
     ],
 )

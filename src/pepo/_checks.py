@@ -99,6 +99,32 @@ def check_positive(name: str, value: Any) -> float:
     return float(value)
 
 
+# Outside this range fp32 cannot hold H / τ faithfully (entropies reach log V ~ 12): below it
+# H / τ overflows, above it every H / τ rounds to the same value.
+TEMPERATURE_RANGE = (1e-6, 1e6)
+
+
+def check_temperature(value: Any, name: str = "temperature") -> float:
+    value = check_positive(name, value)
+    lo, hi = TEMPERATURE_RANGE
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must be in [{lo:g}, {hi:g}] (fp32 holds H/{name} there), got {value}")
+    return value
+
+
+def check_row_flags(name: str, flags: Any, rows: torch.Tensor) -> torch.Tensor:
+    """A bool ``[B]`` tensor with one flag per row of ``rows`` (``[B]``), on its device."""
+    flags = check_tensor(name, flags)
+    b = rows.shape[0]
+    if flags.dtype != torch.bool:
+        raise ValueError(f"{name} must have dtype torch.bool (one flag per rollout), got {flags.dtype}")
+    if flags.dim() != 1 or flags.shape[0] != b:
+        raise ValueError(f"{name} must be [B]=[{b}] (one flag per rollout), got {_shape(flags)}")
+    if flags.device != rows.device:
+        raise ValueError(f"{name} ({flags.device}) must be on the advantages' device ({rows.device})")
+    return flags
+
+
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
@@ -110,3 +136,20 @@ def nonfinite_message(name: str, count: int) -> str:
         f"{name} holds {count} NaN/inf value(s) at valid (mask=True) positions; "
         f"fix the producer, or pass check_finite=False to skip this check"
     )
+
+
+def check_state_matches(model: torch.nn.Module, state: dict, source: Any) -> None:
+    """Raises ``ValueError`` unless ``state`` has exactly ``model``'s keys and shapes
+    (``source`` names where it came from)."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise ValueError(
+            f"{source} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    for k, v in state.items():
+        if v.shape != own[k].shape:
+            raise ValueError(
+                f"{source}: {k} has shape {list(v.shape)}, the model expects {list(own[k].shape)}"
+            )

@@ -124,13 +124,7 @@ def positional_bias(
     for w in windows:
         e = weighting.proximal_entropy(r.entropies, r.mask, window=w)
         out[f"proximal_{w}"] = _binned_mean(_relative_deviation(e, r.mask), r.mask, n_bins)
-        # the windowed average without the softmax: H_t / Σ_{k∈W(t)} H_k. window_average's
-        # weight is c = m / mean_t(m) with m the window mean, and the relative deviation is
-        # invariant to a per-row scale, so H / c stands in for H / Σ H.
-        c = weighting.get_strategy("window_average", window=w, apply_to="all")(
-            torch.ones(len(r)), r.entropies, r.mask
-        )
-        lin = torch.where(c > 0, r.entropies / torch.where(c > 0, c, 1.0), 0.0)
+        lin = weighting.linear_proximal_entropy(r.entropies, r.mask, window=w)  # App. E
         out[f"window_average_{w}"] = _binned_mean(_relative_deviation(lin, r.mask), r.mask, n_bins)
     return out
 

@@ -15,7 +15,10 @@ than one ``[chunk_size, V]`` slice of it:
 Log-probs carry gradient; entropies are returned detached (they are importance signals, not
 part of the objective). ``-inf`` logits (masked vocabulary entries) are safe: they have
 probability 0, contribute 0 to the entropy and get gradient 0. A target whose logit is ``-inf``
-gets the lowest finite fp32 log-prob instead of ``-inf``.
+gets the lowest finite fp32 log-prob instead of ``-inf``; a row of all ``-inf`` gets that
+log-prob and entropy 0. A row with a NaN or ``+inf`` logit (including logits that overflow after
+dividing by the temperature) has no distribution: its log-prob and entropy are NaN, never a
+finite stand-in, so a non-finite check downstream sees it.
 """
 
 from __future__ import annotations
@@ -44,12 +47,18 @@ def _chunk_stats(
     if temperature != 1.0:
         x = x / temperature
     lse = torch.logsumexp(x, dim=-1)  # [n]
-    lse = torch.where(torch.isfinite(lse), lse, 0.0)  # rows of all -inf
+    # Only rows of all -inf get lse = 0 (finite outputs, zero gradient). A NaN or +inf logit
+    # makes lse NaN or +inf: such a row has no distribution, and its outputs must be NaN, not
+    # the finite numbers `x - 0` would give.
+    broken = torch.isnan(lse) | (lse == float("inf"))  # [n]
+    lse = torch.where(lse == float("-inf"), 0.0, lse)
     logp = x - lse[:, None]  # [n, V]
     lp = logp.gather(1, targets[:, None]).squeeze(1).clamp_min(_LOGPROB_FLOOR)
     p = torch.exp(logp)  # [n, V]
     logp.masked_fill_(p == 0, 0.0)  # 0 · log 0 = 0 (masked vocabulary entries, underflow)
     entropy = -torch.linalg.vecdot(p, logp)  # no third [n, V] temporary
+    lp = torch.where(broken, float("nan"), lp)
+    entropy = torch.where(broken, float("nan"), entropy)
     return lp, entropy, lse
 
 

@@ -3,6 +3,20 @@
 Both return one advantage per rollout, ``[N]`` fp32, which any strategy of
 :mod:`pepo.weighting` turns into token advantages unchanged.
 
+Both also implement one *step interface*, so a training loop reads the same in either mode
+(the recipe has no mode checks)::
+
+    est.prepare(prompt_ids, score)                 # once, before training (SPO's offline prior)
+    picked = est.choose(pool_ids, k, generator)    # k prompts out of a candidate pool
+    # ... generate est.rollouts_per_prompt responses for each picked prompt, score them ...
+    adv = est.advantages(rollout_prompt_ids, rewards)       # [N]
+    # ... token weights, policy update; if est.needs_drift, measure the policy's drift ...
+    est.observe(rollout_prompt_ids, rewards, drift)         # after the update
+    est.state_dict() / est.load_state_dict(...)             # exact resume
+
+:func:`build_estimator` makes either from a name and keyword arguments (the recipe's
+``estimator`` config section).
+
 * :func:`group_advantages` — GRPO, Eq. (1): ``A_i = (r_i - mean_g r) / (std_g r + eps)`` over
   contiguous groups of ``group_size`` rollouts of the same prompt. ``std`` is Bessel-corrected
   by default, as in TRL and verl. A group whose rewards are all equal gets advantages exactly 0
@@ -13,19 +27,31 @@ Both return one advantage per rollout, ``[N]`` fp32, which any strategy of
   ``beta0 = N0 (n - k + 1/2) / (n + 1)`` from ``k`` offline successes out of ``n``, with
   ``N0 = 1 / (1 - rho_min)``; advantages ``r - p`` normalised over the batch (mean and
   Bessel-corrected std); ``rho = clip(2^(-D / D_half), rho_min, rho_max)``; prioritised
-  sampling weights ``sqrt(p (1 - p)) + 0.05``.
+  sampling weights ``sqrt(p (1 - p)) + 0.05``. ``D(x)`` is the policy change since prompt
+  ``x``'s last visit (SPO's definition): the estimator keeps a running total of each step's
+  policy drift (the batch's mean |Δ log-prob| across the update) and, per prompt, the total at
+  its last visit; ``D(x)`` is their difference.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
-from typing import Any, Hashable, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Hashable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
 from pepo import _checks
+from pepo.sampling import prioritized_sample
 
-__all__ = ["SingleStreamEstimator", "group_advantages"]
+__all__ = [
+    "ESTIMATORS",
+    "GroupEstimator",
+    "SingleStreamEstimator",
+    "build_estimator",
+    "estimator_parameters",
+    "group_advantages",
+]
 
 
 def group_advantages(
@@ -79,6 +105,9 @@ def group_advantages(
 
 
 PromptIds = Union[Sequence[Hashable], torch.Tensor]
+# score(indices) -> rewards [len(indices)]: the rewards of one fresh rollout of each prompt
+# ``prompt_ids[i]`` (indices repeat for several rollouts of one prompt).
+ScoreFn = Callable[[list[int]], torch.Tensor]
 
 
 def _ids(prompt_ids: PromptIds) -> list[Hashable]:
@@ -106,6 +135,87 @@ def _rewards(rewards: Any, n: int) -> torch.Tensor:
     return r
 
 
+def _check_config(own: Mapping[str, Any], saved: Mapping[str, Any], what: str) -> None:
+    """Refuses a state whose hyper-parameters differ from the configured ones (a resume that
+    silently switched them would mix two experiments)."""
+    diff = {k: (saved.get(k), v) for k, v in own.items() if saved.get(k) != v}
+    diff.update({k: (v, None) for k, v in saved.items() if k not in own})
+    if diff:
+        details = ", ".join(f"{k}: saved {a!r}, configured {b!r}" for k, (a, b) in sorted(diff.items()))
+        raise ValueError(f"{what} state_dict was saved with other hyper-parameters ({details})")
+
+
+class GroupEstimator:
+    """GRPO's group advantages behind the step interface (see the module docstring).
+
+    Each chosen prompt gets ``group_size`` rollouts, laid out contiguously; advantages are
+    :func:`group_advantages`. There is no state beyond the hyper-parameters.
+
+    Args:
+        group_size: rollouts per prompt ``G >= 2``.
+        normalize_std, unbiased, eps: as in :func:`group_advantages`.
+    """
+
+    name = "group"
+    candidate_pool = 1
+    needs_drift = False
+
+    def __init__(
+        self, group_size: int = 8, *, normalize_std: bool = True, unbiased: bool = True,
+        eps: float = 1e-6,
+    ) -> None:
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
+            raise ValueError(
+                f"group_size must be an int >= 2 (advantages are relative to the group; use "
+                f"SingleStreamEstimator for one rollout per prompt), got {group_size!r}"
+            )
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 <= eps < math.inf):
+            raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+        self.group_size = group_size
+        self.normalize_std = bool(normalize_std)
+        self.unbiased = bool(unbiased)
+        self.eps = float(eps)
+
+    @property
+    def rollouts_per_prompt(self) -> int:
+        return self.group_size
+
+    def prepare(self, prompt_ids: PromptIds, score: ScoreFn) -> None:
+        """Nothing to prepare: group advantages need no prior."""
+
+    def choose(self, prompt_ids: PromptIds, k: int, generator: torch.Generator) -> list[int]:
+        """The first ``k`` candidates, in order (the pool is already a shuffled draw)."""
+        return list(range(min(k, len(_ids(prompt_ids)))))
+
+    def advantages(self, prompt_ids: PromptIds, rewards: torch.Tensor) -> torch.Tensor:
+        """Group advantages of rollouts in contiguous groups. Shape: ``[N]`` -> ``[N]``."""
+        ids = _ids(prompt_ids)
+        g = self.group_size
+        if len(ids) != rewards.shape[0] or any(len(set(ids[i : i + g])) != 1 for i in range(0, len(ids), g)):
+            raise ValueError(
+                f"group mode needs rollouts in contiguous groups of {g} with one prompt id each, "
+                f"got prompt ids {ids[: 2 * g]}{' ...' if len(ids) > 2 * g else ''}"
+            )
+        return group_advantages(
+            rewards, g, normalize_std=self.normalize_std, unbiased=self.unbiased, eps=self.eps
+        )
+
+    def observe(self, prompt_ids: PromptIds, rewards: torch.Tensor, drift: Optional[float] = None) -> None:
+        """Nothing to learn after a step."""
+
+    def _config(self) -> dict[str, Any]:
+        return {"group_size": self.group_size, "normalize_std": self.normalize_std,
+                "unbiased": self.unbiased, "eps": self.eps}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "config": self._config()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("name") != self.name:
+            raise ValueError(f"state_dict is of estimator {state.get('name')!r}, not {self.name!r}")
+        _check_config(self._config(), state["config"], "GroupEstimator")
+
+
 class SingleStreamEstimator:
     """SPO's per-prompt value tracker and advantage estimator (Xu et al. 2025).
 
@@ -118,21 +228,34 @@ class SingleStreamEstimator:
       ``alpha <- rho alpha + r``, ``beta <- rho beta + (1 - r)``, where
       ``rho = clip(2^(-D / d_half), rho_min, rho_max)`` from the per-prompt policy change ``D``
       (``kl``), or the constant ``rho`` when no ``kl`` is given.
-    * :meth:`sampling_weights` gives ``sqrt(p (1 - p)) + sampling_eps`` for prioritised sampling.
+    * :meth:`observe` is the step interface's update: ``D(x)`` is the policy drift since the
+      prompt's last visit (:meth:`drift_since_last_visit`), then this step's drift is added to
+      the running total (:meth:`add_drift`).
+    * :meth:`sampling_weights` gives ``sqrt(p (1 - p)) + sampling_eps`` for prioritised sampling,
+      which :meth:`choose` uses to draw a step's prompts from a candidate pool.
 
     Args:
         prior_pass_rates: optional offline pass-rate estimate per prompt id (in ``[0, 1]``),
             e.g. from ``prior_samples`` rollouts of the initial policy.
-        prior_samples: the number of offline rollouts ``n`` behind each prior pass rate.
+        prior_samples: the number of offline rollouts ``n`` behind each prior pass rate; also
+            how many rollouts of each prompt :meth:`prepare` draws (0: no offline prior).
         rho_min, rho_max: clip range of the adaptive forgetting factor.
         d_half: the policy change at which the adaptive ``rho`` halves the old evidence.
-        rho: constant forgetting factor used when :meth:`update` gets no ``kl``.
+        rho: constant forgetting factor used by :meth:`update` without ``kl`` (and by
+            :meth:`observe` when ``adaptive_forgetting`` is False).
         sampling_eps: exploration floor of the sampling weights.
         normalize: normalise advantages over the batch (SPO's default).
         eps: added to the batch std.
+        candidate_pool: :meth:`choose` draws ``k`` prompts out of a pool of
+            ``candidate_pool * k`` candidates (1: take the pool as it is).
+        adaptive_forgetting: :meth:`observe` forgets by the policy drift since each prompt's
+            last visit (SPO); False: the constant ``rho``.
 
     Prompts without a prior start at the Jeffreys prior ``alpha = beta = 1/2``.
     """
+
+    name = "single_stream"
+    rollouts_per_prompt = 1
 
     def __init__(
         self,
@@ -146,18 +269,28 @@ class SingleStreamEstimator:
         sampling_eps: float = 0.05,
         normalize: bool = True,
         eps: float = 1e-8,
+        candidate_pool: int = 1,
+        adaptive_forgetting: bool = True,
     ):
+        for key, value in (("rho_min", rho_min), ("rho_max", rho_max), ("rho", rho),
+                           ("d_half", d_half), ("sampling_eps", sampling_eps), ("eps", eps)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{key} must be a finite number, got {value!r}")
         if not (0.0 < rho_min <= rho_max <= 1.0):
             raise ValueError(
                 f"need 0 < rho_min <= rho_max <= 1, got rho_min={rho_min}, rho_max={rho_max}"
             )
         if not (0.0 < rho <= 1.0):
             raise ValueError(f"rho must be in (0, 1], got {rho}")
-        if isinstance(prior_samples, bool) or not isinstance(prior_samples, int) or prior_samples < 1:
-            raise ValueError(f"prior_samples must be an int >= 1, got {prior_samples!r}")
+        for key, value in (("prior_samples", prior_samples), ("candidate_pool", candidate_pool)):
+            low = 0 if key == "prior_samples" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{key} must be an int >= {low}, got {value!r}")
         _checks.check_positive("d_half", d_half)
         if sampling_eps < 0:
             raise ValueError(f"sampling_eps must be >= 0, got {sampling_eps}")
+        if eps < 0:
+            raise ValueError(f"eps must be >= 0, got {eps}")
         self.prior_samples = prior_samples
         self.rho_min = float(rho_min)
         self.rho_max = float(rho_max)
@@ -166,10 +299,19 @@ class SingleStreamEstimator:
         self.sampling_eps = float(sampling_eps)
         self.normalize = bool(normalize)
         self.eps = float(eps)
+        self.candidate_pool = candidate_pool
+        self.adaptive_forgetting = bool(adaptive_forgetting)
         self._alpha: dict[Hashable, float] = {}
         self._beta: dict[Hashable, float] = {}
+        self.drift_total = 0.0
+        self._last_visit: dict[Hashable, float] = {}
         if prior_pass_rates:
             self.set_prior(prior_pass_rates)
+
+    @property
+    def needs_drift(self) -> bool:
+        """Whether :meth:`observe` needs the step's policy drift."""
+        return self.adaptive_forgetting
 
     @property
     def prior_weight(self) -> float:
@@ -180,6 +322,8 @@ class SingleStreamEstimator:
     def set_prior(self, pass_rates: Mapping[Hashable, float]) -> None:
         """Sets (or resets) the tracker of each given prompt from its offline pass rate."""
         n, n0 = self.prior_samples, self.prior_weight
+        if n < 1:
+            raise ValueError("set_prior needs prior_samples >= 1 (the rollouts behind each rate)")
         for pid, p in pass_rates.items():
             p = float(p)
             if not (0.0 <= p <= 1.0):
@@ -187,6 +331,24 @@ class SingleStreamEstimator:
             k = p * n
             self._alpha[pid] = n0 * (k + 0.5) / (n + 1)
             self._beta[pid] = n0 * (n - k + 0.5) / (n + 1)
+            self._last_visit[pid] = self.drift_total
+
+    def prepare(self, prompt_ids: PromptIds, score: ScoreFn, chunk_rollouts: int = 256) -> None:
+        """SPO's offline prior: ``prior_samples`` rollouts of every prompt, scored by ``score``
+        (``chunk_rollouts`` at a time); each prompt's prior is its mean reward. Nothing happens
+        when ``prior_samples`` is 0."""
+        n = self.prior_samples
+        if n == 0:
+            return
+        ids = _ids(prompt_ids)
+        per_call = max(1, chunk_rollouts // n)
+        rates: dict[Hashable, float] = {}
+        for start in range(0, len(ids), per_call):
+            idx = list(range(start, min(start + per_call, len(ids))))
+            rewards = _rewards(score([i for i in idx for _ in range(n)]), len(idx) * n)
+            for j, i in enumerate(idx):
+                rates[ids[i]] = float(rewards[j * n : (j + 1) * n].mean())
+        self.set_prior(rates)
 
     def _ab(self, pid: Hashable) -> tuple[float, float]:
         return self._alpha.get(pid, 0.5), self._beta.get(pid, 0.5)
@@ -230,9 +392,11 @@ class SingleStreamEstimator:
         Args:
             prompt_ids: the prompt of each rollout (repeats are applied in order).
             rewards: rewards in ``[0, 1]``.
-            kl: optional per-rollout policy change ``D`` since the prompt's last visit (the
-                reference code uses the mean absolute log-prob change of the prompt's previous
-                response); without it the constant ``rho`` is used.
+            kl: optional per-rollout policy change ``D`` since the prompt's last visit
+                (:meth:`drift_since_last_visit` gives it); without it the constant ``rho`` is
+                used.
+
+        Each prompt's last visit is recorded at the current drift total.
 
         Shape:
             prompt_ids, rewards, kl: ``[N]``.
@@ -252,6 +416,42 @@ class SingleStreamEstimator:
             a, b = self._ab(pid)
             self._alpha[pid] = rho * a + ri
             self._beta[pid] = rho * b + (1.0 - ri)
+            self._last_visit[pid] = self.drift_total
+
+    def add_drift(self, drift: float) -> None:
+        """Adds one step's policy drift (mean |Δ log-prob| across its update) to the total."""
+        if isinstance(drift, bool) or not isinstance(drift, (int, float)) or not (
+            math.isfinite(drift) and drift >= 0
+        ):
+            raise ValueError(f"drift must be a finite number >= 0, got {drift!r}")
+        self.drift_total += float(drift)
+
+    def drift_since_last_visit(self, prompt_ids: PromptIds) -> torch.Tensor:
+        """``D(x)``: the drift total now minus at the prompt's last visit (prior or update);
+        a prompt never seen counts from the start. Shape: ``[N]`` fp64."""
+        return torch.tensor(
+            [self.drift_total - self._last_visit.get(pid, 0.0) for pid in _ids(prompt_ids)],
+            dtype=torch.float64,
+        ).clamp_min(0.0)
+
+    def observe(self, prompt_ids: PromptIds, rewards: Any, drift: Optional[float] = None) -> None:
+        """The step interface's update, after the policy update.
+
+        The rewards were sampled from the policy before this step's update, so the forgetting
+        uses the drift up to that policy (:meth:`drift_since_last_visit`); then ``drift``, the
+        change this step's update made, joins the total for later visits.
+
+        Args:
+            prompt_ids, rewards: this step's rollouts (``[N]``).
+            drift: this step's policy drift; required with ``adaptive_forgetting``.
+        """
+        if not self.adaptive_forgetting:
+            self.update(prompt_ids, rewards)
+            return
+        if drift is None:
+            raise ValueError("adaptive forgetting needs the step's policy drift (drift=None)")
+        self.update(prompt_ids, rewards, kl=self.drift_since_last_visit(prompt_ids))
+        self.add_drift(drift)
 
     def sampling_weights(self, prompt_ids: PromptIds) -> torch.Tensor:
         """Unnormalised prioritised-sampling weights ``sqrt(p (1 - p)) + sampling_eps``.
@@ -262,37 +462,82 @@ class SingleStreamEstimator:
         p = self.values(prompt_ids).double()
         return (torch.sqrt(p * (1 - p)) + self.sampling_eps).float()
 
+    def choose(self, prompt_ids: PromptIds, k: int, generator: torch.Generator) -> list[int]:
+        """SPO's prioritised sampling: ``k`` indices into ``prompt_ids`` drawn without
+        replacement with probability ∝ :meth:`sampling_weights`."""
+        return prioritized_sample(self.sampling_weights(prompt_ids), k, generator)
+
     def __len__(self) -> int:
         return len(self._alpha)
 
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume exactly (trackers and hyper-parameters)."""
+    def _config(self) -> dict[str, Any]:
         return {
+            "prior_samples": self.prior_samples,
+            "rho_min": self.rho_min,
+            "rho_max": self.rho_max,
+            "d_half": self.d_half,
+            "rho": self.rho,
+            "sampling_eps": self.sampling_eps,
+            "normalize": self.normalize,
+            "eps": self.eps,
+            "candidate_pool": self.candidate_pool,
+            "adaptive_forgetting": self.adaptive_forgetting,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume exactly (trackers, drift bookkeeping, hyper-parameters)."""
+        return {
+            "name": self.name,
             "alpha": dict(self._alpha),
             "beta": dict(self._beta),
-            "config": {
-                "prior_samples": self.prior_samples,
-                "rho_min": self.rho_min,
-                "rho_max": self.rho_max,
-                "d_half": self.d_half,
-                "rho": self.rho,
-                "sampling_eps": self.sampling_eps,
-                "normalize": self.normalize,
-                "eps": self.eps,
-            },
+            "drift_total": self.drift_total,
+            "last_visit": dict(self._last_visit),
+            "config": self._config(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        missing = {"alpha", "beta", "config"} - set(state)
+        """Restores a :meth:`state_dict`.
+
+        Raises:
+            ValueError: missing keys, or hyper-parameters other than this estimator's (the
+                configured ones are never silently replaced).
+        """
+        if state.get("name", self.name) != self.name:
+            raise ValueError(f"state_dict is of estimator {state.get('name')!r}, not {self.name!r}")
+        missing = {"alpha", "beta", "config", "drift_total", "last_visit"} - set(state)
         if missing:
             raise ValueError(f"state_dict is missing key(s) {sorted(missing)}")
         if set(state["alpha"]) != set(state["beta"]):
             raise ValueError("state_dict alpha and beta track different prompt ids")
-        for key, value in state["config"].items():
-            setattr(self, key, value)
+        _check_config(self._config(), state["config"], "SingleStreamEstimator")
         self._alpha = {k: float(v) for k, v in state["alpha"].items()}
         self._beta = {k: float(v) for k, v in state["beta"].items()}
+        self.drift_total = float(state["drift_total"])
+        self._last_visit = {k: float(v) for k, v in state["last_visit"].items()}
 
     def known(self, prompt_ids: Iterable[Hashable]) -> list[bool]:
         """Whether each prompt has a tracker (prior or visits)."""
         return [pid in self._alpha for pid in prompt_ids]
+
+
+ESTIMATORS = {"group": GroupEstimator, "single_stream": SingleStreamEstimator}
+
+
+def estimator_parameters(name: str) -> list[str]:
+    """The keyword arguments of estimator ``name`` (what its config section may set)."""
+    if name not in ESTIMATORS:
+        raise ValueError(f"estimator name must be one of {sorted(ESTIMATORS)}, got {name!r}")
+    return [p for p in inspect.signature(ESTIMATORS[name]).parameters if p != "prior_pass_rates"]
+
+
+def build_estimator(name: str, **kwargs: Any) -> Union[GroupEstimator, SingleStreamEstimator]:
+    """The estimator ``name`` (``"group"`` or ``"single_stream"``) with ``kwargs``.
+
+    Raises:
+        ValueError: unknown name or keyword (the message lists the valid ones), bad values.
+    """
+    valid = estimator_parameters(name)
+    unknown = sorted(set(kwargs) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown {name} estimator key(s) {unknown}; valid: {sorted(valid)}")
+    return ESTIMATORS[name](**kwargs)

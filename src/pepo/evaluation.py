@@ -1,7 +1,9 @@
 """avg@k evaluation, shared by the training recipe's validation and ``tune run pepo_eval``.
 
 avg@k of a benchmark is the mean over its problems of the fraction of ``k`` sampled responses
-whose reward is > 0 (the paper reports avg@1 on MATH500 and avg@16 on AMC and AIME).
+that succeed (the paper reports avg@1 on MATH500 and avg@16 on AMC and AIME). Success is
+:func:`is_success`: reward > 0 unless the reward component defines its own rule; the training
+recipe uses the same flags to choose the rollouts PEPO weights.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pepo.generation import Rollouts, generate
 __all__ = [
     "PAPER_COLUMNS",
     "avg_at_k",
+    "is_success",
     "eval_generator",
     "format_table",
     "sample_and_score",
@@ -24,6 +27,28 @@ __all__ = [
 ]
 
 PAPER_COLUMNS = ("AIME2024", "AIME2025", "AMC", "MATH500")
+
+
+def is_success(reward_fn: Any, rewards: torch.Tensor) -> torch.Tensor:
+    """Which rollouts succeeded: ``reward_fn.success(rewards)`` when the reward component
+    defines it (for rewards that are not binary, e.g. partial credit), else ``rewards > 0``.
+
+    Shape:
+        rewards: ``[B]``; returns ``[B]`` bool on the rewards' device.
+
+    Raises:
+        ValueError: a custom rule that does not return one bool per reward.
+    """
+    rule = getattr(reward_fn, "success", None)
+    if not callable(rule):
+        return rewards > 0
+    flags = torch.as_tensor(rule(rewards)).to(rewards.device)
+    if flags.dtype != torch.bool or flags.shape != rewards.shape:
+        raise ValueError(
+            f"{type(reward_fn).__name__}.success must return a bool tensor of shape "
+            f"{list(rewards.shape)}, got dtype {flags.dtype} and shape {list(flags.shape)}"
+        )
+    return flags
 
 
 def eval_generator(seed: int, device: Union[str, torch.device] = "cpu") -> torch.Generator:
@@ -97,7 +122,7 @@ def avg_at_k(
         generator=generator, batch_size=batch_size, max_new_tokens=max_new_tokens,
         temperature=temperature, top_k=top_k, top_p=top_p,
     )
-    return float((rewards > 0).float().mean())
+    return float(is_success(reward_fn, rewards).float().mean())
 
 
 def format_table(results: Mapping[str, float], model_name: str = "model") -> str:

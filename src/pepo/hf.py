@@ -25,6 +25,8 @@ from safetensors.torch import load_file, save_file
 from torchtune.models import convert_weights
 from torchtune.modules import TransformerDecoder
 
+from pepo import _checks
+
 __all__ = [
     "architecture_from_hf",
     "from_hf",
@@ -32,6 +34,7 @@ __all__ = [
     "is_hf_state",
     "load_hf_config",
     "load_hf_state",
+    "read_tune_state",
     "save_hf",
     "tune_to_hf_state",
 ]
@@ -175,6 +178,14 @@ def _map_key(key: str, mapping: dict[str, str]) -> str:
     raise ValueError(f"unexpected checkpoint key {key!r}")
 
 
+def read_tune_state(model_dir: Union[str, Path]) -> dict[str, torch.Tensor]:
+    """The weights of an HF checkpoint directory under torchtune's key names (converted, and for
+    Llama permuted, unless they are torchtune's already)."""
+    cfg = load_hf_config(model_dir)
+    state = load_hf_state(model_dir)
+    return hf_to_tune_state(state, cfg) if is_hf_state(state) else state
+
+
 def is_hf_state(state: dict[str, torch.Tensor]) -> bool:
     """True when the keys are Hugging Face's (``model.…`` / ``lm_head.…``)."""
     return any(k.startswith(("model.", "lm_head.")) for k in state)
@@ -222,10 +233,10 @@ def from_hf(
     if isinstance(dtype, str):
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "float32": torch.float32,
                  "bfloat16": torch.bfloat16}[dtype]
-    from pepo.checkpointing import load_model_weights  # converts HF keys, checks every shape
-
     model = architecture_from_hf(model_dir, max_seq_len=max_seq_len)
-    load_model_weights(model, model_dir)
+    state = read_tune_state(model_dir)
+    _checks.check_state_matches(model, state, model_dir)
+    model.load_state_dict(state)
     return model.to(dtype)
 
 

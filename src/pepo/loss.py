@@ -10,13 +10,13 @@ exactly; dividing each micro-batch by its own count would not.
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
 from pepo import _checks
 
-__all__ = ["clipped_policy_loss", "policy_loss_metrics"]
+__all__ = ["check_clip_range", "clipped_policy_loss", "policy_loss_metrics"]
 
 
 def _check(
@@ -44,6 +44,17 @@ def _check(
                 )
             )
     _checks.check_bool_mask("mask", mask, logprobs.shape)
+    check_clip_range(eps_low, eps_high)
+
+
+def check_clip_range(eps_low: Any, eps_high: Any) -> None:
+    """The rule for the clip range ``[1 - eps_low, 1 + eps_high]``: ``0 <= eps_low < 1`` (the
+    floor must stay > 0) and ``eps_high`` finite and ``>= 0``. The recipe's config validation
+    applies the same function.
+
+    Raises:
+        ValueError: naming the bad value.
+    """
     for name, eps in (("eps_low", eps_low), ("eps_high", eps_high)):
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 <= eps < math.inf):
             raise ValueError(f"{name} must be a finite number >= 0, got {eps!r}")

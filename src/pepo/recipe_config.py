@@ -6,34 +6,38 @@
   embedded task's tokenizer and warm-start checkpoint).
 * :func:`validate_config` checks everything that can be checked without building a model and
   raises ``ValueError`` naming the key and value, so a bad config fails in a second, not after
-  the model is loaded.
+  the model is loaded. The config is a schema: a key the recipe does not know (a typo such as
+  ``num_stepz`` or ``strategy.proximal_sofmax``) is an error naming it and the closest valid
+  key. ``_component_`` sections are exempt: their arguments are checked by the callables they
+  name. A top-level key that the config uses as ``${key}`` is a variable, not a typo.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.resources
-import inspect
+import re
 from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from pepo import weighting
+from pepo import estimators, weighting
+from pepo.loss import check_clip_range
 
 __all__ = [
     "asset_dir",
     "check_checkpoint_dir",
+    "check_keys",
+    "estimator_kwargs",
     "find_config",
     "list_configs",
     "register_resolvers",
     "resolve_config_arg",
     "strategy_params",
-    "tracker_kwargs",
     "validate_config",
 ]
-
-ESTIMATORS = ("group", "single_stream")
 
 
 def asset_dir(name: str) -> str:
@@ -95,16 +99,11 @@ def resolve_config_arg(argv: list[str]) -> list[str]:
     return argv
 
 
-def tracker_kwargs(estimator: Any) -> dict[str, Any]:
-    """The ``SingleStreamEstimator`` arguments among the ``estimator`` config's keys
-    (``prior_samples: 0`` means no offline prior: the tracker's default)."""
-    from pepo.estimators import SingleStreamEstimator
-
-    accepted = set(inspect.signature(SingleStreamEstimator).parameters) - {"prior_pass_rates"}
-    kwargs = {k: v for k, v in estimator.items() if k in accepted}
-    if not kwargs.get("prior_samples"):
-        kwargs.pop("prior_samples", None)
-    return kwargs
+def estimator_kwargs(cfg: DictConfig) -> tuple[str, dict[str, Any]]:
+    """The estimator name and its keyword arguments: the ``estimator`` section without ``name``."""
+    section = OmegaConf.to_container(cfg.estimator, resolve=True)
+    name = section.pop("name", None)
+    return name, section
 
 
 def check_checkpoint_dir(ckpt: Any, key: str = "checkpoint_dir") -> None:
@@ -150,29 +149,85 @@ def _float(cfg: DictConfig, key: str, low: float, high: Optional[float] = None) 
     return float(value)
 
 
-_RECIPE_ESTIMATOR_KEYS = {
-    "group": {"name", "group_size", "normalize_std"},
-    "single_stream": {"name", "candidate_pool", "prior_samples", "adaptive_forgetting"},
+# The recipe's schema. Sections map to their keys; None marks a `_component_` section (or
+# null), whose arguments the named callable checks; "estimator" and "strategy" are checked
+# against the estimator's signature and the strategy registry.
+RECIPE_SCHEMA: dict[str, Any] = {
+    "name": "value", "output_dir": "value", "seed": "value", "device": "value",
+    "dtype": "value", "resume_from_checkpoint": "value", "imports": "value",
+    "tokenizer": None, "model": None, "checkpoint_dir": "value", "dataset": None,
+    "val_dataset": None, "reward": None, "estimator": "estimator", "strategy": "strategy",
+    "generation": {"max_new_tokens", "temperature", "top_k", "top_p", "stop_tokens", "batch_size"},
+    "num_steps": "value", "prompts_per_step": "value", "ppo_epochs": "value",
+    "ppo_mini_batches": "value", "micro_batch_size": "value",
+    "logprobs_from_hidden": "value", "logprob_chunk_size": "value",
+    "enable_activation_checkpointing": "value",
+    "loss": {"eps_low", "eps_high"},
+    "optimizer": None, "lr_scheduler": None, "clip_grad_norm": "value",
+    "max_nonfinite_steps": "value",
+    "validation": {"every", "samples"},
+    "save_every": "value", "keep_checkpoints": "value", "dump_rollouts_every": "value",
+    "plot": "value", "metric_logger": None,
 }
 
 
-def _check_estimator_keys(cfg: DictConfig, est: str) -> None:
-    """Unknown ``estimator.*`` keys are typos; single-stream tracker values are checked by
-    building the tracker."""
-    from pepo.estimators import SingleStreamEstimator
+def _hint(key: str, valid: Any, where: str) -> str:
+    close = difflib.get_close_matches(key, [str(v) for v in valid], n=1, cutoff=0.5)
+    return f"did you mean {where + close[0]!r}?" if close else f"valid keys: {sorted(valid)}"
 
-    tracker_keys = set(inspect.signature(SingleStreamEstimator).parameters) - {"prior_pass_rates"}
-    allowed = _RECIPE_ESTIMATOR_KEYS[est] | (tracker_keys if est == "single_stream" else set())
-    unknown = sorted(set(cfg.estimator) - allowed)
-    if unknown:
-        raise ValueError(
-            f"unknown estimator key(s) {unknown} for estimator.name={est!r}; valid: {sorted(allowed)}"
-        )
-    if est == "single_stream":
-        try:
-            SingleStreamEstimator(**tracker_kwargs(cfg.estimator))
-        except ValueError as e:
-            raise ValueError(f"estimator: {e}") from None
+
+def _unknown(key: str, valid: Any, where: str) -> ValueError:
+    """``unknown config key 'loss.eps_hgh'; did you mean 'loss.eps_high'?``"""
+    return ValueError(f"unknown config key {where + key!r}; {_hint(key, valid, where)}")
+
+
+def _variables(cfg: DictConfig) -> set[str]:
+    """Top-level keys the config reads as ``${key}`` (interpolation variables)."""
+    text = OmegaConf.to_yaml(cfg, resolve=False)
+    return {k for k in cfg if re.search(r"\$\{\s*" + re.escape(str(k)) + r"\s*[}.\[]", text)}
+
+
+def check_keys(cfg: DictConfig, schema: dict[str, Any]) -> None:
+    """Raises ``ValueError`` on the first key of ``cfg`` that ``schema`` does not know.
+
+    ``schema`` maps top-level keys to ``"value"``, ``None`` (a ``_component_`` section, not
+    checked), a set of sub-keys, or ``"estimator"`` / ``"strategy"`` (checked against the
+    estimator's signature and the strategy registry; needs the config's ``imports`` done).
+    """
+    variables = _variables(cfg)
+    for key in cfg:
+        if key not in schema:
+            if key in variables:
+                continue
+            raise _unknown(str(key), schema, "")
+        kind = schema[key]
+        section = cfg.get(key)
+        if isinstance(kind, set) and isinstance(section, DictConfig):
+            for sub in section:
+                if sub not in kind:
+                    raise _unknown(str(sub), kind, f"{key}.")
+        elif kind == "estimator" and isinstance(section, DictConfig):
+            name = section.get("name")
+            valid = {"name", *estimators.estimator_parameters(name)}
+            for sub in section:
+                if sub not in valid:
+                    raise ValueError(
+                        f"unknown estimator key(s) {[str(sub)]} for estimator.name={name!r}; "
+                        f"{_hint(str(sub), valid, 'estimator.')}"
+                    )
+        elif kind == "strategy" and isinstance(section, DictConfig):
+            valid = {"name", *weighting.list_strategies()}
+            for sub in section:
+                if sub not in valid:
+                    raise _unknown(str(sub), valid, "strategy.")
+                if sub == "name" or section[sub] is None:
+                    continue
+                if not isinstance(section[sub], DictConfig):
+                    raise ValueError(f"strategy.{sub} must be a mapping of its parameters, got {section[sub]!r}")
+                params = weighting.strategy_parameters(str(sub))
+                for p in section[sub]:
+                    if params is not None and p not in params:
+                        raise _unknown(str(p), params, f"strategy.{sub}.")
 
 
 def validate_config(cfg: DictConfig) -> None:
@@ -186,34 +241,33 @@ def validate_config(cfg: DictConfig) -> None:
             importlib.import_module(module)
         except ImportError as e:
             raise ValueError(f"imports: cannot import {module!r}: {e}") from None
-    name, params = strategy_params(cfg)
+    est, est_kwargs = estimator_kwargs(cfg) if cfg.get("estimator") is not None else (None, {})
+    if est not in estimators.ESTIMATORS:
+        raise ValueError(
+            f"estimator.name must be one of {sorted(estimators.ESTIMATORS)}, got {est!r}"
+        )
+    if not isinstance(cfg.get("strategy"), DictConfig) or cfg.strategy.get("name") is None:
+        raise ValueError("config key 'strategy.name' is required")
+    if cfg.strategy.name not in weighting.list_strategies():
+        raise ValueError(
+            f"strategy.name={cfg.strategy.name!r}: unknown strategy {cfg.strategy.name!r}; "
+            f"registered strategies: {weighting.list_strategies()}"
+        )
+    check_keys(cfg, RECIPE_SCHEMA)
+    for section in cfg.strategy:  # every section, not only the chosen one: a typo is a typo
+        if section != "name" and cfg.strategy[section] is not None:
+            params = OmegaConf.to_container(cfg.strategy[section], resolve=True)
+            try:
+                weighting.get_strategy(str(section), **params)
+            except ValueError as e:
+                raise ValueError(f"strategy.{section}: {e}") from None
     try:
-        weighting.get_strategy(name, **params)
-    except ValueError as e:
-        raise ValueError(f"strategy.name={name!r}: {e}") from None
+        estimator = estimators.build_estimator(est, **est_kwargs)
+    except ValueError as e:  # "estimator.group_size must be ..." or "estimator: need ..."
+        sep = "." if str(e).split(" ")[0] in est_kwargs else ": "
+        raise ValueError(f"estimator{sep}{e}") from None
 
-    est = _require(cfg, "estimator.name")
-    if est not in ESTIMATORS:
-        raise ValueError(f"estimator.name must be one of {list(ESTIMATORS)}, got {est!r}")
-    if est == "group":
-        g = _require(cfg, "estimator.group_size")
-        if isinstance(g, bool) or not isinstance(g, int) or g < 2:
-            raise ValueError(
-                f"estimator.group_size must be an int >= 2 in group mode (advantages are "
-                f"relative to the group), got {g!r}; use estimator.name=single_stream for one "
-                f"rollout per prompt"
-            )
-        rollouts = g * _int(cfg, "prompts_per_step", 1)
-    else:
-        rollouts = _int(cfg, "prompts_per_step", 1)
-        pool = cfg.estimator.get("candidate_pool", 1)
-        if isinstance(pool, bool) or not isinstance(pool, int) or pool < 1:
-            raise ValueError(f"estimator.candidate_pool must be an int >= 1, got {pool!r}")
-        prior = cfg.estimator.get("prior_samples", 0)
-        if isinstance(prior, bool) or not isinstance(prior, int) or prior < 0:
-            raise ValueError(f"estimator.prior_samples must be an int >= 0, got {prior!r}")
-    _check_estimator_keys(cfg, est)
-
+    rollouts = estimator.rollouts_per_prompt * _int(cfg, "prompts_per_step", 1)
     minis = _int(cfg, "ppo_mini_batches", 1)
     micro = _int(cfg, "micro_batch_size", 1)
     if rollouts % minis:
@@ -236,8 +290,10 @@ def validate_config(cfg: DictConfig) -> None:
     top_k = cfg.generation.get("top_k")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"generation.top_k must be an int >= 1 or null, got {top_k!r}")
-    _float(cfg, "loss.eps_low", 0.0, 1.0)
-    _float(cfg, "loss.eps_high", 0.0)
+    try:
+        check_clip_range(_require(cfg, "loss.eps_low"), _require(cfg, "loss.eps_high"))
+    except ValueError as e:
+        raise ValueError(f"loss.{e}") from None
     _int(cfg, "max_nonfinite_steps", 1)
     _int(cfg, "validation.samples", 1)
     for key in ("validation.every", "save_every", "dump_rollouts_every"):

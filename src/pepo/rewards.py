@@ -8,9 +8,17 @@ callable.
 
 from __future__ import annotations
 
+import ctypes
+import math
 import multiprocessing
 import multiprocessing.connection
+import numbers
+import os
+import signal
+import sys
+import threading
 import time
+import weakref
 from typing import Any, Optional, Sequence
 
 __all__ = ["BoxedMatch", "MathVerify", "boxed_match", "final_answer_text", "last_boxed",
@@ -102,12 +110,97 @@ def math_verify_score(
         return 0.0
 
 
-def _worker_loop(conn: Any) -> None:
+# Parent-side pipe ends of every live worker of every MathVerify in this process. A forked
+# worker closes its inherited copies of them: while any copy stays open, a worker whose parent
+# died would wait in recv() forever instead of seeing EOF.
+_PARENT_ENDS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_PARENT_ENDS_LOCK = threading.Lock()  # MathVerify objects may spawn from several threads
+_LIVENESS_S = 1.0  # how often an idle worker checks that its parent still exists
+_MAX_TRIES = 2  # a job whose worker dies under it is re-run once, then scores 0
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _kill_on_parent_death() -> None:
+    """Asks Linux to SIGKILL this process when the thread that forked it exits.
+
+    SIGKILL rather than a catchable signal: a worker deep in C-level arithmetic runs no Python
+    signal handler, and it is exactly the worker that would otherwise outlive the trainer.
+    Elsewhere (or if prctl is unavailable) the EOF and ``getppid()`` checks of the worker loop
+    remain.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _worker_main(conn: Any, parent_pid: int, inherited: list, die_with_parent: bool) -> None:
+    """A worker's entry point: drops what it must not hold from its parent, then serves jobs."""
+    for c in inherited:
+        c.close()
+    # Ctrl-C reaches the whole process group; the owner handles it and closes its workers. The
+    # trainer's own SIGTERM handler (inherited through fork) must not run in a worker.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if die_with_parent:
+        _kill_on_parent_death()
+    if os.getppid() != parent_pid:  # the parent died before the death signal was armed
+        return
+    _worker_loop(conn, parent_pid)
+
+
+def _worker_loop(conn: Any, parent_pid: int) -> None:
     while True:
-        job = conn.recv()
+        try:
+            # A timed poll rather than a blocking recv: the parent's death is noticed even when
+            # no EOF comes (a process the trainer forked later may hold the other pipe end).
+            while not conn.poll(_LIVENESS_S):
+                if os.getppid() != parent_pid:
+                    return
+            job = conn.recv()
+        except (EOFError, OSError):  # the parent is gone
+            return
         if job is None:
             return
-        conn.send(math_verify_score(*job))
+        score = math_verify_score(*job)
+        try:
+            conn.send(score)
+        except OSError:
+            return
+
+
+def _close_pool(pool: list, owner_pid: int) -> None:
+    """Stops the workers in ``pool`` (asks, then kills after 2 s) and empties it.
+
+    Does nothing in a process other than ``owner_pid``: a forked copy of the trainer that exits
+    through atexit must not shut down the trainer's workers.
+    """
+    if os.getpid() != owner_pid:
+        return
+    for _, conn in pool:
+        try:
+            conn.send(None)
+        except OSError:  # already dead
+            pass
+    deadline = time.monotonic() + 2.0
+    for proc, conn in pool:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():  # busy with a long job
+            proc.kill()
+            proc.join(timeout=5)
+        conn.close()
+        with _PARENT_ENDS_LOCK:
+            _PARENT_ENDS.discard(conn)
+    pool.clear()
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
 
 
 class MathVerify:
@@ -116,27 +209,48 @@ class MathVerify:
     math-verify's timeouts use SIGALRM, which works only in a main thread and cannot interrupt
     long C-level arithmetic (``9^{9^{9^9}}`` as a Python int). Each response therefore goes to
     a persistent worker process, which runs math-verify in its main thread; a worker that has
-    not answered ``timeout + grace`` seconds after it got the response is killed and replaced,
-    and that response scores 0. A pathological response costs at most that time and never
+    not answered ``2 * timeout + grace`` seconds after it got the response (parse and verify
+    may each take ``timeout``) is killed and replaced, and that response scores 0. A worker
+    that died on its own (OOM killer, a stray signal) is replaced too, and its response is
+    re-run once on the new worker. A pathological response costs at most that time and never
     stalls or crashes training. ``workers=0`` checks in the calling thread instead (no hard
     kill; for debugging).
 
+    The workers die with their owner: on :meth:`close`, on leaving a ``with`` block, when the
+    object is garbage-collected, at interpreter exit, and when the owning process is killed
+    (SIGTERM or SIGKILL): idle workers see EOF or their parent's PID change within
+    about a second, and on Linux a worker forked from the main thread is also SIGKILLed by the
+    kernel the moment its parent dies, even in the middle of a job.
+
     Args:
-        timeout: math-verify's parse and verify timeouts (seconds, int).
-        workers: worker processes.
-        grace: extra seconds before a worker is killed.
-        think_end: the end-of-thinking marker; the answer is looked for after it.
-        max_chars: only the last ``max_chars`` characters of the answer part are parsed.
+        timeout: math-verify's parse and verify timeouts (seconds, int >= 1).
+        workers: worker processes (int >= 0).
+        grace: extra seconds (>= 0) before a worker is killed.
+        think_end: the end-of-thinking marker; the answer is looked for after it (None or
+            ``""``: the whole response).
+        max_chars: only the last ``max_chars`` (>= 1) characters of the answer part are parsed.
+
+    Raises:
+        ValueError: a parameter of the wrong type or out of range.
+
+    Attributes:
+        killed: workers killed for exceeding the time limit.
+        died: workers found dead (between or during jobs) and replaced.
     """
 
     def __init__(self, timeout: int = 5, workers: int = 2, grace: float = 1.0,
-                 think_end: str = "</think>", max_chars: int = 4000) -> None:
-        if not isinstance(timeout, int) or timeout < 1:
-            raise ValueError(f"timeout must be an int >= 1 (seconds), got {timeout!r}")
-        if not isinstance(workers, int) or workers < 0:
-            raise ValueError(f"workers must be an int >= 0, got {workers!r}")
-        self.timeout, self.workers, self.grace = timeout, workers, grace
-        self.think_end, self.max_chars = think_end, max_chars
+                 think_end: Optional[str] = "</think>", max_chars: int = 4000) -> None:
+        # signal.alarm, behind math-verify's timeouts, takes whole seconds
+        _check_int("timeout", timeout, 1)
+        _check_int("workers", workers, 0)
+        _check_int("max_chars", max_chars, 1)
+        if (isinstance(grace, bool) or not isinstance(grace, numbers.Real)
+                or not math.isfinite(grace) or grace < 0):
+            raise ValueError(f"grace must be a finite number of seconds >= 0, got {grace!r}")
+        if think_end is not None and not isinstance(think_end, str):
+            raise ValueError(f"think_end must be a string or None, got {think_end!r}")
+        self.timeout, self.workers, self.grace = timeout, workers, float(grace)
+        self.think_end, self.max_chars = think_end or "", max_chars
         import math_verify  # noqa: F401  (imported once here, inherited by forked workers)
 
         # fork: a spawned worker would re-import the launching script (`tune run`'s __main__)
@@ -146,13 +260,50 @@ class MathVerify:
         self._ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
         self._pool: list[tuple[Any, Any]] = []
         self.killed = 0
+        self.died = 0
+        # Runs on close(), on garbage collection and at interpreter exit; it holds the pool
+        # list, not self, so it does not keep the object alive.
+        self._owner_pid = os.getpid()
+        self._finalizer = weakref.finalize(self, _close_pool, self._pool, self._owner_pid)
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the current workers (empty before the first call and after close)."""
+        return [proc.pid for proc, _ in self._pool]
+
+    def __enter__(self) -> "MathVerify":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def _spawn(self) -> tuple[Any, Any]:
         parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=_worker_loop, args=(child,), daemon=True)
+        forked = self._ctx.get_start_method() == "fork"
+        # A spawned child inherits no pipe ends (and passing them would duplicate them into it).
+        with _PARENT_ENDS_LOCK:
+            inherited = [parent, *_PARENT_ENDS] if forked else []
+        # PR_SET_PDEATHSIG fires when the forking *thread* exits: armed only for workers forked
+        # by the main thread, which lives as long as the process.
+        die_with_parent = threading.current_thread() is threading.main_thread()
+        proc = self._ctx.Process(
+            target=_worker_main, args=(child, os.getpid(), inherited, die_with_parent),
+            daemon=True,
+        )
         proc.start()
         child.close()
+        with _PARENT_ENDS_LOCK:
+            _PARENT_ENDS.add(parent)
         return proc, parent
+
+    def _fill(self) -> None:
+        """Starts missing workers and replaces those that died since the last call."""
+        for slot, (proc, _) in enumerate(self._pool):
+            if not proc.is_alive():
+                self._replace(slot)
+                self.died += 1
+        while len(self._pool) < self.workers:
+            self._pool.append(self._spawn())
 
     def __call__(self, responses: Sequence[str], answers: Sequence[str]) -> list[float]:
         if len(responses) != len(answers):
@@ -161,32 +312,47 @@ class MathVerify:
                 for r, a in zip(responses, answers)]
         if self.workers == 0:
             return [math_verify_score(*j) for j in jobs]
-        while len(self._pool) < self.workers:
-            self._pool.append(self._spawn())
+        self._fill()
         scores = [0.0] * len(jobs)
+        tries = [0] * len(jobs)
         todo = list(range(len(jobs)))[::-1]
         busy: dict[int, tuple[int, float]] = {}  # worker slot -> (job index, start time)
         limit = 2 * self.timeout + self.grace  # parse and verify may each take `timeout`
         while todo or busy:
             for slot in range(len(self._pool)):
-                if slot not in busy and todo:
-                    i = todo.pop()
+                if slot in busy or not todo:
+                    continue
+                i = todo.pop()
+                tries[i] += 1
+                try:
                     self._pool[slot][1].send(jobs[i])
-                    busy[slot] = (i, time.monotonic())
+                except OSError:  # died while idle (BrokenPipeError): replace, try it again
+                    self._replace(slot)
+                    self.died += 1
+                    if tries[i] < _MAX_TRIES:
+                        todo.append(i)
+                    continue
+                busy[slot] = (i, time.monotonic())
+            if not busy:
+                continue
             conns = {self._pool[s][1]: s for s in busy}
             wait = max(0.0, min(start + limit for _, start in busy.values()) - time.monotonic())
             for conn in multiprocessing.connection.wait(list(conns), timeout=wait):
                 slot = conns[conn]
+                i = busy.pop(slot)[0]
                 try:
-                    scores[busy[slot][0]] = float(conn.recv())
-                except (EOFError, OSError):  # the worker died: score 0, replace it
+                    scores[i] = float(conn.recv())
+                except (EOFError, OSError):  # the worker died under the job: re-run it once
                     self._replace(slot)
-                del busy[slot]
+                    self.died += 1
+                    if tries[i] < _MAX_TRIES:
+                        todo.append(i)
             now = time.monotonic()
             for slot, (i, start) in list(busy.items()):
-                if now - start > limit:
+                if now - start > limit:  # the job's own fault: no re-run, scores[i] stays 0
                     self._replace(slot)
-                    del busy[slot]  # scores[i] stays 0
+                    self.killed += 1
+                    del busy[slot]
         return scores
 
     def _replace(self, slot: int) -> None:
@@ -194,24 +360,11 @@ class MathVerify:
         proc.kill()
         proc.join(timeout=5)
         conn.close()
-        self.killed += 1
+        with _PARENT_ENDS_LOCK:
+            _PARENT_ENDS.discard(conn)
         self._pool[slot] = self._spawn()
 
     def close(self) -> None:
-        """Stops the worker processes."""
-        for proc, conn in self._pool:
-            try:
-                conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
-            proc.join(timeout=2)
-            if proc.is_alive():
-                proc.kill()
-            conn.close()
-        self._pool = []
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
+        """Stops the worker processes. Safe to call more than once; a later call starts new
+        workers."""
+        _close_pool(self._pool, self._owner_pid)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 from tokenizers import Tokenizer
 
-__all__ = ["ChatTokenizer", "TextTokenizer", "load_tokenizer"]
+__all__ = ["ChatTokenizer", "TextTokenizer", "load_tokenizer", "stop_token_ids"]
 
 
 class TextTokenizer:
@@ -164,3 +164,16 @@ class ChatTokenizer:
 
     def id_to_token(self, i: int) -> str:
         return self._tok.decode([int(i)])
+
+
+def stop_token_ids(tokenizer: Any, extra: Optional[Sequence[str]] = None) -> list[int]:
+    """The ids that end a response: the tokenizer's own stop tokens, then the config's
+    ``generation.stop_tokens`` (``extra``), without repeats. Training and evaluation both use
+    this, so a response ends at the same tokens in both.
+
+    Raises:
+        ValueError: an extra stop token that is not in the vocabulary.
+    """
+    ids = list(tokenizer.stop_tokens)
+    ids += [tokenizer.token_id(t, "generation.stop_tokens") for t in extra or ()]
+    return list(dict.fromkeys(int(i) for i in ids))

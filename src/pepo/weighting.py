@@ -2,11 +2,17 @@
 
 Every strategy has one signature::
 
-    strategy(advantages [B], entropies [B, T], mask bool [B, T]) -> token_advantages [B, T]
+    strategy(advantages [B], entropies [B, T], mask bool [B, T], *, positive=None)
+        -> token_advantages [B, T]
 
-The output is fp32, detached, and exactly 0 wherever ``mask`` is False. Strategies are built by
-name from a registry (:func:`get_strategy`), listed by :func:`list_strategies`, and extended
-with :func:`register_strategy`.
+The output is fp32, detached, and exactly 0 wherever ``mask`` is False. ``positive`` (bool
+``[B]``) names the rollouts that count as successful: strategies with ``apply_to="positive"``
+weight those rows only and leave the others at the uniform advantage (paper Sec. 3: weighting
+applies to *positive-reward* rollouts). Without it, ``advantages > 0`` stands in, which is the
+same thing for GRPO with binary rewards but not for SPO's batch-normalised advantages; the
+recipe passes its reward's success flags. Strategies are built by name from a registry
+(:func:`get_strategy`), listed by :func:`list_strategies`, and extended with
+:func:`register_strategy`.
 
 Windows (``proximal_softmax``, ``window_average``, ``global_topk(score="proximal")``) run over
 each row's *valid* tokens in order: positions where ``mask`` is False are dropped before the
@@ -16,13 +22,12 @@ centred, of odd size ``W``, and reflect-padded at each row's own ends exactly as
 ``numpy.pad(mode="reflect")`` does, repeatedly for rows shorter than ``W // 2`` (a row of one
 token sees itself ``W`` times).
 
-Implementation notes (deviations from the direct formulation, not from the math):
+Implementation notes (deviations from the direct formulation, not from the math; the kernels
+are in ``pepo._windows``):
 
-* The windowed sums are computed in O(B·T) with a two-block scan: split the padded row into
-  blocks of ``W``; every window spans at most two adjacent blocks, so its sum is a suffix sum
-  of the first block plus a prefix sum of the second. Each sum adds at most ``W`` positive
-  terms, so it is as accurate as the direct sum at any row length (a global cumulative sum
-  would lose digits to cancellation on 32k-token rows). No ``[B, T, W]`` tensor is created.
+* The windowed sums are computed in O(B·T) with a two-block scan, never holding a
+  ``[B, T, W]`` tensor; each sum adds at most ``W`` terms, so it stays as accurate as the direct
+  sum on 32k-token rows.
 * Softmax numerators are shifted by each row's maximum. If a row's (temperature-scaled) range
   exceeds what fp32 ``exp`` can hold without underflow, the batch takes an exact log-domain
   path (``logcumsumexp``) instead; the result is the same, only slower.
@@ -38,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from pepo import _checks
+from pepo import _windows as _w
 
 __all__ = [
     "Strategy",
@@ -45,6 +51,7 @@ __all__ = [
     "entropy_bonus",
     "get_strategy",
     "global_topk",
+    "linear_proximal_entropy",
     "list_strategies",
     "proximal_entropy",
     "proximal_softmax",
@@ -53,172 +60,18 @@ __all__ = [
     "window_average",
 ]
 
-# exp(-80) ~ 1.8e-35 is still a normal fp32 number; a row whose scaled entropies span more than
-# this could underflow a whole window to 0 in the shifted-exp path.
-_EXP_SAFE_RANGE = 80.0
-
 
 class StrategyFn(Protocol):
+    """What a registered factory returns. ``positive`` may be left out of the signature by
+    strategies that treat every row alike; :class:`Strategy` passes it only when declared."""
+
     def __call__(
-        self, advantages: torch.Tensor, entropies: torch.Tensor, mask: torch.Tensor
+        self,
+        advantages: torch.Tensor,
+        entropies: torch.Tensor,
+        mask: torch.Tensor,
+        positive: torch.Tensor,
     ) -> torch.Tensor: ...
-
-
-# --------------------------------------------------------------------------------------------
-# Window machinery
-# --------------------------------------------------------------------------------------------
-
-
-def _reflect_index(j: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Maps positions ``j`` (any integer, broadcast against ``lengths``) into ``[0, L)``.
-
-    Matches ``numpy.pad(mode="reflect")``, which for pads longer than the row reflects again:
-    the padded row is periodic with period ``2 (L - 1)``; a row of length 1 repeats itself.
-    Empty rows (``L = 0``) map everything to 0, a harmless in-bounds index.
-    """
-    lengths = lengths.clamp_min(1)
-    period = (2 * (lengths - 1)).clamp_min(1)
-    j = torch.remainder(j, period)
-    return torch.where(j > lengths - 1, period - j, j)
-
-
-class _Rows:
-    """A batch with each row's valid values moved to the front.
-
-    Attributes:
-        x: ``[B, T]`` fp32; row ``i`` holds its ``L_i`` valid values in order, then values no
-            valid token's window reaches.
-        lengths: ``[B]`` int64, ``L_i``.
-        pos: ``[B, T]`` int64, for each original position the index of its value in ``x``;
-            ``None`` when every mask is already a prefix (``x`` is then the input as given).
-    """
-
-    def __init__(self, clean: torch.Tensor, mask: torch.Tensor, is_prefix: bool):
-        self.lengths = mask.sum(dim=1)  # [B]
-        if is_prefix:
-            self.x = clean
-            self.pos = None
-        else:
-            b, t = mask.shape
-            pos = mask.long().cumsum(dim=1) - 1  # [B, T]
-            buf = clean.new_zeros(b, t + 1)  # column t is a sink for masked positions
-            buf.scatter_(1, torch.where(mask, pos, t), clean)
-            self.x = buf[:, :t]
-            self.pos = pos.clamp_min(0)
-
-    def expand(self, compact: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Maps a ``[B, T]`` result on compact positions back to the original positions."""
-        out = compact if self.pos is None else compact.gather(1, self.pos)
-        return torch.where(mask, out, 0.0)
-
-
-def _clean(entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """fp32 copy with 0 at masked positions: padding contents (NaN included) go no further."""
-    return torch.where(mask, entropies.float(), 0.0)
-
-
-def _analyse(
-    clean: torch.Tensor, mask: torch.Tensor, temperature: Optional[float]
-) -> tuple[bool, bool, Optional[torch.Tensor]]:
-    """One host sync: is every mask a prefix, does some row exceed the safe exp range, and
-    each row's maximum of ``H/τ`` (``[B]``, the exp shift).
-
-    The range is taken over whole rows, padding zeros included: an over-estimate, so the exact
-    log path is taken whenever the shifted exp could underflow (and a little more often).
-    """
-    flags = [(mask[:, 1:] > mask[:, :-1]).any()]  # a valid token after a masked one
-    hi = None
-    if temperature is not None:
-        lo, hi = torch.aminmax(clean, dim=1)
-        flags.append(((hi - lo) > _EXP_SAFE_RANGE * temperature).any())
-        hi = hi / temperature
-    values = torch.stack(flags).tolist()
-    return not values[0], (bool(values[1]) if temperature is not None else False), hi
-
-
-def _padded_buffer(x: torch.Tensor, lengths: torch.Tensor, window: int, scale: float) -> torch.Tensor:
-    """``[B, T]`` compact rows (times ``scale``) -> ``[B, nb * W]`` reflect-padded at their ends.
-
-    Position ``p`` holds ``scale * x[reflect(p - half, L_i)]`` for ``p < L_i + 2 half``; later
-    positions hold values no valid token's window reaches. The width is rounded up to a
-    multiple of ``W`` for the block scan.
-    """
-    b, t = x.shape
-    half = window // 2
-    nb = -(-(t + 2 * half) // window)
-    buf = x.new_zeros(b, nb * window)
-    mid = buf[:, half : half + t]
-    if scale != 1.0:
-        torch.mul(x, scale, out=mid)
-    else:
-        mid.copy_(x)
-    if half:
-        offs = torch.arange(half, device=x.device)  # [h]
-        lengths = lengths[:, None]
-        left = _reflect_index(offs[None, :] - half, lengths)  # [B, h]
-        buf[:, :half] = mid.gather(1, left)
-        right_j = lengths + offs[None, :]  # [B, h]: row positions L .. L + h - 1
-        buf.scatter_(1, right_j + half, mid.gather(1, _reflect_index(right_j, lengths)))
-    return buf
-
-
-def _block_scans(buf: torch.Tensor, window: int, scan: Callable[[torch.Tensor], torch.Tensor]):
-    b = buf.shape[0]
-    blocks = buf.view(b, -1, window)  # [B, nb, W]
-    prefix = scan(blocks)
-    suffix = scan(blocks.flip(-1)).flip(-1)
-    return prefix, suffix
-
-
-def _window_sum(buf: torch.Tensor, window: int, t: int) -> torch.Tensor:
-    """``S[:, s] = buf[:, s : s + W].sum(-1)`` for ``s < t``, in O(B·T) (two-block scan).
-
-    ``buf``'s width must be a multiple of ``W`` and at least ``t + W - 1``.
-    """
-    b = buf.shape[0]
-    prefix, suffix = _block_scans(buf, window, lambda z: z.cumsum(-1))
-    # A window starting on a block boundary is that block alone; any other window ends inside
-    # the next block, whose prefix completes it. Zeroing each block's full-block prefix (the
-    # one a boundary-aligned window would add twice) makes one addition serve both cases.
-    prefix[..., window - 1] = 0.0
-    prefix, suffix = prefix.view(b, -1), suffix.view(b, -1)
-    return suffix[:, :t] + prefix[:, window - 1 : window - 1 + t]
-
-
-def _window_logsumexp(buf: torch.Tensor, window: int, t: int) -> torch.Tensor:
-    """Log-domain twin of :func:`_window_sum`: ``logsumexp(buf[:, s : s + W])``."""
-    b = buf.shape[0]
-    prefix, suffix = _block_scans(buf, window, lambda z: torch.logcumsumexp(z, -1))
-    prefix[..., window - 1] = -math.inf
-    prefix, suffix = prefix.view(b, -1), suffix.view(b, -1)
-    return torch.logaddexp(suffix[:, :t], prefix[:, window - 1 : window - 1 + t])
-
-
-def _proximal_compact(
-    rows: _Rows, window: int, temperature: float, exact_log: bool, shift: torch.Tensor
-) -> torch.Tensor:
-    """Eq. (6) on compact rows: ``e_t = exp(H_t/τ) / Σ_{k∈W(t)} exp(H_k/τ)``. ``[B, T]``.
-
-    ``shift`` (``[B]``, at least each row's largest ``H/τ``) keeps ``exp`` from overflowing; the
-    softmax is invariant to it. The exact path works in log space and ignores it.
-    """
-    half = window // 2
-    t = rows.x.shape[1]
-    buf = _padded_buffer(rows.x, rows.lengths, window, 1.0 / temperature)  # [B, nb*W]
-    if exact_log:
-        x = buf[:, half : half + t]
-        return torch.exp(x - _window_logsumexp(buf, window, t))
-    buf.sub_(shift[:, None]).exp_()
-    return buf[:, half : half + t] / _window_sum(buf, window, t)
-
-
-def _proximal(clean: torch.Tensor, mask: torch.Tensor, window: int, temperature: float) -> torch.Tensor:
-    """Proximal entropy of cleaned (fp32, 0 where masked) entropies. ``[B, T]``, 0 where masked."""
-    if mask.numel() == 0:
-        return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-    is_prefix, exact_log, shift = _analyse(clean, mask, temperature)
-    rows = _Rows(clean, mask, is_prefix)
-    return rows.expand(_proximal_compact(rows, window, temperature, exact_log, shift), mask)
 
 
 def _check_finite_clean(**tensors: torch.Tensor) -> None:
@@ -263,21 +116,49 @@ def proximal_entropy(
     """
     entropies, mask = _checks.check_entropies_mask(entropies, mask)
     window = _checks.check_window(window)
-    temperature = _checks.check_positive("temperature", temperature)
+    temperature = _checks.check_temperature(temperature)
     with torch.no_grad():
-        clean = _clean(entropies.detach(), mask)
+        clean = _w.clean(entropies.detach(), mask)
         if check_finite:
             _check_finite_clean(entropies=clean)
-        return _proximal(clean, mask, window, temperature)
+        return _w.proximal(clean, mask, window, temperature)
 
 
-def _window_mean(clean: torch.Tensor, mask: torch.Tensor, window: int) -> torch.Tensor:
-    if mask.numel() == 0:
-        return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-    is_prefix, _, _ = _analyse(clean, mask, None)
-    rows = _Rows(clean, mask, is_prefix)
-    buf = _padded_buffer(rows.x, rows.lengths, window, 1.0)
-    return rows.expand(_window_sum(buf, window, rows.x.shape[1]) / window, mask)
+def linear_proximal_entropy(
+    entropies: torch.Tensor,
+    mask: torch.Tensor,
+    window: int = 101,
+    *,
+    check_finite: bool = True,
+) -> torch.Tensor:
+    """The softmax-free counterpart of Eq. (6) (Appendix E): ``r_t = H_t / Σ_{k∈W(t)} H_k``.
+
+    Same windows as :func:`proximal_entropy` (each row's valid tokens, centred, reflect-padded);
+    ``r_t = 1/W`` where the window's entropies sum to 0. Like ``e``, ``r`` is relative to the
+    window: scaling a row's entropies by a constant leaves it unchanged, and a slow trend
+    cancels, so it is flat over position where ``H`` decays.
+
+    Args:
+        entropies: per-token entropies ``H >= 0`` (values down to ``-1e-4``, fp32 rounding of
+            near-zero entropies, count as 0).
+        mask: True at valid (generated) tokens.
+        window: odd window size ``W >= 1``.
+        check_finite: raise if ``entropies`` holds NaN/inf at a valid position.
+
+    Shape:
+        entropies: ``[B, T]``; mask: ``[B, T]`` bool; returns ``[B, T]`` fp32, 0 where mask
+        is False. Detached.
+
+    Raises:
+        ValueError: on bad shapes, dtypes, window, non-finite or negative valid entropies.
+    """
+    entropies, mask = _checks.check_entropies_mask(entropies, mask)
+    window = _checks.check_window(window)
+    with torch.no_grad():
+        clean = _w.clean(entropies.detach(), mask)
+        if check_finite:
+            _check_finite_clean(entropies=clean)
+        return _w.linear_proximal(clean, mask, window)
 
 
 # --------------------------------------------------------------------------------------------
@@ -287,18 +168,27 @@ def _window_mean(clean: torch.Tensor, mask: torch.Tensor, window: int) -> torch.
 _REGISTRY: dict[str, Callable[..., StrategyFn]] = {}
 
 
+def _takes_positive(fn: Callable[..., Any]) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # builtins without a signature
+        return False
+    return any(p.name == "positive" or p.kind is p.VAR_KEYWORD for p in params)
+
+
 class Strategy:
     """A weighting strategy bound to its hyper-parameters; call it on a batch.
 
-    ``strategy(advantages, entropies, mask)`` validates its inputs (shapes, bool mask, finite
-    values at valid positions), runs the strategy in fp32 without autograd, and returns
-    ``[B, T]`` fp32 token advantages, detached, 0 where ``mask`` is False.
+    ``strategy(advantages, entropies, mask, positive=None)`` validates its inputs (shapes, bool
+    mask, finite values at valid positions), runs the strategy in fp32 without autograd, and
+    returns ``[B, T]`` fp32 token advantages, detached, 0 where ``mask`` is False.
     """
 
     def __init__(self, name: str, params: dict[str, Any], fn: StrategyFn):
         self.name = name
         self.params = dict(params)
         self._fn = fn
+        self._pass_positive = _takes_positive(fn)
 
     def __call__(
         self,
@@ -306,6 +196,7 @@ class Strategy:
         entropies: torch.Tensor,
         mask: torch.Tensor,
         *,
+        positive: Optional[torch.Tensor] = None,
         check_finite: bool = True,
     ) -> torch.Tensor:
         """Token advantages for one batch.
@@ -314,19 +205,25 @@ class Strategy:
             advantages: sequence-level advantages ``A_i``.
             entropies: per-token entropies ``H_{i,t}`` (any float dtype; fp32 inside).
             mask: True at valid (generated) tokens.
+            positive: the rollouts that count as successful (positive reward); strategies with
+                ``apply_to="positive"`` weight only these. Default: ``advantages > 0``.
             check_finite: raise ``ValueError`` if ``advantages`` or the valid entropies hold
                 NaN/inf (one host sync). With False a NaN input gives NaN output.
 
         Shape:
-            advantages: ``[B]``; entropies, mask: ``[B, T]``; returns ``[B, T]`` fp32.
+            advantages: ``[B]``; entropies, mask: ``[B, T]``; positive: ``[B]`` bool;
+            returns ``[B, T]`` fp32.
         """
         advantages, entropies, mask = _checks.check_batch(advantages, entropies, mask)
+        if positive is not None:
+            positive = _checks.check_row_flags("positive", positive, advantages)
         with torch.no_grad():
             adv = advantages.detach().float()
-            ent = _clean(entropies.detach(), mask)
+            ent = _w.clean(entropies.detach(), mask)
             if check_finite:
                 _check_finite_clean(advantages=adv, entropies=ent)
-            out = self._fn(adv, ent, mask)
+            pos = adv > 0 if positive is None else positive
+            out = self._fn(adv, ent, mask, positive=pos) if self._pass_positive else self._fn(adv, ent, mask)
             if not isinstance(out, torch.Tensor) or out.shape != mask.shape:
                 got = _checks._shape(out) if isinstance(out, torch.Tensor) else type(out).__name__
                 raise ValueError(
@@ -347,8 +244,10 @@ def register_strategy(
 
     The factory takes the strategy's hyper-parameters as keyword arguments, validates them,
     and returns ``fn(advantages [B] fp32, entropies [B, T] fp32 (0 where mask is False),
-    mask [B, T] bool) -> [B, T]``. :func:`get_strategy` wraps it in a :class:`Strategy` that
-    validates inputs and zeroes masked positions, so a factory needs neither.
+    mask [B, T] bool) -> [B, T]``. A ``fn`` that declares a fourth parameter named
+    ``positive`` also receives the bool ``[B]`` success flags (see :class:`Strategy`).
+    :func:`get_strategy` wraps it in a :class:`Strategy` that validates inputs and zeroes
+    masked positions, so a factory needs neither.
 
     Example::
 
@@ -378,6 +277,20 @@ def list_strategies() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def strategy_parameters(name: str) -> Optional[list[str]]:
+    """The hyper-parameter names of strategy ``name`` (None when its factory takes any).
+
+    Raises:
+        ValueError: unknown name (the message lists the registered names).
+    """
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown strategy {name!r}; registered strategies: {list_strategies()}")
+    params = inspect.signature(_REGISTRY[name]).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return [p.name for p in params]
+
+
 def get_strategy(name: str, **params: Any) -> Strategy:
     """Builds the strategy ``name`` with hyper-parameters ``params``.
 
@@ -385,18 +298,14 @@ def get_strategy(name: str, **params: Any) -> Strategy:
         ValueError: unknown name (the message lists the registered names), unknown parameter
             (the message lists the valid ones) or a bad parameter value.
     """
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown strategy {name!r}; registered strategies: {list_strategies()}")
+    valid = strategy_parameters(name)
     factory = _REGISTRY[name]
-    sig = inspect.signature(factory)
-    accepts_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
-    unknown = [k for k in params if k not in sig.parameters]
-    if unknown and not accepts_any:
+    unknown = [k for k in params if valid is not None and k not in valid]
+    if unknown:
         raise ValueError(
-            f"strategy {name!r} got unknown parameter(s) {unknown}; "
-            f"valid parameters: {list(sig.parameters)}"
+            f"strategy {name!r} got unknown parameter(s) {unknown}; valid parameters: {valid}"
         )
-    bound = sig.bind(**params)
+    bound = inspect.signature(factory).bind(**params)
     bound.apply_defaults()
     return Strategy(name, dict(bound.arguments), factory(**params))
 
@@ -416,6 +325,9 @@ def uniform() -> StrategyFn:
     return fn
 
 
+_APPLY_TO = ("positive", "all")
+
+
 @register_strategy("proximal_softmax")
 def proximal_softmax(
     window: int = 101, temperature: float = 1.0, apply_to: str = "positive"
@@ -424,36 +336,37 @@ def proximal_softmax(
 
     ``e`` is the proximal entropy of Eq. (6) (:func:`proximal_entropy`), so ``Σ_t c_{i,t} =
     T_i``: the total advantage of each row equals GRPO's. With ``apply_to="positive"`` (the
-    paper's default) rows with ``A_i <= 0`` keep the uniform advantage; ``"all"`` weights every
-    row (Table 8's "continuous weighting on all rollouts").
+    paper's default) only the rows flagged ``positive`` (successful rollouts) are weighted and
+    the others keep the uniform advantage; ``"all"`` weights every row (Table 8's "continuous
+    weighting on all rollouts").
     """
     window = _checks.check_window(window)
-    temperature = _checks.check_positive("temperature", temperature)
-    apply_to = _checks.check_choice("apply_to", apply_to, ("positive", "all"))
+    temperature = _checks.check_temperature(temperature)
+    apply_to = _checks.check_choice("apply_to", apply_to, _APPLY_TO)
 
-    def fn(advantages: torch.Tensor, entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        e = _proximal(entropies, mask, window, temperature)  # [B, T]
-        c = _normalise_to_length(e, mask)  # [B, T]
-        return _apply(advantages, c, apply_to)
+    def fn(advantages, entropies, mask, positive):
+        e = _w.proximal(entropies, mask, window, temperature)  # [B, T]
+        return _apply(advantages, _normalise_to_length(e, mask), apply_to, positive)
 
     return fn
 
 
 @register_strategy("window_average")
 def window_average(window: int = 101, apply_to: str = "positive") -> StrategyFn:
-    """Windowed mean of entropy, normalised to preserve each row's sum (Appendix E's ablation).
+    """PEPO with the softmax-free window statistic of Appendix E.
 
-    ``m_{i,t} = (1/W) Σ_{k ∈ W(t)} H_{i,k}``, ``c_{i,t} = m_{i,t} / mean_t(m_{i,·})``,
-    ``Â_{i,t} = c_{i,t} A_i``. A row whose mean ``m`` is not > 0 (all-zero entropies) keeps
-    uniform weights. ``apply_to`` as in ``proximal_softmax``.
+    ``r_{i,t} = H_{i,t} / Σ_{k ∈ W(t)} H_{i,k}`` (:func:`linear_proximal_entropy`; ``1/W`` where
+    the window sums to 0), ``c_{i,t} = r_{i,t} / Σ_k r_{i,k} · T_i``, ``Â_{i,t} = c_{i,t} A_i``.
+    Like PEPO's ``e`` the statistic is relative to its window, so it carries no positional trend
+    and no per-row scale; only the softmax's emphasis on local peaks is gone. A row whose ``r``
+    are all 0 keeps ``c = 1``. ``apply_to`` as in ``proximal_softmax``.
     """
     window = _checks.check_window(window)
-    apply_to = _checks.check_choice("apply_to", apply_to, ("positive", "all"))
+    apply_to = _checks.check_choice("apply_to", apply_to, _APPLY_TO)
 
-    def fn(advantages: torch.Tensor, entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        m = _window_mean(entropies, mask, window)  # [B, T]
-        c = _normalise_to_length(m, mask)
-        return _apply(advantages, c, apply_to)
+    def fn(advantages, entropies, mask, positive):
+        r = _w.linear_proximal(entropies, mask, window)  # [B, T]
+        return _apply(advantages, _normalise_to_length(r, mask), apply_to, positive)
 
     return fn
 
@@ -462,11 +375,17 @@ def window_average(window: int = 101, apply_to: str = "positive") -> StrategyFn:
 def entropy_bonus(alpha: float = 0.4, kappa: float = 2.0) -> StrategyFn:
     """Entropy advantage of Cheng et al. (2025): ``Â_{i,t} = A_i + min(α H_{i,t}, |A_i| / κ)``.
 
-    Applied to every row whatever the sign of ``A_i``; the clip ``|A_i|/κ`` keeps the bonus
-    from flipping a negative advantage's sign (``κ > 1``) and makes it vanish when ``A_i = 0``.
+    Applied to every row whatever the sign of ``A_i``; the clip ``|A_i|/κ`` with ``κ > 1``
+    keeps a negative advantage negative (``κ <= 1`` could flip or zero it, so it is refused) and
+    makes the bonus vanish when ``A_i = 0``.
     """
     alpha = _checks.check_positive("alpha", alpha)
     kappa = _checks.check_positive("kappa", kappa)
+    if kappa <= 1.0:
+        raise ValueError(
+            f"kappa must be > 1 (the bonus is capped at |A|/kappa, so kappa <= 1 can turn a "
+            f"negative advantage into 0 or a positive one), got {kappa}"
+        )
 
     def fn(advantages: torch.Tensor, entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         a = advantages[:, None]  # [B, 1]
@@ -504,13 +423,13 @@ def global_topk(
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
     score = _checks.check_choice("score", score, ("entropy", "proximal"))
     window = _checks.check_window(window)
-    temperature = _checks.check_positive("temperature", temperature)
+    temperature = _checks.check_temperature(temperature)
     normalize = _checks.check_choice("normalize", normalize, ("all_tokens", "selected_tokens"))
     q = 1.0 - float(fraction)
 
     def fn(advantages: torch.Tensor, entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if score == "proximal":
-            s = _proximal(entropies, mask, window, temperature)
+            s = _w.proximal(entropies, mask, window, temperature)
         else:
             s = entropies
         selected, n_valid = _select_top(s, mask, q, process_group)
@@ -526,7 +445,7 @@ def global_topk(
 
 def _select_top(
     scores: torch.Tensor, mask: torch.Tensor, q: float, process_group: Optional[Any]
-) -> tuple[torch.Tensor, int, int]:
+) -> tuple[torch.Tensor, int]:
     """Tokens with ``score >= quantile_q(valid scores)`` over the batch (and all ranks).
 
     Returns the ``[B, T]`` bool selection and the global valid count.
@@ -574,9 +493,10 @@ def _normalise_to_length(w: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(ok, w * (lengths / torch.where(ok, total, 1.0)), 1.0)
 
 
-def _apply(advantages: torch.Tensor, c: torch.Tensor, apply_to: str) -> torch.Tensor:
+def _apply(advantages: torch.Tensor, c: torch.Tensor, apply_to: str, positive: torch.Tensor) -> torch.Tensor:
+    """``c A`` on the weighted rows (all, or those flagged ``positive``), ``A`` on the rest."""
     a = advantages[:, None]  # [B, 1]
     weighted = c * a
     if apply_to == "positive":
-        return torch.where(a > 0, weighted, a)
+        return torch.where(positive[:, None], weighted, a)
     return weighted
