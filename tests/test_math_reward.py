@@ -62,8 +62,9 @@ def test_pathological_answers_cost_at_most_the_timeout():
     finally:
         mv.close()
     assert got == [0.0] * len(PATHOLOGICAL) + [1.0]
-    # 2 workers, 4 jobs: at most two rounds of the hard limit (2 x timeout + grace) each
-    assert elapsed < 2 * (2 * 1 + 0.5) + 2.0, elapsed
+    # 2 workers, 4 jobs: at most two rounds of the hard limit (2 x timeout + grace) each, 5 s;
+    # 3x headroom for a loaded machine still fails an unbounded parse (minutes)
+    assert elapsed < 3 * 2 * (2 * 1 + 0.5), elapsed
 
 
 def test_a_stuck_worker_is_killed_and_replaced(monkeypatch):
@@ -81,7 +82,8 @@ def test_a_stuck_worker_is_killed_and_replaced(monkeypatch):
         got = mv(["HANG", "\\boxed{2}"], ["2", "2"])
         elapsed = time.monotonic() - t0
         assert got == [0.0, 1.0] and mv.killed == 1
-        assert elapsed < 2 * 1 + 0.5 + 5.0, elapsed  # the limit, plus a worker restart
+        # the limit (2.5 s) plus a worker restart (< 1 s), with 3x headroom; the hang is 60 s
+        assert elapsed < 3 * (2 * 1 + 0.5 + 1.0), elapsed
     finally:
         mv.close()
 

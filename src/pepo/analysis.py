@@ -6,8 +6,9 @@ reads one dump file (``rollouts/step_N.jsonl``) or a directory of them and write
 
 * ``positional_bias.png`` / ``.csv`` — the relative deviation ``(x_t - mean_t x) / mean_t x`` of
   global entropy ``H``, proximal entropy ``e`` (Eq. 6) and its softmax-free counterpart, the
-  windowed average ``H_t / Σ_{k∈W(t)} H_k``, from each rollout's own mean, averaged over rollouts
-  in bins of generation percentile ``t / T`` (the paper's Fig. 2 and Fig. 5), for each window;
+  window ratio ``H_t / Σ_{k∈W(t)} H_k`` (App. E; ``window_average``'s statistic), from each
+  rollout's own mean, averaged over rollouts in bins of generation percentile ``t / T`` (the
+  paper's Fig. 2 and Fig. 5), for each window;
 * ``difficulty_bias.md`` — prompts grouped by pass rate over their rollouts of one step into
   hard (≤ 1/8), moderate and easy (≥ 7/8), with the mean global and proximal entropy of their
   tokens (Table 1); needs group-mode dumps;
@@ -269,7 +270,7 @@ def _plot_positional(curves: dict[str, torch.Tensor], windows: Sequence[int], pa
         ax.plot(x, (100 * curves[f"proximal_{w}"]).tolist(), color="tab:purple", lw=2,
                 label="proximal entropy")
         ax.plot(x, (100 * curves[f"window_average_{w}"]).tolist(), "--", color="tab:orange",
-                label="windowed average (no softmax)")
+                label="window ratio H / Σ_W H (no softmax)")
         ax.set_title(f"W = {w}")
         ax.set_xlabel("generation percentile (%)")
         ax.grid(alpha=0.3)
