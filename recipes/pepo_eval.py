@@ -12,9 +12,11 @@ the training recipe validates with). Results go to ``output_dir/eval_results.{js
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from torchtune import config, training, utils
@@ -22,7 +24,9 @@ from torchtune import config, training, utils
 from pepo.evaluation import avg_at_k, eval_generator, format_table, write_results
 from pepo.recipe_config import (
     check_checkpoint_dir,
+    check_device,
     check_keys,
+    check_output_dir,
     register_resolvers,
     resolve_config_arg,
 )
@@ -60,56 +64,97 @@ def validate_eval_config(cfg: DictConfig) -> None:
         if path is not None and not Path(path).exists():
             raise ValueError(f"benchmarks.{name}.dataset.path={path!r} does not exist")
     check_checkpoint_dir(cfg.get("checkpoint_dir"))
+    check_device(cfg.get("device", "cpu"))
 
 
-def eval_main(cfg: DictConfig) -> dict[str, float]:
-    """Runs the evaluation; returns ``{benchmark: avg@k}``."""
+def _check_results_dir(cfg: DictConfig) -> None:
+    """``output_dir`` must be writable, and must not hold another checkpoint's results (two
+    evaluations into one directory would silently replace one with the other)."""
+    check_output_dir(cfg.get("output_dir"))
+    previous = Path(str(cfg.output_dir)) / "eval_results.json"
+    if previous.is_file():
+        try:
+            saved = json.loads(previous.read_text()).get("checkpoint_dir")
+        except (json.JSONDecodeError, AttributeError):
+            saved = None
+        here = str(Path(str(cfg.checkpoint_dir)).resolve())
+        if saved != here:
+            raise ValueError(
+                f"output_dir={str(cfg.output_dir)!r} holds the results of another evaluation "
+                f"(checkpoint_dir={saved!r}); choose another output_dir, or remove {previous}"
+            )
+
+
+def _setup(cfg: DictConfig) -> dict[str, Any]:
+    """Everything an evaluation needs, cheapest checks first: config, output directory, data,
+    tokenizer, reward, then the model. Raises ``ValueError`` for what the user must fix."""
     validate_eval_config(cfg)
+    _check_results_dir(cfg)
     device = utils.get_device(cfg.get("device", "cpu"))
     dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=device)
     tokenizer = config.instantiate(cfg.tokenizer)
-    with training.set_default_dtype(dtype), device:
-        model = config.instantiate(cfg.model)
-    load_model_weights(model, cfg.checkpoint_dir)
-    model.eval()
+    stop_tokens = stop_token_ids(tokenizer, cfg.generation.get("stop_tokens"))
+    data = {name: list(config.instantiate(b.dataset)) for name, b in cfg.benchmarks.items()}
     reward = config.instantiate(cfg.reward)
+    try:
+        with training.set_default_dtype(dtype), device:
+            model = config.instantiate(cfg.model)
+        load_model_weights(model, cfg.checkpoint_dir)
+    except BaseException:
+        _close(reward)
+        raise
+    model.eval()
+    return dict(device=device, tokenizer=tokenizer, stop_tokens=stop_tokens, data=data,
+                reward=reward, model=model)
+
+
+def _close(reward: Any) -> None:
+    close = getattr(reward, "close", None)
+    if callable(close):
+        close()
+
+
+def _evaluate(cfg: DictConfig, setup: dict[str, Any]) -> dict[str, float]:
     g = cfg.generation
-    stop_tokens = stop_token_ids(tokenizer, g.get("stop_tokens"))
     results: dict[str, float] = {}
     try:
         for name, b in cfg.benchmarks.items():
-            problems = list(config.instantiate(b.dataset))
+            problems = setup["data"][name]
             t0 = time.perf_counter()
             results[name] = avg_at_k(
-                model, tokenizer, problems, b.k, reward,
+                setup["model"], setup["tokenizer"], problems, b.k, setup["reward"],
                 max_new_tokens=g.max_new_tokens, temperature=float(g.temperature),
                 top_k=g.get("top_k"), top_p=float(g.top_p),
-                generator=eval_generator(cfg.seed, device),
-                batch_size=cfg.get("batch_size", 256), stop_tokens=stop_tokens,
+                generator=eval_generator(cfg.seed, setup["device"]),
+                batch_size=cfg.get("batch_size", 256), stop_tokens=setup["stop_tokens"],
             )
             log.info(f"{name}: avg@{b.k} = {100 * results[name]:.2f} over {len(problems)} "
                      f"problems ({time.perf_counter() - t0:.1f}s)")
     finally:
-        close = getattr(reward, "close", None)
-        if callable(close):
-            close()
+        _close(setup["reward"])
     name = cfg.get("model_name") or Path(str(cfg.checkpoint_dir)).name
     table = format_table(results, name)
     js, md = write_results(results, cfg.output_dir, name,
-                           meta={"k": {n: b.k for n, b in cfg.benchmarks.items()},
+                           meta={"checkpoint_dir": str(Path(str(cfg.checkpoint_dir)).resolve()),
+                                 "k": {n: b.k for n, b in cfg.benchmarks.items()},
                                  "generation": OmegaConf.to_container(g, resolve=True)})
     print("\n" + table + "\n")
     log.info(f"Results: {js} and {md}")
     return results
 
 
+def eval_main(cfg: DictConfig) -> dict[str, float]:
+    """Runs the evaluation; returns ``{benchmark: avg@k}``."""
+    return _evaluate(cfg, _setup(cfg))
+
+
 @config.parse
 def _main(cfg: DictConfig) -> None:
-    try:
-        validate_eval_config(cfg)
+    try:  # a bad config, file or field is the user's to fix: one line, no traceback
+        setup = _setup(cfg)
     except ValueError as e:
         sys.exit(f"config error: {e}")
-    eval_main(cfg)
+    _evaluate(cfg, setup)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,10 @@ from pepo.generation import Rollouts, sequence_inputs
 from pepo.hf import save_hf
 from pepo.loss import clipped_policy_loss, policy_loss_metrics
 from pepo.recipe_config import (
+    build,
     estimator_kwargs,
+    experiment_changes,
+    experiment_config,
     register_resolvers,
     resolve_config_arg,
     strategy_params,
@@ -80,6 +83,10 @@ register_resolvers()
 class NonFiniteError(RuntimeError):
     """Raised after ``max_nonfinite_steps`` consecutive optimizer steps with a non-finite loss
     or gradient."""
+
+
+class TrainingStopped(RuntimeError):
+    """Raised when SIGTERM stopped the run at a step boundary, after its checkpoint."""
 
 
 class PEPORecipe(FTRecipeInterface):
@@ -118,11 +125,19 @@ class PEPORecipe(FTRecipeInterface):
         self.dump_every = cfg.dump_rollouts_every
         self.resume = bool(cfg.get("resume_from_checkpoint", False))
         self.plot = bool(cfg.get("plot", True))
-        if not self.resume and AtomicCheckpointer(self.output_dir / "checkpoints").has_checkpoints():
+        has_checkpoints = AtomicCheckpointer(self.output_dir / "checkpoints").has_checkpoints()
+        if not self.resume and has_checkpoints:
             raise ValueError(
                 f"output_dir={str(self.output_dir)!r} already holds a run's checkpoints; pass "
                 f"resume_from_checkpoint=True to continue it, or choose another output_dir"
             )
+        if self.resume and not has_checkpoints:
+            raise ValueError(
+                f"resume_from_checkpoint=True but {self.output_dir / 'checkpoints'} holds no "
+                f"checkpoint; start without it for a new run"
+            )
+        self.experiment = experiment_config(cfg)
+        self._stop_requested = False
         self.step = 0
         self.history: list[dict[str, Any]] = []
         self.nonfinite_total = 0
@@ -130,10 +145,23 @@ class PEPORecipe(FTRecipeInterface):
 
     # ------------------------------------------------------------------ setup
     def setup(self, cfg: DictConfig) -> None:
-        self.tokenizer = config.instantiate(cfg.tokenizer)
+        """Builds everything; what fails fast (tokenizer, stop tokens, data files, reward) comes
+        before the model, so a bad path or field costs seconds, not a model load."""
+        self.tokenizer = build(cfg, "tokenizer")
         self.stop_tokens = stop_token_ids(self.tokenizer, cfg.generation.get("stop_tokens"))
+        train_data = list(build(cfg, "dataset"))
+        val_data = list(build(cfg, "val_dataset")) if cfg.get("val_dataset") else []
+        self.reward_fn = build(cfg, "reward")
+        name, params = strategy_params(cfg)
+        self.strategy_name = name
+        self.strategy = weighting.get_strategy(name, **params)
+        self.checkpointer = AtomicCheckpointer(
+            self.output_dir / "checkpoints", keep=cfg.get("keep_checkpoints", 2)
+        )
+        resume_state = self._find_checkpoint() if self.resume else None
+
         with training.set_default_dtype(self._dtype), self._device:
-            self.model = config.instantiate(cfg.model)
+            self.model = build(cfg, "model")
         emb = self.model.tok_embeddings.num_embeddings
         if self.tokenizer.vocab_size > emb:
             raise ValueError(
@@ -145,50 +173,59 @@ class PEPORecipe(FTRecipeInterface):
             training.set_activation_checkpointing(
                 self.model, auto_wrap_policy={TransformerSelfAttentionLayer}
             )
-        self.optimizer = config.instantiate(cfg.optimizer, self.model.parameters())
+        self.optimizer = build(cfg, "optimizer", self.model.parameters())
         self.lr_scheduler = None
         self.schedule_steps = self.num_steps * self.ppo_epochs * self.ppo_mini_batches
         if cfg.get("lr_scheduler") is not None:
-            self.lr_scheduler = config.instantiate(
-                cfg.lr_scheduler, self.optimizer, num_training_steps=self.schedule_steps
+            self.lr_scheduler = build(
+                cfg, "lr_scheduler", self.optimizer, num_training_steps=self.schedule_steps
             )
-        self.train_data = self._fitting(list(config.instantiate(cfg.dataset)), "dataset")
-        self.val_data = (
-            self._fitting(list(config.instantiate(cfg.val_dataset)), "val_dataset")
-            if cfg.get("val_dataset") else []
-        )
+        self.train_data = self._fitting(train_data, "dataset")
+        self.val_data = self._fitting(val_data, "val_dataset") if val_data else []
         self.sampler = PromptSampler(len(self.train_data), seed=self.seed)
-        name, params = strategy_params(cfg)
-        self.strategy_name = name
-        self.strategy = weighting.get_strategy(name, **params)
-        self.reward_fn = config.instantiate(cfg.reward)
         # host-side choices (prompt draws, mini-batch order) and token sampling on the model's
         # device use separate generators; both are checkpointed
         self.rng = torch.Generator(device="cpu").manual_seed(self.seed)
         self.sample_rng = torch.Generator(device=self._device).manual_seed(self.seed + 1)
-        self.metric_logger = config.instantiate(cfg.metric_logger)
+        self.metric_logger = build(cfg, "metric_logger")
         self.metric_logger.log_config(cfg)
-        self.checkpointer = AtomicCheckpointer(
-            self.output_dir / "checkpoints", keep=cfg.get("keep_checkpoints", 2)
-        )
         self.config_name = cfg.get("name", "pepo")
         # a run that starts from a Hugging Face checkpoint also ends with one (for vLLM, HF)
         src = Path(str(cfg.checkpoint_dir))
         self.hf_source = src if (src / "config.json").is_file() else None
-        if self.resume:
-            self._load_checkpoint()
+        if resume_state is not None:
+            self._load_checkpoint(*resume_state)
         else:
             self._prepare_estimator()
 
-    def _load_checkpoint(self) -> None:
+    def _find_checkpoint(self) -> tuple[Path, dict[str, Any]]:
+        """The newest intact checkpoint and its state, refused when resuming from it would
+        change the experiment or do nothing."""
         found = self.checkpointer.load_latest()  # the newest intact one (warns about others)
         if found is None:
-            damaged = " intact" if self.checkpointer.has_checkpoints() else ""
             raise ValueError(
-                f"resume_from_checkpoint=True but {self.checkpointer.root} holds no{damaged} "
-                f"checkpoint"
+                f"resume_from_checkpoint=True but {self.checkpointer.root} holds no intact "
+                f"checkpoint (see the warnings above)"
             )
         path, state = found
+        saved = state.get("experiment")
+        if saved is None:
+            log.warning(f"{path} records no experiment config; the resume cannot check it")
+        else:
+            changes = experiment_changes(saved, self.experiment)
+            if changes:
+                raise ValueError(
+                    f"resuming {path} would change the experiment: {', '.join(changes)}; keep "
+                    f"these values, or start a new run in another output_dir"
+                )
+        if state["step"] >= self.num_steps:
+            raise ValueError(
+                f"{path} is at step {state['step']}, and num_steps={self.num_steps} asks for no "
+                f"more; raise num_steps to train further"
+            )
+        return path, state
+
+    def _load_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
         load_model_weights(self.model, path)
         self.optimizer.load_state_dict(state["optimizer"])
         if self.lr_scheduler is not None:
@@ -313,9 +350,13 @@ class PEPORecipe(FTRecipeInterface):
 
         mask = ro.mask  # [B, T]
         old_lp, entropies = self._all_logprobs(ro)  # [B, T] each
-        token_adv = self.strategy(adv, entropies, mask, positive=success)  # [B, T], detached
+        # non-finite log-probs (a NaN logit) give NaN token advantages, so the loss guard
+        # below skips the optimizer steps they reach instead of the strategy raising
+        token_adv = self.strategy(adv, entropies, mask, positive=success, check_finite=False)
         losses, stats, grad_norms = self._update(ro, old_lp, token_adv)
         drift = self._policy_drift(ro, old_lp) if self.estimator.needs_drift else None
+        if drift is not None and not math.isfinite(drift):  # NaN log-probs: steps were skipped
+            drift = 0.0
         self.estimator.observe(ids, rewards, drift)
 
         dt = time.perf_counter() - t0
@@ -444,6 +485,29 @@ class PEPORecipe(FTRecipeInterface):
         )
 
     # -------------------------------------------------------------- the loop
+    def run(self) -> None:
+        """:meth:`train`, then :meth:`cleanup` however it ends. SIGTERM (what ``timeout``,
+        Slurm preemption and ``docker stop`` send) stops the run after the current step and
+        its checkpoint; a second SIGTERM stops it at once."""
+        import signal
+        import threading
+
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        try:
+            self.train()
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+            self.cleanup()
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if self._stop_requested:
+            raise TrainingStopped(f"a second SIGTERM stopped the run during step {self.step}")
+        self._stop_requested = True
+        log.warning(f"SIGTERM: stopping after step {self.step} and its checkpoint")
+
     def train(self) -> None:
         if self.step == 0 and self.val_every:
             acc = self.validate()
@@ -466,8 +530,17 @@ class PEPORecipe(FTRecipeInterface):
                 tok_s=f"{m['tokens_per_s']:.0f}", step_s=f"{m['step_time']:.2f}",
                 **({"val": f"{m['val_accuracy']:.3f}"} if "val_accuracy" in m else {}),
             )
-            if (self.save_every and self.step % self.save_every == 0) or self.step == self.num_steps:
+            if (
+                (self.save_every and self.step % self.save_every == 0)
+                or self.step == self.num_steps or self._stop_requested
+            ):
                 self.save_checkpoint(self.step)
+            if self._stop_requested:
+                bar.close()
+                raise TrainingStopped(
+                    f"stopped by SIGTERM at step {self.step}; its checkpoint is in "
+                    f"{self.checkpointer.root} (resume with resume_from_checkpoint=True)"
+                )
         bar.close()
         last = next((h["val_accuracy"] for h in reversed(self.history) if "val_accuracy" in h), None)
         if first is not None and last is not None:
@@ -496,38 +569,53 @@ class PEPORecipe(FTRecipeInterface):
             state["lr_scheduler"] = self.lr_scheduler.state_dict()
             state["schedule_steps"] = self.schedule_steps
         state["estimator"] = self.estimator.state_dict()
+        state["experiment"] = self.experiment
         self.checkpointer.save(step, self.model, state)
 
     def cleanup(self) -> None:
-        self.metric_logger.close()
-        close = getattr(self.reward_fn, "close", None)
+        """Closes what setup opened (also after a setup that failed half-way)."""
+        logger = getattr(self, "metric_logger", None)
+        if logger is not None:
+            logger.close()
+        close = getattr(getattr(self, "reward_fn", None), "close", None)
         if callable(close):  # e.g. MathVerify's worker processes
             close()
 
 
-def recipe_main(
-    cfg: DictConfig, recipe: Optional[PEPORecipe] = None, log_config: bool = True
-) -> PEPORecipe:
-    """Runs the recipe on a resolved config and returns it (its ``history`` holds the metrics);
-    also the entry point for in-process runs."""
-    recipe = recipe if recipe is not None else PEPORecipe(cfg)
+def recipe_main(cfg: DictConfig, log_config: bool = True) -> PEPORecipe:
+    """Validates, sets up and runs the recipe on a resolved config and returns it (its
+    ``history`` holds the metrics); the entry point for in-process runs."""
+    recipe = PEPORecipe(cfg)
     if log_config:
         config.log_config(recipe_name="PEPORecipe", cfg=cfg)
-    recipe.setup(cfg)
     try:
-        recipe.train()
-    finally:
+        recipe.setup(cfg)
+    except BaseException:
         recipe.cleanup()
+        raise
+    recipe.run()
     return recipe
 
 
 @config.parse
 def _main(cfg: DictConfig) -> None:
+    # A config error (validation, or a file, field or value setup finds bad) is the user's to
+    # fix: one line, no traceback. Errors of a running step keep their traceback.
     try:
-        recipe = PEPORecipe(cfg)  # validates the config; builds nothing yet
-    except ValueError as e:  # a config error is the user's to fix: no traceback
+        recipe = PEPORecipe(cfg)
+        config.log_config(recipe_name="PEPORecipe", cfg=cfg)
+        try:
+            recipe.setup(cfg)
+        except BaseException:
+            recipe.cleanup()
+            raise
+    except ValueError as e:
         sys.exit(f"config error: {e}")
-    recipe_main(cfg, recipe)
+    try:
+        recipe.run()
+    except TrainingStopped as e:
+        log.warning(str(e))
+        sys.exit(143)  # 128 + SIGTERM, as a process killed by it reports
 
 
 if __name__ == "__main__":

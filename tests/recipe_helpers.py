@@ -72,3 +72,28 @@ def tiny_cfg(tmp_path: Path, name: str = "tiny", **overrides):
         base["dataset"] = {"size": 16}
     cfg = OmegaConf.merge(cfg, base, overrides)
     return cfg
+
+
+class VerifiedDigitReward:
+    """A varying reward that also runs math-verify in MathVerify's worker processes: half the
+    share of digits, half the verifier's score. The workers' PIDs are appended to the file named
+    by ``PEPO_TEST_WORKER_PIDS`` (if set), so fault tests can check none outlives its trainer."""
+
+    def __init__(self):
+        import os
+
+        from pepo.rewards import MathVerify
+
+        self._verify = MathVerify(timeout=2, workers=1)
+        self._pid_file = os.environ.get("PEPO_TEST_WORKER_PIDS")
+
+    def __call__(self, responses, answers):
+        verified = self._verify(responses, answers)
+        if self._pid_file:
+            with open(self._pid_file, "a") as f:
+                f.write("".join(f"{pid}\n" for pid in self._verify.pids))
+        digits = DigitReward()(responses, answers)
+        return [0.5 * d + 0.5 * v for d, v in zip(digits, verified)]
+
+    def close(self):
+        self._verify.close()

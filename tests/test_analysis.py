@@ -113,3 +113,27 @@ def test_command_writes_every_output(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "pepo.analysis", str(tmp_path / "nope"), "--out",
                           str(out)], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "no rollout dump" in bad.stderr
+
+
+import pytest
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", r"d.jsonl:2: not valid JSON"),
+    ("[1, 2]", r"d.jsonl:2: a record must be a JSON object, got list"),
+    ('{"reward": 1.0}', r"d.jsonl:2: 'entropies' must be a list of numbers, got None"),
+    ('{"entropies": [0.1, "x"], "reward": 1.0}', r"d.jsonl:2: 'entropies' must be a list of numbers"),
+    ('{"entropies": [0.1]}', r"d.jsonl:2: 'reward' must be a number, got None"),
+    ('{"entropies": [0.1, 0.2], "reward": 0, "tokens": ["a"]}', r"d.jsonl:2: 'tokens' must be a list as long"),
+])
+def test_malformed_records_are_one_line_errors_naming_file_and_line(tmp_path, line, message):
+    """Catches KeyError/IndexError tracebacks (or a silent skip) on a malformed dump."""
+    path = write_dump(tmp_path / "d.jsonl", [[0.1, 0.2]])
+    with open(path, "a") as f:
+        f.write(line + "\n")
+    with pytest.raises(ValueError, match=message):
+        A.load_dump(path)
+    r = subprocess.run([sys.executable, "-m", "pepo.analysis", str(path), "--out", str(tmp_path / "o")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "d.jsonl:2" in r.stderr

@@ -166,3 +166,13 @@ def test_gradient_matches_autograd_of_a_float64_loop_reference(eps_low, eps_high
     active = free_high | free_low | inside
     torch.testing.assert_close(grad[active], (-ratio * adv / n)[active], rtol=1e-5, atol=1e-8)
     assert grad[~mask].eq(0).all()
+
+
+def test_negative_token_count_never_gives_a_finite_loss():
+    """Catches a negative num_tokens silently clamped to 1: an int raises, a tensor (no host
+    sync) gives NaN."""
+    lp, old, adv, mask = batch()
+    with pytest.raises(ValueError, match="num_tokens must be an int >= 1, got -5"):
+        clipped_policy_loss(lp, old, adv, mask, num_tokens=-5)
+    assert torch.isnan(clipped_policy_loss(lp, old, adv, mask, num_tokens=torch.tensor(-5)))
+    assert clipped_policy_loss(lp, old, adv, torch.zeros_like(mask), num_tokens=torch.tensor(0)) == 0

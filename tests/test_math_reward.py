@@ -12,6 +12,7 @@ import time
 import pytest
 
 import pepo.rewards as R
+from tests.proc_helpers import dead as _dead
 
 QWEN3 = ("<think>\nOkay, so I need to find x. If 2x = 1 then x = 1/2... wait, let me double-check."
          "\n</think>\n\nWe solve $2x = 1$, so $x = \\frac{1}{2}$.\n\n**Final Answer**\n"
@@ -86,20 +87,6 @@ def test_a_stuck_worker_is_killed_and_replaced(monkeypatch):
         assert elapsed < 3 * (2 * 1 + 0.5 + 1.0), elapsed
     finally:
         mv.close()
-
-
-def _dead(pid: int, seconds: float = 10.0) -> bool:
-    """Waits (bounded) until ``pid`` has exited (gone or a zombie); True if it did."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-                    return True
-        except OSError:
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def _bounded(fn, seconds: float = 60.0):

@@ -188,9 +188,8 @@ def test_bad_config_fails_before_model(tmp_path, override, message, monkeypatch)
 
 def test_resume_without_checkpoint_is_clear(tmp_path):
     cfg = tiny_cfg(tmp_path, resume_from_checkpoint=True)
-    recipe = pepo_recipe.PEPORecipe(cfg)
     with pytest.raises(ValueError, match="holds no checkpoint"):
-        recipe.setup(cfg)
+        pepo_recipe.PEPORecipe(cfg)  # before anything is built
 
 
 def test_custom_strategy_through_imports(tmp_path, monkeypatch):

@@ -248,7 +248,7 @@ def test_resume_refuses_changed_estimator_hyper_parameters(tmp_path):
     cfg = tiny_cfg(tmp_path, "tiny_spo", num_steps=2, resume_from_checkpoint=True,
                    estimator={"rho_min": 0.9})
     recipe = pepo_recipe.PEPORecipe(cfg)
-    with pytest.raises(ValueError, match="rho_min: saved 0.875, configured 0.9"):
+    with pytest.raises(ValueError, match=r"would change the experiment: estimator.rho_min \(0.875 -> 0.9\)"):
         recipe.setup(cfg)
     recipe.cleanup()
 

@@ -438,6 +438,7 @@ def test_register_custom_strategy():
         ("proximal_softmax", {"windw": 5}, r"unknown parameter\(s\) \['windw'\]; valid parameters"),
         ("proximal_softmax", {"window": 4}, "window must be an odd int >= 1, got 4"),
         ("proximal_softmax", {"window": 0}, "window must be an odd int >= 1, got 0"),
+        ("proximal_softmax", {"window": 10_000_001}, "window must be <= 65537 .* got 10000001"),
         ("proximal_softmax", {"temperature": 0.0}, "temperature must be a finite number > 0, got 0.0"),
         ("proximal_softmax", {"apply_to": "negative"}, "apply_to must be one of"),
         ("global_topk", {"fraction": 0.0}, r"fraction must be in \(0, 1\], got 0.0"),
@@ -498,3 +499,22 @@ def test_empty_batches_and_fully_masked_rows(name, shape):
     mask = torch.zeros(shape, dtype=torch.bool)
     out = pw.get_strategy(name)(torch.ones(shape[0]), ent, mask)
     assert out.shape == shape and out.eq(0).all()
+
+
+@pytest.mark.parametrize("name", ["proximal_softmax", "window_average", "entropy_bonus", "global_topk"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_check_finite_false_propagates_nan_never_a_finite_guess(name, bad):
+    """Without the check, a NaN/inf entropy must reach the output as NaN (so a loss built on
+    it is NaN and the recipe's guard skips the step). Catches the old behaviour: a row whose
+    softmax total was NaN fell back to uniform weights, a finite wrong value."""
+    adv, ent, mask = ragged_batch([5, 7], 7, seed=3)
+    adv = torch.tensor([1.0, 0.5])
+    ent[0, 2] = bad
+    out = pw.get_strategy(name, **({"window": 3} if name != "entropy_bonus" else {}))(
+        adv, ent, mask, check_finite=False)
+    if name == "entropy_bonus":  # token-local: only the bad token
+        assert not torch.isfinite(out[0, 2]) and torch.isfinite(out[1][mask[1]]).all()
+    elif name == "global_topk":  # batch threshold: everything
+        assert torch.isnan(out[mask]).all()
+    else:  # row-local window statistics: the whole row, the other row untouched
+        assert torch.isnan(out[0][mask[0]]).all() and torch.isfinite(out[1][mask[1]]).all()

@@ -83,11 +83,21 @@ def check_entropies_mask(entropies: Any, mask: Any) -> tuple[torch.Tensor, torch
     return entropies, mask
 
 
+# The window kernels hold [B, >= 2W] buffers, so the window is capped: 2^16 + 1 covers the whole
+# of any 32k-token response from every position, at 0.5 MB per row per buffer.
+MAX_WINDOW = 65_537
+
+
 def check_window(window: Any) -> int:
     if isinstance(window, bool) or not isinstance(window, int):
         raise ValueError(f"window must be an odd int >= 1, got {window!r}")
     if window < 1 or window % 2 == 0:
         raise ValueError(f"window must be an odd int >= 1, got {window}")
+    if window > MAX_WINDOW:
+        raise ValueError(
+            f"window must be <= {MAX_WINDOW} (it spans the longest responses there are, and its "
+            f"buffers grow with it), got {window}"
+        )
     return window
 
 

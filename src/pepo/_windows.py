@@ -223,5 +223,6 @@ def linear_proximal(clean: torch.Tensor, mask: torch.Tensor, window: int) -> tor
     t = rows.x.shape[1]
     total = window_sum(padded_buffer(rows.x, rows.lengths, window, 1.0), window, t)  # [B, T]
     positive = total > 0
-    r = torch.where(positive, rows.x / torch.where(positive, total, 1.0), 1.0 / window)
+    empty = torch.where(total == 0, 1.0 / window, math.nan)  # a NaN total stays NaN
+    r = torch.where(positive, rows.x / torch.where(positive, total, 1.0), empty)
     return rows.expand(r, mask)

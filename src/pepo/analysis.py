@@ -87,9 +87,34 @@ def load_dump(path: Union[str, Path]) -> RolloutDump:
         raise ValueError(f"no rollout dump at {str(p)!r} (a .jsonl file or a directory of them)")
     records = []
     for f in files:
-        with open(f) as fh:
-            records.extend(json.loads(line) for line in fh if line.strip())
+        with open(f, encoding="utf-8") as fh:
+            for n, line in enumerate(fh, 1):
+                if line.strip():
+                    records.append(_record(line, f, n))
     return RolloutDump(records)
+
+
+def _record(line: str, path: Path, n: int) -> dict[str, Any]:
+    """One dump record, checked for what the analysis reads; errors name the file and line."""
+    where = f"{path}:{n}"
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+    if not isinstance(rec, dict):
+        raise ValueError(f"{where}: a record must be a JSON object, got {type(rec).__name__}")
+    ent = rec.get("entropies")
+    if not isinstance(ent, list) or not all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) for x in ent
+    ):
+        raise ValueError(f"{where}: 'entropies' must be a list of numbers, got {ent!r:.80}")
+    reward = rec.get("reward")
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+        raise ValueError(f"{where}: 'reward' must be a number, got {reward!r:.80}")
+    tokens = rec.get("tokens")
+    if tokens is not None and (not isinstance(tokens, list) or len(tokens) != len(ent)):
+        raise ValueError(f"{where}: 'tokens' must be a list as long as 'entropies' ({len(ent)})")
+    return rec
 
 
 def _relative_deviation(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

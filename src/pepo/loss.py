@@ -100,7 +100,7 @@ def clipped_policy_loss(
         num_tokens: the denominator ``Σ_j T_j``. Pass the whole batch's valid-token count
             when this call sees one micro-batch of it; default: this call's valid tokens.
             An int or a 0-dim tensor (no host sync either way); a batch with no valid tokens
-            gives loss 0.
+            gives loss 0. A negative int raises; a negative tensor gives a NaN loss.
 
     Shape:
         logprobs, old_logprobs, advantages, mask: ``[B, T]``; returns a 0-dim fp32 tensor.
@@ -123,7 +123,10 @@ def clipped_policy_loss(
     elif isinstance(num_tokens, torch.Tensor):
         if num_tokens.numel() != 1:
             raise ValueError(f"num_tokens must be a scalar, got shape {_checks._shape(num_tokens)}")
-        denom = num_tokens.reshape(()).float().clamp_min(1)
+        n = num_tokens.reshape(()).float()
+        # 0 (an empty batch) divides by 1 and gives loss 0; a negative count is a caller's bug
+        # that a host sync would be needed to raise on, so it makes the loss NaN instead
+        denom = torch.where(n < 0, math.nan, n.clamp_min(1))
     else:
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
             raise ValueError(f"num_tokens must be an int >= 1, got {num_tokens!r}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
 import importlib.resources
 import re
 from pathlib import Path
@@ -28,9 +29,14 @@ from pepo.loss import check_clip_range
 
 __all__ = [
     "asset_dir",
+    "build",
     "check_checkpoint_dir",
+    "check_device",
     "check_keys",
+    "check_output_dir",
     "estimator_kwargs",
+    "experiment_config",
+    "experiment_changes",
     "find_config",
     "list_configs",
     "register_resolvers",
@@ -115,6 +121,77 @@ def check_checkpoint_dir(ckpt: Any, key: str = "checkpoint_dir") -> None:
         raise ValueError(
             f"{key}={ckpt!r} has no model.safetensors (nor model.safetensors.index.json)"
         )
+
+
+def build(cfg: DictConfig, key: str, *args: Any, **kwargs: Any) -> Any:
+    """``config.instantiate(cfg[key], *args, **kwargs)``, with the arguments a component does
+    not take (a ``TypeError`` from its constructor) reported as a ``ValueError`` naming the
+    config section."""
+    from torchtune import config as tune_config
+
+    try:
+        return tune_config.instantiate(cfg[key], *args, **kwargs)
+    except TypeError as e:
+        raise ValueError(f"{key}: {cfg[key].get('_component_')} {e}") from None
+
+
+def check_device(device: Any) -> None:
+    """Raises ``ValueError`` for a CUDA device on a machine without one (torch would otherwise
+    run on the CPU without a word)."""
+    import torch
+
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(
+            f"device={device!r} but CUDA is not available here (torch {torch.__version__}); "
+            f"use device=cpu, or a CUDA build of torch on a machine with a GPU"
+        )
+
+
+def check_output_dir(path: Any, key: str = "output_dir") -> None:
+    """Raises ``ValueError`` unless ``path`` is, or can be created as, a writable directory."""
+    if path is None:
+        raise ValueError(f"config key {key!r} is required")
+    p = Path(str(path)).absolute()
+    existing = next(a for a in [p, *p.parents] if a.exists())
+    if not existing.is_dir():
+        raise ValueError(f"{key}={str(path)!r} cannot be a directory: {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{key}={str(path)!r} is not writable ({existing} denies it)")
+
+
+# Keys a resume may change: where things go and how often, memory settings that do not change
+# the numbers beyond float reduction order, and the paths of the initial model (superseded by
+# the checkpoint). Everything else defines the experiment. `num_steps` is checked on its own.
+RESUME_MAY_CHANGE = (
+    "name", "output_dir", "resume_from_checkpoint", "imports", "checkpoint_dir",
+    "tokenizer.path", "model.model_dir", "num_steps", "validation", "val_dataset",
+    "save_every", "keep_checkpoints", "dump_rollouts_every", "plot", "metric_logger",
+    "generation.batch_size", "micro_batch_size", "logprob_chunk_size", "logprobs_from_hidden",
+    "enable_activation_checkpointing", "max_nonfinite_steps", "reward.workers",
+)
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out or {prefix[:-1]: {}}
+    return {prefix[:-1]: node}
+
+
+def experiment_config(cfg: DictConfig) -> dict[str, Any]:
+    """The keys that define the experiment (resolved, flattened ``a.b.c``), saved in each
+    checkpoint so that a resume cannot silently change them."""
+    flat = _flatten(OmegaConf.to_container(cfg, resolve=True))
+    return {k: v for k, v in flat.items()
+            if not any(k == m or k.startswith(m + ".") for m in RESUME_MAY_CHANGE)}
+
+
+def experiment_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """``key (saved -> current)`` for every experiment key that differs."""
+    return [f"{k} ({saved.get(k, '<unset>')!r} -> {current.get(k, '<unset>')!r})"
+            for k in sorted(set(saved) | set(current)) if saved.get(k, "<unset>") != current.get(k, "<unset>")]
 
 
 def strategy_params(cfg: DictConfig) -> tuple[str, dict[str, Any]]:
@@ -309,6 +386,12 @@ def validate_config(cfg: DictConfig) -> None:
             _int(cfg, key, 1)
 
     check_checkpoint_dir(_require(cfg, "checkpoint_dir"))
+    check_output_dir(cfg.get("output_dir"))
+    check_device(cfg.get("device", "cpu"))
+    lr = OmegaConf.select(cfg, "optimizer.lr", default=None)
+    if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float))
+                           or not (0 < lr < float("inf"))):
+        raise ValueError(f"optimizer.lr must be a finite number > 0, got {lr!r}")
     tok = _require(cfg, "tokenizer.path")
     for f in ("tokenizer.json", "tokenizer_config.json"):
         if not (Path(tok) / f).is_file():

@@ -208,7 +208,10 @@ class Strategy:
             positive: the rollouts that count as successful (positive reward); strategies with
                 ``apply_to="positive"`` weight only these. Default: ``advantages > 0``.
             check_finite: raise ``ValueError`` if ``advantages`` or the valid entropies hold
-                NaN/inf (one host sync). With False a NaN input gives NaN output.
+                NaN/inf (one host sync). With False nothing is checked, and a NaN/inf in an
+                input a strategy reads reaches its output as NaN, never as a finite value
+                (for ``global_topk``, whose threshold is over the batch, the whole output):
+                a loss built on it is NaN.
 
         Shape:
             advantages: ``[B]``; entropies, mask: ``[B, T]``; positive: ``[B]`` bool;
@@ -389,7 +392,8 @@ def entropy_bonus(alpha: float = 0.4, kappa: float = 2.0) -> StrategyFn:
 
     def fn(advantages: torch.Tensor, entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         a = advantages[:, None]  # [B, 1]
-        return a + torch.minimum(alpha * entropies, a.abs() / kappa)
+        bonus = torch.minimum(alpha * entropies, a.abs() / kappa)
+        return a + torch.where(torch.isinf(entropies), math.nan, bonus)  # the cap must not hide inf
 
     return fn
 
@@ -434,6 +438,8 @@ def global_topk(
             s = entropies
         selected, n_valid = _select_top(s, mask, q, process_group)
         out = torch.where(selected, advantages[:, None], 0.0)
+        # the threshold is over the whole batch: a NaN/inf score anywhere makes all of it NaN
+        out = torch.where(torch.isfinite(torch.where(mask, s, 0.0)).all(), out, math.nan)
         if normalize == "selected_tokens":
             n_selected = _global_count(selected, process_group)
             if n_selected > 0:
@@ -486,11 +492,12 @@ def _global_count(flags: torch.Tensor, process_group: Optional[Any]) -> int:
 
 def _normalise_to_length(w: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``c_t = w_t / Σ_k w_k · T_i`` per row (so ``Σ_t c_t = T_i``); rows with no positive total
-    mass get ``c = 1``. ``w`` is 0 at masked positions."""
+    mass get ``c = 1``, rows whose total is NaN get NaN. ``w`` is 0 at masked positions."""
     lengths = mask.sum(dim=1, keepdim=True).float()  # [B, 1]
     total = w.sum(dim=1, keepdim=True)  # [B, 1]
     ok = total > 0
-    return torch.where(ok, w * (lengths / torch.where(ok, total, 1.0)), 1.0)
+    fallback = torch.where(torch.isnan(total), math.nan, 1.0)  # NaN stays NaN, never uniform
+    return torch.where(ok, w * (lengths / torch.where(ok, total, 1.0)), fallback)
 
 
 def _apply(advantages: torch.Tensor, c: torch.Tensor, apply_to: str, positive: torch.Tensor) -> torch.Tensor:
