@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -60,3 +61,55 @@ def test_tune_run_pepo_eval_tiny(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "| Model | modsum_val | Mean |" in r.stdout
     assert (tmp_path / "out" / "eval_results.json").is_file()
+
+
+def _tiny_eval_cfg(tmp_path, **overrides):
+    register_resolvers()
+    cfg = OmegaConf.load(find_config("eval_tiny"))
+    return OmegaConf.merge(cfg, {"output_dir": str(tmp_path / "out"),
+                                 "benchmarks": {"modsum_val": {"k": 1, "dataset": {"size": 4}}}},
+                           overrides)
+
+
+def test_eval_refuses_an_unwritable_or_file_output_dir_before_evaluating(tmp_path, monkeypatch):
+    """Catches an evaluation that runs for hours and then fails to write its results."""
+    (tmp_path / "f").write_text("x")
+    called = []
+    monkeypatch.setattr(pepo_eval, "avg_at_k", lambda *a, **k: called.append(1) or 0.5)
+    with pytest.raises(ValueError, match="output_dir=.* cannot be a directory"):
+        pepo_eval.eval_main(_tiny_eval_cfg(tmp_path, output_dir=str(tmp_path / "f" / "out")))
+    assert not called
+
+
+def test_eval_never_overwrites_another_checkpoints_results(tmp_path, monkeypatch):
+    """Catches two evaluations into one output_dir silently replacing each other; the same
+    checkpoint may be re-evaluated."""
+    from tests.recipe_helpers import random_checkpoint
+
+    monkeypatch.setattr(pepo_eval, "avg_at_k", lambda *a, **k: 0.5)
+    first = _tiny_eval_cfg(tmp_path)
+    pepo_eval.eval_main(first)
+    pepo_eval.eval_main(first)  # a rerun of the same checkpoint is fine
+    other = random_checkpoint(tmp_path / "other")
+    with pytest.raises(ValueError, match="holds the results of another evaluation"):
+        pepo_eval.eval_main(_tiny_eval_cfg(tmp_path, checkpoint_dir=str(other),
+                                           model={"embed_dim": 32, "num_layers": 1, "num_heads": 2,
+                                                  "num_kv_heads": 1, "intermediate_dim": 64}))
+    saved = json.loads((tmp_path / "out" / "eval_results.json").read_text())
+    assert saved["checkpoint_dir"] == str(Path(first.checkpoint_dir).resolve())
+
+
+def test_eval_stop_tokens_reach_generation(tmp_path, monkeypatch):
+    """Catches pepo_eval ignoring generation.stop_tokens."""
+    seen = []
+    monkeypatch.setattr(pepo_eval, "avg_at_k", lambda *a, **k: seen.append(k["stop_tokens"]) or 0.5)
+    cfg = _tiny_eval_cfg(tmp_path, generation={"stop_tokens": ["+"]})
+    pepo_eval.eval_main(cfg)
+    from pepo.tokenizers import load_tokenizer
+    tok = load_tokenizer(cfg.tokenizer.path)
+    assert seen == [[*tok.stop_tokens, tok.token_id("+")]]
+
+
+def test_eval_config_typo_is_one_line(tmp_path):
+    with pytest.raises(ValueError, match="unknown config key 'generation.top_pp'; did you mean 'generation.top_p'"):
+        pepo_eval.validate_eval_config(_tiny_eval_cfg(tmp_path, generation={"top_pp": 0.5}))
