@@ -22,12 +22,15 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune import config, training, utils
 
 from pepo.evaluation import avg_at_k, eval_generator, format_table, write_results
+from pepo.engines import build_engine
 from pepo.recipe_config import (
     check_checkpoint_dir,
     check_device,
+    check_engine,
     check_keys,
     check_output_dir,
     register_resolvers,
+    engine_options,
     resolve_config_arg,
 )
 from pepo.tokenizers import stop_token_ids
@@ -41,7 +44,8 @@ EVAL_SCHEMA = {
     "output_dir": "value", "model_name": "value", "seed": "value", "device": "value",
     "dtype": "value", "batch_size": "value", "tokenizer": None, "model": None,
     "checkpoint_dir": "value", "reward": None,
-    "generation": {"max_new_tokens", "temperature", "top_k", "top_p", "stop_tokens"},
+    "generation": {"max_new_tokens", "temperature", "top_k", "top_p", "stop_tokens", "engine",
+                   "vllm"},
     "benchmarks": None,  # name -> {k, dataset}, checked below
 }
 
@@ -65,6 +69,7 @@ def validate_eval_config(cfg: DictConfig) -> None:
             raise ValueError(f"benchmarks.{name}.dataset.path={path!r} does not exist")
     check_checkpoint_dir(cfg.get("checkpoint_dir"))
     check_device(cfg.get("device", "cpu"))
+    check_engine(cfg.generation)
 
 
 def _check_results_dir(cfg: DictConfig) -> None:
@@ -100,18 +105,24 @@ def _setup(cfg: DictConfig) -> dict[str, Any]:
         with training.set_default_dtype(dtype), device:
             model = config.instantiate(cfg.model)
         load_model_weights(model, cfg.checkpoint_dir)
+        model.eval()
+        name, options = engine_options(cfg.generation)
+        src = Path(str(cfg.checkpoint_dir))
+        engine = build_engine(name, model, **(
+            {**options, "hf_dir": src if (src / "config.json").is_file() else None,
+             "seed": cfg.seed} if name == "vllm" else {}))
     except BaseException:
         _close(reward)
         raise
-    model.eval()
     return dict(device=device, tokenizer=tokenizer, stop_tokens=stop_tokens, data=data,
-                reward=reward, model=model)
+                reward=reward, engine=engine)
 
 
-def _close(reward: Any) -> None:
-    close = getattr(reward, "close", None)
-    if callable(close):
-        close()
+def _close(*owners: Any) -> None:
+    for owner in owners:
+        close = getattr(owner, "close", None)
+        if callable(close):
+            close()
 
 
 def _evaluate(cfg: DictConfig, setup: dict[str, Any]) -> dict[str, float]:
@@ -122,7 +133,7 @@ def _evaluate(cfg: DictConfig, setup: dict[str, Any]) -> dict[str, float]:
             problems = setup["data"][name]
             t0 = time.perf_counter()
             results[name] = avg_at_k(
-                setup["model"], setup["tokenizer"], problems, b.k, setup["reward"],
+                setup["engine"], setup["tokenizer"], problems, b.k, setup["reward"],
                 max_new_tokens=g.max_new_tokens, temperature=float(g.temperature),
                 top_k=g.get("top_k"), top_p=float(g.top_p),
                 generator=eval_generator(cfg.seed, setup["device"]),
@@ -131,7 +142,7 @@ def _evaluate(cfg: DictConfig, setup: dict[str, Any]) -> dict[str, float]:
             log.info(f"{name}: avg@{b.k} = {100 * results[name]:.2f} over {len(problems)} "
                      f"problems ({time.perf_counter() - t0:.1f}s)")
     finally:
-        _close(setup["reward"])
+        _close(setup["reward"], setup["engine"])
     name = cfg.get("model_name") or Path(str(cfg.checkpoint_dir)).name
     table = format_table(results, name)
     js, md = write_results(results, cfg.output_dir, name,

@@ -27,8 +27,12 @@ Deviations from the paper's setup, all deliberate:
 
 * Log-probs and entropies ignore top-k/top-p truncation (as verl and TRL do): they are those of
   the temperature-scaled softmax.
-* Generation is torchtune's KV-cached decoder in the training process (no vLLM), and the whole
-  batch decodes in lock-step.
+* Rollouts come from ``generation.engine``: torchtune's KV-cached decoder in the training
+  process (the default; the whole batch decodes in lock-step) or a colocated vLLM engine that
+  receives the trainer's weights after every optimizer step (``pepo.engines``). Either way the
+  trainer recomputes the old log-probs itself; the engine's own log-probs only measure the
+  mismatch (``rollout_logprob_gap``) and, with ``loss.tis_cap``, weight the loss by the capped
+  ratio trainer / engine (truncated importance sampling).
 * Single-stream forgetting: SPO's ``D(x)`` (the policy change since prompt ``x`` was last
   seen) is measured as the sum, over the steps in between, of each step's mean |Δ log-prob|
   across its update on that step's batch, a cheap stand-in for the KL between the two policies.
@@ -59,9 +63,11 @@ from pepo.entropy import logprobs_and_entropy, logprobs_and_entropy_from_hidden
 from pepo.evaluation import avg_at_k, eval_generator, is_success, sample_and_score
 from pepo.generation import Rollouts, sequence_inputs
 from pepo.hf import save_hf
-from pepo.loss import clipped_policy_loss, policy_loss_metrics
+from pepo.engines import build_engine
+from pepo.loss import clipped_policy_loss, policy_loss_metrics, truncated_is_weights
 from pepo.recipe_config import (
     build,
+    engine_options,
     estimator_kwargs,
     experiment_changes,
     experiment_config,
@@ -106,6 +112,7 @@ class PEPORecipe(FTRecipeInterface):
         self.ppo_mini_batches = cfg.ppo_mini_batches
         self.micro_batch_size = cfg.micro_batch_size
         self.eps_low, self.eps_high = float(cfg.loss.eps_low), float(cfg.loss.eps_high)
+        self.tis_cap = cfg.loss.get("tis_cap")
         self.clip_grad_norm = cfg.get("clip_grad_norm")
         self.max_nonfinite_steps = cfg.max_nonfinite_steps
         g = cfg.generation
@@ -180,6 +187,12 @@ class PEPORecipe(FTRecipeInterface):
             self.lr_scheduler = build(
                 cfg, "lr_scheduler", self.optimizer, num_training_steps=self.schedule_steps
             )
+        # a run that starts from a Hugging Face checkpoint also ends with one (for vLLM, HF)
+        src = Path(str(cfg.checkpoint_dir))
+        self.hf_source = src if (src / "config.json").is_file() else None
+        engine, options = engine_options(cfg.generation)
+        self.engine = build_engine(engine, self.model, **(
+            {**options, "hf_dir": self.hf_source, "seed": self.seed} if engine == "vllm" else {}))
         self.train_data = self._fitting(train_data, "dataset")
         self.val_data = self._fitting(val_data, "val_dataset") if val_data else []
         self.sampler = PromptSampler(len(self.train_data), seed=self.seed)
@@ -190,9 +203,6 @@ class PEPORecipe(FTRecipeInterface):
         self.metric_logger = build(cfg, "metric_logger")
         self.metric_logger.log_config(cfg)
         self.config_name = cfg.get("name", "pepo")
-        # a run that starts from a Hugging Face checkpoint also ends with one (for vLLM, HF)
-        src = Path(str(cfg.checkpoint_dir))
-        self.hf_source = src if (src / "config.json").is_file() else None
         if resume_state is not None:
             self._load_checkpoint(*resume_state)
         else:
@@ -289,7 +299,7 @@ class PEPORecipe(FTRecipeInterface):
     def _rollout(self, problems: list, generator: Optional[torch.Generator] = None):
         """Generates one response per problem; returns rollouts, rewards [B] and texts."""
         return sample_and_score(
-            self.model, self.tokenizer, problems, self.reward_fn, stop_tokens=self.stop_tokens,
+            self.engine, self.tokenizer, problems, self.reward_fn, stop_tokens=self.stop_tokens,
             generator=self.sample_rng if generator is None else generator,
             batch_size=self.gen_batch_size, **self.gen_kwargs,
         )
@@ -350,10 +360,14 @@ class PEPORecipe(FTRecipeInterface):
 
         mask = ro.mask  # [B, T]
         old_lp, entropies = self._all_logprobs(ro)  # [B, T] each
+        # the rollout engine's log-probs against the trainer's, for the same policy
+        gap = torch.where(mask, (old_lp - ro.logprobs).abs(), 0.0)  # [B, T]
+        is_weights = (truncated_is_weights(old_lp, ro.logprobs, mask, self.tis_cap)
+                      if self.tis_cap is not None else None)
         # non-finite log-probs (a NaN logit) give NaN token advantages, so the loss guard
         # below skips the optimizer steps they reach instead of the strategy raising
         token_adv = self.strategy(adv, entropies, mask, positive=success, check_finite=False)
-        losses, stats, grad_norms = self._update(ro, old_lp, token_adv)
+        losses, stats, grad_norms = self._update(ro, old_lp, token_adv, is_weights)
         drift = self._policy_drift(ro, old_lp) if self.estimator.needs_drift else None
         if drift is not None and not math.isfinite(drift):  # NaN log-probs: steps were skipped
             drift = 0.0
@@ -377,6 +391,8 @@ class PEPORecipe(FTRecipeInterface):
             "zero_advantage": float((adv == 0).float().mean()),
             "clip_fraction": float(torch.stack([s["clip_fraction"] for s in stats]).mean()),
             "approx_kl": float(torch.stack([s["approx_kl"] for s in stats]).mean()),
+            "rollout_logprob_gap": float(gap.sum() / n_valid),
+            "rollout_logprob_gap_max": float(gap.max()) if gap.numel() else 0.0,
             "nonfinite_skipped": self.nonfinite_total,
             "tokens_per_s": ntok / dt,
             "step_time": dt,
@@ -388,7 +404,8 @@ class PEPORecipe(FTRecipeInterface):
             self._dump(problems, ro, texts, rewards, success, adv, entropies, token_adv)
         return metrics
 
-    def _update(self, ro: Rollouts, old_lp: torch.Tensor, token_adv: torch.Tensor):
+    def _update(self, ro: Rollouts, old_lp: torch.Tensor, token_adv: torch.Tensor,
+                is_weights: Optional[torch.Tensor] = None):
         """``ppo_epochs`` x ``ppo_mini_batches`` optimizer steps on this step's rollouts.
 
         Returns the mini-batch losses, the per-micro-batch loss metrics and the gradient norm
@@ -410,6 +427,7 @@ class PEPORecipe(FTRecipeInterface):
                     loss = clipped_policy_loss(
                         lp, old_lp[micro], token_adv[micro], mask[micro],
                         eps_low=self.eps_low, eps_high=self.eps_high, num_tokens=num_tokens,
+                        is_weights=None if is_weights is None else is_weights[micro],
                     )
                     loss.backward()
                     mb_loss += loss.detach()
@@ -429,6 +447,7 @@ class PEPORecipe(FTRecipeInterface):
     def _optimizer_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         if bool(torch.isfinite(loss) & torch.isfinite(grad_norm)):  # one host sync
             self.optimizer.step()
+            self.engine.weights_changed()  # a vLLM engine re-syncs before it next generates
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             self.nonfinite_in_a_row = 0
@@ -478,7 +497,7 @@ class PEPORecipe(FTRecipeInterface):
         if not self.val_data:
             return float("nan")
         return avg_at_k(
-            self.model, self.tokenizer, self.val_data, self.val_samples, self.reward_fn,
+            self.engine, self.tokenizer, self.val_data, self.val_samples, self.reward_fn,
             generator=eval_generator(self.seed, self._device),
             batch_size=self.gen_batch_size or 256,  # the training rollouts' memory bound too
             stop_tokens=self.stop_tokens, **self.gen_kwargs,
@@ -577,9 +596,10 @@ class PEPORecipe(FTRecipeInterface):
         logger = getattr(self, "metric_logger", None)
         if logger is not None:
             logger.close()
-        close = getattr(getattr(self, "reward_fn", None), "close", None)
-        if callable(close):  # e.g. MathVerify's worker processes
-            close()
+        for owner in (getattr(self, "reward_fn", None), getattr(self, "engine", None)):
+            close = getattr(owner, "close", None)
+            if callable(close):  # MathVerify's worker processes, a vLLM engine
+                close()
 
 
 def recipe_main(cfg: DictConfig, log_config: bool = True) -> PEPORecipe:

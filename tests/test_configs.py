@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-import pepo.evaluation
+import pepo.engines
 import pepo_eval
 import pepo_recipe
 from pepo.recipe_config import find_config, list_configs, register_resolvers
@@ -80,8 +80,8 @@ def test_config_values_reach_the_objects_that_use_them(name, tmp_path, stand_ins
     register_resolvers()
     want = EXPECTED[name]
     gen_calls, loss_calls, strategy_calls, avg_calls = [], [], [], []
-    real_generate = pepo.evaluation.generate
-    monkeypatch.setattr(pepo.evaluation, "generate",
+    real_generate = pepo.engines.generate
+    monkeypatch.setattr(pepo.engines, "generate",
                         lambda *a, **k: gen_calls.append(k) or real_generate(*a, **k))
     if "eval" in want:
         cfg = OmegaConf.load(find_config(name))

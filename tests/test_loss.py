@@ -1,5 +1,7 @@
 """pepo.loss against a loop reference of Eq. (2)/(8)."""
 
+import math
+
 import pytest
 import torch
 
@@ -176,3 +178,32 @@ def test_negative_token_count_never_gives_a_finite_loss():
         clipped_policy_loss(lp, old, adv, mask, num_tokens=-5)
     assert torch.isnan(clipped_policy_loss(lp, old, adv, mask, num_tokens=torch.tensor(-5)))
     assert clipped_policy_loss(lp, old, adv, torch.zeros_like(mask), num_tokens=torch.tensor(0)) == 0
+
+
+def test_truncated_is_weights_and_weighted_loss_match_a_loop_reference():
+    """Catches a ratio taken the wrong way round (rollout / trainer), a cap applied from below,
+    weights that leak into padding, and a loss that ignores its is_weights."""
+    from pepo.loss import truncated_is_weights
+
+    lp, old, adv, mask = batch(seed=7, b=5, t=11)
+    g = torch.Generator().manual_seed(8)
+    rollout = old + torch.randn(old.shape, generator=g) * 0.5  # engine log-probs, some far off
+    w = truncated_is_weights(old, rollout, mask, cap=2.0)
+    for i in range(5):
+        for t in range(11):
+            expected = min(math.exp(float(old[i, t]) - float(rollout[i, t])), 2.0) if mask[i, t] else 0.0
+            assert float(w[i, t]) == pytest.approx(expected, rel=1e-6, abs=1e-7)
+    assert (w[mask] == 2.0).any() and (w[mask] < 1.0).any()  # both the cap and ratios < 1 occur
+    # the weighted loss: each token's clipped term times its weight, over all valid tokens
+    total = 0.0
+    for i in range(5):
+        for t in range(11):
+            if mask[i, t]:
+                ratio = math.exp(float(lp[i, t]) - float(old[i, t]))
+                a = float(adv[i, t])
+                total += -min(ratio * a, min(max(ratio, 0.8), 1.28) * a) * float(w[i, t])
+    got = clipped_policy_loss(lp, old, adv, mask, is_weights=w)
+    assert got.item() == pytest.approx(total / int(mask.sum()), rel=1e-5, abs=1e-7)
+    assert got.item() != pytest.approx(clipped_policy_loss(lp, old, adv, mask).item(), rel=1e-3)
+    with pytest.raises(ValueError, match="cap must be a finite number > 0"):
+        truncated_is_weights(old, rollout, mask, cap=0.0)

@@ -14,7 +14,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from pepo.generation import Rollouts, generate
+from pepo.engines import as_engine
+from pepo.generation import Rollouts
 
 __all__ = [
     "PAPER_COLUMNS",
@@ -59,7 +60,7 @@ def eval_generator(seed: int, device: Union[str, torch.device] = "cpu") -> torch
 
 @torch.no_grad()
 def sample_and_score(
-    model: torch.nn.Module,
+    engine: Any,
     tokenizer: Any,
     problems: Sequence[Any],
     reward_fn: Callable[[list[str], list[str]], list[float]],
@@ -71,15 +72,16 @@ def sample_and_score(
 ) -> tuple[Rollouts, torch.Tensor, list[str]]:
     """One sampled response per problem, decoded and scored: ``(rollouts, rewards [B], texts)``.
 
-    The training step and every evaluation go through here. ``gen_kwargs`` are
+    The training step and every evaluation go through here. ``engine`` is a rollout engine of
+    :mod:`pepo.engines` (or a model, sampled in-process); ``gen_kwargs`` are
     :func:`pepo.generation.generate`'s sampling arguments (``max_new_tokens``, ``temperature``,
     ``top_k``, ``top_p``); ``batch_size`` bounds the rows decoded at once.
 
     Raises:
         ValueError: the reward function does not return one finite float per response.
     """
-    ro = generate(
-        model, [tokenizer.encode_prompt(p.prompt) for p in problems], pad_id=tokenizer.pad_id,
+    ro = as_engine(engine).generate(
+        [tokenizer.encode_prompt(p.prompt) for p in problems], pad_id=tokenizer.pad_id,
         stop_tokens=stop_tokens, generator=generator, batch_size=batch_size, **gen_kwargs,
     )
     texts = [tokenizer.decode(t[m].tolist()) for t, m in zip(ro.tokens, ro.mask)]
@@ -94,7 +96,7 @@ def sample_and_score(
 
 
 def avg_at_k(
-    model: torch.nn.Module,
+    engine: Any,
     tokenizer: Any,
     problems: Sequence[Any],
     k: int,
@@ -108,7 +110,8 @@ def avg_at_k(
     batch_size: int = 256,
     stop_tokens: Optional[Sequence[int]] = None,
 ) -> float:
-    """avg@k of ``problems`` (objects with ``prompt`` and ``answer``).
+    """avg@k of ``problems`` (objects with ``prompt`` and ``answer``), sampled by ``engine``
+    (a rollout engine of :mod:`pepo.engines`, or a model).
 
     Generation runs in batches of ``batch_size`` rollouts; ``generator`` makes it reproducible.
     """
@@ -117,7 +120,7 @@ def avg_at_k(
     if not problems:
         raise ValueError("no problems to evaluate")
     _, rewards, _ = sample_and_score(
-        model, tokenizer, [p for p in problems for _ in range(k)], reward_fn,
+        engine, tokenizer, [p for p in problems for _ in range(k)], reward_fn,
         stop_tokens=list(tokenizer.stop_tokens if stop_tokens is None else stop_tokens),
         generator=generator, batch_size=batch_size, max_new_tokens=max_new_tokens,
         temperature=temperature, top_k=top_k, top_p=top_p,

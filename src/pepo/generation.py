@@ -35,6 +35,9 @@ class Rollouts:
         tokens: ``[B, T]`` responses, right-padded with the pad id.
         mask: ``[B, T]`` bool, True on generated tokens up to and including the stop token.
         finished: ``[B]`` bool, True where a stop token ended the response (False: truncated).
+        logprobs: ``[B, T]`` fp32 log-probability of each sampled token under the distribution
+            it was drawn from (temperature-scaled, after top-k / top-p, renormalised), 0 at
+            padding; the rollout engine's view of the behaviour policy (None if not recorded).
     """
 
     prompt_tokens: torch.Tensor
@@ -42,6 +45,7 @@ class Rollouts:
     tokens: torch.Tensor
     mask: torch.Tensor
     finished: torch.Tensor
+    logprobs: Optional[torch.Tensor] = None
 
 
 def pad_prompts(
@@ -160,6 +164,7 @@ def generate(
     attn_mask, positions = sequence_inputs(prompt_mask, max_new_tokens)  # [B,S,S], [B,S]
     stops = torch.as_tensor(list(stop_tokens), dtype=torch.long, device=device)
     out = torch.full((bsz, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    out_lp = torch.zeros((bsz, max_new_tokens), dtype=torch.float32, device=device)
     valid = torch.zeros((bsz, max_new_tokens), dtype=torch.bool, device=device)
     done = torch.zeros(bsz, dtype=torch.bool, device=device)
     dtype = next(model.parameters()).dtype
@@ -175,6 +180,7 @@ def generate(
             for t in range(max_new_tokens):
                 probs = filter_logits(logits, temperature, top_k, top_p).softmax(-1)
                 tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [B]
+                out_lp[:, t] = torch.where(done, 0.0, probs.gather(1, tok[:, None]).squeeze(1).log())
                 tok = torch.where(done, pad_id, tok)
                 out[:, t] = tok
                 valid[:, t] = ~done
@@ -196,6 +202,7 @@ def generate(
         tokens=out[:, :width],
         mask=valid[:, :width],
         finished=done,
+        logprobs=out_lp[:, :width],
     )
 
 
@@ -218,4 +225,6 @@ def _cat(parts: Sequence[Rollouts], pad_id: int) -> Rollouts:
         tokens=torch.cat([right(r.tokens, pad_id) for r in parts]),
         mask=torch.cat([right(r.mask, False) for r in parts]),
         finished=torch.cat([r.finished for r in parts]),
+        logprobs=(torch.cat([right(r.logprobs, 0.0) for r in parts])
+                  if all(r.logprobs is not None for r in parts) else None),
     )

@@ -30,6 +30,7 @@ from pepo import _checks
 __all__ = [
     "architecture_from_hf",
     "from_hf",
+    "hf_config_of",
     "hf_to_tune_state",
     "is_hf_state",
     "load_hf_config",
@@ -266,3 +267,42 @@ def save_hf(
         if (Path(source_dir) / name).is_file():
             shutil.copy2(Path(source_dir) / name, out / name)
     return out
+
+
+def hf_config_of(model: TransformerDecoder) -> dict[str, Any]:
+    """A Hugging Face ``config.json`` (as a dict) describing a :func:`pepo.models.qwen3` model,
+    read off its modules, for tools that need one (a vLLM engine for a model that was not
+    loaded from a Hugging Face checkpoint).
+
+    Raises:
+        ValueError: the model is not a ``pepo.models.qwen3`` decoder (other architectures carry
+            settings, such as Llama's RoPE scaling, that the modules do not show: use their
+            checkpoint's config.json).
+    """
+    from torchtune.modules import TiedLinear
+
+    from pepo.models import HeadNormProjection
+
+    attn = model.layers[0].attn
+    if not isinstance(attn.q_proj, HeadNormProjection):
+        raise ValueError("hf_config_of reads pepo.models.qwen3 decoders only; pass the "
+                         "checkpoint's config.json for other architectures")
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": model.tok_embeddings.num_embeddings,
+        "hidden_size": attn.embed_dim,
+        "intermediate_size": model.layers[0].mlp.w1.out_features,
+        "num_hidden_layers": len(model.layers),
+        "num_attention_heads": attn.num_heads,
+        "num_key_value_heads": attn.num_kv_heads,
+        "head_dim": attn.head_dim,
+        "max_position_embeddings": model.max_seq_len,
+        "rms_norm_eps": model.norm.eps,
+        "rope_theta": float(attn.pos_embeddings.base),
+        "rope_scaling": None,
+        "tie_word_embeddings": isinstance(model.output, TiedLinear),
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "torch_dtype": "float32",
+    }

@@ -16,7 +16,7 @@ import torch
 
 from pepo import _checks
 
-__all__ = ["check_clip_range", "clipped_policy_loss", "policy_loss_metrics"]
+__all__ = ["check_clip_range", "clipped_policy_loss", "policy_loss_metrics", "truncated_is_weights"]
 
 
 def _check(
@@ -86,6 +86,7 @@ def clipped_policy_loss(
     eps_low: float = 0.2,
     eps_high: float = 0.28,
     num_tokens: Optional[Union[int, torch.Tensor]] = None,
+    is_weights: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Clipped policy-gradient loss (to minimise), token-level mean, Eq. (2)/(8).
 
@@ -101,6 +102,10 @@ def clipped_policy_loss(
             when this call sees one micro-batch of it; default: this call's valid tokens.
             An int or a 0-dim tensor (no host sync either way); a batch with no valid tokens
             gives loss 0. A negative int raises; a negative tensor gives a NaN loss.
+        is_weights: optional per-token importance weights (constants, e.g.
+            :func:`truncated_is_weights`) multiplying each token's clipped term: the
+            correction for rollouts sampled by an engine whose probabilities differ from the
+            trainer's.
 
     Shape:
         logprobs, old_logprobs, advantages, mask: ``[B, T]``; returns a 0-dim fp32 tensor.
@@ -117,7 +122,17 @@ def clipped_policy_loss(
     _, _, unclipped, clipped = _ratio_terms(
         logprobs, old_logprobs, advantages, mask, eps_low, eps_high
     )
-    per_token = torch.where(mask, torch.maximum(unclipped, clipped), 0.0)  # [B, T]
+    per_token = torch.maximum(unclipped, clipped)  # [B, T]
+    if is_weights is not None:
+        _checks.check_tensor("is_weights", is_weights)
+        if is_weights.shape != logprobs.shape:
+            raise ValueError(f"is_weights must be [B, T]={_checks._shape(logprobs)} like logprobs, "
+                             f"got {_checks._shape(is_weights)}")
+        if is_weights.requires_grad:
+            raise ValueError("is_weights require grad; importance weights are constants, pass "
+                             "is_weights.detach()")
+        per_token = per_token * is_weights.float()
+    per_token = torch.where(mask, per_token, 0.0)
     if num_tokens is None:
         denom = mask.sum().clamp_min(1).float()
     elif isinstance(num_tokens, torch.Tensor):
@@ -179,3 +194,30 @@ def policy_loss_metrics(
         "weighted_fraction": mean(adv != 0),
         "num_tokens": n,
     }
+
+
+@torch.no_grad()
+def truncated_is_weights(
+    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, cap: float
+) -> torch.Tensor:
+    """Truncated importance-sampling weights ``min(π_old / μ, cap)`` per token.
+
+    ``μ`` is the rollout engine's probability of the sampled token (the distribution it was
+    actually drawn from) and ``π_old`` the trainer's for the same policy; they differ by kernel
+    numerics (vLLM vs the training forward) and, with top-k/top-p, by the truncation. Weighting
+    each token's loss by the capped ratio corrects the gradient for that mismatch (as verl's
+    and TRL's ``vllm_importance_sampling_cap`` do); the cap bounds the variance.
+
+    Shape:
+        old_logprobs, rollout_logprobs, mask: ``[B, T]``; returns ``[B, T]`` fp32, detached,
+        0 where mask is False.
+    """
+    _checks.check_tensor("old_logprobs", old_logprobs)
+    _checks.check_tensor("rollout_logprobs", rollout_logprobs)
+    if rollout_logprobs.shape != old_logprobs.shape:
+        raise ValueError(f"rollout_logprobs must be [B, T]={_checks._shape(old_logprobs)} like "
+                         f"old_logprobs, got {_checks._shape(rollout_logprobs)}")
+    _checks.check_bool_mask("mask", mask, old_logprobs.shape)
+    cap = _checks.check_positive("cap", cap)
+    log_ratio = torch.where(mask, old_logprobs.float() - rollout_logprobs.float(), 0.0)
+    return torch.where(mask, torch.exp(log_ratio).clamp(max=cap), 0.0)

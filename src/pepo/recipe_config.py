@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import inspect
 import os
 import importlib.resources
 import re
@@ -32,8 +33,10 @@ __all__ = [
     "build",
     "check_checkpoint_dir",
     "check_device",
+    "check_engine",
     "check_keys",
     "check_output_dir",
+    "engine_options",
     "estimator_kwargs",
     "experiment_config",
     "experiment_changes",
@@ -135,6 +138,28 @@ def build(cfg: DictConfig, key: str, *args: Any, **kwargs: Any) -> Any:
         raise ValueError(f"{key}: {cfg[key].get('_component_')} {e}") from None
 
 
+def engine_options(generation: Any) -> tuple[str, dict[str, Any]]:
+    """The rollout engine's name and options: ``generation.engine`` (default ``torchtune``) and
+    the ``generation.vllm`` section (the vLLM engine's keyword arguments)."""
+    name = generation.get("engine") or "torchtune"
+    options = generation.get("vllm")
+    options = {} if options is None else OmegaConf.to_container(options, resolve=True)
+    return name, options
+
+
+def check_engine(generation: Any, where: str = "generation") -> None:
+    """Raises ``ValueError`` for an unknown engine, vLLM not installed (naming the extra to
+    install), or an unknown ``generation.vllm`` key."""
+    from pepo.engines import VLLMEngine, check_engine_available
+
+    name, options = engine_options(generation)
+    check_engine_available(name)
+    valid = set(inspect.signature(VLLMEngine).parameters) - {"model", "hf_dir", "seed"}
+    for key in options:
+        if key not in valid:
+            raise _unknown(str(key), valid, f"{where}.vllm.")
+
+
 def check_device(device: Any) -> None:
     """Raises ``ValueError`` for a CUDA device on a machine without one (torch would otherwise
     run on the CPU without a word)."""
@@ -234,12 +259,13 @@ RECIPE_SCHEMA: dict[str, Any] = {
     "dtype": "value", "resume_from_checkpoint": "value", "imports": "value",
     "tokenizer": None, "model": None, "checkpoint_dir": "value", "dataset": None,
     "val_dataset": None, "reward": None, "estimator": "estimator", "strategy": "strategy",
-    "generation": {"max_new_tokens", "temperature", "top_k", "top_p", "stop_tokens", "batch_size"},
+    "generation": {"max_new_tokens", "temperature", "top_k", "top_p", "stop_tokens", "batch_size",
+                   "engine", "vllm"},
     "num_steps": "value", "prompts_per_step": "value", "ppo_epochs": "value",
     "ppo_mini_batches": "value", "micro_batch_size": "value",
     "logprobs_from_hidden": "value", "logprob_chunk_size": "value",
     "enable_activation_checkpointing": "value",
-    "loss": {"eps_low", "eps_high"},
+    "loss": {"eps_low", "eps_high", "tis_cap"},
     "optimizer": None, "lr_scheduler": None, "clip_grad_norm": "value",
     "max_nonfinite_steps": "value",
     "validation": {"every", "samples"},
@@ -371,6 +397,9 @@ def validate_config(cfg: DictConfig) -> None:
         check_clip_range(_require(cfg, "loss.eps_low"), _require(cfg, "loss.eps_high"))
     except ValueError as e:
         raise ValueError(f"loss.{e}") from None
+    check_engine(cfg.generation)
+    if cfg.loss.get("tis_cap") is not None:
+        _float(cfg, "loss.tis_cap", 0.0)
     _int(cfg, "max_nonfinite_steps", 1)
     _int(cfg, "validation.samples", 1)
     for key in ("validation.every", "save_every", "dump_rollouts_every"):
