@@ -89,9 +89,10 @@ def direct_proximal_softmax(adv, ent, mask):
 
 
 def direct_window_average(adv, ent, mask):
-    win, _ = _direct_windows(ent, mask, WINDOW)
-    m = _expand(win.mean(-1), mask)
-    c = m / (m.sum(1, keepdim=True) / mask.sum(1, keepdim=True))
+    win, compact = _direct_windows(ent, mask, WINDOW)
+    total = win.sum(-1)
+    r = _expand(torch.where(total > 0, compact / total, 1.0 / WINDOW), mask)  # H / Σ_W H
+    c = r / r.sum(1, keepdim=True) * mask.sum(1, keepdim=True)
     return torch.where(mask, torch.where(adv[:, None] > 0, c * adv[:, None], adv[:, None]), 0.0)
 
 

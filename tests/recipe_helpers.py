@@ -13,7 +13,7 @@ from pepo.models import tiny_qwen3
 from pepo.recipe_config import find_config, register_resolvers
 
 MODEL_OVERRIDES = {"embed_dim": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
-                   "intermediate_dim": 64}
+                   "intermediate_dim": 64, "head_dim": 16}
 
 
 class DigitReward:
@@ -29,9 +29,9 @@ class ConstantReward:
 
 
 
-def random_checkpoint(path: Path, seed: int = 0) -> Path:
+def random_checkpoint(path: Path, seed: int = 0, **model_overrides) -> Path:
     torch.manual_seed(seed)
-    model = tiny_qwen3(**MODEL_OVERRIDES)
+    model = tiny_qwen3(**{**MODEL_OVERRIDES, **model_overrides})
     with torch.no_grad():  # small init, as Hugging Face's: a near-uniform, diverse policy
         for p in model.parameters():
             if p.dim() >= 2:
@@ -46,7 +46,8 @@ def tiny_cfg(tmp_path: Path, name: str = "tiny", **overrides):
     """The bundled config ``name`` shrunk to a random 1-layer model and a few rollouts."""
     register_resolvers()
     cfg = OmegaConf.load(find_config(name))
-    ckpt = random_checkpoint(tmp_path / "init")
+    shape = {k: v for k, v in (overrides.get("model") or {}).items() if k != "_component_"}
+    ckpt = random_checkpoint(tmp_path / "init", **shape)
     base = {
         "output_dir": str(tmp_path / "run"),
         "checkpoint_dir": str(ckpt),

@@ -154,7 +154,7 @@ class VLLMEngine:
             raise ValueError(f"sleep_level must be 0, 1 or 2, got {sleep_level!r}")
         # the engine core in this process (no subprocess, no IPC): weights go in by reference
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its start-up chatter otherwise
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -181,6 +181,10 @@ class VLLMEngine:
         )
         if self._cpu:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes or 256 * 2**20)
+            # a prompt prefilled in chunks discards the token sampled on its partial step and
+            # rewinds that request's seeded generator, which the CPU build cannot do (CPU
+            # generators have no offset): prefill whole prompts only
+            kwargs["enable_chunked_prefill"] = False
         else:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
             if kv_cache_memory_bytes:

@@ -160,9 +160,13 @@ def tiny_qwen3(
     embed_dim: int = 96,
     intermediate_dim: int = 256,
     max_seq_len: int = 128,
-    head_dim: Optional[int] = None,
+    head_dim: Optional[int] = 32,
 ) -> TransformerDecoder:
-    """The embedded task's model: Qwen3 architecture, tied embeddings, ~0.3M parameters."""
+    """The embedded task's model: Qwen3 architecture, tied embeddings, ~0.33M parameters.
+
+    Heads of 32 (not ``embed_dim // num_heads = 24``): the smallest head size vLLM's CPU
+    attention kernels take, so the same checkpoint runs in both rollout engines.
+    """
     return qwen3(
         vocab_size=vocab_size,
         num_layers=num_layers,
