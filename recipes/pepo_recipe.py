@@ -602,9 +602,8 @@ class PEPORecipe(FTRecipeInterface):
                 close()
 
 
-def recipe_main(cfg: DictConfig, log_config: bool = True) -> PEPORecipe:
-    """Validates, sets up and runs the recipe on a resolved config and returns it (its
-    ``history`` holds the metrics); the entry point for in-process runs."""
+def _built(cfg: DictConfig, log_config: bool) -> PEPORecipe:
+    """A validated, set-up recipe (what it opened is closed again if setup fails)."""
     recipe = PEPORecipe(cfg)
     if log_config:
         config.log_config(recipe_name="PEPORecipe", cfg=cfg)
@@ -613,6 +612,13 @@ def recipe_main(cfg: DictConfig, log_config: bool = True) -> PEPORecipe:
     except BaseException:
         recipe.cleanup()
         raise
+    return recipe
+
+
+def recipe_main(cfg: DictConfig, log_config: bool = True) -> PEPORecipe:
+    """Validates, sets up and runs the recipe on a resolved config and returns it (its
+    ``history`` holds the metrics); the entry point for in-process runs."""
+    recipe = _built(cfg, log_config)
     recipe.run()
     return recipe
 
@@ -622,13 +628,7 @@ def _main(cfg: DictConfig) -> None:
     # A config error (validation, or a file, field or value setup finds bad) is the user's to
     # fix: one line, no traceback. Errors of a running step keep their traceback.
     try:
-        recipe = PEPORecipe(cfg)
-        config.log_config(recipe_name="PEPORecipe", cfg=cfg)
-        try:
-            recipe.setup(cfg)
-        except BaseException:
-            recipe.cleanup()
-            raise
+        recipe = _built(cfg, log_config=True)
     except ValueError as e:
         sys.exit(f"config error: {e}")
     try:

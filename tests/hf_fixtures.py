@@ -40,18 +40,27 @@ def build_tokenizer(path: Path):
     return fast
 
 
-def tiny_hf_qwen3(path: Path, seed: int = 0) -> Path:
+def tiny_hf_qwen3(path: Path, seed: int = 0, *, hidden: int = 32, head_dim: int = 16,
+                  layers: int = 1, tied: bool = True, std: float = 0.0,
+                  max_positions: int = 512) -> Path:
+    """A tiny random Qwen3 in Hugging Face format. ``std > 0`` redraws the matrices with that
+    std (large weights make argmax never a near-tie, for greedy comparisons)."""
     import transformers
 
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(path)
     torch.manual_seed(seed)
     cfg = transformers.Qwen3Config(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
-        tie_word_embeddings=True,
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=head_dim, max_position_embeddings=max_positions, tie_word_embeddings=tied,
     )
     model = transformers.Qwen3ForCausalLM(cfg)
+    if std > 0:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() >= 2:
+                    p.normal_(0, std)
     model.generation_config.eos_token_id = [tok.convert_tokens_to_ids("<|im_end|>"),
                                             tok.convert_tokens_to_ids("<|endoftext|>")]
     model.save_pretrained(path)

@@ -25,28 +25,13 @@ if not vllm_available():
 PROMPTS = [[5, 9, 17, 4, 30], [8, 2], [40, 41, 42, 43], [7], [10 + i % 80 for i in range(150)]]
 
 
-def peaky_hf_qwen3(path, tied: bool, seed: int = 0):
+def peaky_hf_qwen3(path, tied: bool):
     """A tiny Hugging Face Qwen3 with head_dim 32 (the smallest vLLM's CPU attention takes) and
     weights large enough that argmax is never a near-tie (so greedy parity is well posed)."""
-    from tests.hf_fixtures import build_tokenizer
+    from tests.hf_fixtures import tiny_hf_qwen3
 
-    import transformers
-
-    path.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(path)
-    torch.manual_seed(seed)
-    cfg = transformers.Qwen3Config(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=256,
-        tie_word_embeddings=tied,
-    )
-    model = transformers.Qwen3ForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.3)
-    model.save_pretrained(path)
-    return path
+    return tiny_hf_qwen3(path, hidden=64, head_dim=32, layers=2, tied=tied, std=0.3,
+                         max_positions=256)
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
