@@ -104,7 +104,9 @@ def test_seeded_sampling_is_reproducible(pair):
     a = engine.generate(prompts, generator=torch.Generator().manual_seed(5), **kw)
     b = engine.generate(prompts, generator=torch.Generator().manual_seed(5), **kw)
     c = engine.generate(prompts, generator=torch.Generator().manual_seed(6), **kw)
-    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
+    assert torch.equal(a.tokens, b.tokens)
+    # the second call reuses cached prefix blocks: the same tokens, log-probs to float noise
+    torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-4)
     assert not torch.equal(a.tokens, c.tokens)
 
 
