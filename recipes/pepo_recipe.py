@@ -52,21 +52,31 @@ from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torchtune import config, training, utils
-from torchtune.recipe_interfaces import FTRecipeInterface
 from torchtune.modules import TiedLinear, TransformerSelfAttentionLayer
+from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
-from pepo import estimators, weighting
-from pepo.checkpointing import AtomicCheckpointer
+from pepo import _checks, estimators, weighting
+from pepo.checkpointing import MODEL_FILE, AtomicCheckpointer
+from pepo.distributed import Dist, minibatch_indices, shard_model, tile_rows
+from pepo.engines import build_engine
 from pepo.entropy import logprobs_and_entropy, logprobs_and_entropy_from_hidden
 from pepo.evaluation import avg_at_k, eval_generator, is_success, sample_and_score
-from pepo.generation import Rollouts, sequence_inputs
+from pepo.generation import Rollouts, draw_seeds, sequence_inputs
 from pepo.hf import save_hf
-from pepo.engines import build_engine
 from pepo.loss import clipped_policy_loss, policy_loss_metrics, truncated_is_weights
 from pepo.recipe_config import (
     build,
+    check_world_size,
     engine_options,
     estimator_kwargs,
     experiment_changes,
@@ -91,6 +101,19 @@ class NonFiniteError(RuntimeError):
     or gradient."""
 
 
+class _NoLogger:
+    """The metric logger of ranks other than 0."""
+
+    def log_config(self, cfg: Any) -> None:
+        pass
+
+    def log_dict(self, metrics: Any, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class TrainingStopped(RuntimeError):
     """Raised when SIGTERM stopped the run at a step boundary, after its checkpoint."""
 
@@ -100,7 +123,13 @@ class PEPORecipe(FTRecipeInterface):
 
     def __init__(self, cfg: DictConfig) -> None:
         validate_config(cfg)
-        self._device = utils.get_device(cfg.get("device", "cpu"))
+        dcfg = cfg.get("distributed") or {}
+        device_type = str(cfg.get("device", "cpu")).split(":")[0]
+        self.dist = Dist(device_type, timeout_s=float(dcfg.get("timeout_s", 600)))
+        self.distributed_cfg = dict(dcfg)
+        check_world_size(cfg, self.dist.world_size)
+        self._device = (self.dist.device(device_type) if self.dist.enabled
+                        else utils.get_device(cfg.get("device", "cpu")))
         self._dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=self._device)
         self.seed = training.set_seed(seed=cfg.seed)
         self.output_dir = Path(cfg.output_dir)
@@ -110,6 +139,7 @@ class PEPORecipe(FTRecipeInterface):
         self.estimator = estimators.build_estimator(est_name, **est_kwargs)
         self.ppo_epochs = cfg.ppo_epochs
         self.ppo_mini_batches = cfg.ppo_mini_batches
+        self.tile = tile_rows(self.estimator.rollouts_per_prompt, self.ppo_mini_batches)
         self.micro_batch_size = cfg.micro_batch_size
         self.eps_low, self.eps_high = float(cfg.loss.eps_low), float(cfg.loss.eps_high)
         self.tis_cap = cfg.loss.get("tis_cap")
@@ -161,6 +191,8 @@ class PEPORecipe(FTRecipeInterface):
         self.reward_fn = build(cfg, "reward")
         name, params = strategy_params(cfg)
         self.strategy_name = name
+        if self.dist.enabled and "process_group" in (weighting.strategy_parameters(name) or ()):
+            params = {**params, "process_group": self.dist.group}  # batch-global statistics
         self.strategy = weighting.get_strategy(name, **params)
         self.checkpointer = AtomicCheckpointer(
             self.output_dir / "checkpoints", keep=cfg.get("keep_checkpoints", 2)
@@ -180,6 +212,11 @@ class PEPORecipe(FTRecipeInterface):
             training.set_activation_checkpointing(
                 self.model, auto_wrap_policy={TransformerSelfAttentionLayer}
             )
+        if self.dist.enabled:  # FSDP2: each decoder layer, then the root
+            mp = self.distributed_cfg.get("mixed_precision")
+            shard_model(self.model, (TransformerSelfAttentionLayer,),
+                        cpu_offload=bool(self.distributed_cfg.get("cpu_offload", False)),
+                        mixed_precision=training.get_dtype(mp) if mp else None)
         self.optimizer = build(cfg, "optimizer", self.model.parameters())
         self.lr_scheduler = None
         self.schedule_steps = self.num_steps * self.ppo_epochs * self.ppo_mini_batches
@@ -192,7 +229,8 @@ class PEPORecipe(FTRecipeInterface):
         self.hf_source = src if (src / "config.json").is_file() else None
         engine, options = engine_options(cfg.generation)
         self.engine = build_engine(engine, self.model, **(
-            {**options, "hf_dir": self.hf_source, "seed": self.seed} if engine == "vllm" else {}))
+            {**options, "hf_dir": self.hf_source, "seed": self.seed,
+             "state_dict": self._full_state_dict} if engine == "vllm" else {}))
         self.train_data = self._fitting(train_data, "dataset")
         self.val_data = self._fitting(val_data, "val_dataset") if val_data else []
         self.sampler = PromptSampler(len(self.train_data), seed=self.seed)
@@ -200,7 +238,8 @@ class PEPORecipe(FTRecipeInterface):
         # device use separate generators; both are checkpointed
         self.rng = torch.Generator(device="cpu").manual_seed(self.seed)
         self.sample_rng = torch.Generator(device=self._device).manual_seed(self.seed + 1)
-        self.metric_logger = build(cfg, "metric_logger")
+        # logs, plots, dumps and checkpoint files come from rank 0 only
+        self.metric_logger = build(cfg, "metric_logger") if self.dist.is_main else _NoLogger()
         self.metric_logger.log_config(cfg)
         self.config_name = cfg.get("name", "pepo")
         if resume_state is not None:
@@ -236,8 +275,12 @@ class PEPORecipe(FTRecipeInterface):
         return path, state
 
     def _load_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
-        load_model_weights(self.model, path)
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Loads a whole (unsharded) checkpoint, written with any number of processes."""
+        weights = load_file(str(path / MODEL_FILE))
+        _checks.check_state_matches(self.model, weights, path)
+        set_model_state_dict(self.model, weights, options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
+                                 options=StateDictOptions(full_state_dict=True))
         if self.lr_scheduler is not None:
             if state.get("schedule_steps") != self.schedule_steps:
                 raise ValueError(
@@ -282,13 +325,16 @@ class PEPORecipe(FTRecipeInterface):
         data, t0, count = self.train_data, time.perf_counter(), [0, 0.0]
 
         def score(indices: list[int]) -> torch.Tensor:
-            rewards = self._rollout([data[i] for i in indices])[1]
+            seeds = draw_seeds(self.sample_rng, len(indices))
+            part = self.dist.shard(len(indices))
+            problems = [data[i] for i in indices]
+            rewards = self.dist.gather(self._rollout(problems[part], seeds[part])[1])
             count[0] += len(indices)
             count[1] += float(rewards.sum())
             return rewards
 
         self.estimator.prepare([p.id for p in data], score)
-        if count[0]:
+        if count[0] and self.dist.is_main:
             log.info(
                 f"Estimator {self.estimator.name!r} prepared on {count[0]} rollouts of "
                 f"{len(data)} prompts, mean reward {count[1] / count[0]:.3f} "
@@ -296,37 +342,43 @@ class PEPORecipe(FTRecipeInterface):
             )
 
     # -------------------------------------------------------------- one step
-    def _rollout(self, problems: list, generator: Optional[torch.Generator] = None):
-        """Generates one response per problem; returns rollouts, rewards [B] and texts."""
+    def _rollout(self, problems: list, seeds: torch.Tensor):
+        """One response per problem, each sampled with its own seed; returns rollouts,
+        rewards [b] and texts."""
         return sample_and_score(
             self.engine, self.tokenizer, problems, self.reward_fn, stop_tokens=self.stop_tokens,
-            generator=self.sample_rng if generator is None else generator,
-            batch_size=self.gen_batch_size, **self.gen_kwargs,
+            seeds=seeds, batch_size=self.gen_batch_size, **self.gen_kwargs,
         )
 
     def _forward_logprobs(self, ro: Rollouts, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropies ``[b, T]`` of the responses of ``rows``.
 
         The attention mask is built for these rows only (``[b, S, S]``). With
-        ``logprobs_from_hidden`` the decoder runs up to its final norm and
-        ``logprobs_and_entropy_from_hidden`` applies the output projection chunk by chunk, so
-        the ``[b, S, V]`` logits are never held (torchtune's forward would build them whole).
+        ``logprobs_from_hidden`` the model's output step is replaced, for this forward, by
+        ``logprobs_and_entropy_from_hidden``, which applies the output projection chunk by
+        chunk, so the ``[b, S, V]`` logits are never held. It runs inside the model's own
+        forward, where FSDP2 has gathered the root's parameters (the tied embedding).
         """
         plen = ro.prompt_tokens.shape[1]
         seq = torch.cat([ro.prompt_tokens[rows], ro.tokens[rows]], dim=1)  # [b, S]
         attn, pos = sequence_inputs(ro.prompt_mask[rows], ro.tokens.shape[1])  # [b,S,S], [b,S]
+        targets = ro.tokens[rows]  # [b, T]
         kw = dict(chunk_size=self.logprob_chunk, temperature=self.gen_kwargs["temperature"])
         if not self.logprobs_from_hidden:
             logits = self.model(seq, mask=attn, input_pos=pos)  # [b, S, V]
-            return logprobs_and_entropy(logits[:, plen - 1 : -1], ro.tokens[rows], **kw)
+            return logprobs_and_entropy(logits[:, plen - 1 : -1], targets, **kw)
         m = self.model
-        h = m.tok_embeddings(seq)  # [b, S, D]
-        for layer in m.layers:
-            h = layer(h, mask=attn, input_pos=pos)
-        h = m.norm(h)
-        out = m.output
-        weight = out.tied_module.weight if isinstance(out, TiedLinear) else out.weight  # [V, D]
-        return logprobs_and_entropy_from_hidden(h[:, plen - 1 : -1], weight, ro.tokens[rows], **kw)
+
+        def head(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            out = m.output
+            weight = out.tied_module.weight if isinstance(out, TiedLinear) else out.weight  # [V, D]
+            return logprobs_and_entropy_from_hidden(m.norm(h)[:, plen - 1 : -1], weight, targets, **kw)
+
+        m.unembed = head  # an instance attribute: shadows TransformerDecoder.unembed
+        try:
+            return m(seq, mask=attn, input_pos=pos)
+        finally:
+            del m.unembed
 
     def _all_logprobs(self, ro: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
         """No-grad log-probs and entropies ``[B, T]`` in the micro-batches training uses."""
@@ -343,56 +395,67 @@ class PEPORecipe(FTRecipeInterface):
         return [pool[i] for i in picked for _ in range(est.rollouts_per_prompt)]
 
     def _policy_drift(self, ro: Rollouts, old_lp: torch.Tensor) -> float:
-        """Mean |Δ log-prob| over the batch's valid tokens across this step's update."""
+        """Mean |Δ log-prob| over the whole batch's valid tokens across this step's update."""
         new_lp, _ = self._all_logprobs(ro)
         mask = ro.mask
-        return float(torch.where(mask, (new_lp - old_lp).abs(), 0.0).sum() / mask.sum().clamp_min(1))
+        total, count = self.dist.sum(torch.stack([
+            torch.where(mask, (new_lp - old_lp).abs(), 0.0).sum(), mask.sum().float()])).tolist()
+        return total / max(count, 1.0)
 
     def train_step(self) -> dict[str, float]:
-        """One RL step; returns its metrics."""
+        """One RL step; returns its metrics (over the whole batch, the same on every rank)."""
         t0 = time.perf_counter()
-        problems = self._next_problems()
-        ro, rewards, texts = self._rollout(problems)
+        problems = self._next_problems()  # the whole step's, on every rank
+        seeds = draw_seeds(self.sample_rng, len(problems))  # one per rollout, rank-independent
+        part = self.dist.shard(len(problems))  # this rank's rollouts: whole prompt groups
+        ro, local_rewards, texts = self._rollout(problems[part], seeds[part])
         t_gen = time.perf_counter() - t0
         ids = [p.id for p in problems]
-        adv = self.estimator.advantages(ids, rewards)  # [B]
-        success = is_success(self.reward_fn, rewards)  # [B] bool
+        rewards = self.dist.gather(local_rewards)  # [B], the whole batch
+        adv_all = self.estimator.advantages(ids, rewards)  # [B]
+        success_all = is_success(self.reward_fn, rewards)  # [B] bool
+        adv, success = adv_all[part], success_all[part]  # [b]
 
-        mask = ro.mask  # [B, T]
-        old_lp, entropies = self._all_logprobs(ro)  # [B, T] each
+        mask = ro.mask  # [b, T]
+        old_lp, entropies = self._all_logprobs(ro)  # [b, T] each
         # the rollout engine's log-probs against the trainer's, for the same policy
-        gap = torch.where(mask, (old_lp - ro.logprobs).abs(), 0.0)  # [B, T]
+        gap = torch.where(mask, (old_lp - ro.logprobs).abs(), 0.0)  # [b, T]
         is_weights = (truncated_is_weights(old_lp, ro.logprobs, mask, self.tis_cap)
                       if self.tis_cap is not None else None)
         # non-finite log-probs (a NaN logit) give NaN token advantages, so the loss guard
         # below skips the optimizer steps they reach instead of the strategy raising
         token_adv = self.strategy(adv, entropies, mask, positive=success, check_finite=False)
-        losses, stats, grad_norms = self._update(ro, old_lp, token_adv, is_weights)
+        losses, sums, grad_norms = self._update(ro, old_lp, token_adv, is_weights, part,
+                                                len(problems))
         drift = self._policy_drift(ro, old_lp) if self.estimator.needs_drift else None
         if drift is not None and not math.isfinite(drift):  # NaN log-probs: steps were skipped
             drift = 0.0
         self.estimator.observe(ids, rewards, drift)
 
         dt = time.perf_counter() - t0
-        B = mask.shape[0]
-        ntok = int(mask.sum())
-        n_valid = mask.sum().clamp_min(1)
+        totals = self.dist.sum(torch.stack([
+            mask.sum().float(), torch.where(mask, entropies, 0.0).sum(), gap.sum(),
+            (~ro.finished).float().sum(),
+        ]))
+        ntok, ent_sum, gap_sum, truncated = totals.tolist()
+        gap_max = self.dist.max(gap.amax().reshape(1) if gap.numel() else gap.new_zeros(1))
+        n_valid = max(ntok, 1.0)
         grad_norms = torch.stack(grad_norms)
         metrics = {
             "reward": float(rewards.mean()),
-            "accuracy": float(success.float().mean()),
+            "accuracy": float(success_all.float().mean()),
             "loss": float(torch.stack(losses).mean()),
             "grad_norm": float(grad_norms.mean()),
             "grad_norm_max": float(grad_norms.max()),
             "lr": self.optimizer.param_groups[0]["lr"],
-            "entropy": float(torch.where(mask, entropies, 0.0).sum() / n_valid),
-            "response_len": ntok / B,
-            "truncated": float((~ro.finished).float().mean()),
-            "zero_advantage": float((adv == 0).float().mean()),
-            "clip_fraction": float(torch.stack([s["clip_fraction"] for s in stats]).mean()),
-            "approx_kl": float(torch.stack([s["approx_kl"] for s in stats]).mean()),
-            "rollout_logprob_gap": float(gap.sum() / n_valid),
-            "rollout_logprob_gap_max": float(gap.max()) if gap.numel() else 0.0,
+            "entropy": ent_sum / n_valid,
+            "response_len": ntok / len(problems),
+            "truncated": truncated / len(problems),
+            "zero_advantage": float((adv_all == 0).float().mean()),
+            "clip_fraction": sums["clip_fraction"] / max(sums["tokens"], 1.0),
+            "approx_kl": sums["approx_kl"] / max(sums["tokens"], 1.0),
+            "rollout_logprob_gap": gap_sum / n_valid,
+            "rollout_logprob_gap_max": float(gap_max),
             "nonfinite_skipped": self.nonfinite_total,
             "tokens_per_s": ntok / dt,
             "step_time": dt,
@@ -401,27 +464,28 @@ class PEPORecipe(FTRecipeInterface):
         if drift is not None:
             metrics["policy_drift"] = drift
         if self.dump_every and self.step % self.dump_every == 0:
-            self._dump(problems, ro, texts, rewards, success, adv, entropies, token_adv)
+            self._dump(problems[part], ro, texts, local_rewards, success, adv, entropies, token_adv)
         return metrics
 
     def _update(self, ro: Rollouts, old_lp: torch.Tensor, token_adv: torch.Tensor,
-                is_weights: Optional[torch.Tensor] = None):
+                is_weights: Optional[torch.Tensor], part: slice, batch: int):
         """``ppo_epochs`` x ``ppo_mini_batches`` optimizer steps on this step's rollouts.
 
-        Returns the mini-batch losses, the per-micro-batch loss metrics and the gradient norm
-        of every optimizer step (0-dim tensors; no host sync here beyond the finiteness check).
+        Mini-batches are drawn on the whole batch of ``batch`` rows (every rank draws the same)
+        and this rank trains on its rows of each (``part``); each loss is divided by the whole
+        mini-batch's token count and gradients are summed across ranks, so the update is the
+        one a single process would make. Returns the mini-batch losses (summed over ranks), the
+        token-weighted sums of the loss metrics, and the gradient norm of every optimizer step.
         """
         mask = ro.mask
-        B = mask.shape[0]
-        losses, stats, grad_norms = [], [], []
+        losses, grad_norms = [], []
+        sums = torch.zeros(3, device=mask.device)  # clip_fraction and approx_kl token sums, tokens
         for _ in range(self.ppo_epochs):
-            order = (
-                torch.randperm(B, generator=self.rng) if self.ppo_mini_batches > 1 else torch.arange(B)
-            )
-            for mb in order.chunk(self.ppo_mini_batches):
-                num_tokens = mask[mb].sum()
+            for mb in minibatch_indices(batch, self.tile, self.ppo_mini_batches, self.rng):
+                mb = mb[(mb >= part.start) & (mb < part.stop)] - part.start  # this rank's rows
+                num_tokens = self.dist.sum(mask[mb].sum())
                 self.optimizer.zero_grad(set_to_none=True)
-                mb_loss = torch.zeros((), device=self._device)
+                mb_loss = torch.zeros((), device=mask.device)
                 for micro in mb.split(self.micro_batch_size):
                     lp, _ = self._forward_logprobs(ro, micro)
                     loss = clipped_policy_loss(
@@ -431,18 +495,24 @@ class PEPORecipe(FTRecipeInterface):
                     )
                     loss.backward()
                     mb_loss += loss.detach()
-                    stats.append(policy_loss_metrics(
+                    s = policy_loss_metrics(
                         lp.detach(), old_lp[micro], token_adv[micro], mask[micro],
                         self.eps_low, self.eps_high,
-                    ))
+                    )
+                    n = s["num_tokens"].float()
+                    sums += torch.stack([s["clip_fraction"] * n, s["approx_kl"] * n, n])
                 grad_norm = torch.nn.utils.clip_grad_norm_(
                     self.model.parameters(),
                     max_norm=math.inf if self.clip_grad_norm is None else self.clip_grad_norm,
                 )
+                if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
+                    grad_norm = grad_norm.full_tensor()
+                mb_loss = self.dist.sum(mb_loss)  # the whole mini-batch's loss
                 self._optimizer_step(mb_loss, grad_norm)
                 losses.append(mb_loss)
                 grad_norms.append(grad_norm.detach())
-        return losses, stats, grad_norms
+        clip, kl, tokens = self.dist.sum(sums).tolist()
+        return losses, {"clip_fraction": clip, "approx_kl": kl, "tokens": tokens}, grad_norms
 
     def _optimizer_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         if bool(torch.isfinite(loss) & torch.isfinite(grad_norm)):  # one host sync
@@ -489,7 +559,9 @@ class PEPORecipe(FTRecipeInterface):
                 "token_weights": [x / a for x in ta] if a != 0 else None,
                 "strategy": self.strategy_name,
             })
-        write_rollouts(self.output_dir / "rollouts" / f"step_{self.step:06d}.jsonl", records)
+        records = [r for part in self.dist.gather_objects(records) for r in part]  # rank order
+        if self.dist.is_main:
+            write_rollouts(self.output_dir / "rollouts" / f"step_{self.step:06d}.jsonl", records)
 
     # ------------------------------------------------------------ validation
     def validate(self) -> float:
@@ -500,7 +572,7 @@ class PEPORecipe(FTRecipeInterface):
             self.engine, self.tokenizer, self.val_data, self.val_samples, self.reward_fn,
             generator=eval_generator(self.seed, self._device),
             batch_size=self.gen_batch_size or 256,  # the training rollouts' memory bound too
-            stop_tokens=self.stop_tokens, **self.gen_kwargs,
+            stop_tokens=self.stop_tokens, dist=self.dist, **self.gen_kwargs,
         )
 
     # -------------------------------------------------------------- the loop
@@ -532,10 +604,11 @@ class PEPORecipe(FTRecipeInterface):
             acc = self.validate()
             self.history.append({"step": 0, "val_accuracy": acc})
             self.metric_logger.log_dict({"val_accuracy": acc}, step=0)
-            log.info(f"Validation accuracy before training (avg@{self.val_samples}): {acc:.3f}")
+            if self.dist.is_main:
+                log.info(f"Validation accuracy before training (avg@{self.val_samples}): {acc:.3f}")
         first = self.history[0].get("val_accuracy") if self.history else None
         bar = tqdm(total=self.num_steps, initial=self.step, desc=f"pepo[{self.strategy_name}]",
-                   dynamic_ncols=True, file=sys.stdout)
+                   dynamic_ncols=True, file=sys.stdout, disable=not self.dist.is_main)
         while self.step < self.num_steps:
             self.step += 1
             m = self.train_step()
@@ -549,6 +622,7 @@ class PEPORecipe(FTRecipeInterface):
                 tok_s=f"{m['tokens_per_s']:.0f}", step_s=f"{m['step_time']:.2f}",
                 **({"val": f"{m['val_accuracy']:.3f}"} if "val_accuracy" in m else {}),
             )
+            self._stop_requested = self.dist.any(self._stop_requested)  # every rank stops together
             if (
                 (self.save_every and self.step % self.save_every == 0)
                 or self.step == self.num_steps or self._stop_requested
@@ -562,20 +636,35 @@ class PEPORecipe(FTRecipeInterface):
                 )
         bar.close()
         last = next((h["val_accuracy"] for h in reversed(self.history) if "val_accuracy" in h), None)
-        if first is not None and last is not None:
+        if first is not None and last is not None and self.dist.is_main:
             log.info(f"Validation accuracy (avg@{self.val_samples}): {first:.3f} before -> {last:.3f} after")
         if self.hf_source is not None:
-            path = save_hf(self.model, self.output_dir / "hf_model", source_dir=self.hf_source)
-            log.info(f"Hugging Face checkpoint of the final model: {path}")
-        if self.plot:
+            weights = self._full_state_dict(cpu_offload=True)
+            if self.dist.is_main:
+                path = save_hf(weights, self.output_dir / "hf_model", source_dir=self.hf_source)
+                log.info(f"Hugging Face checkpoint of the final model: {path}")
+            self.dist.barrier()
+        if self.plot and self.dist.is_main:
             path = plot_curves(self.history, self.output_dir / "training_curves.png",
                                title=f"{self.config_name}: {self.strategy_name}, {self.estimator.name}")
             log.info(f"Training curves: {path}")
 
+    def _full_state_dict(self, cpu_offload: bool = False) -> dict[str, torch.Tensor]:
+        """The model's whole state dict (gathered across ranks under FSDP2; every rank takes
+        part, and with ``cpu_offload`` only rank 0 receives it)."""
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload and self.dist.enabled)
+        return get_model_state_dict(self.model, options=opts)
+
     def save_checkpoint(self, step: int) -> None:
+        """An atomic checkpoint of the whole (unsharded) state, written by rank 0, so that it
+        resumes with any number of processes."""
+        weights = self._full_state_dict(cpu_offload=True)
+        optimizer = get_optimizer_state_dict(
+            self.model, self.optimizer,
+            options=StateDictOptions(full_state_dict=True, cpu_offload=self.dist.enabled))
         state = {
             "step": step,
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer,
             "sampler": self.sampler.state_dict(),
             "rng": self.rng.get_state(),
             "sample_rng": self.sample_rng.get_state().cpu(),
@@ -589,16 +678,19 @@ class PEPORecipe(FTRecipeInterface):
             state["schedule_steps"] = self.schedule_steps
         state["estimator"] = self.estimator.state_dict()
         state["experiment"] = self.experiment
-        self.checkpointer.save(step, self.model, state)
+        if self.dist.is_main:
+            self.checkpointer.save(step, weights, state)
+        self.dist.barrier()
 
     def cleanup(self) -> None:
         """Closes what setup opened (also after a setup that failed half-way)."""
         logger = getattr(self, "metric_logger", None)
         if logger is not None:
             logger.close()
-        for owner in (getattr(self, "reward_fn", None), getattr(self, "engine", None)):
+        for owner in (getattr(self, "reward_fn", None), getattr(self, "engine", None),
+                      getattr(self, "dist", None)):
             close = getattr(owner, "close", None)
-            if callable(close):  # MathVerify's worker processes, a vLLM engine
+            if callable(close):  # MathVerify's workers, a vLLM engine, the process group
                 close()
 
 

@@ -23,7 +23,7 @@ import tempfile
 import warnings
 import zipfile
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import torch
 from safetensors import safe_open
@@ -82,8 +82,11 @@ class AtomicCheckpointer:
         self.root = Path(root)
         self.keep = keep
 
-    def save(self, step: int, model: torch.nn.Module, state: dict[str, Any]) -> Path:
+    def save(self, step: int, model: Union[torch.nn.Module, Mapping[str, torch.Tensor]],
+             state: dict[str, Any]) -> Path:
         """Writes checkpoint ``step`` atomically and points ``latest`` at it.
+
+        ``model`` is a module or its (full) state dict.
 
         Raises:
             ValueError: ``step`` is not an int >= 0.
@@ -96,7 +99,8 @@ class AtomicCheckpointer:
         final = self.root / f"step_{step}"
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp_step_{step}_", dir=self.root))
         try:
-            weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+            sd = model.state_dict() if isinstance(model, torch.nn.Module) else model
+            weights = {k: v.detach().contiguous().cpu() for k, v in sd.items()}
             _write_file(tmp / MODEL_FILE, lambda p: save_file(weights, str(p)))
             _write_file(tmp / STATE_FILE, lambda p: torch.save(state, p))
             _fsync_dir(tmp)

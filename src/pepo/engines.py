@@ -37,7 +37,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from pepo import hf
-from pepo.generation import Rollouts, generate, pad_prompts
+from pepo.generation import Rollouts, draw_seeds, generate, pad_prompts
 
 __all__ = [
     "ENGINES",
@@ -62,7 +62,10 @@ class TorchtuneEngine:
         self.model = model
 
     def generate(self, prompts: Sequence[Sequence[int]], **kwargs: Any) -> Rollouts:
-        return generate(self.model, prompts, **kwargs)
+        from pepo.distributed import unsharded
+
+        with unsharded(self.model):  # FSDP2: gathered once for the whole rollout phase
+            return generate(self.model, prompts, **kwargs)
 
     def weights_changed(self) -> None:
         """Nothing to do: the engine samples from the trainer's own parameters."""
@@ -131,6 +134,9 @@ class VLLMEngine:
             (drop both) between generations, freeing GPU memory for training; the weights are
             re-sent on waking. GPU only (the CPU build ignores it).
         seed: the engine's seed (each request is seeded too, from the caller's generator).
+        state_dict: a callable returning the trainer's full (unsharded) state dict in
+            torchtune's key names; default ``model.state_dict`` (what an FSDP2-sharded model
+            needs instead: a gather on every rank).
     """
 
     name = "vllm"
@@ -148,6 +154,7 @@ class VLLMEngine:
         enforce_eager: Optional[bool] = None,
         sleep_level: int = 0,
         seed: int = 0,
+        state_dict: Optional[Any] = None,
     ) -> None:
         check_engine_available("vllm")
         if sleep_level not in (0, 1, 2):
@@ -159,6 +166,7 @@ class VLLMEngine:
         from vllm.platforms import current_platform
 
         self.model = model
+        self._state_dict = state_dict or model.state_dict
         self._cpu = current_platform.is_cpu()
         self._tmp: Optional[Path] = None
         if hf_dir is not None and (Path(hf_dir) / "config.json").is_file():
@@ -209,7 +217,7 @@ class VLLMEngine:
         self._stale = True
 
     def _sync(self) -> None:
-        state = {k: v.detach() for k, v in self.model.state_dict().items()}
+        state = {k: v.detach() for k, v in self._state_dict().items()}
         named = hf.tune_to_hf_state(state, self._hf_cfg)
         if self._tied:  # the head shares the embedding; send it under its own name too
             named["lm_head.weight"] = named["model.embed_tokens.weight"]
@@ -243,12 +251,13 @@ class VLLMEngine:
         top_p: float = 1.0,
         generator: Optional[torch.Generator] = None,
         batch_size: Optional[int] = None,
+        seeds: Optional[torch.Tensor] = None,
     ) -> Rollouts:
         """Samples one response per prompt; see :func:`pepo.generation.generate`.
 
-        Each request gets a seed drawn from ``generator``, so a seeded run samples the same
-        rollouts again (and on resume). ``batch_size`` is ignored: vLLM schedules the requests
-        itself within ``max_num_seqs`` and its KV cache.
+        Each request is seeded: ``seeds[i]``, or a seed drawn from ``generator``, so a seeded
+        run samples the same rollouts again (and on resume). ``batch_size`` is ignored: vLLM
+        schedules the requests itself within ``max_num_seqs`` and its KV cache.
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -259,18 +268,16 @@ class VLLMEngine:
         if self._stale:
             self._sync()
         n = len(prompts)
-        if generator is not None:
-            seeds = torch.randint(0, 2**31 - 1, (n,), generator=generator,
-                                  device=generator.device).tolist()
-        else:
-            seeds = [None] * n
+        if seeds is None and generator is not None:
+            seeds = draw_seeds(generator, n)
+        request_seeds = [None] * n if seeds is None else [int(x) for x in seeds.tolist()]
         params = [
             SamplingParams(
                 n=1, temperature=float(temperature), top_p=float(top_p),
                 top_k=int(top_k) if top_k else 0, max_tokens=int(max_new_tokens), seed=s,
                 logprobs=0, stop_token_ids=list(stop_tokens), ignore_eos=True, detokenize=False,
             )
-            for s in seeds
+            for s in request_seeds
         ]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
                                  params, use_tqdm=False)

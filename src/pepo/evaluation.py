@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import torch
 
 from pepo.engines import as_engine
-from pepo.generation import Rollouts
+from pepo.generation import Rollouts, draw_seeds
 
 __all__ = [
     "PAPER_COLUMNS",
@@ -68,6 +68,7 @@ def sample_and_score(
     stop_tokens: Sequence[int],
     generator: Optional[torch.Generator] = None,
     batch_size: Optional[int] = None,
+    seeds: Optional[torch.Tensor] = None,
     **gen_kwargs: Any,
 ) -> tuple[Rollouts, torch.Tensor, list[str]]:
     """One sampled response per problem, decoded and scored: ``(rollouts, rewards [B], texts)``.
@@ -75,14 +76,19 @@ def sample_and_score(
     The training step and every evaluation go through here. ``engine`` is a rollout engine of
     :mod:`pepo.engines` (or a model, sampled in-process); ``gen_kwargs`` are
     :func:`pepo.generation.generate`'s sampling arguments (``max_new_tokens``, ``temperature``,
-    ``top_k``, ``top_p``); ``batch_size`` bounds the rows decoded at once.
+    ``top_k``, ``top_p``); ``batch_size`` bounds the rows decoded at once. ``seeds`` (``[B]``,
+    :func:`pepo.generation.draw_seeds`) seed each rollout's sampling on its own; without them
+    they are drawn from ``generator`` (when given).
 
     Raises:
         ValueError: the reward function does not return one finite float per response.
     """
+    if seeds is None and generator is not None:
+        seeds = draw_seeds(generator, len(problems))
     ro = as_engine(engine).generate(
         [tokenizer.encode_prompt(p.prompt) for p in problems], pad_id=tokenizer.pad_id,
-        stop_tokens=stop_tokens, generator=generator, batch_size=batch_size, **gen_kwargs,
+        stop_tokens=stop_tokens, generator=generator, batch_size=batch_size, seeds=seeds,
+        **gen_kwargs,
     )
     texts = [tokenizer.decode(t[m].tolist()) for t, m in zip(ro.tokens, ro.mask)]
     rewards = torch.tensor(
@@ -109,23 +115,32 @@ def avg_at_k(
     generator: Optional[torch.Generator] = None,
     batch_size: int = 256,
     stop_tokens: Optional[Sequence[int]] = None,
+    dist: Optional[Any] = None,
 ) -> float:
     """avg@k of ``problems`` (objects with ``prompt`` and ``answer``), sampled by ``engine``
     (a rollout engine of :mod:`pepo.engines`, or a model).
 
     Generation runs in batches of ``batch_size`` rollouts; ``generator`` makes it reproducible.
+    With ``dist`` (a :class:`pepo.distributed.Dist`), each process samples its share of the
+    ``len(problems) * k`` rollouts and the counts are summed: the same avg@k as one process.
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     if not problems:
         raise ValueError("no problems to evaluate")
+    rows = [p for p in problems for _ in range(k)]
+    seeds = draw_seeds(generator, len(rows)) if generator is not None else None
+    part = slice(None) if dist is None else dist.shard(len(rows))
     _, rewards, _ = sample_and_score(
-        engine, tokenizer, [p for p in problems for _ in range(k)], reward_fn,
+        engine, tokenizer, rows[part], reward_fn,
         stop_tokens=list(tokenizer.stop_tokens if stop_tokens is None else stop_tokens),
-        generator=generator, batch_size=batch_size, max_new_tokens=max_new_tokens,
-        temperature=temperature, top_k=top_k, top_p=top_p,
+        batch_size=batch_size, max_new_tokens=max_new_tokens, temperature=temperature,
+        top_k=top_k, top_p=top_p, seeds=None if seeds is None else seeds[part],
     )
-    return float(is_success(reward_fn, rewards).float().mean())
+    correct = is_success(reward_fn, rewards).float().sum().reshape(1)
+    if dist is not None:
+        correct = dist.sum(correct)
+    return float(correct) / len(rows)
 
 
 def format_table(results: Mapping[str, float], model_name: str = "model") -> str:

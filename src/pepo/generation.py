@@ -22,7 +22,8 @@ from torchtune.generation import (
 )
 from torchtune.modules.common_utils import local_kv_cache
 
-__all__ = ["Rollouts", "filter_logits", "generate", "pad_prompts", "sequence_inputs"]
+__all__ = ["Rollouts", "draw_seeds", "filter_logits", "generate", "pad_prompts", "row_uniforms",
+           "sequence_inputs"]
 
 
 @dataclass
@@ -97,6 +98,53 @@ def filter_logits(
     return x
 
 
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32, C. Wellons) on int64 tensors holding uint32 values.
+
+    The products can pass 2^63 and wrap; their low 32 bits, which are all that is kept, are
+    exact either way.
+    """
+    x = x & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def row_uniforms(seeds: torch.Tensor, step: int) -> torch.Tensor:
+    """One uniform number in ``[0, 1)`` per row for decoding step ``step``, a function of the
+    row's seed and the step only (counter-based, 53 bits).
+
+    A row's draws therefore do not depend on which other rows share its batch, on how the batch
+    is split, or on which process decodes it: what makes rollouts independent of the number of
+    processes and of ``batch_size``.
+
+    Shape: seeds ``[B]`` int64 in ``[0, 2^31)``; returns ``[B]`` float64.
+    """
+    key = _mix32(seeds.long())
+    hi = _mix32(key ^ _mix32(torch.full_like(key, 2 * step)))
+    lo = _mix32(key ^ _mix32(torch.full_like(key, 2 * step + 1)))
+    return ((hi >> 5) * 2**26 + (lo >> 6)).double() / 2.0**53
+
+
+def draw_seeds(generator: torch.Generator, n: int) -> torch.Tensor:
+    """``n`` per-rollout sampling seeds from ``generator`` (``[n]`` int64, on the CPU)."""
+    return torch.randint(0, 2**31 - 1, (n,), generator=generator,
+                         device=generator.device).cpu()
+
+
+def _sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw of one token per row with uniforms ``u``; tokens of probability 0 are
+    never drawn. Shape: probs ``[B, V]``, u ``[B]`` -> ``[B]`` int64."""
+    cdf = probs.double().cumsum(-1)  # [B, V]
+    x = (u.to(cdf.device) * cdf[:, -1])[:, None]  # [B, 1]
+    return torch.searchsorted(cdf, x, right=True).squeeze(-1).clamp_max(probs.shape[-1] - 1)
+
+
 def sequence_inputs(
     prompt_mask: torch.Tensor, response_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,6 +170,7 @@ def generate(
     top_p: float = 1.0,
     generator: Optional[torch.Generator] = None,
     batch_size: Optional[int] = None,
+    seeds: Optional[torch.Tensor] = None,
 ) -> Rollouts:
     """Samples one response per prompt (repeat prompts for several samples).
 
@@ -135,19 +184,26 @@ def generate(
         pad_id: padding id.
         stop_tokens: ids that end a response.
         temperature, top_k, top_p: sampling filters (:func:`filter_logits`).
-        generator: RNG for the draws (seed it for reproducible rollouts).
+        generator: RNG for the draws (seed it for reproducible rollouts), when no ``seeds``.
         batch_size: decode at most this many rows at once (the KV cache grows with it); the
             pieces are merged into one :class:`Rollouts`.
+        seeds: one seed per prompt (``[B]`` int64, :func:`draw_seeds`): each row's tokens are
+            drawn with its own counter-based uniforms (:func:`row_uniforms`), so a row samples
+            the same response whatever batch it is decoded in. The recipe always passes them.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if seeds is not None and (seeds.dim() != 1 or seeds.shape[0] != len(prompts)):
+        raise ValueError(f"seeds must be [B]=[{len(prompts)}] (one per prompt), got "
+                         f"{list(seeds.shape)}")
     if batch_size is not None and len(prompts) > batch_size:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         parts = [
             generate(model, prompts[i : i + batch_size], max_new_tokens=max_new_tokens,
                      pad_id=pad_id, stop_tokens=stop_tokens, temperature=temperature,
-                     top_k=top_k, top_p=top_p, generator=generator)
+                     top_k=top_k, top_p=top_p, generator=generator,
+                     seeds=None if seeds is None else seeds[i : i + batch_size])
             for i in range(0, len(prompts), batch_size)
         ]
         return _cat(parts, pad_id)
@@ -179,7 +235,10 @@ def generate(
             )[:, -1]  # [B, V]
             for t in range(max_new_tokens):
                 probs = filter_logits(logits, temperature, top_k, top_p).softmax(-1)
-                tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [B]
+                if seeds is None:
+                    tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [B]
+                else:
+                    tok = _sample(probs, row_uniforms(seeds, t)).to(device)  # [B]
                 out_lp[:, t] = torch.where(done, 0.0, probs.gather(1, tok[:, None]).squeeze(1).log())
                 tok = torch.where(done, pad_id, tok)
                 out[:, t] = tok

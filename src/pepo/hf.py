@@ -242,11 +242,12 @@ def from_hf(
 
 
 def save_hf(
-    model: torch.nn.Module,
+    model: Union[torch.nn.Module, dict[str, torch.Tensor]],
     out_dir: Union[str, Path],
     source_dir: Union[str, Path],
 ) -> Path:
-    """Writes ``model`` as an HF checkpoint: ``source_dir``'s config.json and model.safetensors.
+    """Writes ``model`` (a module or its full state dict, torchtune key names) as an HF
+    checkpoint: ``source_dir``'s config.json and model.safetensors.
 
     Tokenizer and generation files of ``source_dir`` are copied along, so ``out_dir`` loads
     with ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained``.
@@ -256,7 +257,8 @@ def save_hf(
     cfg = load_hf_config(source_dir)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    sd = model.state_dict() if isinstance(model, torch.nn.Module) else model
+    state = {k: v.detach().contiguous().cpu() for k, v in sd.items()}
     hf = tune_to_hf_state(state, cfg)
     if cfg.get("tie_word_embeddings"):
         hf.pop("lm_head.weight", None)

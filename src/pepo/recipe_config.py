@@ -36,6 +36,7 @@ __all__ = [
     "check_engine",
     "check_keys",
     "check_output_dir",
+    "check_world_size",
     "engine_options",
     "estimator_kwargs",
     "experiment_config",
@@ -160,6 +161,32 @@ def check_engine(generation: Any, where: str = "generation") -> None:
             raise _unknown(str(key), valid, f"{where}.vllm.")
 
 
+def check_world_size(cfg: DictConfig, world_size: int) -> None:
+    """Raises ``ValueError`` unless the step's batch splits evenly over ``world_size``
+    processes: whole prompt groups per process, and every process's share of each mini-batch
+    a whole number of micro-batches (with the same number of forwards on every process, which
+    FSDP2's collectives need)."""
+    from pepo.distributed import tile_rows
+
+    if world_size == 1:
+        return
+    est, kwargs = estimator_kwargs(cfg)
+    per_prompt = estimators.build_estimator(est, **kwargs).rollouts_per_prompt
+    prompts, minis, micro = cfg.prompts_per_step, cfg.ppo_mini_batches, cfg.micro_batch_size
+    rows = prompts * per_prompt
+    tile = tile_rows(per_prompt, minis)
+    if prompts % world_size or (rows // world_size) % tile:
+        raise ValueError(
+            f"prompts_per_step={prompts} does not split over {world_size} processes in whole "
+            f"tiles of {tile} rollouts (prompt groups split into ppo_mini_batches={minis} parts)"
+        )
+    if (rows // world_size // minis) % micro:
+        raise ValueError(
+            f"micro_batch_size={micro} does not divide a process's share of a mini-batch "
+            f"({rows // world_size // minis} rollouts with {world_size} processes)"
+        )
+
+
 def check_device(device: Any) -> None:
     """Raises ``ValueError`` for a CUDA device on a machine without one (torch would otherwise
     run on the CPU without a word)."""
@@ -271,6 +298,7 @@ RECIPE_SCHEMA: dict[str, Any] = {
     "validation": {"every", "samples"},
     "save_every": "value", "keep_checkpoints": "value", "dump_rollouts_every": "value",
     "plot": "value", "metric_logger": None,
+    "distributed": {"timeout_s", "cpu_offload", "mixed_precision"},
 }
 
 
@@ -382,6 +410,22 @@ def validate_config(cfg: DictConfig) -> None:
             f"micro_batch_size={micro} does not divide the mini-batch of {rollouts // minis} "
             f"rollouts ({rollouts} rollouts per step / ppo_mini_batches={minis})"
         )
+    from pepo.distributed import tile_rows
+
+    tile = tile_rows(estimator.rollouts_per_prompt, minis)
+    if rollouts % tile:
+        raise ValueError(
+            f"ppo_mini_batches={minis} does not split the step's prompt groups evenly: "
+            f"{rollouts} rollouts are not a whole number of tiles of {tile} (each mini-batch "
+            f"takes the same share of every group)"
+        )
+    dcfg = cfg.get("distributed") or {}
+    timeout = dcfg.get("timeout_s", 600)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"distributed.timeout_s must be a number > 0, got {timeout!r}")
+    if dcfg.get("mixed_precision") not in (None, "bf16", "fp16"):
+        raise ValueError(f"distributed.mixed_precision must be null, 'bf16' or 'fp16', got "
+                         f"{dcfg.get('mixed_precision')!r}")
     _int(cfg, "ppo_epochs", 1)
     _int(cfg, "num_steps", 1)
     _int(cfg, "generation.max_new_tokens", 1)
