@@ -493,7 +493,7 @@ class PEPORecipe(FTRecipeInterface):
                         eps_low=self.eps_low, eps_high=self.eps_high, num_tokens=num_tokens,
                         is_weights=None if is_weights is None else is_weights[micro],
                     )
-                    loss.backward()
+                    (loss * self.dist.grad_scale).backward()  # FSDP averages: sum instead
                     mb_loss += loss.detach()
                     s = policy_loss_metrics(
                         lp.detach(), old_lp[micro], token_adv[micro], mask[micro],

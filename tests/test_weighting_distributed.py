@@ -1,4 +1,5 @@
-"""global_topk with a process group: 2 gloo ranks select what their concatenation selects."""
+"""Batch-global quantities with a process group: 2 gloo ranks holding uneven shards give what one
+process holding their concatenation gives (global_topk's selection, the loss normaliser)."""
 
 import os
 import tempfile
@@ -44,3 +45,50 @@ def test_two_ranks_equal_concatenation(score):
     )
     assert torch.equal(torch.cat(outs), whole)
     assert (whole != 0).any()
+
+
+def _loss_worker(rank, world, init_file, out_dir):
+    from pepo.distributed import Dist
+    from pepo.loss import clipped_policy_loss
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        d = Dist()
+        lp, old, adv, mask = _loss_shards()[rank]
+        lp = lp.clone().requires_grad_(True)
+        loss = clipped_policy_loss(lp, old, adv, mask, num_tokens=d.sum(mask.sum()))
+        loss.backward()
+        torch.save((d.sum(loss.detach()), lp.grad), os.path.join(out_dir, f"loss{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _loss_shards():
+    g = torch.Generator().manual_seed(3)
+    old = -torch.rand(7, 12, generator=g) * 3
+    lp = old + torch.randn(7, 12, generator=g) * 0.4
+    adv = torch.randn(7, 12, generator=g)
+    mask = torch.rand(7, 12, generator=g) > torch.linspace(0.1, 0.9, 7)[:, None]  # uneven rows
+    cut = 2  # rank 0: 2 rows, rank 1: 5 rows, with different token counts
+    return ((lp[:cut], old[:cut], adv[:cut], mask[:cut]), (lp[cut:], old[cut:], adv[cut:], mask[cut:]))
+
+
+def test_loss_normaliser_over_ranks_equals_one_process():
+    """Each rank divides by the token count of the whole batch (summed over ranks): the
+    ranks' losses add up to the one-process loss and each rank's gradient is its rows' part of
+    the one-process gradient. Catches a rank dividing by its own count (the shards have
+    different counts, so that would differ)."""
+    from pepo.loss import clipped_policy_loss
+
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        mp.spawn(_loss_worker, args=(2, init_file, tmp), nprocs=2, join=True)
+        outs = [torch.load(os.path.join(tmp, f"loss{r}.pt")) for r in range(2)]
+    (l0, o0, a0, m0), (l1, o1, a1, m1) = _loss_shards()
+    assert int(m0.sum()) != int(m1.sum())
+    lp = torch.cat([l0, l1]).clone().requires_grad_(True)
+    whole = clipped_policy_loss(lp, torch.cat([o0, o1]), torch.cat([a0, a1]), torch.cat([m0, m1]))
+    whole.backward()
+    for total, _ in outs:
+        torch.testing.assert_close(total, whole.detach(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(torch.cat([outs[0][1], outs[1][1]]), lp.grad, rtol=1e-6, atol=1e-8)

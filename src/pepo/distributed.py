@@ -41,19 +41,22 @@ class Dist:
     """
 
     def __init__(self, device_type: str = "cpu", timeout_s: float = 600.0) -> None:
-        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.group: Optional[Any] = None
         self._owns_group = False
-        if self.world_size > 1:
-            if not dist.is_initialized():
+        if dist.is_available() and dist.is_initialized():  # a group the caller set up
+            self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        else:  # torchrun's environment, or one process
+            self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+            self.rank = int(os.environ.get("RANK", "0"))
+            if self.world_size > 1:
                 backend = "nccl" if device_type == "cuda" else "gloo"
                 if device_type == "cuda":
                     torch.cuda.set_device(self.local_rank)
                 dist.init_process_group(backend=backend,
                                         timeout=datetime.timedelta(seconds=timeout_s))
                 self._owns_group = True
+        if self.world_size > 1:
             self.group = dist.group.WORLD
 
     @property
@@ -63,6 +66,12 @@ class Dist:
     @property
     def enabled(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def grad_scale(self) -> float:
+        """What a rank's loss is multiplied by before backward, so that FSDP's averaging over
+        ranks gives the sum of their gradients."""
+        return float(self.world_size)
 
     def device(self, device_type: str) -> torch.device:
         """This rank's device (``cuda:<local rank>`` for CUDA)."""
@@ -160,8 +169,10 @@ def minibatch_indices(n_rows: int, tile: int, num_minibatches: int,
 def shard_model(model: nn.Module, layer_types: tuple[type, ...], *, cpu_offload: bool = False,
                 mixed_precision: Optional[torch.dtype] = None) -> None:
     """FSDP2: ``fully_shard`` every module of ``layer_types`` (the decoder layers), then the
-    root; gradients are summed across ranks, not averaged (the loss is already normalised by
-    the whole batch's token count).
+    root. FSDP averages gradients over ranks; the recipe multiplies each rank's loss by the
+    world size (:attr:`Dist.grad_scale`), so the result is their sum, the gradient of the whole
+    batch's loss (already normalised by the whole batch's token count). A divide factor of 1
+    would say the same, but gloo has no pre-multiplied reduction to carry it.
 
     Args:
         cpu_offload: keep parameters, gradients and optimizer state on the CPU.
@@ -180,9 +191,6 @@ def shard_model(model: nn.Module, layer_types: tuple[type, ...], *, cpu_offload:
         if isinstance(module, layer_types):
             fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)
-    for module in model.modules():
-        if hasattr(module, "set_gradient_divide_factor"):
-            module.set_gradient_divide_factor(1.0)
 
 
 class unsharded:
