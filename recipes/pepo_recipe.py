@@ -125,7 +125,7 @@ class PEPORecipe(FTRecipeInterface):
         validate_config(cfg)
         dcfg = cfg.get("distributed") or {}
         device_type = str(cfg.get("device", "cpu")).split(":")[0]
-        self.dist = Dist(device_type, timeout_s=float(dcfg.get("timeout_s", 600)))
+        self.dist = Dist(device_type, timeout_s=float(dcfg.get("timeout_s", 1800)))
         self.distributed_cfg = dict(dcfg)
         check_world_size(cfg, self.dist.world_size)
         self._device = (self.dist.device(device_type) if self.dist.enabled

@@ -3,7 +3,8 @@
 Runs the recipe on a resolved config file as ``tune run`` would (resuming when its output
 directory holds checkpoints) and, at the end, writes this rank's estimator state to
 ``<output_dir>/estimator_rank<R>.pt`` so a test can compare the ranks. With
-``PEPO_TEST_PROGRESS=path`` each finished step's number is appended to ``path`` (rank 0).
+``PEPO_TEST_PROGRESS=path`` each finished step's number is appended to ``path`` (rank 0); with
+``PEPO_TEST_FAIL_RANK=r`` rank ``r`` raises at step 2.
 """
 
 from __future__ import annotations
@@ -33,6 +34,16 @@ def main() -> None:
             return out
 
         pepo_recipe.PEPORecipe.train_step = train_step
+    fail_rank = os.environ.get("PEPO_TEST_FAIL_RANK")
+    if fail_rank is not None and os.environ.get("RANK") == fail_rank:
+        real = pepo_recipe.PEPORecipe.train_step
+
+        def failing_step(self):
+            if self.step == 2:
+                raise RuntimeError(f"injected failure on rank {fail_rank} at step 2")
+            return real(self)
+
+        pepo_recipe.PEPORecipe.train_step = failing_step
     cfg.resume_from_checkpoint = ck.AtomicCheckpointer(
         os.path.join(cfg.output_dir, "checkpoints")).has_checkpoints()
     try:

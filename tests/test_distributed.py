@@ -153,3 +153,15 @@ def test_stopped_two_process_run_resumes_exactly_with_two_and_with_one(tmp_path)
         for k in ref_w:
             torch.testing.assert_close(got[k], ref_w[k], rtol=0, atol=1e-6, msg=(str(run_dir), k))
     assert ref.step == steps
+
+
+def test_a_failing_rank_stops_the_job_with_its_error(tmp_path):
+    """Rank 1 raises at step 2 while rank 0 waits for it in a collective: the job must end
+    with rank 1's error, in bounded time, not hang until the collective times out."""
+    t0 = time.monotonic()
+    cfg = tiny_cfg(tmp_path, num_steps=4, micro_batch_size=2, distributed={"timeout_s": 600})
+    proc = torchrun(cfg, 2, tmp_path, PEPO_TEST_FAIL_RANK="1")
+    err = finish(proc, timeout=240)
+    assert proc.returncode != 0
+    assert "injected failure on rank 1 at step 2" in err
+    assert time.monotonic() - t0 < 200  # well below the 600 s collective timeout

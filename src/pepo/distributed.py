@@ -40,7 +40,7 @@ class Dist:
             that dies never leaves the others hanging.
     """
 
-    def __init__(self, device_type: str = "cpu", timeout_s: float = 600.0) -> None:
+    def __init__(self, device_type: str = "cpu", timeout_s: float = 1800.0) -> None:
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.group: Optional[Any] = None
         self._owns_group = False

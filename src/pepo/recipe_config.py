@@ -420,7 +420,7 @@ def validate_config(cfg: DictConfig) -> None:
             f"takes the same share of every group)"
         )
     dcfg = cfg.get("distributed") or {}
-    timeout = dcfg.get("timeout_s", 600)
+    timeout = dcfg.get("timeout_s", 1800)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ValueError(f"distributed.timeout_s must be a number > 0, got {timeout!r}")
     if dcfg.get("mixed_precision") not in (None, "bf16", "fp16"):
