@@ -74,6 +74,27 @@ def test_output_dir_under_a_file_is_refused_before_anything_is_built(tmp_path):
         pepo_recipe.PEPORecipe(tiny_cfg(tmp_path, output_dir=str(tmp_path / "a_file" / "run")))
 
 
+@pytest.mark.parametrize("override, message", [
+    ({"distributed": {"cpu_offload": True}}, "distributed.cpu_offload=true offloads from a GPU"),
+    ({"distributed": {"timeout_s": 0}}, "distributed.timeout_s must be a number > 0"),
+    ({"distributed": {"mixed_precision": "fp8"}}, "distributed.mixed_precision must be"),
+    ({"distributed": {"timeout": 5}}, "unknown config key 'distributed.timeout'; did you mean 'distributed.timeout_s'"),
+])
+def test_bad_distributed_settings_are_config_errors(tmp_path, override, message):
+    with pytest.raises(ValueError, match=message):
+        pepo_recipe.PEPORecipe(tiny_cfg(tmp_path, **override))
+
+
+def test_a_batch_that_does_not_split_over_the_processes_is_refused(tmp_path):
+    from pepo.recipe_config import check_world_size
+
+    check_world_size(tiny_cfg(tmp_path, prompts_per_step=4, micro_batch_size=2), 2)
+    with pytest.raises(ValueError, match="prompts_per_step=3 does not split over 2 processes"):
+        check_world_size(tiny_cfg(tmp_path, prompts_per_step=3, micro_batch_size=2), 2)
+    with pytest.raises(ValueError, match="micro_batch_size=4 does not divide a process's share"):
+        check_world_size(tiny_cfg(tmp_path, prompts_per_step=2, micro_batch_size=4), 2)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_without_cuda_is_an_error_not_a_silent_cpu_run(tmp_path):
     with pytest.raises(ValueError, match="device='cuda' but CUDA is not available"):

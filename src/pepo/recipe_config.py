@@ -423,6 +423,8 @@ def validate_config(cfg: DictConfig) -> None:
     timeout = dcfg.get("timeout_s", 1800)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ValueError(f"distributed.timeout_s must be a number > 0, got {timeout!r}")
+    if dcfg.get("cpu_offload") and not str(cfg.get("device", "cpu")).startswith("cuda"):
+        raise ValueError("distributed.cpu_offload=true offloads from a GPU: it needs device=cuda")
     if dcfg.get("mixed_precision") not in (None, "bf16", "fp16"):
         raise ValueError(f"distributed.mixed_precision must be null, 'bf16' or 'fp16', got "
                          f"{dcfg.get('mixed_precision')!r}")
