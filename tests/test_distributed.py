@@ -34,7 +34,7 @@ def torchrun(cfg, nproc: int, tmp: Path, timeout: float = 300.0, **env) -> subpr
     path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
     return subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-         "-m", "tests.dist_driver", str(path)],
+         "-m", "tests.trainer_driver", str(path)],
         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **env},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )

@@ -242,7 +242,7 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint_and_no_orphans(tmp_path)
     without its last step's checkpoint (or hangs)."""
     cfg = _write_cfg(tmp_path, num_steps=500)
     progress = tmp_path / "progress"
-    proc = subprocess.Popen([sys.executable, "-m", "tests.fault_driver", str(cfg)], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "tests.trainer_driver", str(cfg)], cwd=ROOT,
                             env=_env(tmp_path, PEPO_TEST_PROGRESS=str(progress)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -273,7 +273,7 @@ def test_killed_at_random_points_the_run_resumes_exactly_and_leaves_no_processes
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "killed"
     ref_dir.mkdir()
     run_dir.mkdir()
-    subprocess.run([sys.executable, "-m", "tests.fault_driver", str(_write_cfg(ref_dir, num_steps=steps))],
+    subprocess.run([sys.executable, "-m", "tests.trainer_driver", str(_write_cfg(ref_dir, num_steps=steps))],
                    cwd=ROOT, env=_env(ref_dir), check=True, timeout=300, capture_output=True)
     cfg = _write_cfg(run_dir, num_steps=steps)
     plan = [("random", None)] * 6 + [("write", 1), ("write", 2), ("rename", 1), ("rename", 2)]
@@ -288,7 +288,7 @@ def test_killed_at_random_points_the_run_resumes_exactly_and_leaves_no_processes
         extra = {"PEPO_TEST_PROGRESS": str(progress)}
         if kind in ("write", "rename"):
             extra["PEPO_TEST_KILL"] = f"{kind}:{n}"
-        proc = subprocess.Popen([sys.executable, "-m", "tests.fault_driver", str(cfg)], cwd=ROOT,
+        proc = subprocess.Popen([sys.executable, "-m", "tests.trainer_driver", str(cfg)], cwd=ROOT,
                                 env=_env(run_dir, **extra), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)
         try:
