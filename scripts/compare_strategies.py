@@ -1,30 +1,41 @@
-"""The strategy comparison on the embedded task: every method × seeds → docs/results.md.
+"""The strategy study on both embedded tasks: every method x seeds -> docs/results.md.
 
-    python scripts/compare_strategies.py [--seeds 0 1 2] [--out comparison_runs] [--only group]
+    python scripts/compare_strategies.py [--tasks tiny tiny_drift] [--seeds 0 1 2 3 4]
+        [--out comparison_runs] [--only group|single_stream] [--shard I/N]
 
-Runs the ``tiny`` config (group mode) with GRPO, 80/20, 80/20 with the proximal score,
-Entropy Adv., PEPO and the windowed average, and the ``tiny_spo`` config (single-stream) with
-SPO, S-80/20, S-Entropy Adv. and PESPO, once per seed (the seed sets the prompt order and the
-sampling; the warm-start checkpoint is the same). Each run is the recipe in this process, as
-``tune run pepo_recipe`` would run it. Writes ``results.json`` and ``comparison.png`` into
-``--out`` and the Markdown report ``docs/results.md`` (validation avg@8 before and after as
-mean ± sample SD over seeds, step time relative to the baseline of the same mode measured in
-the same invocation, and the diagnostics of ``pepo.analysis`` for one PEPO run). Resumable:
-finished runs (a ``result.json`` in their directory) are read back, not rerun.
+For each task (``tiny``: the modsum chains; ``tiny_drift``: the long chains with the paper's
+entropy structure) it runs the group-mode config (``tiny``, ``tiny_drift``) with GRPO, 80/20,
+80/20 with the proximal score, Entropy Adv., PEPO and the windowed average, and the
+single-stream config (``tiny_spo``, ``tiny_drift_spo``) with SPO, S-80/20, S-Entropy Adv. and
+PESPO, once per seed (the seed sets the prompt order and the sampling; the warm-start
+checkpoint is the same). Each run is the recipe in this process, as ``tune run pepo_recipe``
+would run it. Then, per task, the token intervention of ``pepo.intervention`` (base: the
+warm-start checkpoint, replacement: the final GRPO checkpoint of the first seed).
+
+The report gives validation avg@k before and after as mean ± sample SD over seeds, the paired
+difference to the mode's baseline (GRPO / SPO) over the same seeds (mean Δ ± SD, the paired t
+statistic, whether |t| exceeds the two-sided 5% critical value, and wins / ties / losses), and
+the step time relative to the baseline measured in the same invocation.
+
+Finished runs (a ``result.json`` in their directory) are read back, not rerun, so a study can
+be stopped and continued, or split over processes with ``--shard I/N`` (each runs every N-th
+run; then one ``--report-only`` call writes the report).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from pathlib import Path
+from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
 import pepo_recipe
-from pepo import analysis
+from pepo import analysis, intervention
 from pepo.recipe_config import find_config, register_resolvers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,139 +56,275 @@ METHODS = {
         ("PESPO", {"name": "proximal_softmax"}),
     ],
 }
-CONFIG = {"group": "tiny", "single_stream": "tiny_spo"}
+MODES = ("group", "single_stream")
+CONFIGS = {"tiny": {"group": "tiny", "single_stream": "tiny_spo"},
+           "tiny_drift": {"group": "tiny_drift", "single_stream": "tiny_drift_spo"}}
+# two-sided 5% critical values of Student's t, by degrees of freedom
+T_CRIT = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+          9: 2.262, 10: 2.228, 15: 2.131, 20: 2.086, 30: 2.042}
 
 
 def slug(label: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in label).strip("_").lower()
 
 
-def run_one(mode: str, label: str, strategy: dict, seed: int, out: Path, val_every: int) -> dict:
-    run_dir = out / mode / slug(label) / f"seed_{seed}"
-    done = run_dir / "result.json"
+def run_dir(out: Path, task: str, mode: str, label: str, seed: int) -> Path:
+    return out / task / mode / slug(label) / f"seed_{seed}"
+
+
+def run_one(task: str, mode: str, label: str, strategy: dict, seed: int, out: Path,
+            overrides: dict[str, Any]) -> dict:
+    """One recipe run (or its saved result)."""
+    d = run_dir(out, task, mode, label, seed)
+    done = d / "result.json"
     if done.is_file():
         return json.loads(done.read_text())
     register_resolvers()
-    cfg = OmegaConf.load(find_config(CONFIG[mode]))
-    cfg = OmegaConf.merge(cfg, {"seed": seed, "output_dir": str(run_dir), "strategy": strategy,
-                                "validation": {"every": val_every}, "plot": False,
-                                "save_every": 0, "keep_checkpoints": 1})
+    cfg = OmegaConf.load(find_config(CONFIGS[task][mode]))
+    cfg = OmegaConf.merge(cfg, {"seed": seed, "output_dir": str(d), "strategy": strategy,
+                                "plot": False, "save_every": 0, "keep_checkpoints": 1},
+                          overrides)
     t0 = time.perf_counter()
     recipe = pepo_recipe.recipe_main(cfg, log_config=False)
-    val = [(h["step"], h["val_accuracy"]) for h in recipe.history if "val_accuracy" in h]
+    val = [[h["step"], h["val_accuracy"]] for h in recipe.history if "val_accuracy" in h]
     steps = [h["step_time"] for h in recipe.history if "step_time" in h]
     result = {
-        "mode": mode, "method": label, "seed": seed, "val_curve": val,
-        "val_before": val[0][1], "val_after": val[-1][1],
+        "task": task, "mode": mode, "method": label, "seed": seed, "val_curve": val,
+        "val_before": val[0][1], "val_after": val[-1][1], "val_k": int(cfg.validation.samples),
+        "val_problems": int(cfg.val_dataset.size), "num_steps": int(cfg.num_steps),
         "step_time_median": statistics.median(steps), "wall_s": time.perf_counter() - t0,
-        "rollouts_dir": str(run_dir / "rollouts"),
+        "checkpoint": str(d / "checkpoints" / f"step_{int(cfg.num_steps)}"),
     }
     done.write_text(json.dumps(result, indent=2))
-    print(f"{mode:13s} {label:24s} seed {seed}: {result['val_before']:.3f} -> "
+    print(f"{task:10s} {mode:13s} {label:22s} seed {seed}: {result['val_before']:.3f} -> "
           f"{result['val_after']:.3f}  ({result['wall_s']:.0f}s)", flush=True)
     return result
 
 
-def mean_sd(xs: list[float]) -> str:
+def mean_sd(xs: list[float], scale: float = 100.0) -> str:
     if len(xs) < 2:
-        return f"{100 * xs[0]:.1f}"
-    return f"{100 * statistics.mean(xs):.1f} ± {100 * statistics.stdev(xs):.1f}"
+        return f"{scale * xs[0]:.1f}"
+    return f"{scale * statistics.mean(xs):.1f} ± {scale * statistics.stdev(xs):.1f}"
 
 
-def plot(results: list[dict], path: Path) -> None:
+def paired(runs: list[dict], base: list[dict]) -> Optional[dict[str, Any]]:
+    """Paired comparison of ``val_after`` over the seeds both have."""
+    b = {r["seed"]: r["val_after"] for r in base}
+    d = [r["val_after"] - b[r["seed"]] for r in runs if r["seed"] in b]
+    if not d:
+        return None
+    out: dict[str, Any] = {"n": len(d), "mean": statistics.mean(d),
+                           "wins": sum(x > 0 for x in d), "ties": sum(x == 0 for x in d),
+                           "losses": sum(x < 0 for x in d)}
+    if len(d) >= 2:
+        sd = statistics.stdev(d)
+        out["sd"] = sd
+        out["t"] = (out["mean"] / (sd / math.sqrt(len(d)))) if sd > 0 else (
+            0.0 if out["mean"] == 0 else math.copysign(math.inf, out["mean"]))
+        crit = T_CRIT[max(k for k in T_CRIT if k <= len(d) - 1)]
+        out["significant"] = abs(out["t"]) > crit
+    return out
+
+
+def _paired_cell(p: Optional[dict[str, Any]]) -> str:
+    if p is None:
+        return "–"
+    if "t" not in p:
+        return f"{100 * p['mean']:+.1f} ({p['wins']}/{p['ties']}/{p['losses']})"
+    sig = " *" if p["significant"] else ""
+    return (f"{100 * p['mean']:+.1f} ± {100 * p['sd']:.1f}, t = {p['t']:+.2f}{sig} "
+            f"({p['wins']}/{p['ties']}/{p['losses']})")
+
+
+def plot(results: list[dict], tasks: list[str], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), dpi=110, sharey=True)
-    for ax, mode in zip(axes, ("group", "single_stream")):
-        for label, _ in METHODS[mode]:
-            runs = [r for r in results if r["mode"] == mode and r["method"] == label]
-            if not runs:
-                continue
-            steps = [s for s, _ in runs[0]["val_curve"]]
-            mean = [statistics.mean(r["val_curve"][i][1] for r in runs) for i in range(len(steps))]
-            ax.plot(steps, mean, "o-", label=f"{label} (n={len(runs)})")
-        ax.set_title(f"{CONFIG[mode]} ({mode.replace('_', '-')})")
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="lower right")
-    axes[0].set_ylabel("validation avg@8 (mean over seeds)")
+    fig, axes = plt.subplots(len(tasks), 2, figsize=(11, 4 * len(tasks)), dpi=110,
+                             squeeze=False)
+    for row, task in zip(axes, tasks):
+        for ax, mode in zip(row, MODES):
+            for label, _ in METHODS[mode]:
+                runs = [r for r in results if (r["task"], r["mode"], r["method"]) ==
+                        (task, mode, label)]
+                if not runs:
+                    continue
+                n = min(len(r["val_curve"]) for r in runs)
+                steps = [s for s, _ in runs[0]["val_curve"][:n]]
+                mean = [statistics.mean(r["val_curve"][i][1] for r in runs) for i in range(n)]
+                ax.plot(steps, mean, "o-", label=f"{label} (n={len(runs)})")
+            ax.set_title(f"{CONFIGS[task][mode]} ({mode.replace('_', '-')})")
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8, loc="lower right")
+        row[0].set_ylabel("validation avg@k (mean over seeds)")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
 
-def report(results: list[dict], out: Path, seeds: list[int]) -> str:
+def report(results: list[dict], tasks: list[str], seeds: list[int],
+           extra: dict[str, str]) -> str:
     lines = [
-        "# Results on the embedded task",
+        "# Results on the embedded tasks",
         "",
-        "Produced by `python scripts/compare_strategies.py --seeds "
-        + " ".join(map(str, seeds)) + "` (rerun it to reproduce; finished runs are reused).",
-        "Validation accuracy is avg@8 on the 64 held-out prompts, in %, as mean ± sample SD over "
-        "seeds; step time is the median over a run's steps, relative to the mode's baseline "
-        "(GRPO / SPO) measured in the same invocation on the same machine.",
+        "Produced by `python scripts/compare_strategies.py --tasks " + " ".join(tasks)
+        + " --seeds " + " ".join(map(str, seeds)) + "` (rerun it to reproduce; finished runs "
+        "are reused). Validation accuracy is avg@k on the held-out prompts, in %, as mean ± "
+        "sample SD over seeds. **Δ vs baseline** is the paired difference of the final accuracy "
+        "to the mode's baseline (GRPO / SPO) on the same seeds: mean ± SD in points, the paired "
+        "t statistic (* where |t| exceeds the two-sided 5% critical value), and wins / ties / "
+        "losses over the seeds. Step time is the median over a run's steps, relative to the "
+        "baseline measured in the same invocation on the same machine.",
         "",
     ]
-    for mode in ("group", "single_stream"):
-        base = [r["step_time_median"] for r in results
-                if r["mode"] == mode and r["method"] == METHODS[mode][0][0]]
-        lines += [f"## {CONFIG[mode]}: {mode.replace('_', '-')}", "",
-                  "| method | seeds | before | after | step time vs " + METHODS[mode][0][0] + " |",
-                  "|---|---:|---:|---:|---:|"]
-        for label, _ in METHODS[mode]:
-            runs = [r for r in results if r["mode"] == mode and r["method"] == label]
-            if not runs:
+    for task in tasks:
+        for mode in MODES:
+            rows = [r for r in results if (r["task"], r["mode"]) == (task, mode)]
+            if not rows:
                 continue
-            ratio = (statistics.mean(r["step_time_median"] for r in runs) / statistics.mean(base)
-                     if base else float("nan"))
-            lines.append(f"| {label} | {len(runs)} | {mean_sd([r['val_before'] for r in runs])} | "
-                         f"{mean_sd([r['val_after'] for r in runs])} | {ratio:.2f}× |")
-        lines.append("")
+            base_label = METHODS[mode][0][0]
+            base = [r for r in rows if r["method"] == base_label]
+            k, n = rows[0]["val_k"], rows[0]["val_problems"]
+            lines += [f"## {CONFIGS[task][mode]} ({task}, {mode.replace('_', '-')}; avg@{k} on "
+                      f"{n} prompts, {rows[0]['num_steps']} steps)", "",
+                      f"| method | seeds | before | after | Δ vs {base_label} | step time |",
+                      "|---|---:|---:|---:|---|---:|"]
+            for label, _ in METHODS[mode]:
+                runs = [r for r in rows if r["method"] == label]
+                if not runs:
+                    continue
+                ratio = (statistics.mean(r["step_time_median"] for r in runs)
+                         / statistics.mean(r["step_time_median"] for r in base)
+                         if base else float("nan"))
+                cell = "(baseline)" if label == base_label else _paired_cell(paired(runs, base))
+                lines.append(f"| {label} | {len(runs)} | "
+                             f"{mean_sd([r['val_before'] for r in runs])} | "
+                             f"{mean_sd([r['val_after'] for r in runs])} | {cell} | "
+                             f"{ratio:.2f}× |")
+            lines.append("")
+        if task in extra:
+            lines += [extra[task], ""]
     lines += ["![validation accuracy over training](images/comparison.png)", ""]
     return "\n".join(lines)
 
 
-def main() -> None:
+def run_intervention(task: str, results: list[dict], out: Path, docs: Path,
+                     budgets: list[float], k: int) -> Optional[str]:
+    """The token-intervention table of ``task``: warm start vs its first-seed GRPO run."""
+    grpo = sorted((r for r in results if (r["task"], r["mode"], r["method"]) ==
+                   (task, "group", "GRPO")), key=lambda r: r["seed"])
+    if not grpo or not Path(grpo[0]["checkpoint"]).is_dir():
+        return None
+    dest = docs / "images" / f"intervention_{task}"
+    saved = out / task / "intervention.json"
+    args = ["--config", CONFIGS[task]["group"], "--replacement", grpo[0]["checkpoint"],
+            "--budgets", *[f"{b:g}" for b in budgets], "--k", str(k), "--out", str(dest)]
+    if not saved.is_file():
+        res = intervention.main(args)
+        saved.write_text(json.dumps({m: {str(b): v for b, v in d.items()}
+                                     for m, d in res.items()}, indent=2))
+    table = (dest / "intervention.md").read_text()
+    return (f"### Token intervention ({task})\n\nBase: the warm-start checkpoint; replacement: "
+            f"the final GRPO checkpoint of seed {grpo[0]['seed']}.\n"
+            f"`python -m pepo.analysis intervene " + " ".join(
+                a if a != grpo[0]["checkpoint"] else "RUN/checkpoints/step_N" for a in args)
+            + f"`\n\n{table}\n![intervention](images/intervention_{task}/intervention.png)")
+
+
+def run_diagnostics(task: str, results: list[dict], out: Path, docs: Path,
+                    windows: tuple[int, ...]) -> Optional[str]:
+    """``pepo.analysis`` of the first dump of one PEPO run: the task's entropy structure."""
+    pepo = sorted((r for r in results if (r["task"], r["mode"], r["method"]) ==
+                   (task, "group", "PEPO")), key=lambda r: r["seed"])
+    if not pepo:
+        return None
+    dumps = sorted((run_dir(out, task, "group", "PEPO", pepo[0]["seed"]) / "rollouts")
+                   .glob("step_*.jsonl"))
+    if not dumps:
+        return None
+    dest = docs / "images" / f"analysis_{task}"
+    files = analysis.run(dumps[0], dest, windows=windows)
+    return (f"### Entropy structure of {task} (the rollouts of the first dumped step of PEPO, "
+            f"seed {pepo[0]['seed']})\n\n"
+            f"`python -m pepo.analysis {dumps[0].name} --windows "
+            + " ".join(map(str, windows)) + "`\n\n"
+            + files["profile_md"].read_text() + "\n" + files["difficulty_md"].read_text()
+            + f"\n![positional bias](images/analysis_{task}/positional_bias.png)\n\n"
+            + files["mass_md"].read_text())
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    return OmegaConf.to_container(OmegaConf.from_dotlist(items)) if items else {}
+
+
+def main(argv: Optional[list[str]] = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--tasks", nargs="+", choices=sorted(CONFIGS), default=sorted(CONFIGS))
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     ap.add_argument("--out", default="comparison_runs")
-    ap.add_argument("--only", choices=["group", "single_stream"], default=None)
-    ap.add_argument("--val-every", type=int, default=20)
+    ap.add_argument("--only", choices=MODES, default=None)
+    ap.add_argument("--methods", nargs="+", default=None,
+                    help="run only these method labels (the baselines are always run)")
+    ap.add_argument("--steps", type=int, default=None, help="override num_steps")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="config overrides for every run (e.g. validation.every=10)")
+    ap.add_argument("--shard", default="0/1", help="I/N: run every N-th run, starting at I")
+    ap.add_argument("--report-only", action="store_true",
+                    help="write the report from finished runs; run nothing")
+    ap.add_argument("--no-intervention", action="store_true")
+    ap.add_argument("--budgets", type=float, nargs="+", default=[0, 5, 10, 15, 20, 30])
+    ap.add_argument("--intervention-k", type=int, default=4)
     ap.add_argument("--docs", default=str(ROOT / "docs"))
     ap.add_argument("--discussion", default=str(ROOT / "docs" / "results_discussion.md"),
                     help="Markdown appended to the report (what the numbers mean)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    shard, n_shards = (int(x) for x in args.shard.split("/"))
+    overrides = parse_set(args.set)
+    if args.steps is not None:
+        overrides["num_steps"] = args.steps
     out = Path(args.out)
+    plan = []
+    for task in args.tasks:
+        for mode in MODES:
+            if args.only and mode != args.only:
+                continue
+            for seed in args.seeds:  # seeds outer: a partial study still covers every method
+                for label, strategy in METHODS[mode]:
+                    if args.methods and label not in args.methods and label != METHODS[mode][0][0]:
+                        continue
+                    plan.append((task, mode, label, strategy, seed))
     results = []
-    for mode in ("group", "single_stream"):
-        if args.only and mode != args.only:
+    for i, (task, mode, label, strategy, seed) in enumerate(plan):
+        done = (run_dir(out, task, mode, label, seed) / "result.json").is_file()
+        if args.report_only or i % n_shards != shard:
+            if done:
+                results.append(json.loads((run_dir(out, task, mode, label, seed)
+                                           / "result.json").read_text()))
             continue
-        for seed in args.seeds:  # seeds outermost: a partial study still covers every method
-            for label, strategy in METHODS[mode]:
-                results.append(run_one(mode, label, strategy, seed, out, args.val_every))
+        results.append(run_one(task, mode, label, strategy, seed, out, overrides))
+    if n_shards > 1 and not args.report_only:
+        return results  # the report comes from one --report-only call over all shards
     docs = Path(args.docs)
     (docs / "images").mkdir(parents=True, exist_ok=True)
-    plot(results, docs / "images" / "comparison.png")
     (out / "results.json").write_text(json.dumps(results, indent=2))
-    text = report(results, out, args.seeds)
-    pepo_run = next((r for r in results if r["method"] == "PEPO"), None)
-    if pepo_run is not None:
-        rollouts = out / "group" / slug("PEPO") / f"seed_{pepo_run['seed']}" / "rollouts"
-        files = analysis.run(rollouts, docs / "images" / "pepo_tiny_analysis",
-                             windows=(5, 11, 21))
-        text += ("\n## Diagnostics of one PEPO run (seed {seed})\n\n"
-                 "`python -m pepo.analysis {d} --out docs/images/pepo_tiny_analysis "
-                 "--windows 5 11 21`\n\n![positional bias](images/pepo_tiny_analysis/"
-                 "positional_bias.png)\n\n{diff}\n{mass}").format(
-            seed=pepo_run["seed"], d=rollouts,
-            diff=files["difficulty_md"].read_text(), mass=files["mass_md"].read_text())
+    extra = {}
+    for task in args.tasks:
+        parts = [run_diagnostics(task, results, out, docs, (5, 11, 21))]
+        if not args.no_intervention:
+            parts.append(run_intervention(task, results, out, docs, args.budgets,
+                                          args.intervention_k))
+        extra[task] = "\n\n".join(p for p in parts if p)
+    plot(results, args.tasks, docs / "images" / "comparison.png")
+    text = report(results, args.tasks, args.seeds, extra)
     discussion = Path(args.discussion) if args.discussion else None
     if discussion is not None and discussion.is_file():  # the authors' reading of the numbers
         text += "\n" + discussion.read_text()
     (docs / "results.md").write_text(text)
     print(f"wrote {docs / 'results.md'}")
+    return results
 
 
 if __name__ == "__main__":

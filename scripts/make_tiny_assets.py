@@ -1,6 +1,6 @@
-"""Builds the embedded task's tokenizer and warm-start checkpoint (``src/pepo/assets/tiny``).
+"""Builds an embedded task's tokenizer and warm-start checkpoint (``src/pepo/assets/<task>``).
 
-    python scripts/make_tiny_assets.py [--steps N] [--noise P] [--out DIR]
+    python scripts/make_tiny_assets.py [--task tiny|tiny_drift] [--steps N] [--noise P] [--out DIR]
 
 1. A character-level ``tokenizer.json`` (Hugging Face ``tokenizers``, WordLevel over the task's
    alphabet) and its ``tokenizer_config.json``.
@@ -13,6 +13,14 @@
 
 Everything is seeded; the run takes a few minutes on 2 CPU cores and prints the pass rates of
 the result.
+
+``--task tiny_drift`` builds the second task's assets (``pepo.tasks.drift_dataset``): a larger
+model (4 layers, width 128, 320 positions) and noise that depends on the step, as a reasoning
+model's uncertainty does: a ``*`` step's result is wrong with probability 0.12, a ``-`` step's
+with 0.01, a ``+`` step's with 0.003, and every operand and operator is misread with probability
+0.002 (the step then follows from what was read). The ``*`` steps sit early in the chain, so
+entropy decays along a response and is higher on problems with many of them. About 25 minutes
+on 2 cores.
 """
 
 from __future__ import annotations
@@ -30,15 +38,29 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from pepo.generation import generate
 from pepo.models import tiny_qwen3
 from pepo.rewards import boxed_match
-from pepo.tasks import modsum_dataset
+from pepo.tasks import apply_op, drift_dataset, modsum_dataset
 from pepo.tokenizers import load_tokenizer
 
 ALPHABET = "0123456789+-= \nmodbxe\\{}"
+
+# per task: alphabet, model, datasets, noise (result noise per operator, misreading), max length
+TASKS = {
+    "tiny": dict(
+        alphabet=ALPHABET, model={}, data=modsum_dataset, steps=1500,
+        noise={"+": 0.1, "-": 0.1}, read=0.0, max_new_tokens=64,
+    ),
+    "tiny_drift": dict(
+        alphabet=ALPHABET + "*",  # the tiny task's ids unchanged, one more token
+        model=dict(num_layers=4, embed_dim=128, intermediate_dim=384, max_seq_len=320),
+        data=drift_dataset, steps=2500,
+        noise={"*": 0.12, "-": 0.01, "+": 0.003}, read=0.002, max_new_tokens=232,
+    ),
+}
 SPECIALS = ["<|endoftext|>", "<|im_end|>", "<unk>"]
 
 
-def build_tokenizer(out: Path) -> None:
-    vocab = {t: i for i, t in enumerate(SPECIALS + list(ALPHABET))}
+def build_tokenizer(out: Path, alphabet: str = ALPHABET) -> None:
+    vocab = {t: i for i, t in enumerate(SPECIALS + list(alphabet))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
@@ -49,8 +71,10 @@ def build_tokenizer(out: Path) -> None:
     )
 
 
-def noisy_solution(solution: str, rng: random.Random, noise: float) -> str:
-    """Replaces each step's result digit with a random digit with probability ``noise``.
+def noisy_solution(solution: str, rng: random.Random, noise, read: float = 0.0) -> str:
+    """Replaces each step's result digit with a random digit with probability ``noise`` (a
+    float, or a dict operator -> probability); with probability ``read`` each operator and
+    operand of a step is misread first (replaced at random) and the step follows from it.
 
     Later steps keep using the corrupted value, so a noisy solution stays self-consistent
     from the error on (as a model's own mistakes are) and its boxed answer is the final value.
@@ -60,19 +84,25 @@ def noisy_solution(solution: str, rng: random.Random, noise: float) -> str:
     out = []
     for line in lines:
         op, d = line[1], int(line[2])
-        new = (acc + d) % 10 if op == "+" else (acc - d) % 10
-        if rng.random() < noise:
+        if read > 0:
+            if rng.random() < read:
+                op = rng.choice([o for o in "+-*" if o != op])
+            if rng.random() < read:
+                d = rng.choice([x for x in range(10) if x != d])
+        new = apply_op(acc, op, d)
+        p = noise[op] if isinstance(noise, dict) else noise
+        if rng.random() < p:
             new = rng.randrange(10)
         out.append(f"{acc}{op}{d}={new}")
         acc = new
     return "\n".join(out) + f"\n\\boxed{{{acc}}}"
 
 
-def pass_rate(model, tok, problems, temperature, samples=1, seed=0) -> float:
+def pass_rate(model, tok, problems, temperature, samples=1, seed=0, max_new_tokens=64) -> float:
     gen = torch.Generator().manual_seed(seed)
     prompts = [tok.encode(p.prompt) for p in problems for _ in range(samples)]
     answers = [p.answer for p in problems for _ in range(samples)]
-    r = generate(model, prompts, max_new_tokens=64, pad_id=tok.pad_id, stop_tokens=tok.stop_tokens,
+    r = generate(model, prompts, max_new_tokens=max_new_tokens, pad_id=tok.pad_id, stop_tokens=tok.stop_tokens,
                  temperature=temperature, generator=gen)
     texts = [tok.decode(t[m].tolist()) for t, m in zip(r.tokens, r.mask)]
     return sum(boxed_match(texts, answers)) / len(answers)
@@ -80,33 +110,38 @@ def pass_rate(model, tok, problems, temperature, samples=1, seed=0) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "src/pepo/assets/tiny"))
-    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--task", choices=sorted(TASKS), default="tiny")
+    ap.add_argument("--out", default=None, help="default: src/pepo/assets/<task>")
+    ap.add_argument("--steps", type=int, default=None, help="default: 1500 (tiny), 2500 (drift)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--noise", type=float, default=0.1)
+    ap.add_argument("--noise", type=float, default=None,
+                    help="one result-noise probability for every operator (default: the task's)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    out = Path(args.out)
+    task = TASKS[args.task]
+    steps = args.steps or task["steps"]
+    noise = task["noise"] if args.noise is None else args.noise
+    out = Path(args.out or Path(__file__).resolve().parents[1] / "src/pepo/assets" / args.task)
     out.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(out)
+    build_tokenizer(out, task["alphabet"])
     tok = load_tokenizer(out)
 
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
-    model = tiny_qwen3(vocab_size=32)
-    train = modsum_dataset(20000, seed=1000 + args.seed, split="train")
-    val = modsum_dataset(128, seed=0, split="val")
+    model = tiny_qwen3(vocab_size=32, **task["model"])
+    train = task["data"](20000, seed=1000 + args.seed, split="train")
+    val = task["data"](128, seed=0, split="val")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps,
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=steps,
                                                 pct_start=0.1)
     t0 = time.time()
-    for step in range(1, args.steps + 1):
+    for step in range(1, steps + 1):
         batch = rng.sample(train, args.batch)
         seqs, plens = [], []
         for p in batch:
             pi = tok.encode(p.prompt)
-            ri = tok.encode(noisy_solution(p.solution, rng, args.noise)) + [tok.eos_id]
+            ri = tok.encode(noisy_solution(p.solution, rng, noise, task["read"])) + [tok.eos_id]
             seqs.append(pi + ri)
             plens.append(len(pi))
         width = max(map(len, seqs))
@@ -123,17 +158,20 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        if step % 100 == 0 or step == args.steps:
+        if step % 100 == 0 or step == steps:
             print(f"step {step:5d}  loss {loss.item():.4f}  {time.time() - t0:6.1f}s", flush=True)
 
     model.eval()
-    sampled = pass_rate(model, tok, val, temperature=1.0, samples=4)
-    greedy = pass_rate(model, tok, val, temperature=1e-4)
+    n = task["max_new_tokens"]
+    sampled = pass_rate(model, tok, val, temperature=1.0, samples=4, max_new_tokens=n)
+    greedy = pass_rate(model, tok, val, temperature=1e-4, max_new_tokens=n)
     print(f"validation pass rate: sampled (T=1, avg@4) {sampled:.3f}, greedy {greedy:.3f}")
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(out / "model.safetensors"),
-              metadata={"builder": "pepo.models.tiny_qwen3", "steps": str(args.steps),
-                        "noise": str(args.noise), "seed": str(args.seed)})
+              metadata={"builder": "pepo.models.tiny_qwen3", "task": args.task,
+                        "model": json.dumps(task["model"]), "steps": str(steps),
+                        "noise": json.dumps(noise), "read": str(task["read"]),
+                        "seed": str(args.seed)})
     print(f"wrote {out}")
 
 

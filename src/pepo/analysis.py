@@ -1,8 +1,10 @@
 """The paper's bias diagnostics and token heatmaps, from the recipe's rollout dumps.
 
     python -m pepo.analysis pepo_runs/tiny/rollouts --out analysis/ [--windows 11 31 101]
+    python -m pepo.analysis intervene --config tiny_drift --replacement RUN/checkpoints/step_N \\
+        --budgets 0 5 10 15 20 30 --metrics global proximal --out intervention/
 
-reads one dump file (``rollouts/step_N.jsonl``) or a directory of them and writes:
+The first form reads one dump file (``rollouts/step_N.jsonl``) or a directory of them and writes:
 
 * ``positional_bias.png`` / ``.csv`` — the relative deviation ``(x_t - mean_t x) / mean_t x`` of
   global entropy ``H``, proximal entropy ``e`` (Eq. 6) and its softmax-free counterpart, the
@@ -14,6 +16,10 @@ reads one dump file (``rollouts/step_N.jsonl``) or a directory of them and write
   tokens (Table 1); needs group-mode dumps;
 * ``heatmap.html`` — a few rollouts with each token coloured by ``H / mean H`` and by its PEPO
   weight ``c = e / mean e`` (Eq. 7), side by side (Fig. 4); self-contained, text escaped;
+* ``profile.md`` / ``.json`` — the numbers that say whether a task has the paper's entropy
+  structure: response lengths, the share of near-deterministic tokens (``H < 0.01``), the share of
+  all entropy held by the top 20% of tokens, the span (max - min over the 20 bins) of global
+  entropy's positional deviation and the largest |deviation| of proximal entropy per window;
 * ``weight_mass.csv`` / ``.md`` — the share of each strategy's token weight (computed from the
   dumped entropies with every advantage set to +1) by position decile and by difficulty group.
 
@@ -27,6 +33,7 @@ import argparse
 import csv
 import html
 import json
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -39,6 +46,7 @@ from pepo import weighting
 __all__ = [
     "RolloutDump",
     "difficulty_bias",
+    "entropy_profile",
     "heatmap_html",
     "load_dump",
     "main",
@@ -183,6 +191,31 @@ def difficulty_bias(r: RolloutDump, window: int = 101) -> dict[str, dict[str, fl
         if n:
             out[g] = {"global": float(r.entropies[m].mean()), "proximal": float(e[m].mean()),
                       "rollouts": int(rows.sum()), "tokens": n}
+    return out
+
+
+NEAR_DETERMINISTIC = 0.01  # nats: a token below this is (nearly) decided before it is sampled
+
+
+def entropy_profile(r: RolloutDump, windows: Sequence[int] = (31, 51, 101),
+                    n_bins: int = 20) -> dict[str, float]:
+    """Summary numbers of a dump's entropy structure (see the module docstring)."""
+    lengths = r.mask.sum(-1).float()
+    h = r.entropies[r.mask]
+    top = h.sort(descending=True).values[: max(1, int(0.2 * h.numel()))]
+    curves = positional_bias(r, windows, n_bins)
+    out = {
+        "rollouts": float(len(r)),
+        "length_min": float(lengths.min()),
+        "length_mean": float(lengths.mean()),
+        "length_max": float(lengths.max()),
+        "mean_entropy": float(h.mean()),
+        "near_deterministic_share": float((h < NEAR_DETERMINISTIC).float().mean()),
+        "top20_entropy_share": float(top.sum() / h.sum().clamp_min(1e-30)),
+        "global_span": float(curves["global"].max() - curves["global"].min()),
+    }
+    for w in windows:
+        out[f"proximal_{w}_max_abs"] = float(curves[f"proximal_{w}"].abs().max())
     return out
 
 
@@ -341,6 +374,14 @@ def run(dump: Union[str, Path], out: Union[str, Path], windows: Sequence[int] = 
     files["difficulty_md"] = out / "difficulty_bias.md"
     files["difficulty_md"].write_text("\n".join(lines) + "\n")
 
+    prof = entropy_profile(r, windows)
+    files["profile_json"] = out / "profile.json"
+    files["profile_json"].write_text(json.dumps(prof, indent=2) + "\n")
+    files["profile_md"] = out / "profile.md"
+    files["profile_md"].write_text("\n".join(
+        [f"Entropy profile of {len(r)} rollouts.", "", "| quantity | value |", "|---|---:|"]
+        + [f"| {k} | {v:.4g} |" for k, v in prof.items()]) + "\n")
+
     mass = weight_mass(r, w_main)
     cols = [f"decile_{d}" for d in range(1, 11)] + list(GROUPS)
     files["mass_csv"] = out / "weight_mass.csv"
@@ -369,6 +410,12 @@ def run(dump: Union[str, Path], out: Union[str, Path], windows: Sequence[int] = 
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["intervene"]:  # python -m pepo.analysis intervene ... (Table 5)
+        from pepo import intervention
+
+        intervention.main(argv[1:])
+        return
     ap = argparse.ArgumentParser(prog="python -m pepo.analysis", description=__doc__.split("\n")[0])
     ap.add_argument("dump", help="a rollouts/step_N.jsonl file or the rollouts/ directory")
     ap.add_argument("--out", required=True, help="directory for the plots and tables")

@@ -10,6 +10,13 @@ so a correct answer takes a chain of 39-57 tokens in which each result depends o
 one: one wrong step and the boxed answer is (almost surely) wrong. Problems are generated from a
 seed; a problem's split (train or validation) is fixed by a hash of its prompt, so the two
 splits never share a prompt whatever the sizes and seeds asked for.
+
+The second task, :func:`drift_dataset` (``--config tiny_drift``), has the entropy structure of
+long reasoning traces that the paper's argument is about: chains of 26-38 operands with ``*``
+steps, which the warm-start model gets wrong far more often than ``+``/``-`` steps, placed
+mostly early in the chain (the uncertain set-up of a derivation) and more of them in harder
+problems, so entropy decays along a response and is higher on hard prompts. Responses are
+157-231 tokens.
 """
 
 from __future__ import annotations
@@ -19,7 +26,15 @@ import zlib
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["Problem", "modsum_dataset", "modsum_problem", "modsum_solution"]
+__all__ = [
+    "Problem",
+    "apply_op",
+    "drift_dataset",
+    "drift_problem",
+    "modsum_dataset",
+    "modsum_problem",
+    "modsum_solution",
+]
 
 VAL_FRACTION_DENOM = 8  # one prompt in 8 belongs to the validation split
 
@@ -34,12 +49,23 @@ class Problem:
     solution: Optional[str] = None
 
 
+def apply_op(acc: int, op: str, d: int) -> int:
+    """``acc op d`` mod 10 for ``op`` in ``+ - *``."""
+    if op == "+":
+        return (acc + d) % 10
+    if op == "-":
+        return (acc - d) % 10
+    if op == "*":
+        return (acc * d) % 10
+    raise ValueError(f"unknown operator {op!r}; expected one of + - *")
+
+
 def modsum_solution(digits: list[int], ops: list[str]) -> tuple[str, str]:
     """The worked solution and the answer of ``digits[0] ops[0] digits[1] ...`` mod 10."""
     acc = digits[0]
     lines = []
     for op, d in zip(ops, digits[1:]):
-        new = (acc + d) % 10 if op == "+" else (acc - d) % 10
+        new = apply_op(acc, op, d)
         lines.append(f"{acc}{op}{d}={new}")
         acc = new
     return "\n".join(lines) + f"\n\\boxed{{{acc}}}", str(acc)
@@ -73,6 +99,13 @@ def modsum_dataset(
     Raises:
         ValueError: bad size, split or operand range.
     """
+    _check_dataset_args(size, split, min_operands, max_operands)
+    rng = random.Random(f"modsum-{seed}")
+    return _distinct(size, split, lambda: modsum_problem(
+        rng, rng.randint(min_operands, max_operands)))
+
+
+def _check_dataset_args(size: int, split: str, min_operands: int, max_operands: int) -> None:
     if not isinstance(size, int) or size < 1:
         raise ValueError(f"size must be a positive int, got {size!r}")
     if split not in ("train", "val"):
@@ -81,7 +114,10 @@ def modsum_dataset(
         raise ValueError(
             f"need 2 <= min_operands <= max_operands, got {min_operands}, {max_operands}"
         )
-    rng = random.Random(f"modsum-{seed}")
+
+
+def _distinct(size: int, split: str, draw) -> list[Problem]:
+    """``size`` distinct problems of ``split`` drawn by ``draw()``."""
     seen: set[str] = set()
     out: list[Problem] = []
     attempts = 0
@@ -89,11 +125,50 @@ def modsum_dataset(
         attempts += 1
         if attempts > 100 * size + 10_000:
             raise ValueError(
-                f"could not find {size} distinct {split} problems with {min_operands}-"
-                f"{max_operands} operands; ask for fewer or allow more operands"
+                f"could not find {size} distinct {split} problems; ask for fewer or allow "
+                f"more operands"
             )
-        p = modsum_problem(rng, rng.randint(min_operands, max_operands))
+        p = draw()
         if p.id not in seen and _split_of(p.prompt) == split:
             seen.add(p.id)
             out.append(p)
     return out
+
+
+MULTIPLIERS = (1, 2, 3, 4, 6, 7, 8, 9)  # no 0 or 5: they would collapse the chain's state
+
+
+def drift_problem(rng: random.Random, num_operands: int, hardness: float) -> Problem:
+    """A chain of ``num_operands`` digits whose step ``i`` (of ``n``) is ``*`` with probability
+    ``hardness * (1 - i / n) ** 2``, else ``+`` or ``-``: the hard steps come early."""
+    if num_operands < 2:
+        raise ValueError(f"num_operands must be >= 2, got {num_operands}")
+    if not 0.0 <= hardness <= 1.0:
+        raise ValueError(f"hardness must be in [0, 1], got {hardness}")
+    n = num_operands - 1
+    ops = []
+    for i in range(n):
+        ops.append("*" if rng.random() < hardness * (1 - i / n) ** 2 else rng.choice("+-"))
+    digits = [rng.randrange(10)]
+    digits += [rng.choice(MULTIPLIERS) if op == "*" else rng.randrange(10) for op in ops]
+    expr = str(digits[0]) + "".join(f"{o}{d}" for o, d in zip(ops, digits[1:]))
+    solution, answer = modsum_solution(digits, ops)
+    return Problem(id=expr, prompt=f"{expr} mod 10\n", answer=answer, solution=solution)
+
+
+def drift_dataset(
+    size: int,
+    seed: int = 0,
+    split: str = "train",
+    min_operands: int = 26,
+    max_operands: int = 38,
+) -> list[Problem]:
+    """``size`` distinct problems of the drift task (hardness uniform in [0, 1] per problem).
+
+    Raises:
+        ValueError: bad size, split or operand range.
+    """
+    _check_dataset_args(size, split, min_operands, max_operands)
+    rng = random.Random(f"drift-{seed}")
+    return _distinct(size, split, lambda: drift_problem(
+        rng, rng.randint(min_operands, max_operands), rng.random()))
