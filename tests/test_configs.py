@@ -23,10 +23,18 @@ from tests.recipe_helpers import MODEL_OVERRIDES, random_checkpoint
 # responses up to 4096 tokens.
 PAPER = dict(strategy=("proximal_softmax", {"window": 101, "temperature": 1.0, "apply_to": "positive"}),
              eps=(0.2, 0.28), temperature=0.6, top_p=0.6, top_k=None, max_new_tokens=4096, lr=1e-6)
+DRIFT_LR = 5e-5
 TINY = dict(strategy=("proximal_softmax", {"window": 11, "temperature": 1.0, "apply_to": "positive"}),
             eps=(0.2, 0.28), temperature=1.0, top_p=1.0, top_k=None, max_new_tokens=64, lr=2e-5)
+DRIFT = dict(TINY, strategy=("proximal_softmax", {"window": 21, "temperature": 1.0,
+                                                  "apply_to": "positive"}),
+             max_new_tokens=232, lr=DRIFT_LR)
 EXPECTED = {
     "tiny": dict(TINY, estimator=("group", {"group_size": 8})),
+    "tiny_drift": dict(DRIFT, estimator=("group", {"group_size": 8})),
+    "tiny_drift_spo": dict(DRIFT, estimator=("single_stream", {"candidate_pool": 4,
+                                                               "prior_samples": 4,
+                                                               "adaptive_forgetting": True})),
     "tiny_spo": dict(TINY, estimator=("single_stream", {"candidate_pool": 4, "prior_samples": 4,
                                                         "adaptive_forgetting": True})),
     "qwen3_1_7b_pepo": dict(PAPER, estimator=("group", {"group_size": 8}), arch="qwen3"),
