@@ -98,6 +98,22 @@ def test_weight_mass_sums_to_one_and_uniform_follows_token_counts(tmp_path):
     assert topk["decile_1"] > topk["decile_10"]
 
 
+def test_entropy_profile_matches_its_definitions(tmp_path):
+    rows = [[0.0, 0.005, 0.5, 2.0, 0.0], [1.0, 0.0, 0.02], [0.009, 0.3, 0.0, 0.0, 0.0, 4.0]]
+    r = A.load_dump(write_dump(tmp_path / "d.jsonl", rows))
+    prof = A.entropy_profile(r, windows=(3,))
+    flat = sorted((x for row in rows for x in row), reverse=True)  # 14 tokens
+    assert (prof["length_min"], prof["length_max"]) == (3, 6)
+    assert prof["length_mean"] == pytest.approx(14 / 3)
+    assert prof["near_deterministic_share"] == pytest.approx(
+        sum(x < 0.01 for x in flat) / 14)  # 8 of 14
+    assert prof["top20_entropy_share"] == pytest.approx(sum(flat[:2]) / sum(flat))  # int(2.8)
+    assert prof["mean_entropy"] == pytest.approx(sum(flat) / 14)
+    curves = A.positional_bias(r, (3,))
+    assert prof["global_span"] == pytest.approx(float(curves["global"].max() - curves["global"].min()))
+    assert prof["proximal_3_max_abs"] == pytest.approx(float(curves["proximal_3"].abs().max()))
+
+
 def test_command_writes_every_output(tmp_path):
     write_dump(tmp_path / "rollouts" / "step_000001.jsonl", trend_and_shift(n=32, T=256).tolist())
     out = tmp_path / "out"
@@ -106,7 +122,8 @@ def test_command_writes_every_output(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     for name in ("positional_bias.png", "positional_bias.csv", "difficulty_bias.md",
-                 "heatmap.html", "weight_mass.csv", "weight_mass.md"):
+                 "heatmap.html", "weight_mass.csv", "weight_mass.md", "profile.md",
+                 "profile.json"):
         assert (out / name).stat().st_size > 0, name
     header = (out / "positional_bias.csv").read_text().splitlines()[0]
     assert header.startswith("percentile_bin_center,global,proximal_11,window_average_11")
