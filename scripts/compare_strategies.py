@@ -28,6 +28,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -158,20 +159,22 @@ def plot(results: list[dict], tasks: list[str], path: Path) -> None:
             ax.set_title(f"{CONFIGS[task][mode]} ({mode.replace('_', '-')})")
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=8, loc="lower right")
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8, loc="lower right")
+            else:
+                ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes)
         row[0].set_ylabel("validation avg@k (mean over seeds)")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
 
-def report(results: list[dict], tasks: list[str], seeds: list[int],
+def report(results: list[dict], tasks: list[str], command: str,
            extra: dict[str, str]) -> str:
     lines = [
         "# Results on the embedded tasks",
         "",
-        "Produced by `python scripts/compare_strategies.py --tasks " + " ".join(tasks)
-        + " --seeds " + " ".join(map(str, seeds)) + "` (rerun it to reproduce; finished runs "
+        f"Produced by `{command}` (rerun it to reproduce; finished runs "
         "are reused). Validation accuracy is avg@k on the held-out prompts, in %, as mean ± "
         "sample SD over seeds. **Δ vs baseline** is the paired difference of the final accuracy "
         "to the mode's baseline (GRPO / SPO) on the same seeds: mean ± SD in points, the paired "
@@ -256,6 +259,20 @@ def run_diagnostics(task: str, results: list[dict], out: Path, docs: Path,
             + files["mass_md"].read_text())
 
 
+def command_line(argv: Optional[list[str]]) -> str:
+    """The study's command without the options that only say where files go or how it ran."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    keep, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a in ("--out", "--docs", "--discussion", "--shard"):
+            skip = True
+        elif a != "--report-only":
+            keep.append(a)
+    return " ".join(["python scripts/compare_strategies.py", *keep])
+
+
 def parse_set(items: list[str]) -> dict[str, Any]:
     return OmegaConf.to_container(OmegaConf.from_dotlist(items)) if items else {}
 
@@ -318,7 +335,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
                                           args.intervention_k))
         extra[task] = "\n\n".join(p for p in parts if p)
     plot(results, args.tasks, docs / "images" / "comparison.png")
-    text = report(results, args.tasks, args.seeds, extra)
+    text = report(results, args.tasks, command_line(argv), extra)
     discussion = Path(args.discussion) if args.discussion else None
     if discussion is not None and discussion.is_file():  # the authors' reading of the numbers
         text += "\n" + discussion.read_text()
