@@ -233,7 +233,8 @@ def run_intervention(task: str, results: list[dict], out: Path, docs: Path,
     return (f"### Token intervention ({task})\n\nBase: the warm-start checkpoint; replacement: "
             f"the final GRPO checkpoint of seed {grpo[0]['seed']}.\n"
             f"`python -m pepo.analysis intervene " + " ".join(
-                a if a != grpo[0]["checkpoint"] else "RUN/checkpoints/step_N" for a in args)
+                {grpo[0]["checkpoint"]: "RUN/checkpoints/step_N",
+                 str(dest): f"docs/images/intervention_{task}"}.get(a, a) for a in args)
             + f"`\n\n{table}\n![intervention](images/intervention_{task}/intervention.png)")
 
 
@@ -252,7 +253,7 @@ def run_diagnostics(task: str, results: list[dict], out: Path, docs: Path,
     files = analysis.run(dumps[0], dest, windows=windows)
     return (f"### Entropy structure of {task} (the rollouts of the first dumped step of PEPO, "
             f"seed {pepo[0]['seed']})\n\n"
-            f"`python -m pepo.analysis {dumps[0].name} --windows "
+            f"`python -m pepo.analysis RUN/rollouts/{dumps[0].name} --windows "
             + " ".join(map(str, windows)) + "`\n\n"
             + files["profile_md"].read_text() + "\n" + files["difficulty_md"].read_text()
             + f"\n![positional bias](images/analysis_{task}/positional_bias.png)\n\n"
