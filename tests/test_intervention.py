@@ -162,8 +162,12 @@ def test_budget_zero_is_the_base_model_and_full_budget_the_replacement(models):
     base, repl = models
     problems = modsum_dataset(6, split="val")
     kw = dict(max_new_tokens=10, temperature=1.0, stop_tokens=STOP)
+    generations = []
     res = intervene(base, repl, _Tok(), problems, _digit_share, budgets=[0.0, 0.2, 1.0],
-                    metrics=["global", "proximal"], k=3, window=5, seed=11, **kw)
+                    metrics=["global", "proximal"], k=3, window=5, seed=11,
+                    progress=lambda: generations.append(1), **kw)
+    # base, every token replaced, and one run per metric at 20%: nothing generated twice
+    assert len(generations) == 4
     want_base = avg_at_k(base, _Tok(), problems, 3, _digit_share, generator=eval_generator(11), **kw)
     want_repl = avg_at_k(repl, _Tok(), problems, 3, _digit_share, generator=eval_generator(11), **kw)
     assert res["global"][0.0] == res["proximal"][0.0] == want_base

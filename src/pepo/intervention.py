@@ -38,7 +38,7 @@ from torchtune.modules import local_kv_cache
 
 from pepo import weighting
 from pepo.entropy import logprobs_and_entropy
-from pepo.evaluation import is_success
+from pepo.evaluation import eval_generator, is_success
 from pepo.generation import (
     Rollouts,
     _sample,
@@ -227,7 +227,7 @@ def intervene(
     rows = [p for p in problems for _ in range(k)]
     prompts = [tokenizer.encode_prompt(p.prompt) for p in rows]
     answers = [p.answer for p in rows]
-    seeds = draw_seeds(torch.Generator().manual_seed(seed + 7919), len(rows))
+    seeds = draw_seeds(eval_generator(seed), len(rows))  # avg_at_k's seeds
     kw = dict(max_new_tokens=max_new_tokens, pad_id=tokenizer.pad_id, stop_tokens=stop_tokens,
               temperature=temperature, top_k=top_k, top_p=top_p)
 
@@ -245,7 +245,8 @@ def intervene(
         return float(is_success(reward_fn, rewards).sum()) / len(rows), parts
 
     acc0, base_parts = run(None, use_replacement=False)
-    width = max_new_tokens
+    # every token replaced is the same run whatever the metric: generated once
+    acc1 = run(torch.ones((len(rows), max_new_tokens), dtype=torch.bool))[0]
     ents = [r.entropies for r in base_parts]
     masks = [r.mask for r in base_parts]
     out: dict[str, dict[float, float]] = {}
@@ -253,13 +254,13 @@ def intervene(
         out[m] = {}
         scores = [token_metric(m, e, mk, window) for e, mk in zip(ents, masks)]
         for b in budgets:
-            if b == 0.0:
-                out[m][b] = acc0
+            if b in (0.0, 1.0):
+                out[m][b] = acc0 if b == 0.0 else acc1
                 continue
-            replace = torch.cat([select_positions(s, mk, b, width)
+            replace = torch.cat([select_positions(s, mk, b, max_new_tokens)
                                  for s, mk in zip(scores, masks)])
             out[m][b] = run(replace)[0]
-    out["replacement"] = {1.0: run(torch.ones((len(rows), width), dtype=torch.bool))[0]}
+    out["replacement"] = {1.0: acc1}
     return out
 
 
@@ -379,7 +380,7 @@ def _main(args: argparse.Namespace) -> dict[str, dict[float, float]]:
         models.append(m.eval())
     g = cfg.generation
     reward = tt_config.instantiate(cfg.reward)
-    n_runs = 2 + len(args.metrics) * sum(b > 0 for b in budgets)
+    n_runs = 2 + len(args.metrics) * sum(0 < b < 1 for b in budgets)
     done = [0]
     t0 = time.perf_counter()
 

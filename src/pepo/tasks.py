@@ -15,8 +15,8 @@ The second task, :func:`drift_dataset` (``--config tiny_drift``), has the entrop
 long reasoning traces that the paper's argument is about: chains of 26-38 operands with ``*``
 steps, which the warm-start model gets wrong far more often than ``+``/``-`` steps, placed
 mostly early in the chain (the uncertain set-up of a derivation) and more of them in harder
-problems, so entropy decays along a response and is higher on hard prompts. Responses are
-157-231 tokens.
+problems, so entropy decays along a response and is higher on hard prompts. A correct
+response is 159-231 characters (one token each) plus the end token.
 """
 
 from __future__ import annotations
@@ -77,10 +77,14 @@ def modsum_problem(rng: random.Random, num_operands: int) -> Problem:
         raise ValueError(f"num_operands must be >= 2, got {num_operands}")
     digits = [rng.randrange(10) for _ in range(num_operands)]
     ops = [rng.choice("+-") for _ in range(num_operands - 1)]
+    return _chain_problem(digits, ops)
+
+
+def _chain_problem(digits: list[int], ops: list[str]) -> Problem:
+    """The problem ``digits[0] ops[0] digits[1] ... mod 10`` with its worked solution."""
     expr = str(digits[0]) + "".join(f"{o}{d}" for o, d in zip(ops, digits[1:]))
-    prompt = f"{expr} mod 10\n"
     solution, answer = modsum_solution(digits, ops)
-    return Problem(id=expr, prompt=prompt, answer=answer, solution=solution)
+    return Problem(id=expr, prompt=f"{expr} mod 10\n", answer=answer, solution=solution)
 
 
 def _split_of(prompt: str) -> str:
@@ -151,9 +155,7 @@ def drift_problem(rng: random.Random, num_operands: int, hardness: float) -> Pro
         ops.append("*" if rng.random() < hardness * (1 - i / n) ** 2 else rng.choice("+-"))
     digits = [rng.randrange(10)]
     digits += [rng.choice(MULTIPLIERS) if op == "*" else rng.randrange(10) for op in ops]
-    expr = str(digits[0]) + "".join(f"{o}{d}" for o, d in zip(ops, digits[1:]))
-    solution, answer = modsum_solution(digits, ops)
-    return Problem(id=expr, prompt=f"{expr} mod 10\n", answer=answer, solution=solution)
+    return _chain_problem(digits, ops)
 
 
 def drift_dataset(
