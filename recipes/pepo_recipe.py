@@ -44,6 +44,7 @@ Deviations from the paper's setup, all deliberate:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -65,7 +66,7 @@ from torchtune.modules import TiedLinear, TransformerSelfAttentionLayer
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
-from pepo import _checks, estimators, weighting
+from pepo import _checks, estimators, prior_cache, weighting
 from pepo.checkpointing import MODEL_FILE, AtomicCheckpointer
 from pepo.distributed import Dist, minibatch_indices, shard_model, tile_rows
 from pepo.engines import build_engine
@@ -81,6 +82,7 @@ from pepo.recipe_config import (
     estimator_kwargs,
     experiment_changes,
     experiment_config,
+    prior_fingerprint,
     register_resolvers,
     resolve_config_arg,
     strategy_params,
@@ -174,6 +176,8 @@ class PEPORecipe(FTRecipeInterface):
                 f"checkpoint; start without it for a new run"
             )
         self.experiment = experiment_config(cfg)
+        self.prior_path = cfg.get("prior_cache")
+        self.prior_fingerprint = prior_fingerprint(cfg)
         self._stop_requested = False
         self.step = 0
         self.history: list[dict[str, Any]] = []
@@ -321,11 +325,15 @@ class PEPORecipe(FTRecipeInterface):
 
     def _prepare_estimator(self) -> None:
         """Whatever the estimator needs before training (SPO: its offline prior), with the
-        rollouts it asks for scored as training rollouts are."""
+        rollouts it asks for scored as training rollouts are. The prior's rollouts draw their
+        seeds from a generator of their own, so the training stream after it is the same
+        whether the prior was computed or read from ``prior_cache`` (:mod:`pepo.prior_cache`)."""
         data, t0, count = self.train_data, time.perf_counter(), [0, 0.0]
+        prior_rng = torch.Generator(device=self._device).manual_seed(self.seed + 2)
+        ids = [p.id for p in data]
 
         def score(indices: list[int]) -> torch.Tensor:
-            seeds = draw_seeds(self.sample_rng, len(indices))
+            seeds = draw_seeds(prior_rng, len(indices))
             part = self.dist.shard(len(indices))
             problems = [data[i] for i in indices]
             rewards = self.dist.gather(self._rollout(problems[part], seeds[part])[1])
@@ -333,7 +341,25 @@ class PEPORecipe(FTRecipeInterface):
             count[1] += float(rewards.sum())
             return rewards
 
-        self.estimator.prepare([p.id for p in data], score)
+        if self.prior_path is None:
+            self.estimator.prepare(ids, score)
+        else:  # rank 0 holds the file lock and decides; every rank takes its answer
+            with (prior_cache.locked(self.prior_path) if self.dist.is_main
+                  else contextlib.nullcontext()):
+                found = None
+                if self.dist.is_main:
+                    found = prior_cache.read_prior(self.prior_path, self.prior_fingerprint, ids)
+                found = self.dist.gather_objects(found)[0]
+                if found is not None:
+                    self.estimator.set_prior(found)
+                    if self.dist.is_main:
+                        log.info(f"Estimator prior read from {self.prior_path} "
+                                 f"({len(found)} prompts)")
+                else:
+                    rates = self.estimator.prepare(ids, score)
+                    if self.dist.is_main:
+                        prior_cache.write_prior(self.prior_path, self.prior_fingerprint, rates)
+                        log.info(f"Estimator prior written to {self.prior_path}")
         if count[0] and self.dist.is_main:
             log.info(
                 f"Estimator {self.estimator.name!r} prepared on {count[0]} rollouts of "

@@ -18,15 +18,21 @@ statistic, whether |t| exceeds the two-sided 5% critical value, and wins / ties 
 the step time relative to the baseline measured in the same invocation.
 
 Finished runs (a ``result.json`` in their directory) are read back, not rerun, so a study can
-be stopped and continued, or split over processes with ``--shard I/N`` (each runs every N-th
-run; then one ``--report-only`` call writes the report).
+be stopped and continued (an unfinished run starts again). To use more cores, start the same
+command several times: each run is taken by one process (a lock on its directory) and the others
+move on; or split the plan with ``--shard I/N`` (every N-th run). Then one ``--report-only``
+call writes the report. The single-stream runs of a seed share one offline prior
+(``prior_cache``), computed by the first of them.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import math
+import os
+import shutil
 import statistics
 import sys
 import time
@@ -73,18 +79,52 @@ def run_dir(out: Path, task: str, mode: str, label: str, seed: int) -> Path:
     return out / task / mode / slug(label) / f"seed_{seed}"
 
 
+def _take(d: Path):
+    """An exclusive lock on run directory ``d`` (an open file; the lock ends with it or with the
+    process), or None when another live process holds it."""
+    d.mkdir(parents=True, exist_ok=True)
+    f = open(d / ".lock", "a")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        return None
+    return f
+
+
 def run_one(task: str, mode: str, label: str, strategy: dict, seed: int, out: Path,
-            overrides: dict[str, Any]) -> dict:
-    """One recipe run (or its saved result)."""
+            overrides: dict[str, Any]) -> Optional[dict]:
+    """One recipe run, or its saved result; None when another process is running it (so that
+    several processes can work through one plan). What an unfinished run left (a killed
+    process) is removed and the run starts again."""
     d = run_dir(out, task, mode, label, seed)
     done = d / "result.json"
     if done.is_file():
         return json.loads(done.read_text())
+    lock = _take(d)
+    if lock is None:
+        print(f"{task:10s} {mode:13s} {label:22s} seed {seed}: running in another process",
+              flush=True)
+        return None
+    with lock:
+        if done.is_file():  # finished while we waited for the lock
+            return json.loads(done.read_text())
+        for p in d.iterdir():
+            if p.name != ".lock":
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+        return _run(task, mode, label, strategy, seed, out, overrides)
+
+
+def _run(task: str, mode: str, label: str, strategy: dict, seed: int, out: Path,
+         overrides: dict[str, Any]) -> dict:
+    d = run_dir(out, task, mode, label, seed)
     register_resolvers()
     cfg = OmegaConf.load(find_config(CONFIGS[task][mode]))
-    cfg = OmegaConf.merge(cfg, {"seed": seed, "output_dir": str(d), "strategy": strategy,
-                                "plot": False, "save_every": 0, "keep_checkpoints": 1},
-                          overrides)
+    fixed: dict[str, Any] = {"seed": seed, "output_dir": str(d), "strategy": strategy,
+                             "plot": False, "save_every": 0, "keep_checkpoints": 1}
+    if mode == "single_stream":  # the seed's offline prior, computed once for all its methods
+        fixed["prior_cache"] = str(out / task / mode / f"prior_seed_{seed}.json")
+    cfg = OmegaConf.merge(cfg, fixed, overrides)
     t0 = time.perf_counter()
     recipe = pepo_recipe.recipe_main(cfg, log_config=False)
     val = [[h["step"], h["val_accuracy"]] for h in recipe.history if "val_accuracy" in h]
@@ -96,7 +136,9 @@ def run_one(task: str, mode: str, label: str, strategy: dict, seed: int, out: Pa
         "step_time_median": statistics.median(steps), "wall_s": time.perf_counter() - t0,
         "checkpoint": str(d / "checkpoints" / f"step_{int(cfg.num_steps)}"),
     }
-    done.write_text(json.dumps(result, indent=2))
+    tmp = d / "result.json.tmp"
+    tmp.write_text(json.dumps(result, indent=2))
+    os.replace(tmp, d / "result.json")  # a result is whole or absent
     print(f"{task:10s} {mode:13s} {label:22s} seed {seed}: {result['val_before']:.3f} -> "
           f"{result['val_after']:.3f}  ({result['wall_s']:.0f}s)", flush=True)
     return result
@@ -314,7 +356,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
                     if args.methods and label not in args.methods and label != METHODS[mode][0][0]:
                         continue
                     plan.append((task, mode, label, strategy, seed))
-    results = []
+    results, elsewhere = [], 0
     for i, (task, mode, label, strategy, seed) in enumerate(plan):
         done = (run_dir(out, task, mode, label, seed) / "result.json").is_file()
         if args.report_only or i % n_shards != shard:
@@ -322,8 +364,15 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
                 results.append(json.loads((run_dir(out, task, mode, label, seed)
                                            / "result.json").read_text()))
             continue
-        results.append(run_one(task, mode, label, strategy, seed, out, overrides))
-    if n_shards > 1 and not args.report_only:
+        result = run_one(task, mode, label, strategy, seed, out, overrides)
+        if result is not None:
+            results.append(result)
+        else:
+            elsewhere += 1
+    if (n_shards > 1 or elsewhere) and not args.report_only:
+        if elsewhere:
+            print(f"{elsewhere} run(s) were taken by other processes: write the report with "
+                  f"--report-only once they finish", flush=True)
         return results  # the report comes from one --report-only call over all shards
     docs = Path(args.docs)
     (docs / "images").mkdir(parents=True, exist_ok=True)

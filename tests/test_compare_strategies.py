@@ -3,6 +3,7 @@ on a 2-step, 1-seed run of the tiny task."""
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import math
@@ -83,3 +84,42 @@ def test_shards_split_the_runs(study, tmp_path, monkeypatch):
                     str(tmp_path), "--shard", f"{i}/2"])
     assert sorted(ran) == sorted(label for label, _ in study.METHODS["single_stream"])
     assert len(set(ran)) == len(ran)
+
+
+class _FakeRecipe:
+    history = [{"step": 0, "val_accuracy": 0.5}, {"step": 1, "step_time": 1.0},
+               {"step": 2, "step_time": 3.0, "val_accuracy": 0.75}]
+
+
+def test_runs_held_by_another_process_are_left_to_it(study, tmp_path, monkeypatch, capsys):
+    """Several processes on one plan: a run another process holds is skipped (and no report is
+    written from a partial set); what a killed run left is removed before it runs again; the
+    single-stream runs of a seed share one prior file, the group runs have none."""
+    calls = []
+    monkeypatch.setattr(study.pepo_recipe, "recipe_main",
+                        lambda cfg, **kw: calls.append(cfg) or _FakeRecipe)
+    out, docs = tmp_path / "runs", tmp_path / "docs"
+    held = study.run_dir(out, "tiny", "single_stream", "SPO", 0)
+    (held / "checkpoints" / "step_1").mkdir(parents=True)  # what a killed run left
+    argv = ["--tasks", "tiny", "--seeds", "0", "--out", str(out), "--docs", str(docs),
+            "--discussion", "", "--no-intervention"]
+    with open(held / ".lock", "a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # "another process"
+        results = study.main(argv)
+    assert "1 run(s) were taken by other processes" in capsys.readouterr().out
+    assert not (docs / "results.md").exists()
+    n_methods = len(study.METHODS["group"]) + len(study.METHODS["single_stream"])
+    assert len(calls) == len(results) == n_methods - 1
+    assert "SPO" not in [r["method"] for r in results if r["mode"] == "single_stream"]
+    assert (held / "checkpoints" / "step_1").is_dir()  # untouched while held
+    prior = str(out / "tiny" / "single_stream" / "prior_seed_0.json")
+    assert {c.get("prior_cache") for c in calls if c.estimator.name == "single_stream"} == {prior}
+    assert {c.get("prior_cache") for c in calls if c.estimator.name == "group"} == {None}
+    r = results[0]
+    assert (r["val_before"], r["val_after"], r["step_time_median"]) == (0.5, 0.75, 2.0)
+    calls.clear()
+    results = study.main(argv)  # the lock is free now: only the held run runs
+    assert [c.output_dir for c in calls] == [str(held)]
+    assert not (held / "checkpoints").exists()
+    assert json.loads((held / "result.json").read_text())["val_after"] == 0.75
+    assert len(results) == n_methods and (docs / "results.md").is_file()

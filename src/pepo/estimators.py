@@ -180,8 +180,9 @@ class GroupEstimator:
     def rollouts_per_prompt(self) -> int:
         return self.group_size
 
-    def prepare(self, prompt_ids: PromptIds, score: ScoreFn) -> None:
+    def prepare(self, prompt_ids: PromptIds, score: ScoreFn) -> dict[Hashable, float]:
         """Nothing to prepare: group advantages need no prior."""
+        return {}
 
     def choose(self, prompt_ids: PromptIds, k: int, generator: torch.Generator) -> list[int]:
         """The first ``k`` candidates, in order (the pool is already a shuffled draw)."""
@@ -333,13 +334,15 @@ class SingleStreamEstimator:
             self._beta[pid] = n0 * (n - k + 0.5) / (n + 1)
             self._last_visit[pid] = self.drift_total
 
-    def prepare(self, prompt_ids: PromptIds, score: ScoreFn, chunk_rollouts: int = 256) -> None:
+    def prepare(self, prompt_ids: PromptIds, score: ScoreFn,
+                chunk_rollouts: int = 256) -> dict[Hashable, float]:
         """SPO's offline prior: ``prior_samples`` rollouts of every prompt, scored by ``score``
-        (``chunk_rollouts`` at a time); each prompt's prior is its mean reward. Nothing happens
-        when ``prior_samples`` is 0."""
+        (``chunk_rollouts`` at a time); each prompt's prior is its mean reward. Returns the
+        pass rates set (:meth:`set_prior` takes them back); nothing happens when
+        ``prior_samples`` is 0."""
         n = self.prior_samples
         if n == 0:
-            return
+            return {}
         ids = _ids(prompt_ids)
         per_call = max(1, chunk_rollouts // n)
         rates: dict[Hashable, float] = {}
@@ -349,6 +352,7 @@ class SingleStreamEstimator:
             for j, i in enumerate(idx):
                 rates[ids[i]] = float(rewards[j * n : (j + 1) * n].mean())
         self.set_prior(rates)
+        return rates
 
     def _ab(self, pid: Hashable) -> tuple[float, float]:
         return self._alpha.get(pid, 0.5), self._beta.get(pid, 0.5)

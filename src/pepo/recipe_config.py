@@ -43,6 +43,7 @@ __all__ = [
     "experiment_changes",
     "find_config",
     "list_configs",
+    "prior_fingerprint",
     "register_resolvers",
     "resolve_config_arg",
     "strategy_params",
@@ -218,7 +219,7 @@ RESUME_MAY_CHANGE = (
     "name", "output_dir", "resume_from_checkpoint", "imports", "checkpoint_dir",
     "tokenizer.path", "model.model_dir", "num_steps", "validation", "val_dataset",
     "save_every", "keep_checkpoints", "dump_rollouts_every", "plot", "metric_logger",
-    "generation.batch_size", "micro_batch_size", "logprob_chunk_size", "logprobs_from_hidden",
+    "generation.batch_size", "micro_batch_size", "prior_cache", "logprob_chunk_size", "logprobs_from_hidden",
     "enable_activation_checkpointing", "max_nonfinite_steps", "reward.workers",
 )
 
@@ -244,6 +245,24 @@ def experiment_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[s
     """``key (saved -> current)`` for every experiment key that differs."""
     return [f"{k} ({saved.get(k, '<unset>')!r} -> {current.get(k, '<unset>')!r})"
             for k in sorted(set(saved) | set(current)) if saved.get(k, "<unset>") != current.get(k, "<unset>")]
+
+
+# What an offline prior (SPO's ``prior_samples`` rollouts of every training prompt by the initial
+# policy) depends on: a ``prior_cache`` file made under other values is refused.
+PRIOR_KEYS = ("seed", "dtype", "tokenizer", "model", "checkpoint_dir", "dataset", "reward",
+              "generation", "estimator.name", "estimator.prior_samples")
+PRIOR_IGNORES = ("generation.batch_size", "reward.workers")
+
+
+def prior_fingerprint(cfg: DictConfig) -> dict[str, Any]:
+    """The resolved, flattened config keys that determine the offline prior (``PRIOR_KEYS``,
+    less ``PRIOR_IGNORES``), stored in a ``prior_cache`` file and compared when it is read."""
+    flat = _flatten(OmegaConf.to_container(cfg, resolve=True))
+
+    def under(k: str, prefixes: tuple[str, ...]) -> bool:
+        return any(k == m or k.startswith(m + ".") for m in prefixes)
+
+    return {k: v for k, v in flat.items() if under(k, PRIOR_KEYS) and not under(k, PRIOR_IGNORES)}
 
 
 def strategy_params(cfg: DictConfig) -> tuple[str, dict[str, Any]]:
@@ -297,7 +316,7 @@ RECIPE_SCHEMA: dict[str, Any] = {
     "max_nonfinite_steps": "value",
     "validation": {"every", "samples"},
     "save_every": "value", "keep_checkpoints": "value", "dump_rollouts_every": "value",
-    "plot": "value", "metric_logger": None,
+    "plot": "value", "metric_logger": None, "prior_cache": "value",
     "distributed": {"timeout_s", "cpu_offload", "mixed_precision"},
 }
 
@@ -398,6 +417,15 @@ def validate_config(cfg: DictConfig) -> None:
         sep = "." if str(e).split(" ")[0] in est_kwargs else ": "
         raise ValueError(f"estimator{sep}{e}") from None
 
+    cache = cfg.get("prior_cache")
+    if cache is not None:
+        if not isinstance(cache, str) or not cache:
+            raise ValueError(f"prior_cache must be a file path or null, got {cache!r}")
+        if getattr(estimator, "prior_samples", 0) < 1:
+            raise ValueError(
+                f"prior_cache={cache!r} is set but estimator.name={est!r} draws no offline prior "
+                f"(it needs estimator.name=single_stream with prior_samples >= 1)"
+            )
     rollouts = estimator.rollouts_per_prompt * _int(cfg, "prompts_per_step", 1)
     minis = _int(cfg, "ppo_mini_batches", 1)
     micro = _int(cfg, "micro_batch_size", 1)
