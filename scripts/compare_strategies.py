@@ -15,7 +15,7 @@ warm-start checkpoint, replacement: the final GRPO checkpoint of the first seed)
 The report gives validation avg@k before and after as mean ± sample SD over seeds, the paired
 difference to the mode's baseline (GRPO / SPO) over the same seeds (mean Δ ± SD, the paired t
 statistic, whether |t| exceeds the two-sided 5% critical value, and wins / ties / losses), and
-the step time relative to the baseline measured in the same invocation.
+each run's median step time (s), averaged over the seeds.
 
 Finished runs (a ``result.json`` in their directory) are read back, not rerun, so a study can
 be stopped and continued (an unfinished run starts again). To use more cores, start the same
@@ -221,8 +221,9 @@ def report(results: list[dict], tasks: list[str], command: str,
         "sample SD over seeds. **Δ vs baseline** is the paired difference of the final accuracy "
         "to the mode's baseline (GRPO / SPO) on the same seeds: mean ± SD in points, the paired "
         "t statistic (* where |t| exceeds the two-sided 5% critical value), and wins / ties / "
-        "losses over the seeds. Step time is the median over a run's steps, relative to the "
-        "baseline measured in the same invocation on the same machine.",
+        "losses over the seeds. s/step is each run's median step time, averaged over the seeds: "
+        "it depends on what else the machine ran at the time, so it is not a comparison of "
+        "speed (docs/performance.md measures the weighting's own cost).",
         "",
     ]
     for task in tasks:
@@ -235,20 +236,18 @@ def report(results: list[dict], tasks: list[str], command: str,
             k, n = rows[0]["val_k"], rows[0]["val_problems"]
             lines += [f"## {CONFIGS[task][mode]} ({task}, {mode.replace('_', '-')}; avg@{k} on "
                       f"{n} prompts, {rows[0]['num_steps']} steps)", "",
-                      f"| method | seeds | before | after | Δ vs {base_label} | step time |",
+                      f"| method | seeds | before | after | Δ vs {base_label} | s/step |",
                       "|---|---:|---:|---:|---|---:|"]
             for label, _ in METHODS[mode]:
                 runs = [r for r in rows if r["method"] == label]
                 if not runs:
                     continue
-                ratio = (statistics.mean(r["step_time_median"] for r in runs)
-                         / statistics.mean(r["step_time_median"] for r in base)
-                         if base else float("nan"))
+                step_s = statistics.mean(r["step_time_median"] for r in runs)
                 cell = "(baseline)" if label == base_label else _paired_cell(paired(runs, base))
                 lines.append(f"| {label} | {len(runs)} | "
                              f"{mean_sd([r['val_before'] for r in runs])} | "
                              f"{mean_sd([r['val_after'] for r in runs])} | {cell} | "
-                             f"{ratio:.2f}× |")
+                             f"{step_s:.2f} |")
             lines.append("")
         if task in extra:
             lines += [extra[task], ""]
