@@ -79,6 +79,12 @@ def run_dir(out: Path, task: str, mode: str, label: str, seed: int) -> Path:
     return out / task / mode / slug(label) / f"seed_{seed}"
 
 
+def saved_result(d: Path) -> Optional[dict]:
+    """The result a finished run saved in ``d``, or None."""
+    done = d / "result.json"
+    return json.loads(done.read_text()) if done.is_file() else None
+
+
 def _take(d: Path):
     """An exclusive lock on run directory ``d`` (an open file; the lock ends with it or with the
     process), or None when another live process holds it."""
@@ -98,17 +104,16 @@ def run_one(task: str, mode: str, label: str, strategy: dict, seed: int, out: Pa
     several processes can work through one plan). What an unfinished run left (a killed
     process) is removed and the run starts again."""
     d = run_dir(out, task, mode, label, seed)
-    done = d / "result.json"
-    if done.is_file():
-        return json.loads(done.read_text())
+    if (saved := saved_result(d)) is not None:
+        return saved
     lock = _take(d)
     if lock is None:
         print(f"{task:10s} {mode:13s} {label:22s} seed {seed}: running in another process",
               flush=True)
         return None
     with lock:
-        if done.is_file():  # finished while we waited for the lock
-            return json.loads(done.read_text())
+        if (saved := saved_result(d)) is not None:  # finished before we took the lock
+            return saved
         for p in d.iterdir():
             if p.name != ".lock":
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
@@ -357,11 +362,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
                     plan.append((task, mode, label, strategy, seed))
     results, elsewhere = [], 0
     for i, (task, mode, label, strategy, seed) in enumerate(plan):
-        done = (run_dir(out, task, mode, label, seed) / "result.json").is_file()
         if args.report_only or i % n_shards != shard:
-            if done:
-                results.append(json.loads((run_dir(out, task, mode, label, seed)
-                                           / "result.json").read_text()))
+            if (saved := saved_result(run_dir(out, task, mode, label, seed))) is not None:
+                results.append(saved)
             continue
         result = run_one(task, mode, label, strategy, seed, out, overrides)
         if result is not None:

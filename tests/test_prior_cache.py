@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 import pepo_recipe
 from pepo import prior_cache
@@ -99,8 +100,7 @@ def test_settings_that_do_not_change_the_prior_are_not_in_its_fingerprint(tmp_pa
     for key, value in (("generation.batch_size", 3), ("strategy.name", "uniform"),
                        ("estimator.rho_min", 0.5), ("num_steps", 9), ("output_dir", "x")):
         changed = base.copy()
-        changed.merge_with({key.split(".")[0]: {key.split(".")[1]: value}} if "." in key
-                           else {key: value})
+        OmegaConf.update(changed, key, value)
         assert prior_fingerprint(changed) == fp, key
     assert {"seed", "checkpoint_dir", "estimator.prior_samples", "dataset.size",
             "generation.max_new_tokens", "reward._component_"} <= set(fp)

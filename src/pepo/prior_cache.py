@@ -21,6 +21,8 @@ import os
 from pathlib import Path
 from typing import Any, Hashable, Iterator, Mapping, Optional, Sequence
 
+from pepo.recipe_config import experiment_changes
+
 __all__ = ["locked", "read_prior", "write_prior"]
 
 VERSION = 1
@@ -73,9 +75,7 @@ def read_prior(path: str | os.PathLike, fingerprint: Mapping[str, Any],
             raise KeyError("version")
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"prior_cache={str(path)!r} is not a prior cache file ({e})") from None
-    changed = [f"{k} ({saved.get(k, '<unset>')!r} -> {fingerprint.get(k, '<unset>')!r})"
-               for k in sorted(set(saved) | set(fingerprint))
-               if saved.get(k, "<unset>") != fingerprint.get(k, "<unset>")]
+    changed = experiment_changes(saved, dict(fingerprint))
     if changed:
         raise ValueError(
             f"prior_cache={str(path)!r} was made under other settings: {', '.join(changed)}; "

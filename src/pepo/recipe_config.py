@@ -219,9 +219,15 @@ RESUME_MAY_CHANGE = (
     "name", "output_dir", "resume_from_checkpoint", "imports", "checkpoint_dir",
     "tokenizer.path", "model.model_dir", "num_steps", "validation", "val_dataset",
     "save_every", "keep_checkpoints", "dump_rollouts_every", "plot", "metric_logger",
-    "generation.batch_size", "micro_batch_size", "prior_cache", "logprob_chunk_size", "logprobs_from_hidden",
-    "enable_activation_checkpointing", "max_nonfinite_steps", "reward.workers",
+    "generation.batch_size", "micro_batch_size", "prior_cache", "logprob_chunk_size",
+    "logprobs_from_hidden", "enable_activation_checkpointing", "max_nonfinite_steps",
+    "reward.workers",
 )
+
+
+def _under(key: str, prefixes: tuple[str, ...]) -> bool:
+    """Whether flattened ``key`` is one of ``prefixes`` or inside one of their sections."""
+    return any(key == m or key.startswith(m + ".") for m in prefixes)
 
 
 def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
@@ -237,8 +243,7 @@ def experiment_config(cfg: DictConfig) -> dict[str, Any]:
     """The keys that define the experiment (resolved, flattened ``a.b.c``), saved in each
     checkpoint so that a resume cannot silently change them."""
     flat = _flatten(OmegaConf.to_container(cfg, resolve=True))
-    return {k: v for k, v in flat.items()
-            if not any(k == m or k.startswith(m + ".") for m in RESUME_MAY_CHANGE)}
+    return {k: v for k, v in flat.items() if not _under(k, RESUME_MAY_CHANGE)}
 
 
 def experiment_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -258,11 +263,7 @@ def prior_fingerprint(cfg: DictConfig) -> dict[str, Any]:
     """The resolved, flattened config keys that determine the offline prior (``PRIOR_KEYS``,
     less ``PRIOR_IGNORES``), stored in a ``prior_cache`` file and compared when it is read."""
     flat = _flatten(OmegaConf.to_container(cfg, resolve=True))
-
-    def under(k: str, prefixes: tuple[str, ...]) -> bool:
-        return any(k == m or k.startswith(m + ".") for m in prefixes)
-
-    return {k: v for k, v in flat.items() if under(k, PRIOR_KEYS) and not under(k, PRIOR_IGNORES)}
+    return {k: v for k, v in flat.items() if _under(k, PRIOR_KEYS) and not _under(k, PRIOR_IGNORES)}
 
 
 def strategy_params(cfg: DictConfig) -> tuple[str, dict[str, Any]]:
