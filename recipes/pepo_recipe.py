@@ -98,6 +98,21 @@ log = utils.get_logger("INFO")
 register_resolvers()
 
 
+def validation_summary(history: list[dict], samples: int) -> str | None:
+    """The run's closing line: validation accuracy before and after training and, when an
+    intermediate validation scored higher than the last one, that step (its checkpoint may
+    still be on disk)."""
+    vals = [(h["step"], h["val_accuracy"]) for h in history if "val_accuracy" in h]
+    if not vals or history[0].get("val_accuracy") is None:
+        return None
+    first, (_, last) = history[0]["val_accuracy"], vals[-1]
+    line = f"Validation accuracy (avg@{samples}): {first:.3f} before -> {last:.3f} after"
+    best_step, best = max(vals, key=lambda sv: sv[1])  # the earliest of equal scores
+    if best > last:
+        line += f" (highest {best:.3f} at step {best_step})"
+    return line
+
+
 class NonFiniteError(RuntimeError):
     """Raised after ``max_nonfinite_steps`` consecutive optimizer steps with a non-finite loss
     or gradient."""
@@ -632,7 +647,6 @@ class PEPORecipe(FTRecipeInterface):
             self.metric_logger.log_dict({"val_accuracy": acc}, step=0)
             if self.dist.is_main:
                 log.info(f"Validation accuracy before training (avg@{self.val_samples}): {acc:.3f}")
-        first = self.history[0].get("val_accuracy") if self.history else None
         bar = tqdm(total=self.num_steps, initial=self.step, desc=f"pepo[{self.strategy_name}]",
                    dynamic_ncols=True, file=sys.stdout, disable=not self.dist.is_main)
         while self.step < self.num_steps:
@@ -661,9 +675,9 @@ class PEPORecipe(FTRecipeInterface):
                     f"{self.checkpointer.root} (resume with resume_from_checkpoint=True)"
                 )
         bar.close()
-        last = next((h["val_accuracy"] for h in reversed(self.history) if "val_accuracy" in h), None)
-        if first is not None and last is not None and self.dist.is_main:
-            log.info(f"Validation accuracy (avg@{self.val_samples}): {first:.3f} before -> {last:.3f} after")
+        summary = validation_summary(self.history, self.val_samples)
+        if summary is not None and self.dist.is_main:
+            log.info(summary)
         if self.hf_source is not None:
             weights = self._full_state_dict(cpu_offload=True)
             if self.dist.is_main:

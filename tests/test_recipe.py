@@ -123,8 +123,27 @@ def test_equal_rewards_give_no_update(tmp_path):
     assert recipe.history[-1]["zero_advantage"] == 1.0
 
 
-def test_outputs_written(tmp_path):
-    run(tiny_cfg(tmp_path, num_steps=2, plot=True, validation={"every": 1, "samples": 1}))
+def test_validation_summary():
+    summary = pepo_recipe.validation_summary
+    hist = [{"step": 0, "val_accuracy": 0.3125}, {"step": 5, "loss": 0.1},
+            {"step": 10, "val_accuracy": 0.617}, {"step": 20, "val_accuracy": 0.617},
+            {"step": 30, "val_accuracy": 0.336}]
+    assert summary(hist, 4) == ("Validation accuracy (avg@4): 0.312 before -> 0.336 after "
+                                "(highest 0.617 at step 10)")
+    # the last validation is the highest: nothing to add
+    assert summary(hist[:3], 8) == "Validation accuracy (avg@8): 0.312 before -> 0.617 after"
+    # training made it worse from the start: the highest is the warm start's
+    worse = [{"step": 0, "val_accuracy": 0.5}, {"step": 10, "val_accuracy": 0.25}]
+    assert summary(worse, 1).endswith("0.500 before -> 0.250 after (highest 0.500 at step 0)")
+    # no validation before training (validation.every: 0), or none at all
+    assert summary([{"step": 1, "loss": 0.0}, {"step": 2, "val_accuracy": 0.5}], 4) is None
+    assert summary([], 4) is None
+
+
+def test_outputs_written(tmp_path, caplog):
+    with caplog.at_level("INFO"):
+        recipe = run(tiny_cfg(tmp_path, num_steps=2, plot=True, validation={"every": 1, "samples": 1}))
+    assert pepo_recipe.validation_summary(recipe.history, 1) in caplog.messages
     out = tmp_path / "run"
     assert (out / "training_curves.png").stat().st_size > 1000
     assert "val_accuracy" in (out / "logs" / "metrics.txt").read_text()
