@@ -55,6 +55,9 @@ METHODS = {
         ("Entropy Adv.", {"name": "entropy_bonus"}),
         ("PEPO", {"name": "proximal_softmax"}),
         ("windowed average", {"name": "window_average"}),
+        # App. F.3's temperature sweep of PEPO (the paper's grid: 0.5, 1, 2)
+        ("PEPO, τ = 0.5", {"name": "proximal_softmax", "proximal_softmax": {"temperature": 0.5}}),
+        ("PEPO, τ = 2", {"name": "proximal_softmax", "proximal_softmax": {"temperature": 2.0}}),
     ],
     "single_stream": [
         ("SPO", {"name": "uniform"}),
@@ -72,7 +75,8 @@ T_CRIT = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365,
 
 
 def slug(label: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in label).strip("_").lower()
+    label = label.replace("τ", "tau")
+    return "".join(c if c.isascii() and c.isalnum() else "_" for c in label).strip("_").lower()
 
 
 def run_dir(out: Path, task: str, mode: str, label: str, seed: int) -> Path:
@@ -225,7 +229,8 @@ def report(results: list[dict], tasks: list[str], command: str,
         "are reused). Validation accuracy is avg@k on the held-out prompts, in %, as mean ± "
         "sample SD over seeds. **Δ vs baseline** is the paired difference of the final accuracy "
         "to the mode's baseline (GRPO / SPO) on the same seeds: mean ± SD in points, the paired "
-        "t statistic (* where |t| exceeds the two-sided 5% critical value), and wins / ties / "
+        "t statistic (* where |t| exceeds the two-sided 5% critical value of one comparison, not "
+        "corrected for the number of rows), and wins / ties / "
         "losses over the seeds. s/step is each run's median step time, averaged over the seeds: "
         "it depends on what else the machine ran at the time, so it is not a comparison of "
         "speed (docs/performance.md measures the weighting's own cost).",
