@@ -7,8 +7,10 @@ import subprocess
 import sys
 from html.parser import HTMLParser
 
+import pytest
 import torch
 
+import pepo.weighting as pw
 from pepo import analysis as A
 
 
@@ -96,6 +98,20 @@ def test_weight_mass_sums_to_one_and_uniform_follows_token_counts(tmp_path):
     # 80/20 by global entropy follows the decaying trend: most of its weight is early
     topk = mass["global_topk (80/20)"]
     assert topk["decile_1"] > topk["decile_10"]
+    # top20: uniform weights put exactly int(0.2 N) / N of the weight on any 20% of the tokens;
+    # 80/20 keeps 20% of the tokens, so they hold all of it (continuous entropies: no ties)
+    n = int(r.mask.sum())
+    assert mass["uniform (GRPO)"]["top20"] == pytest.approx(int(0.2 * n) / n, abs=1e-6)
+    assert topk["top20"] == pytest.approx(1.0, abs=1e-6)
+    # a slow reference for PEPO's row: its weights, sorted by hand
+    c = pw.get_strategy("proximal_softmax", window=11)(torch.ones(len(r)), r.entropies, r.mask)
+    vals = sorted(c[r.mask].tolist(), reverse=True)
+    ref = sum(vals[: int(0.2 * n)]) / sum(vals)
+    assert mass["proximal_softmax (PEPO)"]["top20"] == pytest.approx(ref, rel=1e-5)
+    # a colder softmax concentrates the weight: tau 0.5 > tau 1 > tau 2 > uniform
+    shares = [mass[k]["top20"] for k in ("proximal_softmax, τ = 0.5", "proximal_softmax (PEPO)",
+                                        "proximal_softmax, τ = 2", "uniform (GRPO)")]
+    assert shares == sorted(shares, reverse=True) and len(set(shares)) == 4, shares
 
 
 def test_entropy_profile_matches_its_definitions(tmp_path):
@@ -131,8 +147,6 @@ def test_command_writes_every_output(tmp_path):
                           str(out)], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "no rollout dump" in bad.stderr
 
-
-import pytest
 
 
 @pytest.mark.parametrize("line, message", [

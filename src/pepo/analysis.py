@@ -21,7 +21,8 @@ The first form reads one dump file (``rollouts/step_N.jsonl``) or a directory of
   all entropy held by the top 20% of tokens, the span (max - min over the 20 bins) of global
   entropy's positional deviation and the largest |deviation| of proximal entropy per window;
 * ``weight_mass.csv`` / ``.md`` — the share of each strategy's token weight (computed from the
-  dumped entropies with every advantage set to +1) by position decile and by difficulty group.
+  dumped entropies with every advantage set to +1) by position decile and by difficulty group,
+  and the share held by its 20% highest-weighted tokens (how far it is from uniform).
 
 Everything runs on padded tensors with :mod:`pepo.weighting`, so thousands of 4k-token rollouts
 take seconds.
@@ -202,7 +203,6 @@ def entropy_profile(r: RolloutDump, windows: Sequence[int] = (31, 51, 101),
     """Summary numbers of a dump's entropy structure (see the module docstring)."""
     lengths = r.mask.sum(-1).float()
     h = r.entropies[r.mask]
-    top = h.sort(descending=True).values[: max(1, int(0.2 * h.numel()))]
     curves = positional_bias(r, windows, n_bins)
     out = {
         "rollouts": float(len(r)),
@@ -211,7 +211,7 @@ def entropy_profile(r: RolloutDump, windows: Sequence[int] = (31, 51, 101),
         "length_max": float(lengths.max()),
         "mean_entropy": float(h.mean()),
         "near_deterministic_share": float((h < NEAR_DETERMINISTIC).float().mean()),
-        "top20_entropy_share": float(top.sum() / h.sum().clamp_min(1e-30)),
+        "top20_entropy_share": _top20_share(h),
         "global_span": float(curves["global"].max() - curves["global"].min()),
     }
     for w in windows:
@@ -226,11 +226,20 @@ STRATEGIES = {
     "entropy_bonus (Entropy Adv.)": ("entropy_bonus", {}),
     "proximal_softmax (PEPO)": ("proximal_softmax", {}),
     "window_average": ("window_average", {}),
+    "proximal_softmax, τ = 0.5": ("proximal_softmax", {"temperature": 0.5}),
+    "proximal_softmax, τ = 2": ("proximal_softmax", {"temperature": 2.0}),
 }
 
 
+def _top20_share(x: torch.Tensor) -> float:
+    """Share of ``x.sum()`` held by its largest 20% of values (at least one)."""
+    top = x.sort(descending=True).values[: max(1, int(0.2 * x.numel()))]
+    return float(top.sum() / x.sum().clamp_min(1e-30))
+
+
 def weight_mass(r: RolloutDump, window: int = 101) -> dict[str, dict[str, float]]:
-    """Share of each strategy's total token weight by position decile and difficulty group.
+    """Share of each strategy's total token weight by position decile and difficulty group,
+    and the share its 20% highest-weighted tokens hold (``top20``; 0.2 for uniform weights).
 
     Weights are the strategies' token advantages with every sequence advantage set to +1,
     computed step by step (``global_topk`` selects within each step's batch, as in training).
@@ -256,6 +265,7 @@ def weight_mass(r: RolloutDump, window: int = 101) -> dict[str, dict[str, float]
         for g in GROUPS:
             rows = torch.tensor([lab == g for lab in labels])
             row[g] = float(w[r.mask & rows[:, None]].sum()) / total
+        row["top20"] = _top20_share(w[r.mask])
         out[name] = row
     return out
 
@@ -383,7 +393,7 @@ def run(dump: Union[str, Path], out: Union[str, Path], windows: Sequence[int] = 
         + [f"| {k} | {v:.4g} |" for k, v in prof.items()]) + "\n")
 
     mass = weight_mass(r, w_main)
-    cols = [f"decile_{d}" for d in range(1, 11)] + list(GROUPS)
+    cols = [f"decile_{d}" for d in range(1, 11)] + list(GROUPS) + ["top20"]
     files["mass_csv"] = out / "weight_mass.csv"
     with open(files["mass_csv"], "w", newline="") as f:
         wr = csv.writer(f)
@@ -391,8 +401,10 @@ def run(dump: Union[str, Path], out: Union[str, Path], windows: Sequence[int] = 
         for name, row in mass.items():
             wr.writerow([name, *(f"{row[c]:.6g}" for c in cols)])
     md = ["Share of each strategy's token weight (advantages set to +1) by position decile "
-          "and by difficulty group, in %.", "",
-          "| strategy | " + " | ".join(c.replace("decile_", "D") for c in cols) + " |",
+          "and by difficulty group, and the share held by its 20% highest-weighted tokens "
+          "(top 20%; 20 for uniform weights), in %.", "",
+          "| strategy | " + " | ".join(c.replace("decile_", "D").replace("top20", "top 20%")
+                                       for c in cols) + " |",
           "|---|" + "---:|" * len(cols)]
     md += [f"| {n} | " + " | ".join(f"{100 * row[c]:.1f}" for c in cols) + " |"
            for n, row in mass.items()]
