@@ -148,7 +148,6 @@ def test_command_writes_every_output(tmp_path):
     assert bad.returncode != 0 and "no rollout dump" in bad.stderr
 
 
-
 @pytest.mark.parametrize("line, message", [
     ("{not json", r"d.jsonl:2: not valid JSON"),
     ("[1, 2]", r"d.jsonl:2: a record must be a JSON object, got list"),

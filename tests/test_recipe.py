@@ -135,7 +135,7 @@ def test_validation_summary():
     # training made it worse from the start: the highest is the warm start's
     worse = [{"step": 0, "val_accuracy": 0.5}, {"step": 10, "val_accuracy": 0.25}]
     assert summary(worse, 1).endswith("0.500 before -> 0.250 after (highest 0.500 at step 0)")
-    # no validation before training (validation.every: 0), or none at all
+    # a history that does not start with a validation, or has none at all
     assert summary([{"step": 1, "loss": 0.0}, {"step": 2, "val_accuracy": 0.5}], 4) is None
     assert summary([], 4) is None
 

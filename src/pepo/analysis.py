@@ -198,6 +198,12 @@ def difficulty_bias(r: RolloutDump, window: int = 101) -> dict[str, dict[str, fl
 NEAR_DETERMINISTIC = 0.01  # nats: a token below this is (nearly) decided before it is sampled
 
 
+def _top20_share(x: torch.Tensor) -> float:
+    """Share of ``x.sum()`` held by its largest 20% of values (at least one)."""
+    top = x.sort(descending=True).values[: max(1, int(0.2 * x.numel()))]
+    return float(top.sum() / x.sum().clamp_min(1e-30))
+
+
 def entropy_profile(r: RolloutDump, windows: Sequence[int] = (31, 51, 101),
                     n_bins: int = 20) -> dict[str, float]:
     """Summary numbers of a dump's entropy structure (see the module docstring)."""
@@ -229,12 +235,6 @@ STRATEGIES = {
     "proximal_softmax, τ = 0.5": ("proximal_softmax", {"temperature": 0.5}),
     "proximal_softmax, τ = 2": ("proximal_softmax", {"temperature": 2.0}),
 }
-
-
-def _top20_share(x: torch.Tensor) -> float:
-    """Share of ``x.sum()`` held by its largest 20% of values (at least one)."""
-    top = x.sort(descending=True).values[: max(1, int(0.2 * x.numel()))]
-    return float(top.sum() / x.sum().clamp_min(1e-30))
 
 
 def weight_mass(r: RolloutDump, window: int = 101) -> dict[str, dict[str, float]]:
