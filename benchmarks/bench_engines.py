@@ -25,7 +25,7 @@ import torch
 from omegaconf import OmegaConf
 
 import pepo_recipe
-from pepo.recipe_config import find_config, register_resolvers
+from pepo.training.config import find_config, register_resolvers
 
 
 def run(config: str, engine: str, steps: int, out: Path, overrides: list[str]) -> dict:

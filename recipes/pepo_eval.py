@@ -6,7 +6,7 @@
 
 Each entry of ``benchmarks`` names a dataset component and its ``k``; the model samples ``k``
 responses per problem with ``generation``'s settings and a fixed seed, ``reward`` scores them,
-and avg@k is the mean share of correct responses (``pepo.evaluation.avg_at_k``, the function
+and avg@k is the mean share of correct responses (``pepo.training.evaluation.avg_at_k``, the function
 the training recipe validates with). Results go to ``output_dir/eval_results.{json,md}``.
 """
 
@@ -18,12 +18,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pepo import _extras
+
+_extras.require("pepo_eval")  # before torchtune: a missing extra gets the line that names it
+
 from omegaconf import DictConfig, OmegaConf
 from torchtune import config, training, utils
 
-from pepo.evaluation import avg_at_k, eval_generator, format_table, write_results
-from pepo.engines import build_engine
-from pepo.recipe_config import (
+from pepo.training.evaluation import avg_at_k, eval_generator, format_table, write_results
+from pepo.training.engines import build_engine
+from pepo.training.config import (
     check_checkpoint_dir,
     check_device,
     check_engine,
@@ -33,8 +37,8 @@ from pepo.recipe_config import (
     engine_options,
     resolve_config_arg,
 )
-from pepo.tokenizers import stop_token_ids
-from pepo.weights import load_model_weights
+from pepo.training.tokenizers import stop_token_ids
+from pepo.training.weights import load_model_weights
 
 log = utils.get_logger("INFO")
 register_resolvers()

@@ -8,8 +8,8 @@ One step (PEPO paper, Sec. 3-4 and App. B; ``docs/recipe.md`` has the details):
    picks ``prompts_per_step`` (group mode: the pool as it is; single-stream mode: SPO's
    prioritised draw by ``sqrt(p(1-p)) + eps`` from a pool ``candidate_pool`` times larger);
 2. generate the estimator's rollouts per prompt (``group_size``, or 1) with a KV cache,
-   temperature, top-k and top-p (``pepo.generation``);
-3. verify → rewards (``reward`` component) and success flags (``pepo.evaluation.is_success``)
+   temperature, top-k and top-p (``pepo.training.generation``);
+3. verify → rewards (``reward`` component) and success flags (``pepo.training.evaluation.is_success``)
    → sequence advantages (``pepo.estimators``);
 4. one no-grad forward of the rollout policy → old log-probs and entropies
    (``pepo.entropy.logprobs_and_entropy``, at the sampling temperature);
@@ -29,7 +29,7 @@ Deviations from the paper's setup, all deliberate:
   the temperature-scaled softmax.
 * Rollouts come from ``generation.engine``: torchtune's KV-cached decoder in the training
   process (the default; the whole batch decodes in lock-step) or a colocated vLLM engine that
-  receives the trainer's weights after every optimizer step (``pepo.engines``). Either way the
+  receives the trainer's weights after every optimizer step (``pepo.training.engines``). Either way the
   trainer recomputes the old log-probs itself; the engine's own log-probs only measure the
   mismatch (``rollout_logprob_gap``) and, with ``loss.tis_cap``, weight the loss by the capped
   ratio trainer / engine (truncated importance sampling).
@@ -51,6 +51,10 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from pepo import _extras
+
+_extras.require("pepo_recipe")  # before torchtune: a missing extra gets the line that names it
+
 import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file
@@ -66,16 +70,17 @@ from torchtune.modules import TiedLinear, TransformerSelfAttentionLayer
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
-from pepo import _checks, estimators, prior_cache, weighting
-from pepo.checkpointing import MODEL_FILE, AtomicCheckpointer
-from pepo.distributed import Dist, minibatch_indices, shard_model, tile_rows
-from pepo.engines import build_engine
+from pepo import _checks, estimators, weighting
+from pepo.training import prior_cache
+from pepo.training.checkpointing import MODEL_FILE, AtomicCheckpointer
+from pepo.training.distributed import Dist, minibatch_indices, shard_model, tile_rows
+from pepo.training.engines import build_engine
 from pepo.entropy import logprobs_and_entropy, logprobs_and_entropy_from_hidden
-from pepo.evaluation import avg_at_k, eval_generator, is_success, sample_and_score
-from pepo.generation import Rollouts, draw_seeds, sequence_inputs
-from pepo.hf import save_hf
+from pepo.training.evaluation import avg_at_k, eval_generator, is_success, sample_and_score
+from pepo.training.generation import Rollouts, draw_seeds, sequence_inputs
+from pepo.training.hf import save_hf
 from pepo.loss import clipped_policy_loss, policy_loss_metrics, truncated_is_weights
-from pepo.recipe_config import (
+from pepo.training.config import (
     build,
     check_world_size,
     engine_options,
@@ -88,10 +93,10 @@ from pepo.recipe_config import (
     strategy_params,
     validate_config,
 )
-from pepo.reporting import plot_curves, write_rollouts
+from pepo.training.reporting import plot_curves, write_rollouts
 from pepo.sampling import PromptSampler
-from pepo.tokenizers import stop_token_ids
-from pepo.weights import load_model_weights
+from pepo.training.tokenizers import stop_token_ids
+from pepo.training.weights import load_model_weights
 
 log = utils.get_logger("INFO")
 
@@ -342,7 +347,7 @@ class PEPORecipe(FTRecipeInterface):
         """Whatever the estimator needs before training (SPO: its offline prior), with the
         rollouts it asks for scored as training rollouts are. The prior's rollouts draw their
         seeds from a generator of their own, so the training stream after it is the same
-        whether the prior was computed or read from ``prior_cache`` (:mod:`pepo.prior_cache`)."""
+        whether the prior was computed or read from ``prior_cache`` (:mod:`pepo.training.prior_cache`)."""
         data, t0, count = self.train_data, time.perf_counter(), [0, 0.0]
         prior_rng = torch.Generator(device=self._device).manual_seed(self.seed + 2)
         ids = [p.id for p in data]
@@ -606,7 +611,7 @@ class PEPORecipe(FTRecipeInterface):
 
     # ------------------------------------------------------------ validation
     def validate(self) -> float:
-        """avg@k on the held-out prompts (``pepo.evaluation.avg_at_k``, as ``pepo_eval``)."""
+        """avg@k on the held-out prompts (``pepo.training.evaluation.avg_at_k``, as ``pepo_eval``)."""
         if not self.val_data:
             return float("nan")
         return avg_at_k(

@@ -4,7 +4,7 @@
 
 1. A character-level ``tokenizer.json`` (Hugging Face ``tokenizers``, WordLevel over the task's
    alphabet) and its ``tokenizer_config.json``.
-2. ``model.safetensors``: ``pepo.models.tiny_qwen3`` trained by supervised fine-tuning on worked
+2. ``model.safetensors``: ``pepo.training.models.tiny_qwen3`` trained by supervised fine-tuning on worked
    solutions of the training split in which each step's result is replaced by a random digit
    with probability ``--noise``. The model learns the arithmetic but keeps that much
    probability on wrong digits, so sampled responses (temperature 1) succeed only part of the
@@ -14,7 +14,7 @@
 Everything is seeded; the run takes a few minutes on 2 CPU cores and prints the pass rates of
 the result.
 
-``--task tiny_drift`` builds the second task's assets (``pepo.tasks.drift_dataset``): a larger
+``--task tiny_drift`` builds the second task's assets (``pepo.tasks.problems.drift_dataset``): a larger
 model (4 layers, width 128, 320 positions) and noise that depends on the step, as a reasoning
 model's uncertainty does: a ``*`` step's result is wrong with probability 0.12, a ``-`` step's
 with 0.01, a ``+`` step's with 0.003, and every operand and operator is misread with probability
@@ -35,11 +35,11 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from pepo.generation import generate
-from pepo.models import tiny_qwen3
-from pepo.rewards import boxed_match
+from pepo.training.generation import generate
+from pepo.training.models import tiny_qwen3
+from pepo.tasks.rewards import boxed_match
 from pepo.tasks import apply_op, drift_dataset, modsum_dataset
-from pepo.tokenizers import load_tokenizer
+from pepo.training.tokenizers import load_tokenizer
 
 ALPHABET = "0123456789+-= \nmodbxe\\{}"
 
@@ -168,7 +168,7 @@ def main() -> None:
     print(f"validation pass rate: sampled (T=1, avg@4) {sampled:.3f}, greedy {greedy:.3f}")
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(out / "model.safetensors"),
-              metadata={"builder": "pepo.models.tiny_qwen3", "task": args.task,
+              metadata={"builder": "pepo.training.models.tiny_qwen3", "task": args.task,
                         "model": json.dumps(task["model"]), "steps": str(steps),
                         "noise": json.dumps(noise), "read": str(task["read"]),
                         "seed": str(args.seed)})

@@ -1,6 +1,21 @@
 import pytest
 import torch
 
+from pepo import _extras
+
+# The core install (torch alone) runs the core's tests: tests/*.py and property_tests/. The
+# layers above it are tested where the recipe extra is installed.
+RECIPE_MISSING = _extras.missing(_extras.RECIPE_MODULES)
+if RECIPE_MISSING:
+    collect_ignore = ["tasks", "training", "recipes", "study"]
+
+
+def pytest_report_header(config):
+    if RECIPE_MISSING:
+        return (f"pepo: the recipe extra is not installed (missing {', '.join(RECIPE_MISSING)}): "
+                f"collecting the core's tests only")
+    return None
+
 
 def ragged_batch(lengths, t_max, *, holes=False, seed=0, dtype=torch.float32, scale=2.0, pad_value=float("nan")):
     """A [B, T] batch of entropies in [0, scale) with the given valid counts per row.

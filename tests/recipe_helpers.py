@@ -9,8 +9,8 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
-from pepo.models import tiny_qwen3
-from pepo.recipe_config import find_config, register_resolvers
+from pepo.training.models import tiny_qwen3
+from pepo.training.config import find_config, register_resolvers
 
 MODEL_OVERRIDES = {"embed_dim": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
                    "intermediate_dim": 64, "head_dim": 16}
@@ -51,7 +51,7 @@ def tiny_cfg(tmp_path: Path, name: str = "tiny", **overrides):
     base = {
         "output_dir": str(tmp_path / "run"),
         "checkpoint_dir": str(ckpt),
-        "model": {"_component_": "pepo.models.tiny_qwen3", **MODEL_OVERRIDES},
+        "model": {"_component_": "pepo.training.models.tiny_qwen3", **MODEL_OVERRIDES},
         "dataset": {"size": 64},
         "val_dataset": {"size": 4},
         "reward": {"_component_": "tests.recipe_helpers.DigitReward"},
@@ -83,7 +83,7 @@ class VerifiedDigitReward:
     def __init__(self):
         import os
 
-        from pepo.rewards import MathVerify
+        from pepo.tasks.rewards import MathVerify
 
         self._verify = MathVerify(timeout=2, workers=1)
         self._pid_file = os.environ.get("PEPO_TEST_WORKER_PIDS")

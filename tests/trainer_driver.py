@@ -22,9 +22,9 @@ import sys
 import torch
 from omegaconf import OmegaConf
 
-import pepo.checkpointing as ck
+import pepo.training.checkpointing as ck
 import pepo_recipe
-from pepo.recipe_config import register_resolvers
+from pepo.training.config import register_resolvers
 
 
 def _kill_after(real, target: int):

@@ -1,8 +1,19 @@
 """pepo: Proximal Entropy Policy Optimization and the token-weighting baselines it is measured
-against, for reinforcement learning with verifiable rewards."""
+against, for reinforcement learning with verifiable rewards.
 
-from pepo import entropy, estimators, loss, weighting
+The modules at this level are the core, and need torch alone (``pip install pepo``):
+``weighting`` (the strategies), ``estimators`` (sequence-level advantages), ``loss`` (the
+clipped surrogate) and ``entropy`` (log-probs and entropies from logits), with ``sampling`` and
+the private helpers they share. The layers above it live in subpackages: ``pepo.tasks`` (the
+embedded tasks and verifiers, plain Python), ``pepo.training`` (the recipe's machinery) and
+``pepo.study`` (diagnostics and the strategy study), which need ``pip install "pepo[recipe]"``,
+and ``pepo.integrations`` (TRL, verl).
+"""
 
-__version__ = "0.1.0"
+from pepo import _moved, entropy, estimators, loss, weighting
+
+__version__ = "0.2.0"
 
 __all__ = ["entropy", "estimators", "loss", "weighting", "__version__"]
+
+_moved.install()

@@ -1,0 +1,61 @@
+"""What each layer above the core needs installed, and the error that says how to install it.
+
+``pip install pepo`` is the core (``pepo.weighting``, ``estimators``, ``loss``, ``entropy``):
+torch alone. The training recipe, its machinery (``pepo.training``) and the study tools
+(``pepo.study``) need the recipe stack, ``pip install "pepo[recipe]"``. Each of those packages
+calls :func:`require` first, so importing one without its extra fails with an ``ImportError``
+that names the extra and the missing modules, not with a bare ``No module named 'torchtune'``
+from deep inside.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+__all__: list[str] = []
+
+# The import names of the `recipe` extra's packages (pyproject.toml), in its order.
+RECIPE_MODULES = (
+    "torchtune",
+    "torchao",
+    "transformers",
+    "tokenizers",
+    "safetensors",
+    "math_verify",
+    "omegaconf",
+    "tqdm",
+    "matplotlib",
+)
+
+INSTALL_HINT = {"recipe": 'pip install "pepo[recipe]"  (from a clone: pip install -e ".[recipe]")'}
+
+
+def missing(modules: tuple[str, ...]) -> list[str]:
+    """The names in ``modules`` that cannot be imported here (looked up, not imported)."""
+    out = []
+    for name in modules:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a blocking import hook, or a broken partial install
+            found = False
+        if not found:
+            out.append(name)
+    return out
+
+
+def require(package: str, extra: str = "recipe", modules: tuple[str, ...] = RECIPE_MODULES) -> None:
+    """Raises ``ImportError`` naming ``extra`` unless every module of it is installed.
+
+    Args:
+        package: the pepo package being imported (named in the message).
+        extra: the pyproject extra that installs ``modules``.
+        modules: import names the package needs.
+    """
+    absent = missing(modules)
+    if absent:
+        raise ImportError(
+            f"{package} needs pepo's {extra!r} extra, which is not installed (missing: "
+            f"{', '.join(absent)}). Install it with: {INSTALL_HINT[extra]}. The core "
+            f"(pepo.weighting, pepo.estimators, pepo.loss, pepo.entropy) needs torch alone.",
+            name=absent[0],
+        )

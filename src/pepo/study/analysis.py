@@ -1,0 +1,444 @@
+"""The paper's bias diagnostics and token heatmaps, from the recipe's rollout dumps.
+
+    python -m pepo.study.analysis pepo_runs/tiny/rollouts --out analysis/ [--windows 11 31 101]
+    python -m pepo.study.analysis intervene --config tiny_drift --replacement RUN/checkpoints/step_N \\
+        --budgets 0 5 10 15 20 30 --metrics global proximal --out intervention/
+
+The first form reads one dump file (``rollouts/step_N.jsonl``) or a directory of them and writes:
+
+* ``positional_bias.png`` / ``.csv`` — the relative deviation ``(x_t - mean_t x) / mean_t x`` of
+  global entropy ``H``, proximal entropy ``e`` (Eq. 6) and its softmax-free counterpart, the
+  window ratio ``H_t / Σ_{k∈W(t)} H_k`` (App. E; ``window_average``'s statistic), from each
+  rollout's own mean, averaged over rollouts in bins of generation percentile ``t / T`` (the
+  paper's Fig. 2 and Fig. 5), for each window;
+* ``difficulty_bias.md`` — prompts grouped by pass rate over their rollouts of one step into
+  hard (≤ 1/8), moderate and easy (≥ 7/8), with the mean global and proximal entropy of their
+  tokens (Table 1); needs group-mode dumps;
+* ``heatmap.html`` — a few rollouts with each token coloured by ``H / mean H`` and by its PEPO
+  weight ``c = e / mean e`` (Eq. 7), side by side (Fig. 4); self-contained, text escaped;
+* ``profile.md`` / ``.json`` — the numbers that say whether a task has the paper's entropy
+  structure: response lengths, the share of near-deterministic tokens (``H < 0.01``), the share of
+  all entropy held by the top 20% of tokens, the span (max - min over the 20 bins) of global
+  entropy's positional deviation and the largest |deviation| of proximal entropy per window;
+* ``weight_mass.csv`` / ``.md`` — the share of each strategy's token weight (computed from the
+  dumped entropies with every advantage set to +1) by position decile and by difficulty group,
+  and the share held by its 20% highest-weighted tokens (how far it is from uniform).
+
+Everything runs on padded tensors with :mod:`pepo.weighting`, so thousands of 4k-token rollouts
+take seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import html
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from pepo import weighting
+
+__all__ = [
+    "RolloutDump",
+    "difficulty_bias",
+    "entropy_profile",
+    "heatmap_html",
+    "load_dump",
+    "main",
+    "positional_bias",
+    "weight_mass",
+]
+
+GROUPS = ("hard", "moderate", "easy")
+
+
+class RolloutDump:
+    """Dumped rollouts as padded tensors.
+
+    Attributes:
+        entropies: ``[N, T]`` fp32, 0 at padding.
+        mask: ``[N, T]`` bool.
+        records: the dump records (without their per-token lists).
+        tokens: per-rollout token strings.
+    """
+
+    def __init__(self, records: list[dict[str, Any]]) -> None:
+        if not records:
+            raise ValueError("the dump holds no rollouts")
+        lengths = [len(r["entropies"]) for r in records]
+        width = max(max(lengths), 1)
+        self.entropies = torch.zeros(len(records), width)
+        for i, r in enumerate(records):
+            self.entropies[i, : lengths[i]] = torch.tensor(r["entropies"], dtype=torch.float32)
+        self.mask = torch.arange(width) < torch.tensor(lengths)[:, None]
+        self.tokens = [r.get("tokens") or [] for r in records]
+        self.records = [
+            {k: v for k, v in r.items() if k not in ("entropies", "tokens", "token_ids",
+                                                     "token_advantages", "token_weights")}
+            for r in records
+        ]
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+
+def load_dump(path: Union[str, Path]) -> RolloutDump:
+    """Reads a rollout dump: one ``.jsonl`` file or a directory of them (sorted)."""
+    p = Path(path)
+    files = sorted(p.glob("*.jsonl")) if p.is_dir() else [p]
+    if not files or not files[0].is_file():
+        raise ValueError(f"no rollout dump at {str(p)!r} (a .jsonl file or a directory of them)")
+    records = []
+    for f in files:
+        with open(f, encoding="utf-8") as fh:
+            for n, line in enumerate(fh, 1):
+                if line.strip():
+                    records.append(_record(line, f, n))
+    return RolloutDump(records)
+
+
+def _record(line: str, path: Path, n: int) -> dict[str, Any]:
+    """One dump record, checked for what the analysis reads; errors name the file and line."""
+    where = f"{path}:{n}"
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+    if not isinstance(rec, dict):
+        raise ValueError(f"{where}: a record must be a JSON object, got {type(rec).__name__}")
+    ent = rec.get("entropies")
+    if not isinstance(ent, list) or not all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) for x in ent
+    ):
+        raise ValueError(f"{where}: 'entropies' must be a list of numbers, got {ent!r:.80}")
+    reward = rec.get("reward")
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+        raise ValueError(f"{where}: 'reward' must be a number, got {reward!r:.80}")
+    tokens = rec.get("tokens")
+    if tokens is not None and (not isinstance(tokens, list) or len(tokens) != len(ent)):
+        raise ValueError(f"{where}: 'tokens' must be a list as long as 'entropies' ({len(ent)})")
+    return rec
+
+
+def _relative_deviation(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``(x - mean) / mean`` per row over valid tokens; rows with mean 0 give 0."""
+    n = mask.sum(-1, keepdim=True).clamp_min(1)
+    mean = torch.where(mask, x, 0.0).sum(-1, keepdim=True) / n  # [N, 1]
+    safe = torch.where(mean > 0, mean, 1.0)
+    return torch.where(mask & (mean > 0), (x - mean) / safe, 0.0)
+
+
+def _bins(mask: torch.Tensor, n_bins: int) -> torch.Tensor:
+    """Generation-percentile bin of every token: ``floor(t / T * n_bins)``."""
+    t = torch.arange(mask.shape[1], dtype=torch.float32)
+    T = mask.sum(-1, keepdim=True).clamp_min(1).float()
+    return (t / T * n_bins).floor().clamp_max(n_bins - 1).long()  # [N, T]
+
+
+def _binned_mean(x: torch.Tensor, mask: torch.Tensor, n_bins: int) -> torch.Tensor:
+    b = _bins(mask, n_bins)[mask]
+    sums = torch.zeros(n_bins).index_add_(0, b, x[mask].float())
+    counts = torch.zeros(n_bins).index_add_(0, b, torch.ones_like(b, dtype=torch.float32))
+    return sums / counts.clamp_min(1)
+
+
+def positional_bias(
+    r: RolloutDump, windows: Sequence[int] = (31, 51, 101), n_bins: int = 20
+) -> dict[str, torch.Tensor]:
+    """Mean relative deviation from the rollout mean per percentile bin.
+
+    Returns ``{"global": [n_bins], "proximal_W": [n_bins], "window_average_W": [n_bins], ...}``.
+    """
+    out = {"global": _binned_mean(_relative_deviation(r.entropies, r.mask), r.mask, n_bins)}
+    for w in windows:
+        e = weighting.proximal_entropy(r.entropies, r.mask, window=w)
+        out[f"proximal_{w}"] = _binned_mean(_relative_deviation(e, r.mask), r.mask, n_bins)
+        lin = weighting.linear_proximal_entropy(r.entropies, r.mask, window=w)  # App. E
+        out[f"window_average_{w}"] = _binned_mean(_relative_deviation(lin, r.mask), r.mask, n_bins)
+    return out
+
+
+def _difficulty(r: RolloutDump) -> list[Optional[str]]:
+    """hard / moderate / easy per rollout, from its prompt's pass rate within its step."""
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for i, rec in enumerate(r.records):
+        groups[(rec.get("step"), rec.get("prompt_id", rec.get("prompt")))].append(i)
+    out: list[Optional[str]] = [None] * len(r)
+    for members in groups.values():
+        if len(members) < 2:
+            continue  # single-stream: no pass rate within the step
+        rate = sum(r.records[i]["reward"] > 0 for i in members) / len(members)
+        label = "hard" if rate <= 1 / 8 else "easy" if rate >= 7 / 8 else "moderate"
+        for i in members:
+            out[i] = label
+    return out
+
+
+def difficulty_bias(r: RolloutDump, window: int = 101) -> dict[str, dict[str, float]]:
+    """Mean global and proximal entropy of the tokens of each difficulty group (Table 1)."""
+    labels = _difficulty(r)
+    e = weighting.proximal_entropy(r.entropies, r.mask, window=window)
+    out = {}
+    for g in GROUPS:
+        rows = torch.tensor([lab == g for lab in labels])
+        m = r.mask & rows[:, None]
+        n = int(m.sum())
+        if n:
+            out[g] = {"global": float(r.entropies[m].mean()), "proximal": float(e[m].mean()),
+                      "rollouts": int(rows.sum()), "tokens": n}
+    return out
+
+
+NEAR_DETERMINISTIC = 0.01  # nats: a token below this is (nearly) decided before it is sampled
+
+
+def _top20_share(x: torch.Tensor) -> float:
+    """Share of ``x.sum()`` held by its largest 20% of values (at least one)."""
+    top = x.sort(descending=True).values[: max(1, int(0.2 * x.numel()))]
+    return float(top.sum() / x.sum().clamp_min(1e-30))
+
+
+def entropy_profile(r: RolloutDump, windows: Sequence[int] = (31, 51, 101),
+                    n_bins: int = 20) -> dict[str, float]:
+    """Summary numbers of a dump's entropy structure (see the module docstring)."""
+    lengths = r.mask.sum(-1).float()
+    h = r.entropies[r.mask]
+    curves = positional_bias(r, windows, n_bins)
+    out = {
+        "rollouts": float(len(r)),
+        "length_min": float(lengths.min()),
+        "length_mean": float(lengths.mean()),
+        "length_max": float(lengths.max()),
+        "mean_entropy": float(h.mean()),
+        "near_deterministic_share": float((h < NEAR_DETERMINISTIC).float().mean()),
+        "top20_entropy_share": _top20_share(h),
+        "global_span": float(curves["global"].max() - curves["global"].min()),
+    }
+    for w in windows:
+        out[f"proximal_{w}_max_abs"] = float(curves[f"proximal_{w}"].abs().max())
+    return out
+
+
+STRATEGIES = {
+    "uniform (GRPO)": ("uniform", {}),
+    "global_topk (80/20)": ("global_topk", {"fraction": 0.2}),
+    "global_topk, proximal score": ("global_topk", {"fraction": 0.2, "score": "proximal"}),
+    "entropy_bonus (Entropy Adv.)": ("entropy_bonus", {}),
+    "proximal_softmax (PEPO)": ("proximal_softmax", {}),
+    "window_average": ("window_average", {}),
+    "proximal_softmax, τ = 0.5": ("proximal_softmax", {"temperature": 0.5}),
+    "proximal_softmax, τ = 2": ("proximal_softmax", {"temperature": 2.0}),
+}
+
+
+def weight_mass(r: RolloutDump, window: int = 101) -> dict[str, dict[str, float]]:
+    """Share of each strategy's total token weight by position decile and difficulty group,
+    and the share its 20% highest-weighted tokens hold (``top20``; 0.2 for uniform weights).
+
+    Weights are the strategies' token advantages with every sequence advantage set to +1,
+    computed step by step (``global_topk`` selects within each step's batch, as in training).
+    """
+    labels = _difficulty(r)
+    deciles = _bins(r.mask, 10)
+    ones = torch.ones(len(r))
+    by_step: dict[Any, list[int]] = defaultdict(list)
+    for i, rec in enumerate(r.records):
+        by_step[rec.get("step")].append(i)
+    steps = {k: torch.tensor(v) for k, v in by_step.items()}
+    out = {}
+    for name, (strategy, params) in STRATEGIES.items():
+        if strategy in ("proximal_softmax", "window_average") or params.get("score") == "proximal":
+            params = {**params, "window": window}
+        fn = weighting.get_strategy(strategy, **params)
+        w = torch.zeros_like(r.entropies)  # [N, T]
+        for idx in steps.values():  # per step: global_topk's threshold is over one batch
+            w[idx] = fn(ones[idx], r.entropies[idx], r.mask[idx])
+        total = float(w[r.mask].sum()) or 1.0
+        row = {f"decile_{d + 1}": float(w[r.mask & (deciles == d)].sum()) / total
+               for d in range(10)}
+        for g in GROUPS:
+            rows = torch.tensor([lab == g for lab in labels])
+            row[g] = float(w[r.mask & rows[:, None]].sum()) / total
+        row["top20"] = _top20_share(w[r.mask])
+        out[name] = row
+    return out
+
+
+def _colour(v: float, lo: float = 0.0, hi: float = 3.0) -> str:
+    """White at 1 (the mean), red above, blue below, saturating at ``hi`` / ``lo``."""
+    if v >= 1:
+        a = min((v - 1) / (hi - 1), 1.0)
+        return f"rgba(220,40,40,{a:.3f})"
+    a = min((1 - v) / (1 - lo), 1.0)
+    return f"rgba(40,90,220,{0.6 * a:.3f})"
+
+
+def heatmap_html(r: RolloutDump, indices: Sequence[int], window: int = 101) -> str:
+    """Self-contained HTML: each rollout's tokens coloured by ``H / mean H`` (left) and by the
+    PEPO weight ``c`` (right). Token text is HTML-escaped."""
+    c = weighting.get_strategy("proximal_softmax", window=window, apply_to="all")(
+        torch.ones(len(r)), r.entropies, r.mask
+    )
+    parts = [
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        "<title>pepo token heatmap</title><style>"
+        "body{font-family:sans-serif;margin:1.5em}"
+        ".pair{display:flex;gap:1.5em;margin-bottom:2em}"
+        ".col{flex:1;border:1px solid #ccc;padding:.6em}"
+        ".tok{font-family:monospace;white-space:pre-wrap;border-radius:2px}"
+        "h2{font-size:1em}h3{font-size:.9em;margin:.2em 0 .5em}"
+        "</style></head><body>",
+        f"<h1>Token heatmap</h1><p>Red: above the rollout's mean, blue: below. Left: global "
+        f"entropy H / mean H. Right: PEPO weight c = e / mean e (W = {window}). Hover a token "
+        f"for its values.</p>",
+    ]
+    for i in indices:
+        rec = r.records[i]
+        n = int(r.mask[i].sum())
+        toks = r.tokens[i] or ["·"] * n
+        h = r.entropies[i, :n]
+        hm = float(h.mean()) or 1.0
+        cols = []
+        for title, vals in (("global entropy (H / mean H)", (h / hm).tolist()),
+                            ("PEPO weight c", c[i, :n].tolist())):
+            spans = "".join(
+                f'<span class="tok" style="background:{_colour(v)}" '
+                f'title="H={float(h[t]):.3f} value={v:.2f}">{html.escape(str(toks[t]))}</span>'
+                for t, v in enumerate(vals)
+            )
+            cols.append(f'<div class="col"><h3>{html.escape(title)}</h3>{spans}</div>')
+        head = (f"rollout {i}: step {rec.get('step')}, reward {rec.get('reward')}, "
+                f"advantage {rec.get('advantage', 0.0):.3f}")
+        prompt = html.escape(str(rec.get("prompt", "")))
+        parts.append(f"<h2>{html.escape(head)}</h2><p><code>{prompt}</code></p>"
+                     f'<div class="pair">{"".join(cols)}</div>')
+    parts.append("</body></html>\n")
+    return "".join(parts)
+
+
+def _plot_positional(curves: dict[str, torch.Tensor], windows: Sequence[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n_bins = len(curves["global"])
+    x = [(b + 0.5) * 100 / n_bins for b in range(n_bins)]
+    fig, axes = plt.subplots(1, len(windows), figsize=(4.2 * len(windows), 3.6), dpi=110,
+                             sharey=True, squeeze=False)
+    for ax, w in zip(axes[0], windows):
+        ax.axhline(0, color="k", lw=0.8)
+        ax.plot(x, (100 * curves["global"]).tolist(), "--", color="gray", label="global entropy")
+        ax.plot(x, (100 * curves[f"proximal_{w}"]).tolist(), color="tab:purple", lw=2,
+                label="proximal entropy")
+        ax.plot(x, (100 * curves[f"window_average_{w}"]).tolist(), "--", color="tab:orange",
+                label="window ratio H / Σ_W H (no softmax)")
+        ax.set_title(f"W = {w}")
+        ax.set_xlabel("generation percentile (%)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("deviation from sequence mean (%)")
+    axes[0][-1].legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def run(dump: Union[str, Path], out: Union[str, Path], windows: Sequence[int] = (31, 51, 101),
+        heatmap_rollouts: int = 4) -> dict[str, Path]:
+    """Writes every diagnostic of the dump ``dump`` into ``out``; returns the files."""
+    t0 = time.perf_counter()
+    r = load_dump(dump)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    files: dict[str, Path] = {}
+    w_main = max(windows)
+
+    curves = positional_bias(r, windows)
+    files["positional_csv"] = out / "positional_bias.csv"
+    with open(files["positional_csv"], "w", newline="") as f:
+        wr = csv.writer(f)
+        wr.writerow(["percentile_bin_center", *curves])
+        n_bins = len(curves["global"])
+        for b in range(n_bins):
+            wr.writerow([(b + 0.5) / n_bins, *(f"{float(v[b]):.6g}" for v in curves.values())])
+    files["positional_png"] = out / "positional_bias.png"
+    _plot_positional(curves, windows, files["positional_png"])
+
+    diff = difficulty_bias(r, w_main)
+    lines = [f"Mean token entropy by prompt difficulty (pass rate over each prompt's rollouts of "
+             f"a step; W = {w_main}); {len(r)} rollouts.", "",
+             "| | rollouts | Global Entropy | Proximal Entropy |", "|---|---:|---:|---:|"]
+    for g in GROUPS:
+        if g in diff:
+            d = diff[g]
+            lines.append(f"| {g.capitalize()} | {d['rollouts']} | {d['global']:.3f} | "
+                         f"{d['proximal']:.5f} |")
+    if not diff:
+        lines.append("| (no groups: single-stream dumps have one rollout per prompt) | | | |")
+    files["difficulty_md"] = out / "difficulty_bias.md"
+    files["difficulty_md"].write_text("\n".join(lines) + "\n")
+
+    prof = entropy_profile(r, windows)
+    files["profile_json"] = out / "profile.json"
+    files["profile_json"].write_text(json.dumps(prof, indent=2) + "\n")
+    files["profile_md"] = out / "profile.md"
+    files["profile_md"].write_text("\n".join(
+        [f"Entropy profile of {len(r)} rollouts.", "", "| quantity | value |", "|---|---:|"]
+        + [f"| {k} | {v:.4g} |" for k, v in prof.items()]) + "\n")
+
+    mass = weight_mass(r, w_main)
+    cols = [f"decile_{d}" for d in range(1, 11)] + list(GROUPS) + ["top20"]
+    files["mass_csv"] = out / "weight_mass.csv"
+    with open(files["mass_csv"], "w", newline="") as f:
+        wr = csv.writer(f)
+        wr.writerow(["strategy", *cols])
+        for name, row in mass.items():
+            wr.writerow([name, *(f"{row[c]:.6g}" for c in cols)])
+    md = ["Share of each strategy's token weight (advantages set to +1) by position decile "
+          "and by difficulty group, and the share held by its 20% highest-weighted tokens "
+          "(top 20%; 20 for uniform weights), in %.", "",
+          "| strategy | " + " | ".join(c.replace("decile_", "D").replace("top20", "top 20%")
+                                       for c in cols) + " |",
+          "|---|" + "---:|" * len(cols)]
+    md += [f"| {n} | " + " | ".join(f"{100 * row[c]:.1f}" for c in cols) + " |"
+           for n, row in mass.items()]
+    files["mass_md"] = out / "weight_mass.md"
+    files["mass_md"].write_text("\n".join(md) + "\n")
+
+    # the heatmap shows correct rollouts of varied length first (their weights are the ones used)
+    order = sorted(range(len(r)), key=lambda i: (r.records[i].get("reward", 0) <= 0, i))
+    files["heatmap_html"] = out / "heatmap.html"
+    files["heatmap_html"].write_text(heatmap_html(r, order[:heatmap_rollouts], w_main))
+    print(f"analysed {len(r)} rollouts in {time.perf_counter() - t0:.1f}s")
+    for k, p in files.items():
+        print(f"  {k:15s} {p}")
+    return files
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["intervene"]:  # python -m pepo.study.analysis intervene ... (Table 5)
+        from pepo.study import intervention
+
+        intervention.main(argv[1:])
+        return
+    ap = argparse.ArgumentParser(prog="python -m pepo.study.analysis", description=__doc__.split("\n")[0])
+    ap.add_argument("dump", help="a rollouts/step_N.jsonl file or the rollouts/ directory")
+    ap.add_argument("--out", required=True, help="directory for the plots and tables")
+    ap.add_argument("--windows", type=int, nargs="+", default=[31, 51, 101])
+    ap.add_argument("--heatmap-rollouts", type=int, default=4)
+    args = ap.parse_args(argv)
+    try:
+        run(args.dump, args.out, args.windows, args.heatmap_rollouts)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+if __name__ == "__main__":
+    main()

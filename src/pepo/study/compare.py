@@ -1,0 +1,409 @@
+"""The strategy study on both embedded tasks: every method x seeds -> a Markdown report.
+
+    python -m pepo.study.compare [--tasks tiny tiny_drift] [--seeds 0 1 2 3 4]
+        [--out comparison_runs] [--only group|single_stream] [--shard I/N]
+        [--docs DIR] [--discussion FILE]
+
+The runs, ``results.md`` and its images go under ``--out``; ``--docs DIR`` puts the report and
+images in ``DIR`` instead (this repository's ``docs/results.md`` is made with ``--docs docs
+--discussion docs/results_discussion.md``).
+
+For each task (``tiny``: the modsum chains; ``tiny_drift``: the long chains with the paper's
+entropy structure) it runs the group-mode config (``tiny``, ``tiny_drift``) with GRPO, 80/20,
+80/20 with the proximal score, Entropy Adv., PEPO and the windowed average, and the
+single-stream config (``tiny_spo``, ``tiny_drift_spo``) with SPO, S-80/20, S-Entropy Adv. and
+PESPO, once per seed (the seed sets the prompt order and the sampling; the warm-start
+checkpoint is the same). Each run is the recipe in this process, as ``tune run pepo_recipe``
+would run it. Then, per task, the token intervention of ``pepo.study.intervention`` (base: the
+warm-start checkpoint, replacement: the final GRPO checkpoint of the first seed).
+
+The report gives validation avg@k before and after as mean ± sample SD over seeds, the paired
+difference to the mode's baseline (GRPO / SPO) over the same seeds (mean Δ ± SD, the paired t
+statistic, whether |t| exceeds the two-sided 5% critical value, and wins / ties / losses), and
+each run's median step time (s), averaged over the seeds.
+
+Finished runs (a ``result.json`` in their directory) are read back, not rerun, so a study can
+be stopped and continued (an unfinished run starts again). To use more cores, start the same
+command several times: each run is taken by one process (a lock on its directory) and the others
+move on; or split the plan with ``--shard I/N`` (every N-th run). Then one ``--report-only``
+call writes the report. The single-stream runs of a seed share one offline prior
+(``prior_cache``), computed by the first of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+
+import pepo_recipe
+from pepo.study import analysis, intervention
+from pepo.training.config import find_config, register_resolvers
+
+METHODS = {
+    "group": [
+        ("GRPO", {"name": "uniform"}),
+        ("80/20", {"name": "global_topk"}),
+        ("80/20, proximal score", {"name": "global_topk", "global_topk": {"score": "proximal"}}),
+        ("Entropy Adv.", {"name": "entropy_bonus"}),
+        ("PEPO", {"name": "proximal_softmax"}),
+        ("windowed average", {"name": "window_average"}),
+        # App. F.3's temperature sweep of PEPO (the paper's grid: 0.5, 1, 2)
+        ("PEPO, τ = 0.5", {"name": "proximal_softmax", "proximal_softmax": {"temperature": 0.5}}),
+        ("PEPO, τ = 2", {"name": "proximal_softmax", "proximal_softmax": {"temperature": 2.0}}),
+    ],
+    "single_stream": [
+        ("SPO", {"name": "uniform"}),
+        ("S-80/20", {"name": "global_topk"}),
+        ("S-Entropy Adv.", {"name": "entropy_bonus"}),
+        ("PESPO", {"name": "proximal_softmax"}),
+    ],
+}
+MODES = ("group", "single_stream")
+CONFIGS = {"tiny": {"group": "tiny", "single_stream": "tiny_spo"},
+           "tiny_drift": {"group": "tiny_drift", "single_stream": "tiny_drift_spo"}}
+# two-sided 5% critical values of Student's t, by degrees of freedom
+T_CRIT = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+          9: 2.262, 10: 2.228, 15: 2.131, 20: 2.086, 30: 2.042}
+
+
+def slug(label: str) -> str:
+    label = label.replace("τ", "tau")
+    return "".join(c if c.isascii() and c.isalnum() else "_" for c in label).strip("_").lower()
+
+
+def run_dir(out: Path, task: str, mode: str, label: str, seed: int) -> Path:
+    return out / task / mode / slug(label) / f"seed_{seed}"
+
+
+def saved_result(d: Path) -> Optional[dict]:
+    """The result a finished run saved in ``d``, or None."""
+    done = d / "result.json"
+    return json.loads(done.read_text()) if done.is_file() else None
+
+
+def _take(d: Path):
+    """An exclusive lock on run directory ``d`` (an open file; the lock ends with it or with the
+    process), or None when another live process holds it."""
+    d.mkdir(parents=True, exist_ok=True)
+    f = open(d / ".lock", "a")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        return None
+    return f
+
+
+def run_one(task: str, mode: str, label: str, strategy: dict, seed: int, out: Path,
+            overrides: dict[str, Any]) -> Optional[dict]:
+    """One recipe run, or its saved result; None when another process is running it (so that
+    several processes can work through one plan). What an unfinished run left (a killed
+    process) is removed and the run starts again."""
+    d = run_dir(out, task, mode, label, seed)
+    if (saved := saved_result(d)) is not None:
+        return saved
+    lock = _take(d)
+    if lock is None:
+        print(f"{task:10s} {mode:13s} {label:22s} seed {seed}: running in another process",
+              flush=True)
+        return None
+    with lock:
+        if (saved := saved_result(d)) is not None:  # finished before we took the lock
+            return saved
+        for p in d.iterdir():
+            if p.name != ".lock":
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+        return _run(task, mode, label, strategy, seed, out, overrides)
+
+
+def _run(task: str, mode: str, label: str, strategy: dict, seed: int, out: Path,
+         overrides: dict[str, Any]) -> dict:
+    d = run_dir(out, task, mode, label, seed)
+    register_resolvers()
+    cfg = OmegaConf.load(find_config(CONFIGS[task][mode]))
+    fixed: dict[str, Any] = {"seed": seed, "output_dir": str(d), "strategy": strategy,
+                             "plot": False, "save_every": 0, "keep_checkpoints": 1}
+    if mode == "single_stream":  # the seed's offline prior, computed once for all its methods
+        fixed["prior_cache"] = str(out / task / mode / f"prior_seed_{seed}.json")
+    cfg = OmegaConf.merge(cfg, fixed, overrides)
+    t0 = time.perf_counter()
+    recipe = pepo_recipe.recipe_main(cfg, log_config=False)
+    val = [[h["step"], h["val_accuracy"]] for h in recipe.history if "val_accuracy" in h]
+    steps = [h["step_time"] for h in recipe.history if "step_time" in h]
+    result = {
+        "task": task, "mode": mode, "method": label, "seed": seed, "val_curve": val,
+        "val_before": val[0][1], "val_after": val[-1][1], "val_k": int(cfg.validation.samples),
+        "val_problems": int(cfg.val_dataset.size), "num_steps": int(cfg.num_steps),
+        "step_time_median": statistics.median(steps), "wall_s": time.perf_counter() - t0,
+        "checkpoint": str(d / "checkpoints" / f"step_{int(cfg.num_steps)}"),
+    }
+    tmp = d / "result.json.tmp"
+    tmp.write_text(json.dumps(result, indent=2))
+    os.replace(tmp, d / "result.json")  # a result is whole or absent
+    print(f"{task:10s} {mode:13s} {label:22s} seed {seed}: {result['val_before']:.3f} -> "
+          f"{result['val_after']:.3f}  ({result['wall_s']:.0f}s)", flush=True)
+    return result
+
+
+def mean_sd(xs: list[float], scale: float = 100.0) -> str:
+    if len(xs) < 2:
+        return f"{scale * xs[0]:.1f}"
+    return f"{scale * statistics.mean(xs):.1f} ± {scale * statistics.stdev(xs):.1f}"
+
+
+def paired(runs: list[dict], base: list[dict]) -> Optional[dict[str, Any]]:
+    """Paired comparison of ``val_after`` over the seeds both have."""
+    b = {r["seed"]: r["val_after"] for r in base}
+    d = [r["val_after"] - b[r["seed"]] for r in runs if r["seed"] in b]
+    if not d:
+        return None
+    out: dict[str, Any] = {"n": len(d), "mean": statistics.mean(d),
+                           "wins": sum(x > 0 for x in d), "ties": sum(x == 0 for x in d),
+                           "losses": sum(x < 0 for x in d)}
+    if len(d) >= 2:
+        sd = statistics.stdev(d)
+        out["sd"] = sd
+        out["t"] = (out["mean"] / (sd / math.sqrt(len(d)))) if sd > 0 else (
+            0.0 if out["mean"] == 0 else math.copysign(math.inf, out["mean"]))
+        crit = T_CRIT[max(k for k in T_CRIT if k <= len(d) - 1)]
+        out["significant"] = abs(out["t"]) > crit
+    return out
+
+
+def _paired_cell(p: Optional[dict[str, Any]]) -> str:
+    if p is None:
+        return "–"
+    if "t" not in p:
+        return f"{100 * p['mean']:+.1f} ({p['wins']}/{p['ties']}/{p['losses']})"
+    sig = " *" if p["significant"] else ""
+    return (f"{100 * p['mean']:+.1f} ± {100 * p['sd']:.1f}, t = {p['t']:+.2f}{sig} "
+            f"({p['wins']}/{p['ties']}/{p['losses']})")
+
+
+def plot(results: list[dict], tasks: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(tasks), 2, figsize=(11, 4 * len(tasks)), dpi=110,
+                             squeeze=False)
+    for row, task in zip(axes, tasks):
+        for ax, mode in zip(row, MODES):
+            for label, _ in METHODS[mode]:
+                runs = [r for r in results if (r["task"], r["mode"], r["method"]) ==
+                        (task, mode, label)]
+                if not runs:
+                    continue
+                n = min(len(r["val_curve"]) for r in runs)
+                steps = [s for s, _ in runs[0]["val_curve"][:n]]
+                mean = [statistics.mean(r["val_curve"][i][1] for r in runs) for i in range(n)]
+                ax.plot(steps, mean, "o-", label=f"{label} (n={len(runs)})")
+            ax.set_title(f"{CONFIGS[task][mode]} ({mode.replace('_', '-')})")
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8, loc="lower right")
+            else:
+                ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes)
+        row[0].set_ylabel("validation avg@k (mean over seeds)")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def report(results: list[dict], tasks: list[str], command: str,
+           extra: dict[str, str]) -> str:
+    lines = [
+        "# Results on the embedded tasks",
+        "",
+        f"Produced by `{command}` (rerun it to reproduce; finished runs "
+        "are reused). Validation accuracy is avg@k on the held-out prompts, in %, as mean ± "
+        "sample SD over seeds. **Δ vs baseline** is the paired difference of the final accuracy "
+        "to the mode's baseline (GRPO / SPO) on the same seeds: mean ± SD in points, the paired "
+        "t statistic (* where |t| exceeds the two-sided 5% critical value of one comparison, not "
+        "corrected for the number of rows), and wins / ties / "
+        "losses over the seeds. s/step is each run's median step time, averaged over the seeds: "
+        "it depends on what else the machine ran at the time, so it is not a comparison of "
+        "speed (docs/performance.md measures the weighting's own cost).",
+        "",
+    ]
+    for task in tasks:
+        for mode in MODES:
+            rows = [r for r in results if (r["task"], r["mode"]) == (task, mode)]
+            if not rows:
+                continue
+            base_label = METHODS[mode][0][0]
+            base = [r for r in rows if r["method"] == base_label]
+            k, n = rows[0]["val_k"], rows[0]["val_problems"]
+            lines += [f"## {CONFIGS[task][mode]} ({task}, {mode.replace('_', '-')}; avg@{k} on "
+                      f"{n} prompts, {rows[0]['num_steps']} steps)", "",
+                      f"| method | seeds | before | after | Δ vs {base_label} | s/step |",
+                      "|---|---:|---:|---:|---|---:|"]
+            for label, _ in METHODS[mode]:
+                runs = [r for r in rows if r["method"] == label]
+                if not runs:
+                    continue
+                step_s = statistics.mean(r["step_time_median"] for r in runs)
+                cell = "(baseline)" if label == base_label else _paired_cell(paired(runs, base))
+                lines.append(f"| {label} | {len(runs)} | "
+                             f"{mean_sd([r['val_before'] for r in runs])} | "
+                             f"{mean_sd([r['val_after'] for r in runs])} | {cell} | "
+                             f"{step_s:.2f} |")
+            lines.append("")
+        if task in extra:
+            lines += [extra[task], ""]
+    lines += ["![validation accuracy over training](images/comparison.png)", ""]
+    return "\n".join(lines)
+
+
+def run_intervention(task: str, results: list[dict], out: Path, docs: Path,
+                     budgets: list[float], k: int) -> Optional[str]:
+    """The token-intervention table of ``task``: warm start vs its first-seed GRPO run."""
+    grpo = sorted((r for r in results if (r["task"], r["mode"], r["method"]) ==
+                   (task, "group", "GRPO")), key=lambda r: r["seed"])
+    if not grpo or not Path(grpo[0]["checkpoint"]).is_dir():
+        return None
+    dest = docs / "images" / f"intervention_{task}"
+    saved = out / task / "intervention.json"
+    args = ["--config", CONFIGS[task]["group"], "--replacement", grpo[0]["checkpoint"],
+            "--budgets", *[f"{b:g}" for b in budgets], "--k", str(k), "--out", str(dest)]
+    if not saved.is_file():
+        res = intervention.main(args)
+        saved.write_text(json.dumps({m: {str(b): v for b, v in d.items()}
+                                     for m, d in res.items()}, indent=2))
+    table = (dest / "intervention.md").read_text()
+    return (f"### Token intervention ({task})\n\nBase: the warm-start checkpoint; replacement: "
+            f"the final GRPO checkpoint of seed {grpo[0]['seed']}.\n"
+            f"`python -m pepo.study.analysis intervene " + " ".join(
+                {grpo[0]["checkpoint"]: "RUN/checkpoints/step_N",
+                 str(dest): f"docs/images/intervention_{task}"}.get(a, a) for a in args)
+            + f"`\n\n{table}\n![intervention](images/intervention_{task}/intervention.png)")
+
+
+def run_diagnostics(task: str, results: list[dict], out: Path, docs: Path,
+                    windows: tuple[int, ...]) -> Optional[str]:
+    """``pepo.study.analysis`` of the first dump of one PEPO run: the task's entropy structure."""
+    pepo = sorted((r for r in results if (r["task"], r["mode"], r["method"]) ==
+                   (task, "group", "PEPO")), key=lambda r: r["seed"])
+    if not pepo:
+        return None
+    dumps = sorted((run_dir(out, task, "group", "PEPO", pepo[0]["seed"]) / "rollouts")
+                   .glob("step_*.jsonl"))
+    if not dumps:
+        return None
+    dest = docs / "images" / f"analysis_{task}"
+    files = analysis.run(dumps[0], dest, windows=windows)
+    return (f"### Entropy structure of {task} (the rollouts of the first dumped step of PEPO, "
+            f"seed {pepo[0]['seed']})\n\n"
+            f"`python -m pepo.study.analysis RUN/rollouts/{dumps[0].name} --windows "
+            + " ".join(map(str, windows)) + "`\n\n"
+            + files["profile_md"].read_text() + "\n" + files["difficulty_md"].read_text()
+            + f"\n![positional bias](images/analysis_{task}/positional_bias.png)\n\n"
+            + files["mass_md"].read_text())
+
+
+def command_line(argv: Optional[list[str]]) -> str:
+    """The study's command without the options that only say where files go or how it ran."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    keep, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a in ("--out", "--docs", "--discussion", "--shard"):
+            skip = True
+        elif a != "--report-only":
+            keep.append(a)
+    return " ".join(["python -m pepo.study.compare", *keep])
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    return OmegaConf.to_container(OmegaConf.from_dotlist(items)) if items else {}
+
+
+def main(argv: Optional[list[str]] = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tasks", nargs="+", choices=sorted(CONFIGS), default=sorted(CONFIGS))
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    ap.add_argument("--out", default="comparison_runs")
+    ap.add_argument("--only", choices=MODES, default=None)
+    ap.add_argument("--methods", nargs="+", default=None,
+                    help="run only these method labels (the baselines are always run)")
+    ap.add_argument("--steps", type=int, default=None, help="override num_steps")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="config overrides for every run (e.g. validation.every=10)")
+    ap.add_argument("--shard", default="0/1", help="I/N: run every N-th run, starting at I")
+    ap.add_argument("--report-only", action="store_true",
+                    help="write the report from finished runs; run nothing")
+    ap.add_argument("--no-intervention", action="store_true")
+    ap.add_argument("--budgets", type=float, nargs="+", default=[0, 5, 10, 15, 20, 30])
+    ap.add_argument("--intervention-k", type=int, default=4)
+    ap.add_argument("--docs", default=None,
+                    help="where results.md and its images go (default: --out)")
+    ap.add_argument("--discussion", default=None,
+                    help="Markdown appended to the report (what the numbers mean)")
+    args = ap.parse_args(argv)
+    shard, n_shards = (int(x) for x in args.shard.split("/"))
+    overrides = parse_set(args.set)
+    if args.steps is not None:
+        overrides["num_steps"] = args.steps
+    out = Path(args.out)
+    plan = []
+    for task in args.tasks:
+        for mode in MODES:
+            if args.only and mode != args.only:
+                continue
+            for seed in args.seeds:  # seeds outer: a partial study still covers every method
+                for label, strategy in METHODS[mode]:
+                    if args.methods and label not in args.methods and label != METHODS[mode][0][0]:
+                        continue
+                    plan.append((task, mode, label, strategy, seed))
+    results, elsewhere = [], 0
+    for i, (task, mode, label, strategy, seed) in enumerate(plan):
+        if args.report_only or i % n_shards != shard:
+            if (saved := saved_result(run_dir(out, task, mode, label, seed))) is not None:
+                results.append(saved)
+            continue
+        result = run_one(task, mode, label, strategy, seed, out, overrides)
+        if result is not None:
+            results.append(result)
+        else:
+            elsewhere += 1
+    if (n_shards > 1 or elsewhere) and not args.report_only:
+        if elsewhere:
+            print(f"{elsewhere} run(s) were taken by other processes: write the report with "
+                  f"--report-only once they finish", flush=True)
+        return results  # the report comes from one --report-only call over all shards
+    docs = Path(args.docs) if args.docs else out
+    (docs / "images").mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    extra = {}
+    for task in args.tasks:
+        parts = [run_diagnostics(task, results, out, docs, (5, 11, 21))]
+        if not args.no_intervention:
+            parts.append(run_intervention(task, results, out, docs, args.budgets,
+                                          args.intervention_k))
+        extra[task] = "\n\n".join(p for p in parts if p)
+    plot(results, args.tasks, docs / "images" / "comparison.png")
+    text = report(results, args.tasks, command_line(argv), extra)
+    discussion = Path(args.discussion) if args.discussion else None
+    if discussion is not None and discussion.is_file():  # the authors' reading of the numbers
+        text += "\n" + discussion.read_text()
+    (docs / "results.md").write_text(text)
+    print(f"wrote {docs / 'results.md'}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,409 @@
+"""Token intervention (paper Sec. 4.4, Table 5): does a metric find the tokens that matter?
+
+Generate with a base model; rank each response's positions by a token metric (global entropy
+``H`` or proximal entropy ``e``, Eq. 6, both of the base model at the sampling temperature);
+replace the top ``budget`` fraction of positions with tokens sampled from a replacement model
+(an RL checkpoint) and let the base model continue autoregressively; score avg@k per budget.
+If a metric ranks the decision tokens first, a small budget recovers much of the replacement
+model's accuracy.
+
+* :func:`mixed_generate` decodes with two models in lockstep: at position ``t`` of row ``i``
+  the token is drawn from the replacement model where ``replace[i, t]``, else from the base.
+  Both models see the same sequence (each keeps its own KV cache) and every row's draws use the
+  same counter-based uniforms as :func:`pepo.training.generation.generate` with the same ``seeds``, so
+  an all-False mask reproduces the base model's rollouts exactly and an all-True mask the
+  replacement model's.
+* :func:`select_positions` turns a metric and a budget into that mask.
+* :func:`intervene` runs a whole table; ``python -m pepo.study.analysis intervene`` is its CLI.
+
+Positions are those of the base response: budget ``b`` replaces ``ceil(b * T_i)`` of row
+``i``'s ``T_i`` positions (ties broken towards earlier positions). Positions the base response
+never reached are replaced only at budget 1 (so budget 1 is the replacement model's own
+generation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import time
+from pathlib import Path
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+import torch
+from torchtune.modules import local_kv_cache
+
+from pepo import weighting
+from pepo.entropy import logprobs_and_entropy
+from pepo.training.evaluation import eval_generator, is_success
+from pepo.training.generation import (
+    Rollouts,
+    _sample,
+    draw_seeds,
+    filter_logits,
+    pad_prompts,
+    row_uniforms,
+    sequence_inputs,
+)
+
+__all__ = ["METRICS", "MixedRollouts", "intervene", "main", "mixed_generate", "select_positions",
+           "token_metric", "write_table"]
+
+METRICS = ("global", "proximal")
+
+
+@dataclass
+class MixedRollouts(Rollouts):
+    """:class:`pepo.training.generation.Rollouts` plus, per generated position, the base model's
+    entropy ``H`` (``[B, T]`` fp32, 0 at padding) and whether the token came from the
+    replacement model (``[B, T]`` bool)."""
+
+    entropies: Optional[torch.Tensor] = None
+    replaced: Optional[torch.Tensor] = None
+
+
+@torch.no_grad()
+def mixed_generate(
+    base: torch.nn.Module,
+    replacement: Optional[torch.nn.Module],
+    prompts: Sequence[Sequence[int]],
+    replace: Optional[torch.Tensor],
+    *,
+    seeds: torch.Tensor,
+    max_new_tokens: int,
+    pad_id: int,
+    stop_tokens: Sequence[int],
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: float = 1.0,
+) -> MixedRollouts:
+    """Samples one response per prompt, position ``t`` of row ``i`` from ``replacement`` where
+    ``replace[i, t]`` (``[B, max_new_tokens]`` bool; None or ``replacement=None``: never).
+
+    Raises:
+        ValueError: a mask of the wrong shape, seeds not ``[B]``, or a sequence longer than a
+            model's ``max_seq_len``.
+    """
+    bsz = len(prompts)
+    if seeds.shape != (bsz,):
+        raise ValueError(f"seeds must be [B]=[{bsz}], got {list(seeds.shape)}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    device = next(base.parameters()).device
+    if replacement is base:
+        replacement = None  # one model: every token is the base model's anyway
+    if replace is None or replacement is None:
+        replace = torch.zeros((bsz, max_new_tokens), dtype=torch.bool)
+    if replace.shape != (bsz, max_new_tokens) or replace.dtype != torch.bool:
+        raise ValueError(f"replace must be a bool [B, max_new_tokens]=[{bsz}, {max_new_tokens}] "
+                         f"mask, got {replace.dtype} {list(replace.shape)}")
+    replace = replace.to(device)
+    models = [base] if replacement is None else [base, replacement]
+    prompt_tokens, prompt_mask = pad_prompts(prompts, pad_id, device)
+    plen = prompt_tokens.shape[1]
+    total = plen + max_new_tokens
+    for m in models:
+        limit = getattr(m, "max_seq_len", None)
+        if limit is not None and total > limit:
+            raise ValueError(f"prompt length {plen} + max_new_tokens {max_new_tokens} = {total} "
+                             f"exceeds a model's max_seq_len={limit}")
+    attn_mask, positions = sequence_inputs(prompt_mask, max_new_tokens)
+    stops = torch.as_tensor(list(stop_tokens), dtype=torch.long, device=device)
+    out = torch.full((bsz, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    out_lp = torch.zeros((bsz, max_new_tokens), dtype=torch.float32, device=device)
+    ent = torch.zeros((bsz, max_new_tokens), dtype=torch.float32, device=device)
+    valid = torch.zeros((bsz, max_new_tokens), dtype=torch.bool, device=device)
+    done = torch.zeros(bsz, dtype=torch.bool, device=device)
+    modes = [m.training for m in models]
+    try:
+        with ExitStack() as stack:
+            for m in models:
+                m.eval()
+                stack.enter_context(local_kv_cache(
+                    m, batch_size=bsz, device=device, dtype=next(m.parameters()).dtype,
+                    decoder_max_seq_len=total))
+            logits = [m(prompt_tokens, input_pos=positions[:, :plen],
+                        mask=attn_mask[:, :plen])[:, -1] for m in models]  # each [B, V]
+            for t in range(max_new_tokens):
+                z = logits[0] if len(models) == 1 else torch.where(
+                    replace[:, t, None], logits[1].to(logits[0].dtype), logits[0])
+                probs = filter_logits(z, temperature, top_k, top_p).softmax(-1)
+                tok = _sample(probs, row_uniforms(seeds, t)).to(device)  # [B]
+                _, h = logprobs_and_entropy(logits[0].float(), tok, temperature=temperature)
+                lp = probs.gather(1, tok[:, None]).squeeze(1).log()
+                out_lp[:, t] = torch.where(done, 0.0, lp)
+                ent[:, t] = torch.where(done, 0.0, h)
+                tok = torch.where(done, pad_id, tok)
+                out[:, t] = tok
+                valid[:, t] = ~done
+                done = done | torch.isin(tok, stops)
+                if t + 1 == max_new_tokens or bool(done.all()):
+                    break
+                pos = plen + t
+                logits = [m(tok[:, None], input_pos=positions[:, pos : pos + 1],
+                            mask=attn_mask[:, pos : pos + 1])[:, -1] for m in models]
+    finally:
+        for m, mode in zip(models, modes):
+            m.train(mode)
+    width = int(valid.sum(-1).max())
+    return MixedRollouts(
+        prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, tokens=out[:, :width],
+        mask=valid[:, :width], finished=done, logprobs=out_lp[:, :width],
+        entropies=ent[:, :width], replaced=(replace[:, :width] & valid[:, :width]),
+    )
+
+
+def token_metric(name: str, entropies: torch.Tensor, mask: torch.Tensor,
+                 window: int = 101) -> torch.Tensor:
+    """The ranking metric ``[B, T]``: ``global`` is ``H``, ``proximal`` is ``e`` (Eq. 6)."""
+    if name == "global":
+        return torch.where(mask, entropies, 0.0)
+    if name == "proximal":
+        return weighting.proximal_entropy(entropies, mask, window=window)
+    raise ValueError(f"unknown metric {name!r}; expected one of {list(METRICS)}")
+
+
+def select_positions(metric: torch.Tensor, mask: torch.Tensor, budget: float,
+                     width: int) -> torch.Tensor:
+    """``[B, width]`` bool: the ``ceil(budget * T_i)`` valid positions of row ``i`` with the
+    highest metric (earlier positions first among ties); every position at ``budget >= 1``."""
+    if not 0.0 <= budget <= 1.0:
+        raise ValueError(f"budget must be a fraction in [0, 1], got {budget}")
+    if metric.shape != mask.shape:
+        raise ValueError(f"metric {list(metric.shape)} and mask {list(mask.shape)} differ")
+    bsz, T = mask.shape
+    if width < T:
+        raise ValueError(f"width={width} is shorter than the responses ({T})")
+    if budget >= 1.0:
+        return torch.ones((bsz, width), dtype=torch.bool)
+    n = mask.sum(-1)  # [B]
+    k = torch.ceil(budget * n.double() - 1e-9).long()  # [B]
+    score = torch.where(mask, metric.double(), -math.inf)
+    # stable descending order: earlier positions first among equal scores
+    order = torch.sort(score, dim=-1, descending=True, stable=True).indices  # [B, T]
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(T).expand(bsz, T))
+    chosen = (rank < k[:, None]) & mask
+    return torch.nn.functional.pad(chosen, (0, width - T), value=False)
+
+
+def intervene(
+    base: torch.nn.Module,
+    replacement: torch.nn.Module,
+    tokenizer: Any,
+    problems: Sequence[Any],
+    reward_fn: Any,
+    *,
+    budgets: Sequence[float],
+    metrics: Sequence[str] = METRICS,
+    k: int = 4,
+    window: int = 101,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: float = 1.0,
+    stop_tokens: Sequence[int],
+    seed: int = 0,
+    batch_size: int = 256,
+    progress: Optional[Any] = None,
+) -> dict[str, dict[float, float]]:
+    """avg@k for every metric and budget: ``{metric: {budget: accuracy}}``, plus the
+    replacement model's own avg@k under ``"replacement"`` (``{1.0: acc}``).
+
+    The base rollouts are sampled once (seeds from ``seed``); every intervened rollout reuses
+    its row's seed, so budgets and metrics differ only in the positions replaced.
+    """
+    for m in metrics:
+        if m not in METRICS:
+            raise ValueError(f"unknown metric {m!r}; expected one of {list(METRICS)}")
+    for b in budgets:
+        if not 0.0 <= b <= 1.0:
+            raise ValueError(f"budgets are fractions in [0, 1], got {b}")
+    if k < 1 or not problems:
+        raise ValueError(f"need k >= 1 and at least one problem, got k={k}, "
+                         f"{len(problems)} problems")
+    rows = [p for p in problems for _ in range(k)]
+    prompts = [tokenizer.encode_prompt(p.prompt) for p in rows]
+    answers = [p.answer for p in rows]
+    seeds = draw_seeds(eval_generator(seed), len(rows))  # avg_at_k's seeds
+    kw = dict(max_new_tokens=max_new_tokens, pad_id=tokenizer.pad_id, stop_tokens=stop_tokens,
+              temperature=temperature, top_k=top_k, top_p=top_p)
+
+    def run(replace: Optional[torch.Tensor], use_replacement: bool = True) -> tuple[float, list]:
+        parts = []
+        for i in range(0, len(rows), batch_size):
+            sl = slice(i, i + batch_size)
+            parts.append(mixed_generate(
+                base, replacement if use_replacement else None, prompts[sl],
+                None if replace is None else replace[sl], seeds=seeds[sl], **kw))
+        texts = [tokenizer.decode(t[m].tolist()) for r in parts for t, m in zip(r.tokens, r.mask)]
+        rewards = torch.tensor(reward_fn(texts, answers), dtype=torch.float32)
+        if progress is not None:
+            progress()
+        return float(is_success(reward_fn, rewards).sum()) / len(rows), parts
+
+    acc0, base_parts = run(None, use_replacement=False)
+    # every token replaced is the same run whatever the metric: generated once
+    acc1 = run(torch.ones((len(rows), max_new_tokens), dtype=torch.bool))[0]
+    ents = [r.entropies for r in base_parts]
+    masks = [r.mask for r in base_parts]
+    out: dict[str, dict[float, float]] = {}
+    for m in metrics:
+        out[m] = {}
+        scores = [token_metric(m, e, mk, window) for e, mk in zip(ents, masks)]
+        for b in budgets:
+            if b in (0.0, 1.0):
+                out[m][b] = acc0 if b == 0.0 else acc1
+                continue
+            replace = torch.cat([select_positions(s, mk, b, max_new_tokens)
+                                 for s, mk in zip(scores, masks)])
+            out[m][b] = run(replace)[0]
+    out["replacement"] = {1.0: acc1}
+    return out
+
+
+def write_table(results: dict[str, dict[float, float]], out: Union[str, Path], *,
+                k: int, title: str = "") -> dict[str, Path]:
+    """``intervention.{csv,md,png}`` of :func:`intervene`'s results (accuracies in %)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    metrics = [m for m in results if m != "replacement"]
+    budgets = sorted({b for m in metrics for b in results[m]})
+    files = {"csv": out / "intervention.csv", "md": out / "intervention.md",
+             "png": out / "intervention.png"}
+    with open(files["csv"], "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["metric", "budget_percent", f"avg@{k}"])
+        for m in metrics:
+            for b in budgets:
+                w.writerow([m, f"{100 * b:g}", f"{results[m][b]:.6f}"])
+        if "replacement" in results:
+            w.writerow(["replacement", "100", f"{results['replacement'][1.0]:.6f}"])
+    names = {"global": "Global Entropy", "proximal": "Proximal Entropy"}
+    md = [title or f"Token-replacement intervention, avg@{k} (%); budget = fraction of token "
+                    f"positions replaced.", "",
+          "| Metric | " + " | ".join(f"{100 * b:g}%" for b in budgets) + " |",
+          "|---|" + "---:|" * len(budgets)]
+    for m in metrics:
+        md.append(f"| {names.get(m, m)} | "
+                  + " | ".join(f"{100 * results[m][b]:.1f}" for b in budgets) + " |")
+    if "replacement" in results:
+        md += ["", f"Replacement model alone (every token replaced): "
+                   f"{100 * results['replacement'][1.0]:.1f}%."]
+    files["md"].write_text("\n".join(md) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for m in metrics:
+        ax.plot([100 * b for b in budgets], [100 * results[m][b] for b in budgets], marker="o",
+                label=names.get(m, m))
+    if "replacement" in results:
+        ax.axhline(100 * results["replacement"][1.0], color="grey", ls="--",
+                   label="replacement model")
+    ax.set_xlabel("budget (% of token positions replaced)")
+    ax.set_ylabel(f"avg@{k} (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(files["png"])
+    plt.close(fig)
+    return files
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict[str, dict[float, float]]:
+    """``python -m pepo.study.analysis intervene``: the intervention table of two checkpoints."""
+    ap = argparse.ArgumentParser(
+        prog="python -m pepo.study.analysis intervene",
+        description="Token intervention (Table 5): replace the top-ranked tokens of the base "
+                    "model's responses with the replacement model's and score avg@k.")
+    ap.add_argument("--config", required=True,
+                    help="a recipe config (bundled name or YAML path): its tokenizer, model, "
+                         "val_dataset, reward and generation settings are used")
+    ap.add_argument("--base", default=None,
+                    help="base checkpoint directory (default: the config's checkpoint_dir)")
+    ap.add_argument("--replacement", required=True,
+                    help="replacement checkpoint directory (a run's checkpoints/step_N, or an "
+                         "HF directory)")
+    ap.add_argument("--budgets", type=float, nargs="+", default=[0, 5, 10, 15, 20, 30],
+                    help="percent of each response's positions to replace")
+    ap.add_argument("--metrics", nargs="+", default=list(METRICS), choices=METRICS)
+    ap.add_argument("--window", type=int, default=None,
+                    help="proximal entropy window (default: the config's "
+                         "strategy.proximal_softmax.window, else 101)")
+    ap.add_argument("--k", type=int, default=4, help="samples per problem (avg@k)")
+    ap.add_argument("--problems", type=int, default=None,
+                    help="use the first N validation problems (default: all)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--out", required=True, help="directory for intervention.{csv,md,png}")
+    args = ap.parse_args(argv)
+    try:
+        return _main(args)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+def _main(args: argparse.Namespace) -> dict[str, dict[float, float]]:
+    from omegaconf import OmegaConf
+    from torchtune import config as tt_config
+
+    from pepo.training.config import check_checkpoint_dir, find_config, register_resolvers
+    from pepo.training.tokenizers import stop_token_ids
+    from pepo.training.weights import load_model_weights
+
+    register_resolvers()
+    cfg = OmegaConf.load(find_config(args.config))
+    base_dir = args.base or str(cfg.checkpoint_dir)
+    check_checkpoint_dir(base_dir, "--base")
+    check_checkpoint_dir(args.replacement, "--replacement")
+    budgets = [b / 100 for b in args.budgets]
+    for b in args.budgets:
+        if not 0 <= b <= 100:
+            raise ValueError(f"--budgets are percentages in [0, 100], got {b:g}")
+    window = args.window or int(OmegaConf.select(cfg, "strategy.proximal_softmax.window",
+                                                 default=101))
+    tokenizer = tt_config.instantiate(cfg.tokenizer)
+    problems = list(tt_config.instantiate(cfg.val_dataset))
+    if args.problems is not None:
+        if args.problems < 1:
+            raise ValueError(f"--problems must be >= 1, got {args.problems}")
+        problems = problems[: args.problems]
+    models = []
+    for d in (base_dir, args.replacement):
+        m = tt_config.instantiate(cfg.model)
+        load_model_weights(m, d)
+        models.append(m.eval())
+    g = cfg.generation
+    reward = tt_config.instantiate(cfg.reward)
+    n_runs = 2 + len(args.metrics) * sum(0 < b < 1 for b in budgets)
+    done = [0]
+    t0 = time.perf_counter()
+
+    def progress() -> None:
+        done[0] += 1
+        print(f"  generation {done[0]}/{n_runs}  {time.perf_counter() - t0:6.1f}s", flush=True)
+
+    print(f"intervention: {len(problems)} problems x {args.k} samples, budgets "
+          f"{args.budgets} %, metrics {args.metrics}, W={window}")
+    try:
+        results = intervene(
+            models[0], models[1], tokenizer, problems, reward, budgets=budgets,
+            metrics=args.metrics, k=args.k, window=window,
+            max_new_tokens=int(g.max_new_tokens), temperature=float(g.temperature),
+            top_k=g.get("top_k"), top_p=float(g.get("top_p", 1.0)),
+            stop_tokens=stop_token_ids(tokenizer, g.get("stop_tokens")), seed=args.seed,
+            batch_size=args.batch_size, progress=progress)
+    finally:
+        close = getattr(reward, "close", None)
+        if callable(close):
+            close()
+    files = write_table(results, args.out, k=args.k)
+    print(files["md"].read_text())
+    for name, p in files.items():
+        print(f"  {name:4s} {p}")
+    return results

@@ -1,0 +1,322 @@
+"""Math datasets from local files in their published layouts → :class:`pepo.tasks.problems.Problem`.
+
+Reads Parquet (``.parquet``), JSON lines (``.jsonl``) or JSON (``.json``, a list of rows), or a
+directory of such files (read in sorted order). No hub access: point ``path`` at the files.
+
+| layout | published as | prompt | answer | id |
+|---|---|---|---|---|
+| ``deepmath`` | zwhe99/DeepMath-103K | ``question`` | ``final_answer`` | ``deepmath-<row>`` |
+| ``dapo`` | BytedTsinghua-SIA/DAPO-Math-17k | the problem inside ``prompt[0].content`` (DAPO's "Answer:" instructions removed) | ``reward_model.ground_truth`` | ``extra_info.index`` |
+| ``math500`` | HuggingFaceH4/MATH-500 | ``problem`` | ``answer`` | ``unique_id`` |
+| ``amc`` | AI-MO/aimo-validation-amc | ``problem`` | ``answer`` (``142.0`` → ``142``) | ``id`` |
+| ``aime`` | Maxwell-Jia/AIME_2024, HuggingFaceH4/aime_2024, yentinglin/aime_2025, opencompass/AIME2025, math-ai/aime25 | ``problem`` / ``Problem`` / ``question`` | ``answer`` / ``Answer`` | ``id`` / ``ID`` / row |
+
+``layout="auto"`` picks the layout from the columns. A row whose prompt or answer is missing,
+null (``None``, NaN) or empty is an error naming its file, row and field (``on_bad_row="skip"``
+drops such rows instead, with one warning that counts them): a ``"None"`` gold answer would
+score every response 0 without a word. Every prompt is then wrapped in
+``template`` (default: the question followed by "Please reason step by step, and put your final
+answer within \\boxed{}."), the instruction the paper's evaluation and math-verify's boxed
+extraction expect; the model's chat template is applied later, by the tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import string
+import warnings
+from pathlib import Path
+from typing import Any, Iterator, Optional, Union
+
+from pepo.tasks.problems import Problem
+
+__all__ = ["BOXED_TEMPLATE", "LAYOUTS", "ON_BAD_ROW", "load_math_dataset", "read_rows"]
+
+BOXED_TEMPLATE = (
+    "{question}\n\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+)
+LAYOUTS = ("auto", "deepmath", "dapo", "math500", "amc", "aime")
+ON_BAD_ROW = ("error", "skip")
+
+_DAPO_PREFIX = (
+    "Solve the following math problem step by step. The last line of your response should be "
+    "of the form Answer: $Answer (without quotes) where $Answer is the answer to the problem."
+)
+_DAPO_SUFFIX = 'Remember to put your answer on its own line after "Answer:".'
+
+
+def _files(path: Path) -> list[Path]:
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in (".parquet", ".jsonl", ".json"))
+        if not files:
+            raise ValueError(f"{path} holds no .parquet, .jsonl or .json file")
+        return files
+    if not path.is_file():
+        raise ValueError(f"dataset path {str(path)!r} does not exist")
+    return [path]
+
+
+def _object(f: Path, where: str, row: Any) -> dict[str, Any]:
+    if not isinstance(row, dict):
+        raise ValueError(f"{f}: {where} must be a JSON object (one row), got {type(row).__name__}")
+    return row
+
+
+def _file_rows(f: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(where, row)`` for each row of file ``f``; ``where`` is "row j" (and its JSONL line)."""
+    if f.suffix == ".parquet":
+        import pyarrow
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(f)
+        except (pyarrow.ArrowException, OSError) as e:
+            raise ValueError(f"{f}: not a readable Parquet file ({e})") from None
+        for j, row in enumerate(table.to_pylist()):
+            yield f"row {j}", row
+    elif f.suffix == ".jsonl":
+        j = 0
+        with open(f, "rb") as fh:  # bytes, so that a bad encoding is reported with its line
+            for lineno, raw in enumerate(fh, 1):
+                try:
+                    line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(
+                        f"{f}: line {lineno} is not UTF-8 text ({e.reason} at byte {e.start} of "
+                        f"the line)"
+                    ) from None
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(
+                        f"{f}: line {lineno} is not valid JSON ({e.msg} at column {e.colno})"
+                    ) from None
+                yield f"row {j} (line {lineno})", _object(f, f"line {lineno}", row)
+                j += 1
+    else:
+        try:
+            text = f.read_bytes().decode("utf-8-sig")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{f} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"{f} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})"
+            ) from None
+        rows = data.get("data", []) if isinstance(data, dict) else data
+        if not isinstance(rows, list):
+            raise ValueError(
+                f"{f} must hold a JSON list of rows (or {{\"data\": [...]}}), got "
+                f"{type(rows).__name__}"
+            )
+        for j, row in enumerate(rows):
+            yield f"row {j}", _object(f, f"row {j}", row)
+
+
+def _located_rows(path: Union[str, Path]) -> list[tuple[Path, str, dict[str, Any]]]:
+    return [(f, where, row) for f in _files(Path(path)) for where, row in _file_rows(f)]
+
+
+def read_rows(path: Union[str, Path]) -> list[dict[str, Any]]:
+    """All rows of a Parquet / JSONL / JSON file or a directory of them.
+
+    Raises:
+        ValueError: a missing path, or a file that cannot be read (not UTF-8, invalid JSON, a
+            JSON row that is not an object, unreadable Parquet), naming the file (and line).
+    """
+    return [row for _, _, row in _located_rows(path)]
+
+
+def _detect(row: dict[str, Any]) -> Optional[str]:
+    keys = set(row)
+    if {"question", "final_answer"} <= keys:
+        return "deepmath"
+    if {"prompt", "reward_model"} <= keys:
+        return "dapo"
+    if {"problem", "answer", "unique_id"} <= keys:
+        return "math500"
+    if {"problem", "answer", "url"} <= keys and "year" not in keys:
+        return "amc"
+    if keys & {"problem", "Problem", "question"} and keys & {"answer", "Answer"}:
+        return "aime"
+    return None
+
+
+def _number(x: Any) -> str:
+    if isinstance(x, float) and x.is_integer():
+        return str(int(x))
+    return str(x).strip()
+
+
+def _dapo_problem(content: str) -> str:
+    text = content.strip()
+    if text.startswith(_DAPO_PREFIX):
+        text = text[len(_DAPO_PREFIX) :]
+    if text.rstrip().endswith(_DAPO_SUFFIX):
+        text = text.rstrip()[: -len(_DAPO_SUFFIX)]
+    return text.strip()
+
+
+class _BadRow(Exception):
+    """A row without a usable value for ``field``."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"field {field!r} is {problem}")
+        self.field, self.problem = field, problem
+
+
+def _null(value: Any) -> Optional[str]:
+    """Why ``value`` cannot be a prompt, answer or id, or None when it can."""
+    if value is None:
+        return "null"
+    if isinstance(value, float) and math.isnan(value):  # a null number from pandas / Parquet
+        return "null (NaN)"
+    if isinstance(value, str) and not value.strip():
+        return "empty"
+    return None
+
+
+def _get(container: Any, field: str, *names: Any, text: bool = False) -> Any:
+    """The value of the first of ``names`` (default: ``field``) present in ``container``.
+
+    Raises:
+        _BadRow: none is present, the value is null or empty, or (``text``) not a string.
+    """
+    for name in names or (field,):
+        try:
+            value = container[name]
+        except (KeyError, IndexError, TypeError):
+            continue
+        problem = _null(value)
+        if problem is None and text and not isinstance(value, str):
+            problem = f"not text ({type(value).__name__})"
+        if problem is not None:
+            raise _BadRow(field, problem)
+        return value
+    raise _BadRow(field, "missing")
+
+
+def _optional_id(row: dict[str, Any], *names: str) -> Optional[Any]:
+    """The first non-null of ``names`` in ``row`` (an id that may be absent), or None."""
+    for name in names:
+        if _null(row.get(name)) is None:
+            return row[name]
+    return None
+
+
+def _convert(row: dict[str, Any], layout: str, i: int, name: str) -> tuple[str, str, str]:
+    """``(id, question, answer)`` of ``row`` in ``layout``; ``i`` is its index in the dataset.
+
+    Raises:
+        _BadRow: a field the layout needs is missing, null or empty.
+    """
+    if layout == "deepmath":
+        return f"{name}-{i}", _get(row, "question", text=True), str(_get(row, "final_answer"))
+    if layout == "dapo":
+        prompt = _get(row, "prompt")
+        if isinstance(prompt, list):  # chat messages: the problem is the first one's content
+            first = _get(prompt, "prompt[0]", 0)
+            content = _get(first, "prompt[0].content", "content", text=True)
+        else:
+            content = _get(row, "prompt", text=True)
+        answer = _get(_get(row, "reward_model"), "reward_model.ground_truth", "ground_truth")
+        extra = row.get("extra_info")
+        index = _optional_id(extra, "index") if isinstance(extra, dict) else None
+        pid = str(index) if index is not None else f"{name}-{i}"
+        return pid, _dapo_problem(content), str(answer)
+    if layout == "math500":
+        return (str(_get(row, "unique_id")), _get(row, "problem", text=True),
+                str(_get(row, "answer")))
+    if layout == "amc":
+        rid = _optional_id(row, "id")
+        pid = f"{name}-{rid if rid is not None else i}"
+        return pid, _get(row, "problem", text=True), _number(_get(row, "answer"))
+    question = _get(row, "problem", "problem", "Problem", "question", text=True)
+    answer = _get(row, "answer", "answer", "Answer")
+    rid = _optional_id(row, "id", "ID")
+    return f"{name}-{rid if rid is not None else i}", question, _number(answer)
+
+
+def load_math_dataset(
+    path: Union[str, Path],
+    layout: str = "auto",
+    template: Optional[str] = BOXED_TEMPLATE,
+    limit: Optional[int] = None,
+    name: Optional[str] = None,
+    on_bad_row: str = "error",
+) -> list[Problem]:
+    """Problems of a local math dataset (see the module docstring for the layouts).
+
+    Args:
+        path: a file or a directory of files.
+        layout: one of :data:`LAYOUTS`.
+        template: ``str.format`` template with ``{question}``; None keeps the question bare.
+        limit: keep the first ``limit`` problems (int >= 0; None keeps all). Rows after them
+            are not checked.
+        name: prefix of generated ids (default: the file or directory name).
+        on_bad_row: a row whose prompt, answer or id is missing, null or empty: ``"error"``
+            raises; ``"skip"`` drops it and warns once with the count.
+
+    Raises:
+        ValueError: unknown layout or ``on_bad_row``, a bad ``limit`` or ``template``, missing
+            path, an unreadable file (naming it, and the line for JSONL), undetectable columns,
+            a bad row (naming its file, row and field), no rows.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
+    if on_bad_row not in ON_BAD_ROW:
+        raise ValueError(f"on_bad_row must be one of {list(ON_BAD_ROW)}, got {on_bad_row!r}")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        raise ValueError(f"limit must be None or an int >= 0, got {limit!r}")
+    if template is not None and "question" not in {
+        field for _, field, _, _ in string.Formatter().parse(template)
+    }:
+        raise ValueError(f"template must contain {{question}}, got {template!r}")
+    rows = _located_rows(path)
+    if not rows:
+        raise ValueError(f"{path} holds no rows")
+    if limit == 0:
+        return []
+    if layout == "auto":
+        # the first row that shows a layout: a first row with its answer missing must end up
+        # reported (or skipped) as a bad row, not as an unknown layout
+        kind = next((k for k in (_detect(r) for _, _, r in rows) if k is not None), None)
+        if kind is None:
+            f, where, row = rows[0]
+            raise ValueError(
+                f"{f}: cannot tell the dataset layout from the columns {sorted(row)} of {where} "
+                f"(nor of any other row); pass layout= one of {list(LAYOUTS[1:])}"
+            )
+    else:
+        kind = layout
+    name = name or Path(path).stem
+    out: list[Problem] = []
+    skipped: list[str] = []
+    for i, (f, where, row) in enumerate(rows):
+        try:
+            pid, question, answer = _convert(row, kind, i, name)
+        except _BadRow as e:
+            what = f"{f}: {where}: {e} for the {kind!r} layout (columns: {sorted(row)})"
+            if on_bad_row == "error":
+                raise ValueError(f"{what}; on_bad_row='skip' drops such rows") from None
+            skipped.append(what)
+            continue
+        prompt = template.format(question=question) if template is not None else question
+        out.append(Problem(id=pid, prompt=prompt, answer=answer))
+        if limit is not None and len(out) == limit:
+            break
+    if skipped and not out:
+        raise ValueError(
+            f"{path}: no usable rows: all {len(skipped)} have a missing, null or empty field "
+            f"(first: {skipped[0]})"
+        )
+    if skipped:
+        warnings.warn(
+            f"{path}: skipped {len(skipped)} rows with a missing, null or empty field "
+            f"(first: {skipped[0]})", stacklevel=2,
+        )
+    return out

@@ -1,0 +1,373 @@
+"""Verifiers that turn responses into rewards.
+
+A reward function takes the decoded responses and the gold answers of one batch and returns one
+float per response: ``fn(responses: list[str], answers: list[str]) -> list[float]``. The recipe
+builds it from the config's ``reward`` component, so a custom verifier is one importable
+callable.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import multiprocessing
+import multiprocessing.connection
+import numbers
+import os
+import signal
+import sys
+import threading
+import time
+import weakref
+from typing import Any, Optional, Sequence
+
+from pepo import _extras
+
+__all__ = ["BoxedMatch", "MathVerify", "boxed_match", "final_answer_text", "last_boxed",
+           "math_verify_score"]
+
+
+def last_boxed(text: str) -> Optional[str]:
+    """Content of the last ``\\boxed{...}`` in ``text`` (braces balanced), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    i = start + len("\\boxed{")
+    depth = 1
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i:j]
+    return None
+
+
+def boxed_match(responses: Sequence[str], answers: Sequence[str]) -> list[float]:
+    """1.0 where the last boxed answer equals the gold answer (whitespace stripped), else 0.0.
+
+    Exact string match suits the embedded task, whose answers are single digits; math answers
+    need a symbolic verifier.
+    """
+    if len(responses) != len(answers):
+        raise ValueError(f"{len(responses)} responses but {len(answers)} answers")
+    out = []
+    for r, a in zip(responses, answers):
+        b = last_boxed(r)
+        out.append(1.0 if b is not None and b.strip() == str(a).strip() else 0.0)
+    return out
+
+
+class BoxedMatch:
+    """The config component for :func:`boxed_match` (``reward: {_component_: pepo.tasks.rewards.BoxedMatch}``)."""
+
+    def __call__(self, responses: Sequence[str], answers: Sequence[str]) -> list[float]:
+        return boxed_match(responses, answers)
+
+
+def final_answer_text(response: str, think_end: str = "</think>", max_chars: int = 4000) -> str:
+    """The part of a response that holds its answer.
+
+    Text after the last ``think_end`` when there is one; nothing when a ``<think>`` block was
+    opened and never closed (a response truncated mid-thought has given no answer); otherwise the
+    whole response. Only the last ``max_chars`` characters are kept: answers come at the end,
+    and a huge LaTeX blob must not reach the parser whole.
+    """
+    if think_end and think_end in response:
+        response = response.rsplit(think_end, 1)[1]
+    elif "<think>" in response:
+        return ""
+    return response[-max_chars:]
+
+
+def _gold(answer: str, timeout: int) -> list:
+    from math_verify import parse
+
+    text = answer if ("\\boxed" in answer or "$" in answer) else f"${answer}$"
+    parsed = parse(text, parsing_timeout=timeout)
+    return parsed if parsed else parse(f"\\boxed{{{answer}}}", parsing_timeout=timeout)
+
+
+def math_verify_score(
+    response: str, answer: str, timeout: int = 5, think_end: str = "</think>",
+    max_chars: int = 4000,
+) -> float:
+    """1.0 when math-verify finds the response's final answer equal to ``answer`` (gold first).
+
+    Runs math-verify's own SIGALRM timeouts, so call it from a main thread (the
+    :class:`MathVerify` workers do). Any error scores 0.
+    """
+    try:
+        from math_verify import parse, verify
+
+        text = final_answer_text(response, think_end, max_chars)
+        if not text.strip():
+            return 0.0
+        pred = parse(text, parsing_timeout=timeout)
+        if not pred:
+            return 0.0
+        return 1.0 if verify(_gold(str(answer), timeout), pred, timeout_seconds=timeout) else 0.0
+    except Exception:  # a verifier failure is a wrong answer, never a crashed run
+        return 0.0
+
+
+# Parent-side pipe ends of every live worker of every MathVerify in this process. A forked
+# worker closes its inherited copies of them: while any copy stays open, a worker whose parent
+# died would wait in recv() forever instead of seeing EOF.
+_PARENT_ENDS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_PARENT_ENDS_LOCK = threading.Lock()  # MathVerify objects may spawn from several threads
+_LIVENESS_S = 1.0  # how often an idle worker checks that its parent still exists
+_MAX_TRIES = 2  # a job whose worker dies under it is re-run once, then scores 0
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _kill_on_parent_death() -> None:
+    """Asks Linux to SIGKILL this process when the thread that forked it exits.
+
+    SIGKILL rather than a catchable signal: a worker deep in C-level arithmetic runs no Python
+    signal handler, and it is exactly the worker that would otherwise outlive the trainer.
+    Elsewhere (or if prctl is unavailable) the EOF and ``getppid()`` checks of the worker loop
+    remain.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _worker_main(conn: Any, parent_pid: int, inherited: list, die_with_parent: bool) -> None:
+    """A worker's entry point: drops what it must not hold from its parent, then serves jobs."""
+    for c in inherited:
+        c.close()
+    # Ctrl-C reaches the whole process group; the owner handles it and closes its workers. The
+    # trainer's own SIGTERM handler (inherited through fork) must not run in a worker.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if die_with_parent:
+        _kill_on_parent_death()
+    if os.getppid() != parent_pid:  # the parent died before the death signal was armed
+        return
+    _worker_loop(conn, parent_pid)
+
+
+def _worker_loop(conn: Any, parent_pid: int) -> None:
+    while True:
+        try:
+            # A timed poll rather than a blocking recv: the parent's death is noticed even when
+            # no EOF comes (a process the trainer forked later may hold the other pipe end).
+            while not conn.poll(_LIVENESS_S):
+                if os.getppid() != parent_pid:
+                    return
+            job = conn.recv()
+        except (EOFError, OSError):  # the parent is gone
+            return
+        if job is None:
+            return
+        score = math_verify_score(*job)
+        try:
+            conn.send(score)
+        except OSError:
+            return
+
+
+def _close_pool(pool: list, owner_pid: int) -> None:
+    """Stops the workers in ``pool`` (asks, then kills after 2 s) and empties it.
+
+    Does nothing in a process other than ``owner_pid``: a forked copy of the trainer that exits
+    through atexit must not shut down the trainer's workers.
+    """
+    if os.getpid() != owner_pid:
+        return
+    for _, conn in pool:
+        try:
+            conn.send(None)
+        except OSError:  # already dead
+            pass
+    deadline = time.monotonic() + 2.0
+    for proc, conn in pool:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():  # busy with a long job
+            proc.kill()
+            proc.join(timeout=5)
+        conn.close()
+        with _PARENT_ENDS_LOCK:
+            _PARENT_ENDS.discard(conn)
+    pool.clear()
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+class MathVerify:
+    """Math answers checked by ``math-verify``, in worker processes with a hard timeout.
+
+    math-verify's timeouts use SIGALRM, which works only in a main thread and cannot interrupt
+    long C-level arithmetic (``9^{9^{9^9}}`` as a Python int). Each response therefore goes to
+    a persistent worker process, which runs math-verify in its main thread; a worker that has
+    not answered ``2 * timeout + grace`` seconds after it got the response (parse and verify
+    may each take ``timeout``) is killed and replaced, and that response scores 0. A worker
+    that died on its own (OOM killer, a stray signal) is replaced too, and its response is
+    re-run once on the new worker. A pathological response costs at most that time and never
+    stalls or crashes training. ``workers=0`` checks in the calling thread instead (no hard
+    kill; for debugging).
+
+    The workers die with their owner: on :meth:`close`, on leaving a ``with`` block, when the
+    object is garbage-collected, at interpreter exit, and when the owning process is killed
+    (SIGTERM or SIGKILL): idle workers see EOF or their parent's PID change within
+    about a second, and on Linux a worker forked from the main thread is also SIGKILLed by the
+    kernel the moment its parent dies, even in the middle of a job.
+
+    Args:
+        timeout: math-verify's parse and verify timeouts (seconds, int >= 1).
+        workers: worker processes (int >= 0).
+        grace: extra seconds (>= 0) before a worker is killed.
+        think_end: the end-of-thinking marker; the answer is looked for after it (None or
+            ``""``: the whole response).
+        max_chars: only the last ``max_chars`` (>= 1) characters of the answer part are parsed.
+
+    Raises:
+        ValueError: a parameter of the wrong type or out of range.
+
+    Attributes:
+        killed: workers killed for exceeding the time limit.
+        died: workers found dead (between or during jobs) and replaced.
+    """
+
+    def __init__(self, timeout: int = 5, workers: int = 2, grace: float = 1.0,
+                 think_end: Optional[str] = "</think>", max_chars: int = 4000) -> None:
+        # signal.alarm, behind math-verify's timeouts, takes whole seconds
+        _check_int("timeout", timeout, 1)
+        _check_int("workers", workers, 0)
+        _check_int("max_chars", max_chars, 1)
+        if (isinstance(grace, bool) or not isinstance(grace, numbers.Real)
+                or not math.isfinite(grace) or grace < 0):
+            raise ValueError(f"grace must be a finite number of seconds >= 0, got {grace!r}")
+        if think_end is not None and not isinstance(think_end, str):
+            raise ValueError(f"think_end must be a string or None, got {think_end!r}")
+        self.timeout, self.workers, self.grace = timeout, workers, float(grace)
+        self.think_end, self.max_chars = think_end or "", max_chars
+        _extras.require("pepo.tasks.MathVerify", modules=("math_verify",))
+        import math_verify  # noqa: F401  (imported once here, inherited by forked workers)
+
+        # fork: a spawned worker would re-import the launching script (`tune run`'s __main__)
+        # and torch with it. The workers never touch torch, so forking a process with torch
+        # threads (or CUDA) is safe for them.
+        methods = multiprocessing.get_all_start_methods()
+        self._ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+        self._pool: list[tuple[Any, Any]] = []
+        self.killed = 0
+        self.died = 0
+        # Runs on close(), on garbage collection and at interpreter exit; it holds the pool
+        # list, not self, so it does not keep the object alive.
+        self._owner_pid = os.getpid()
+        self._finalizer = weakref.finalize(self, _close_pool, self._pool, self._owner_pid)
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the current workers (empty before the first call and after close)."""
+        return [proc.pid for proc, _ in self._pool]
+
+    def __enter__(self) -> "MathVerify":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _spawn(self) -> tuple[Any, Any]:
+        parent, child = self._ctx.Pipe()
+        forked = self._ctx.get_start_method() == "fork"
+        # A spawned child inherits no pipe ends (and passing them would duplicate them into it).
+        with _PARENT_ENDS_LOCK:
+            inherited = [parent, *_PARENT_ENDS] if forked else []
+        # PR_SET_PDEATHSIG fires when the forking *thread* exits: armed only for workers forked
+        # by the main thread, which lives as long as the process.
+        die_with_parent = threading.current_thread() is threading.main_thread()
+        proc = self._ctx.Process(
+            target=_worker_main, args=(child, os.getpid(), inherited, die_with_parent),
+            daemon=True,
+        )
+        proc.start()
+        child.close()
+        with _PARENT_ENDS_LOCK:
+            _PARENT_ENDS.add(parent)
+        return proc, parent
+
+    def _fill(self) -> None:
+        """Starts missing workers and replaces those that died since the last call."""
+        for slot, (proc, _) in enumerate(self._pool):
+            if not proc.is_alive():
+                self._replace(slot)
+                self.died += 1
+        while len(self._pool) < self.workers:
+            self._pool.append(self._spawn())
+
+    def __call__(self, responses: Sequence[str], answers: Sequence[str]) -> list[float]:
+        if len(responses) != len(answers):
+            raise ValueError(f"{len(responses)} responses but {len(answers)} answers")
+        jobs = [(r, str(a), self.timeout, self.think_end, self.max_chars)
+                for r, a in zip(responses, answers)]
+        if self.workers == 0:
+            return [math_verify_score(*j) for j in jobs]
+        self._fill()
+        scores = [0.0] * len(jobs)
+        tries = [0] * len(jobs)
+        todo = list(range(len(jobs)))[::-1]
+        busy: dict[int, tuple[int, float]] = {}  # worker slot -> (job index, start time)
+        limit = 2 * self.timeout + self.grace  # parse and verify may each take `timeout`
+        while todo or busy:
+            for slot in range(len(self._pool)):
+                if slot in busy or not todo:
+                    continue
+                i = todo.pop()
+                tries[i] += 1
+                try:
+                    self._pool[slot][1].send(jobs[i])
+                except OSError:  # died while idle (BrokenPipeError): replace, try it again
+                    self._replace(slot)
+                    self.died += 1
+                    if tries[i] < _MAX_TRIES:
+                        todo.append(i)
+                    continue
+                busy[slot] = (i, time.monotonic())
+            if not busy:
+                continue
+            conns = {self._pool[s][1]: s for s in busy}
+            wait = max(0.0, min(start + limit for _, start in busy.values()) - time.monotonic())
+            for conn in multiprocessing.connection.wait(list(conns), timeout=wait):
+                slot = conns[conn]
+                i = busy.pop(slot)[0]
+                try:
+                    scores[i] = float(conn.recv())
+                except (EOFError, OSError):  # the worker died under the job: re-run it once
+                    self._replace(slot)
+                    self.died += 1
+                    if tries[i] < _MAX_TRIES:
+                        todo.append(i)
+            now = time.monotonic()
+            for slot, (i, start) in list(busy.items()):
+                if now - start > limit:  # the job's own fault: no re-run, scores[i] stays 0
+                    self._replace(slot)
+                    self.killed += 1
+                    del busy[slot]
+        return scores
+
+    def _replace(self, slot: int) -> None:
+        proc, conn = self._pool[slot]
+        proc.kill()
+        proc.join(timeout=5)
+        conn.close()
+        with _PARENT_ENDS_LOCK:
+            _PARENT_ENDS.discard(conn)
+        self._pool[slot] = self._spawn()
+
+    def close(self) -> None:
+        """Stops the worker processes. Safe to call more than once; a later call starts new
+        workers."""
+        _close_pool(self._pool, self._owner_pid)

@@ -1,0 +1,254 @@
+"""Atomic, resumable training checkpoints.
+
+A checkpoint is a directory ``<root>/step_<N>/`` holding ``model.safetensors`` (the weights,
+loadable without pickle) and ``training_state.pt`` (optimizer, LR schedule, data position, RNG
+states, value tracker, metric history). It is written into a temporary sibling directory, fsynced,
+renamed into place, and only then named by the ``<root>/latest`` marker (itself replaced
+atomically). A crash at any moment leaves either the previous checkpoint or the new one as
+``latest``, never a half-written one.
+
+Finding the checkpoint to resume from does not trust the marker blindly: a marker that is gone
+or names anything but a ``step_<N>`` directory of ``root`` is ignored (with a warning) and the
+``step_<N>`` directories are scanned instead; a checkpoint found damaged (a file missing or
+truncated, e.g. by a full disk or a copy interrupted outside this module) is skipped with a
+warning naming it, for the next older one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+import warnings
+import zipfile
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+__all__ = ["AtomicCheckpointer", "CheckpointWarning"]
+
+MODEL_FILE = "model.safetensors"
+STATE_FILE = "training_state.pt"
+MARKER = "latest"
+_STEP_NAME = re.compile(r"step_(0|[1-9][0-9]*)")  # exactly what save() writes
+_MARKER_MAX_BYTES = 64  # a valid marker is "step_<N>\n"; never read an arbitrary big file
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint or the ``latest`` marker was found damaged or invalid and was skipped."""
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # directories cannot be opened on some platforms
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, write) -> None:
+    write(path)
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def _step(path: Path) -> Optional[int]:
+    """N of a ``step_<N>`` name, None for any other name."""
+    m = _STEP_NAME.fullmatch(path.name)
+    return int(m.group(1)) if m else None
+
+
+class AtomicCheckpointer:
+    """Writes and finds step checkpoints under ``root``; keeps the last ``keep`` of them.
+
+    Args:
+        root: the directory of the ``step_<N>`` checkpoints and the ``latest`` marker.
+        keep: how many checkpoints to keep (int >= 1); older ones are deleted after a save.
+
+    Raises:
+        ValueError: ``keep`` is not an int >= 1.
+    """
+
+    def __init__(self, root: Union[str, Path], keep: int = 2) -> None:
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep must be an int >= 1, got {keep!r}")
+        self.root = Path(root)
+        self.keep = keep
+
+    def save(self, step: int, model: Union[torch.nn.Module, Mapping[str, torch.Tensor]],
+             state: dict[str, Any]) -> Path:
+        """Writes checkpoint ``step`` atomically and points ``latest`` at it.
+
+        ``model`` is a module or its (full) state dict.
+
+        Raises:
+            ValueError: ``step`` is not an int >= 0.
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        self.root.mkdir(parents=True, exist_ok=True)
+        for stale in self.root.glob(".tmp_step_*"):  # left by a crash during an earlier save
+            shutil.rmtree(stale, ignore_errors=True)
+        final = self.root / f"step_{step}"
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp_step_{step}_", dir=self.root))
+        try:
+            sd = model.state_dict() if isinstance(model, torch.nn.Module) else model
+            weights = {k: v.detach().contiguous().cpu() for k, v in sd.items()}
+            _write_file(tmp / MODEL_FILE, lambda p: save_file(weights, str(p)))
+            _write_file(tmp / STATE_FILE, lambda p: torch.save(state, p))
+            _fsync_dir(tmp)
+            if final.exists():  # a re-run of this step after a resume
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(self.root)  # the new directory is durable before `latest` names it
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        marker_tmp = self.root / ".latest.tmp"
+        marker_tmp.write_text(final.name + "\n")
+        with open(marker_tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(marker_tmp, self.root / MARKER)
+        _fsync_dir(self.root)
+        self._prune(keep_name=final.name)
+        return final
+
+    def _prune(self, keep_name: str) -> None:
+        for p in self._step_dirs()[self.keep :]:
+            if p.name != keep_name:
+                shutil.rmtree(p, ignore_errors=True)
+
+    def _step_dirs(self) -> list[Path]:
+        """The ``step_<N>`` directories of ``root``, newest first.
+
+        Symbolic links are left out: a checkpoint is a directory this class wrote inside
+        ``root``, and resuming must never read (nor pruning delete) anything outside it.
+        """
+        if not self.root.is_dir():
+            return []
+        found = [p for p in self.root.iterdir()
+                 if _step(p) is not None and p.is_dir() and not p.is_symlink()]
+        return sorted(found, key=_step, reverse=True)
+
+    def _marked(self) -> Optional[Path]:
+        """The directory the marker names, or None (with a warning if the marker is invalid)."""
+        marker = self.root / MARKER
+        if not marker.exists() and not marker.is_symlink():
+            return None
+        problem, text = None, ""
+        if marker.is_symlink() or not marker.is_file():
+            problem = "is not a regular file"
+        else:
+            with open(marker, "rb") as fh:
+                raw = fh.read(_MARKER_MAX_BYTES + 1)
+            text = raw.decode("utf-8", errors="replace").strip()
+            if len(raw) > _MARKER_MAX_BYTES or not _STEP_NAME.fullmatch(text):
+                problem = f"holds {text[:_MARKER_MAX_BYTES]!r}, not a step_<N> name"
+            elif not (self.root / text).is_dir() or (self.root / text).is_symlink():
+                problem = f"names {text}, which is not a checkpoint directory of {self.root}"
+        if problem is not None:
+            warnings.warn(
+                f"checkpoint marker {marker} {problem}: ignored; scanning {self.root} for "
+                f"step_<N> checkpoints instead", CheckpointWarning, stacklevel=4,
+            )
+            return None
+        return self.root / text
+
+    def _candidates(self) -> list[Path]:
+        """Checkpoints to try, best first: the marker's, then the older ones newest first.
+
+        Without a valid marker, every ``step_<N>`` directory, newest first. A directory newer
+        than a valid marker's is left out: the marker is written last, so such a directory is
+        from a save that did not finish.
+        """
+        steps = self._step_dirs()
+        marked = self._marked()
+        if marked is None:
+            return steps
+        return [marked] + [p for p in steps if _step(p) < _step(marked)]
+
+    @staticmethod
+    def _damage(path: Path) -> Optional[str]:
+        """What is wrong with checkpoint ``path``, or None when it looks intact.
+
+        Cheap: reads the safetensors header (which also checks that the file is as long as the
+        header says) and the zip directory at the end of the state file, not the tensors.
+        """
+        for name in (MODEL_FILE, STATE_FILE):
+            if not (path / name).is_file():
+                return f"{name} is missing"
+        try:
+            with safe_open(str(path / MODEL_FILE), framework="pt") as f:
+                f.keys()
+        except Exception as e:  # safetensors raises its own SafetensorError, or OSError
+            return f"{MODEL_FILE} is unreadable ({e})"
+        try:
+            with zipfile.ZipFile(path / STATE_FILE) as z:
+                if not any(n.endswith("/data.pkl") or n == "data.pkl" for n in z.namelist()):
+                    return f"{STATE_FILE} is not a torch.save archive (no data.pkl)"
+        except (zipfile.BadZipFile, OSError) as e:
+            return f"{STATE_FILE} is unreadable ({e})"
+        return None
+
+    def _skip(self, path: Path, why: str) -> None:
+        warnings.warn(
+            f"checkpoint {path} is damaged ({why}): skipped, trying an older one",
+            CheckpointWarning, stacklevel=3,
+        )
+
+    def has_checkpoints(self) -> bool:
+        """True when ``root`` holds a ``latest`` marker or any ``step_<N>`` entry, intact or not.
+
+        What a fresh (non-resuming) run checks before it writes into ``root``: starting over
+        would mix its checkpoints with an earlier run's, or prune them.
+        """
+        if not self.root.is_dir():
+            return False
+        marker = self.root / MARKER
+        return (marker.exists() or marker.is_symlink()
+                or any(_step(p) is not None for p in self.root.iterdir()))
+
+    def latest(self) -> Optional[Path]:
+        """The newest intact checkpoint directory, or None when there is none.
+
+        The marker's checkpoint if it is intact, else the next older intact one; without a
+        valid marker, the newest intact ``step_<N>`` directory. Each damaged checkpoint and an
+        invalid marker are reported with a :class:`CheckpointWarning`. The check is cheap (see
+        :meth:`load_latest` for one that also loads the training state).
+        """
+        for path in self._candidates():
+            why = self._damage(path)
+            if why is None:
+                return path
+            self._skip(path, why)
+        return None
+
+    def load_latest(self) -> Optional[tuple[Path, dict[str, Any]]]:
+        """``(directory, training state)`` of the newest checkpoint whose state loads, or None.
+
+        As :meth:`latest`, and a checkpoint whose ``training_state.pt`` fails to load (damage
+        inside the file that the cheap check cannot see) is skipped with a warning too. What a
+        resuming run calls; load the weights from the returned directory with
+        :func:`pepo.training.weights.load_model_weights`.
+        """
+        for path in self._candidates():
+            why = self._damage(path)
+            if why is None:
+                try:
+                    return path, self.load_state(path)
+                except Exception as e:  # RuntimeError, EOFError, pickle errors, ...
+                    why = f"{STATE_FILE} does not load ({type(e).__name__}: {e})"
+            self._skip(path, why)
+        return None
+
+    @staticmethod
+    def load_state(path: Union[str, Path]) -> dict[str, Any]:
+        """The training state of checkpoint directory ``path`` (``weights_only`` unpickling)."""
+        return torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)

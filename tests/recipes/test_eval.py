@@ -1,0 +1,115 @@
+"""`pepo_eval`: avg@k per benchmark in the paper's table layout."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+import pepo_eval
+from pepo.training.evaluation import format_table
+from pepo.training.config import find_config, register_resolvers
+from tests import hf_fixtures as F
+
+
+def test_format_table_paper_layout():
+    table = format_table({"MATH500": 0.5, "AMC": 0.25, "AIME2025": 0.0, "AIME2024": 0.125}, "m")
+    assert table.splitlines()[0] == "| Model | AIME2024 | AIME2025 | AMC | MATH500 | Mean |"
+    assert table.splitlines()[2] == "| m | 12.50 | 0.00 | 25.00 | 50.00 | 21.88 |"
+
+
+def test_eval_math_on_fixture_files(tmp_path, capsys):
+    register_resolvers()
+    model_dir = F.tiny_hf_qwen3(tmp_path / "qwen3")
+    F.write_benchmarks(tmp_path / "data")
+    cfg = OmegaConf.load(find_config("eval_math"))
+    cfg = OmegaConf.merge(cfg, {
+        "checkpoint_dir": str(model_dir), "data_dir": str(tmp_path / "data"),
+        "output_dir": str(tmp_path / "out"), "device": "cpu", "dtype": "fp32",
+        "model": {"max_seq_len": 512}, "reward": {"workers": 1, "timeout": 2},
+        "generation": {"max_new_tokens": 8},
+        "benchmarks": {"AIME2024": {"k": 2}, "AIME2025": {
+            "k": 2, "dataset": {"path": str(tmp_path / "data" / "aime25.jsonl")}},  # JSONL works too
+            "AMC": {"k": 2}},
+    })
+    results = pepo_eval.eval_main(cfg)
+    assert set(results) == {"AIME2024", "AIME2025", "AMC", "MATH500"}
+    out = capsys.readouterr().out
+    assert "| Model | AIME2024 | AIME2025 | AMC | MATH500 | Mean |" in out
+    saved = json.loads((tmp_path / "out" / "eval_results.json").read_text())
+    assert saved["results"] == results and saved["k"]["MATH500"] == 1
+    assert (tmp_path / "out" / "eval_results.md").read_text().startswith("| Model | AIME2024")
+
+
+def test_eval_config_errors(tmp_path):
+    register_resolvers()
+    cfg = OmegaConf.merge(OmegaConf.load(find_config("eval_math")), {
+        "checkpoint_dir": str(tmp_path), "data_dir": str(tmp_path)})
+    with pytest.raises(ValueError, match="benchmarks.AIME2024.dataset.path=.* does not exist"):
+        pepo_eval.validate_eval_config(cfg)
+
+
+def test_tune_run_pepo_eval_tiny(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "torchtune._cli.tune", "run", "pepo_eval",
+                        "--config", "eval_tiny", "output_dir=out", "benchmarks.modsum_val.k=1",
+                        "benchmarks.modsum_val.dataset.size=8"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "| Model | modsum_val | Mean |" in r.stdout
+    assert (tmp_path / "out" / "eval_results.json").is_file()
+
+
+def _tiny_eval_cfg(tmp_path, **overrides):
+    register_resolvers()
+    cfg = OmegaConf.load(find_config("eval_tiny"))
+    return OmegaConf.merge(cfg, {"output_dir": str(tmp_path / "out"),
+                                 "benchmarks": {"modsum_val": {"k": 1, "dataset": {"size": 4}}}},
+                           overrides)
+
+
+def test_eval_refuses_an_unwritable_or_file_output_dir_before_evaluating(tmp_path, monkeypatch):
+    """Catches an evaluation that runs for hours and then fails to write its results."""
+    (tmp_path / "f").write_text("x")
+    called = []
+    monkeypatch.setattr(pepo_eval, "avg_at_k", lambda *a, **k: called.append(1) or 0.5)
+    with pytest.raises(ValueError, match="output_dir=.* cannot be a directory"):
+        pepo_eval.eval_main(_tiny_eval_cfg(tmp_path, output_dir=str(tmp_path / "f" / "out")))
+    assert not called
+
+
+def test_eval_never_overwrites_another_checkpoints_results(tmp_path, monkeypatch):
+    """Catches two evaluations into one output_dir silently replacing each other; the same
+    checkpoint may be re-evaluated."""
+    from tests.recipe_helpers import random_checkpoint
+
+    monkeypatch.setattr(pepo_eval, "avg_at_k", lambda *a, **k: 0.5)
+    first = _tiny_eval_cfg(tmp_path)
+    pepo_eval.eval_main(first)
+    pepo_eval.eval_main(first)  # a rerun of the same checkpoint is fine
+    other = random_checkpoint(tmp_path / "other")
+    with pytest.raises(ValueError, match="holds the results of another evaluation"):
+        pepo_eval.eval_main(_tiny_eval_cfg(tmp_path, checkpoint_dir=str(other),
+                                           model={"embed_dim": 32, "num_layers": 1, "num_heads": 2,
+                                                  "num_kv_heads": 1, "intermediate_dim": 64}))
+    saved = json.loads((tmp_path / "out" / "eval_results.json").read_text())
+    assert saved["checkpoint_dir"] == str(Path(first.checkpoint_dir).resolve())
+
+
+def test_eval_stop_tokens_reach_generation(tmp_path, monkeypatch):
+    """Catches pepo_eval ignoring generation.stop_tokens."""
+    seen = []
+    monkeypatch.setattr(pepo_eval, "avg_at_k", lambda *a, **k: seen.append(k["stop_tokens"]) or 0.5)
+    cfg = _tiny_eval_cfg(tmp_path, generation={"stop_tokens": ["+"]})
+    pepo_eval.eval_main(cfg)
+    from pepo.training.tokenizers import load_tokenizer
+    tok = load_tokenizer(cfg.tokenizer.path)
+    assert seen == [[*tok.stop_tokens, tok.token_id("+")]]
+
+
+def test_eval_config_typo_is_one_line(tmp_path):
+    with pytest.raises(ValueError, match="unknown config key 'generation.top_pp'; did you mean 'generation.top_p'"):
+        pepo_eval.validate_eval_config(_tiny_eval_cfg(tmp_path, generation={"top_pp": 0.5}))

@@ -1,0 +1,319 @@
+"""The recipe under faults and bad input: each test names the defect it would catch.
+
+Subprocess tests are bounded in time and kill only what they started (the trainer they launched
+and the verifier workers it reported).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+import pepo_recipe
+from tests.proc_helpers import dead
+from tests.recipe_helpers import tiny_cfg
+
+ROOT = Path(__file__).resolve().parents[2]
+needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+
+
+def run(cfg):
+    return pepo_recipe.recipe_main(cfg, log_config=False)
+
+
+def losses(recipe):
+    return [h["loss"] for h in recipe.history if "loss" in h]
+
+
+def cli(monkeypatch, capsys, cfg) -> str:
+    """Runs ``tune run pepo_recipe`` on ``cfg`` in this process; returns its exit message."""
+    path = Path(cfg.output_dir).parent / f"cfg_{time.monotonic_ns()}.yaml"
+    path.write_text(OmegaConf.to_yaml(cfg))
+    monkeypatch.setattr(sys, "argv", ["pepo_recipe", "--config", str(path)])
+    with pytest.raises(SystemExit) as e:
+        pepo_recipe._main()
+    return str(e.value.code)
+
+
+# ----------------------------------------------------------------- errors as one line
+
+
+MISSING_DATA = {"_component_": "pepo.tasks.datasets.load_math_dataset", "path": "/nonexistent/x.parquet"}
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"dataset": MISSING_DATA}, "nonexistent"),
+    ({"dataset": {"_component_": "pepo.tasks.problems.modsum_dataset", "sise": 3}}, "dataset: "),
+    ({"generation": {"stop_tokens": ["<no such token>"]}}, "<no such token>"),
+    ({"optimizer": {"lr": -1.0}}, "optimizer.lr must be a finite number > 0, got -1.0"),
+    ({"num_stepz": 3}, "unknown config key 'num_stepz'; did you mean 'num_steps'"),
+    ({"resume_from_checkpoint": True}, "holds no checkpoint"),
+])
+def test_bad_input_from_the_command_line_is_one_line(tmp_path, monkeypatch, capsys, override, message):
+    """Catches errors that surface as tracebacks after the model is built."""
+    cfg = tiny_cfg(tmp_path, **{k: v for k, v in override.items() if k != "dataset"})
+    if "dataset" in override:  # replaced whole, not merged into the bundled section
+        cfg.dataset = override["dataset"]
+    msg = cli(monkeypatch, capsys, cfg)
+    assert msg.startswith("config error:") and message in msg and "\n" not in msg
+
+
+def test_output_dir_under_a_file_is_refused_before_anything_is_built(tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(ValueError, match="output_dir=.* cannot be a directory: .*a_file is a file"):
+        pepo_recipe.PEPORecipe(tiny_cfg(tmp_path, output_dir=str(tmp_path / "a_file" / "run")))
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"distributed": {"cpu_offload": True}}, "distributed.cpu_offload=true offloads from a GPU"),
+    ({"distributed": {"timeout_s": 0}}, "distributed.timeout_s must be a number > 0"),
+    ({"distributed": {"mixed_precision": "fp8"}}, "distributed.mixed_precision must be"),
+    ({"distributed": {"timeout": 5}}, "unknown config key 'distributed.timeout'; did you mean 'distributed.timeout_s'"),
+])
+def test_bad_distributed_settings_are_config_errors(tmp_path, override, message):
+    with pytest.raises(ValueError, match=message):
+        pepo_recipe.PEPORecipe(tiny_cfg(tmp_path, **override))
+
+
+def test_a_batch_that_does_not_split_over_the_processes_is_refused(tmp_path):
+    from pepo.training.config import check_world_size
+
+    check_world_size(tiny_cfg(tmp_path, prompts_per_step=4, micro_batch_size=2), 2)
+    with pytest.raises(ValueError, match="prompts_per_step=3 does not split over 2 processes"):
+        check_world_size(tiny_cfg(tmp_path, prompts_per_step=3, micro_batch_size=2), 2)
+    with pytest.raises(ValueError, match="micro_batch_size=4 does not divide a process's share"):
+        check_world_size(tiny_cfg(tmp_path, prompts_per_step=2, micro_batch_size=4), 2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda_is_an_error_not_a_silent_cpu_run(tmp_path):
+    with pytest.raises(ValueError, match="device='cuda' but CUDA is not available"):
+        pepo_recipe.PEPORecipe(tiny_cfg(tmp_path, device="cuda"))
+
+
+# ----------------------------------------------------------------- runs never lost
+
+
+def test_a_fresh_run_refuses_checkpoints_without_a_marker(tmp_path):
+    """Catches a fresh run that checks only ``latest`` and overwrites complete step dirs."""
+    run(tiny_cfg(tmp_path, num_steps=2))
+    (tmp_path / "run" / "checkpoints" / "latest").unlink()
+    with pytest.raises(ValueError, match="already holds a run's checkpoints"):
+        pepo_recipe.PEPORecipe(tiny_cfg(tmp_path, num_steps=2))
+
+
+def test_resume_without_the_marker_continues_from_the_newest_step(tmp_path):
+    full = run(tiny_cfg(tmp_path / "full", num_steps=3))
+    run(tiny_cfg(tmp_path / "split", num_steps=2))
+    (tmp_path / "split" / "run" / "checkpoints" / "latest").unlink()
+    second = run(tiny_cfg(tmp_path / "split", num_steps=3, resume_from_checkpoint=True))
+    assert second.step == 3
+    torch.testing.assert_close(torch.tensor(losses(second)), torch.tensor(losses(full)), rtol=0, atol=1e-6)
+
+
+def test_resume_falls_back_past_a_truncated_checkpoint(tmp_path):
+    full = run(tiny_cfg(tmp_path / "full", num_steps=3))
+    run(tiny_cfg(tmp_path / "split", num_steps=2))  # keeps step_1 and step_2
+    newest = tmp_path / "split" / "run" / "checkpoints" / "step_2" / "model.safetensors"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    with pytest.warns(UserWarning, match="step_2 is damaged"):
+        second = run(tiny_cfg(tmp_path / "split", num_steps=3, resume_from_checkpoint=True))
+    torch.testing.assert_close(torch.tensor(losses(second)), torch.tensor(losses(full)), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("override, changed", [
+    ({"strategy": {"name": "uniform"}}, r"strategy.name \('proximal_softmax' -> 'uniform'\)"),
+    ({"estimator": {"group_size": 2}, "micro_batch_size": 2}, r"estimator.group_size \(4 -> 2\)"),
+    ({"seed": 7}, r"seed \(0 -> 7\)"),
+    ({"strategy": {"proximal_softmax": {"window": 3}}}, r"strategy.proximal_softmax.window \(11 -> 3\)"),
+])
+def test_resume_refuses_what_changes_the_experiment(tmp_path, override, changed):
+    """Catches a resume that mixes two experiments in one run."""
+    run(tiny_cfg(tmp_path, num_steps=1))
+    recipe = pepo_recipe.PEPORecipe(tiny_cfg(tmp_path, num_steps=2, resume_from_checkpoint=True, **override))
+    with pytest.raises(ValueError, match="would change the experiment: .*" + changed):
+        recipe.setup(tiny_cfg(tmp_path, num_steps=2, resume_from_checkpoint=True, **override))
+    recipe.cleanup()
+
+
+def test_resume_allows_more_steps_and_other_logging(tmp_path):
+    run(tiny_cfg(tmp_path, num_steps=1))
+    more = run(tiny_cfg(tmp_path, num_steps=2, resume_from_checkpoint=True, dump_rollouts_every=0,
+                        validation={"every": 1}, keep_checkpoints=3, micro_batch_size=2))
+    assert more.step == 2
+
+
+def test_resume_with_num_steps_at_or_below_the_checkpoint_is_refused(tmp_path):
+    """Catches a resume that exits 0 having done nothing."""
+    run(tiny_cfg(tmp_path, num_steps=2))
+    for steps in (1, 2):
+        recipe = pepo_recipe.PEPORecipe(tiny_cfg(tmp_path, num_steps=steps, resume_from_checkpoint=True))
+        with pytest.raises(ValueError, match=f"is at step 2, and num_steps={steps} asks for no more"):
+            recipe.setup(tiny_cfg(tmp_path, num_steps=steps, resume_from_checkpoint=True))
+        recipe.cleanup()
+
+
+# ----------------------------------------------------------------- non-finite values
+
+
+def test_a_nan_logit_skips_the_optimizer_steps_it_reaches(tmp_path):
+    """A NaN in the rollout policy's logits (step 1, row 0) makes that row's log-probs and
+    entropies NaN; the step's mini-batch holding it is skipped and counted, the run goes on,
+    and the weights stay finite. Catches log-prob 0 for a NaN row (a finite wrong value), and a
+    strategy that raises on NaN entropies instead of letting the guard skip the step."""
+    cfg = tiny_cfg(tmp_path, num_steps=2, ppo_mini_batches=2, micro_batch_size=4)
+    recipe = pepo_recipe.PEPORecipe(cfg)
+    recipe.setup(cfg)
+    in_old_forward = []
+    real = recipe._all_logprobs
+
+    def old_logprobs(ro):
+        in_old_forward.append(True)
+        try:
+            return real(ro)
+        finally:
+            in_old_forward.pop()
+
+    poisoned = []
+
+    def poison(module, args, output):
+        if recipe.step == 1 and in_old_forward and not poisoned:
+            poisoned.append(1)  # the first micro-batch only
+            output = output.clone()
+            output[0] = float("nan")  # row 0 of the rollout policy's forward at step 1
+        return output
+
+    recipe._all_logprobs = old_logprobs
+    recipe.model.register_forward_hook(poison)
+    before_bad = recipe.nonfinite_total
+    recipe.run()
+    h = [m for m in recipe.history if "loss" in m]
+    assert before_bad == 0 and h[0]["nonfinite_skipped"] == 1  # one mini-batch of two skipped
+    assert h[1]["nonfinite_skipped"] == 1 and torch.isfinite(torch.tensor(h[1]["loss"]))
+    assert all(torch.isfinite(p).all() for p in recipe.model.parameters())
+
+
+# ----------------------------------------------------------------- signals and kills
+
+
+def _write_cfg(tmp_path: Path, **overrides) -> Path:
+    cfg = tiny_cfg(tmp_path, reward={"_component_": "tests.recipe_helpers.VerifiedDigitReward"},
+                   save_every=1, keep_checkpoints=2, **overrides)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    return path
+
+
+def _env(tmp_path: Path, **extra) -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+            "PEPO_TEST_WORKER_PIDS": str(tmp_path / "worker_pids"), **extra}
+
+
+def _wait_for(path: Path, lines: int, proc: subprocess.Popen, seconds: float = 120.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if path.is_file() and len(path.read_text().split()) >= lines:
+            return
+        if proc.poll() is not None:
+            return
+        time.sleep(0.01)
+    proc.kill()
+    raise AssertionError(f"no progress within {seconds} s")
+
+
+def _worker_pids(tmp_path: Path) -> set[int]:
+    f = tmp_path / "worker_pids"
+    return {int(x) for x in f.read_text().split()} if f.is_file() else set()
+
+
+@needs_proc
+def test_sigterm_stops_after_the_step_with_a_checkpoint_and_no_orphans(tmp_path):
+    """Catches verifier workers that outlive a SIGTERMed trainer, and a trainer that dies
+    without its last step's checkpoint (or hangs)."""
+    cfg = _write_cfg(tmp_path, num_steps=500)
+    progress = tmp_path / "progress"
+    proc = subprocess.Popen([sys.executable, "-m", "tests.trainer_driver", str(cfg)], cwd=ROOT,
+                            env=_env(tmp_path, PEPO_TEST_PROGRESS=str(progress)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(progress, 2, proc)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err[-2000:]
+    assert "stopped by SIGTERM at step" in err
+    done = int(progress.read_text().split()[-1])
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == f"step_{done}"
+    assert done < 500
+    pids = _worker_pids(tmp_path)
+    assert pids and all(dead(pid, 10) for pid in pids)
+
+
+@needs_proc
+def test_killed_at_random_points_the_run_resumes_exactly_and_leaves_no_processes(tmp_path):
+    """Ten SIGKILLs: six at random moments after a random step (some land inside checkpoint
+    writes), four inside the checkpoint writer's phases (after the weights file, after the
+    state file, after the directory rename, after the marker rename). Each time the run is
+    restarted as a user would (resuming when checkpoints exist). The final weights and every
+    step's loss must equal an uninterrupted run's, and no verifier worker may survive."""
+    steps = 40
+    rng = random.Random(1234)
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "killed"
+    ref_dir.mkdir()
+    run_dir.mkdir()
+    subprocess.run([sys.executable, "-m", "tests.trainer_driver", str(_write_cfg(ref_dir, num_steps=steps))],
+                   cwd=ROOT, env=_env(ref_dir), check=True, timeout=300, capture_output=True)
+    cfg = _write_cfg(run_dir, num_steps=steps)
+    plan = [("random", None)] * 6 + [("write", 1), ("write", 2), ("rename", 1), ("rename", 2)]
+    rng.shuffle(plan)
+    kills = 0
+    latest = run_dir / "run" / "checkpoints" / "latest"
+    for kind, n in plan + [("finish", None)]:
+        if latest.is_file() and latest.read_text().strip() == f"step_{steps}":
+            break  # a kill that landed after the last checkpoint: the run is complete
+        progress = run_dir / "progress"
+        progress.unlink(missing_ok=True)
+        extra = {"PEPO_TEST_PROGRESS": str(progress)}
+        if kind in ("write", "rename"):
+            extra["PEPO_TEST_KILL"] = f"{kind}:{n}"
+        proc = subprocess.Popen([sys.executable, "-m", "tests.trainer_driver", str(cfg)], cwd=ROOT,
+                                env=_env(run_dir, **extra), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            if kind == "random":
+                _wait_for(progress, rng.randint(1, 2), proc)
+                time.sleep(rng.uniform(0.0, 0.03))  # into the checkpoint write, or past it
+                proc.kill()
+            _, err = proc.communicate(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        if proc.returncode == -signal.SIGKILL:
+            kills += 1
+        else:  # "finish", or the run ended before the kill landed
+            assert proc.returncode == 0, err[-3000:]
+    assert latest.read_text().strip() == f"step_{steps}"
+    assert kills >= 10
+    ref = load_file(str(ref_dir / "run" / "checkpoints" / f"step_{steps}" / "model.safetensors"))
+    got = load_file(str(run_dir / "run" / "checkpoints" / f"step_{steps}" / "model.safetensors"))
+    for k in ref:
+        assert torch.equal(ref[k], got[k]), k
+    ref_state = torch.load(ref_dir / "run" / "checkpoints" / f"step_{steps}" / "training_state.pt",
+                           weights_only=True)
+    got_state = torch.load(run_dir / "run" / "checkpoints" / f"step_{steps}" / "training_state.pt",
+                           weights_only=True)
+    assert [h.get("loss") for h in got_state["history"]] == [h.get("loss") for h in ref_state["history"]]
+    pids = _worker_pids(run_dir) | _worker_pids(ref_dir)
+    assert len(pids) >= 10 and all(dead(pid, 10) for pid in pids)

@@ -1,0 +1,284 @@
+"""What flows through the recipe's step, checked against values recomputed independently.
+
+Each test names the wrong implementation it catches: a parameter ignored, a call never made, a
+value read from the wrong place. The recipe runs in-process on a random 1-layer Qwen3.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import pepo.weighting as pw
+import pepo_recipe
+from pepo.estimators import SingleStreamEstimator
+from pepo.training.config import strategy_params
+from tests.recipe_helpers import tiny_cfg
+
+
+def run(cfg):
+    return pepo_recipe.recipe_main(cfg, log_config=False)
+
+
+def read_dump(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def dump_batch(rows: list[dict]):
+    """The step's batch as the strategy saw it: advantages [B], entropies [B, T], mask,
+    success flags [B] and the token advantages the recipe produced (0 at padding)."""
+    width = max(len(r["entropies"]) for r in rows)
+    ent = torch.zeros(len(rows), width)
+    got = torch.zeros(len(rows), width)
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        n = len(r["entropies"])
+        ent[i, :n] = torch.tensor(r["entropies"])
+        got[i, :n] = torch.tensor(r["token_advantages"])
+        mask[i, :n] = True
+    adv = torch.tensor([r["advantage"] for r in rows])
+    success = torch.tensor([r["success"] for r in rows])
+    return adv, ent, mask, success, got
+
+
+CUSTOM = '''
+import torch
+import pepo.weighting as pw
+
+@pw.register_strategy("flow_test_custom", overwrite=True)
+def flow_test_custom(boost: float = 3.0):
+    def fn(advantages, entropies, mask, positive):
+        a = advantages[:, None]
+        return torch.where(positive[:, None], a * (1 + boost * entropies), a)
+    return fn
+'''
+
+
+@pytest.mark.parametrize("strategy", [*pw.list_strategies(), "flow_test_custom"])
+@pytest.mark.parametrize("name", ["tiny", "tiny_spo"])
+def test_dumped_token_advantages_are_the_strategy_of_the_dumped_inputs(tmp_path, monkeypatch, strategy, name):
+    """After a step, the dumped token advantages equal ``get_strategy(name, **params)`` applied
+    to the dumped advantages, entropies and mask with the reward's success flags.
+
+    Catches: a recipe that ignores ``strategy.<name>`` parameters, calls another strategy,
+    passes no ``positive`` flags (A > 0 would be used: the test asserts some successful
+    rollout has A <= 0, or a failed one A > 0, so the two differ), or dumps other values."""
+    (tmp_path / "flow_custom_strategy.py").write_text(CUSTOM)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    params = {"proximal_softmax": {"window": 5, "temperature": 0.5},
+              "window_average": {"window": 3},
+              "global_topk": {"fraction": 0.3, "score": "proximal", "window": 5},
+              "entropy_bonus": {"alpha": 0.7, "kappa": 3.0},
+              "flow_test_custom": {"boost": 2.5}}
+    section = {"name": strategy, **({strategy: params[strategy]} if strategy in params else {})}
+    cfg = tiny_cfg(tmp_path, name, num_steps=2, imports=["flow_custom_strategy"], strategy=section)
+    recipe = run(cfg)
+    sname, sparams = strategy_params(cfg)
+    assert sname == strategy and recipe.strategy.params == {
+        **pw.get_strategy(strategy).params, **sparams}
+    expected_fn = pw.get_strategy(strategy, **sparams)
+    for step in (1, 2):
+        adv, ent, mask, success, got = dump_batch(read_dump(tmp_path / "run" / "rollouts" / f"step_{step:06d}.jsonl"))
+        expected = expected_fn(adv, ent, mask, positive=success)
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+    # the success flags are not the advantage's sign here, so passing none would show
+    assert bool((success != (adv > 0)).any())
+
+
+def test_first_loss_is_minus_mean_token_advantage_when_the_ratio_is_one(tmp_path):
+    """With one mini-batch and one epoch the policy that is trained is the rollout policy, so
+    every ratio is exactly 1: the loss is ``-Σ Â / N`` and nothing is clipped.
+
+    Catches: old log-probs from another function than the training forward (dropout on, a
+    different temperature, another micro-batch split), a loss normalised by something other
+    than the batch's valid tokens, or token advantages other than those dumped."""
+    cfg = tiny_cfg(tmp_path, num_steps=1, ppo_mini_batches=1, ppo_epochs=1, micro_batch_size=2,
+                   generation={"temperature": 0.7, "max_new_tokens": 12})
+    recipe = run(cfg)
+    adv, ent, mask, success, token_adv = dump_batch(
+        read_dump(tmp_path / "run" / "rollouts" / "step_000001.jsonl"))
+    m = recipe.history[-1]
+    expected = -float(token_adv.double().sum()) / int(mask.sum())
+    assert m["loss"] == pytest.approx(expected, rel=1e-5, abs=1e-8)
+    assert m["clip_fraction"] == 0.0 and m["approx_kl"] == 0.0
+    assert abs(expected) > 1e-4  # a loss of 0 would not tell anything
+
+
+def test_grad_norm_is_logged_as_mean_and_max_over_optimizer_steps(tmp_path, monkeypatch):
+    """Catches a logged grad_norm that is only the last mini-batch's."""
+    seen = []
+    real = torch.nn.utils.clip_grad_norm_
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        seen.append(float(out))
+        return out
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy)
+    recipe = run(tiny_cfg(tmp_path, num_steps=1, ppo_mini_batches=4, micro_batch_size=2))
+    m = recipe.history[-1]
+    assert len(seen) == 4 and len(set(seen)) == 4
+    assert m["grad_norm"] == pytest.approx(sum(seen) / 4, rel=1e-6)
+    assert m["grad_norm_max"] == pytest.approx(max(seen), rel=1e-6)
+
+
+def test_log_prob_forwards_run_without_dropout(tmp_path, monkeypatch):
+    """Catches a recipe that leaves the model in train mode (dropout on) for the log-prob
+    forwards: every forward of the model must see ``training == False``."""
+    cfg = tiny_cfg(tmp_path, num_steps=1)
+    recipe = pepo_recipe.PEPORecipe(cfg)
+    recipe.setup(cfg)
+    modes = []
+    recipe.model.register_forward_pre_hook(lambda mod, args: modes.append(mod.training))
+    recipe.train()
+    assert modes and not any(modes)
+
+
+# ------------------------------------------------------------------------- single-stream
+
+
+class AnswerParityReward:
+    """1 for prompts whose answer is even, 0 otherwise: every prompt's prior is known."""
+
+    def __call__(self, responses, answers):
+        return [1.0 if int(a) % 2 == 0 else 0.0 for a in answers]
+
+
+class HalfDigitReward:
+    """A varying reward in [0, 1]: the share of digits, rounded to halves."""
+
+    def __call__(self, responses, answers):
+        return [round(2 * sum(c.isdigit() for c in r) / max(1, len(r))) / 2 for r in responses]
+
+
+def test_single_stream_prior_is_each_prompts_own_mean_reward(tmp_path, monkeypatch):
+    """Catches a prior sliced from the wrong rollouts (another prompt's, or interleaved)."""
+    monkeypatch.setattr("tests.recipe_helpers.DigitReward", AnswerParityReward)
+    cfg = tiny_cfg(tmp_path, "tiny_spo", estimator={"prior_samples": 3})
+    recipe = pepo_recipe.PEPORecipe(cfg)
+    recipe.setup(cfg)
+    est = recipe.estimator
+    parity = [int(p.answer) % 2 == 0 for p in recipe.train_data]
+    assert 0 < sum(parity) < len(parity)
+    reference = SingleStreamEstimator(prior_samples=3)
+    reference.set_prior({p.id: 1.0 if even else 0.0 for p, even in zip(recipe.train_data, parity)})
+    ids = [p.id for p in recipe.train_data]
+    torch.testing.assert_close(est.values(ids), reference.values(ids), rtol=0, atol=0)
+    recipe.cleanup()
+
+
+def test_single_stream_tracker_follows_spo_with_drift_since_last_visit(tmp_path, monkeypatch):
+    """Replays the tracker from the dumps with a loop reference: per step, each prompt's
+    ``rho = clip(2^(-D / d_half))`` with ``D`` the sum of the recorded policy drifts since the
+    prompt's last visit, then ``alpha <- rho alpha + r``, ``beta <- rho beta + 1 - r``.
+
+    Catches: a recipe that never updates the tracker, a constant rho, or D measured on the
+    step's own update only (the test asserts that some prompt is revisited after a gap of
+    more than one step, so the two definitions differ)."""
+    monkeypatch.setattr("tests.recipe_helpers.DigitReward", HalfDigitReward)
+    est_cfg = {"prior_samples": 2, "candidate_pool": 2, "rho_min": 0.01, "rho_max": 1.0,
+               "d_half": 0.05}
+    cfg = tiny_cfg(tmp_path, "tiny_spo", num_steps=4, prompts_per_step=4, estimator=est_cfg,
+                   micro_batch_size=2, dataset={"size": 8})
+    recipe = pepo_recipe.PEPORecipe(cfg)
+    recipe.setup(cfg)
+    start = recipe.estimator.state_dict()
+    recipe.train()
+    alpha, beta = dict(start["alpha"]), dict(start["beta"])
+    last_seen: dict[str, int] = {}
+    drifts = [h["policy_drift"] for h in recipe.history if "policy_drift" in h]
+    assert len(drifts) == 4 and all(d > 0 for d in drifts)
+    gaps = []
+    for step in range(1, 5):
+        rows = read_dump(tmp_path / "run" / "rollouts" / f"step_{step:06d}.jsonl")
+        for r in rows:
+            pid, rew = r["prompt_id"], r["reward"]
+            since = last_seen.get(pid, 0)  # the prior was taken before step 1
+            d = sum(drifts[since : step - 1])  # drifts of the updates between the two samples
+            gaps.append(step - 1 - since)
+            rho = min(max(2 ** (-d / 0.05), 0.01), 1.0)
+            a, b = alpha.get(pid, 0.5), beta.get(pid, 0.5)
+            alpha[pid], beta[pid] = rho * a + rew, rho * b + 1 - rew
+            last_seen[pid] = step - 1
+    assert max(gaps) >= 2  # some D spans several updates
+    final = recipe.estimator.state_dict()
+    assert final["alpha"].keys() == alpha.keys()
+    for pid in alpha:
+        assert final["alpha"][pid] == pytest.approx(alpha[pid], rel=1e-9), pid
+        assert final["beta"][pid] == pytest.approx(beta[pid], rel=1e-9), pid
+    assert final["drift_total"] == pytest.approx(sum(drifts), rel=1e-9)
+
+
+def test_single_stream_draws_prompts_by_the_sampling_weights(tmp_path):
+    """Catches a recipe whose prompt choice ignores the tracker's sampling weights: with
+    overwhelming weight on 8 prompts of a pool that holds all 16, those 8 are drawn."""
+    cfg = tiny_cfg(tmp_path, "tiny_spo", estimator={"prior_samples": 0, "candidate_pool": 2})
+    recipe = pepo_recipe.PEPORecipe(cfg)
+    recipe.setup(cfg)
+    ids = [p.id for p in recipe.train_data]
+    assert len(ids) == 16 and recipe.prompts_per_step == 8
+    favoured = set(ids[1::2])
+    recipe.estimator.sampling_weights = lambda pids: torch.tensor(
+        [1e6 if pid in favoured else 1e-6 for pid in pids])
+    for _ in range(3):
+        picked = recipe._next_problems()
+        assert {p.id for p in picked} == favoured and len(picked) == 8
+    recipe.cleanup()
+
+
+def test_group_mode_keeps_whole_groups_in_order(tmp_path):
+    """Each prompt's G rollouts are contiguous (group advantages depend on it)."""
+    cfg = tiny_cfg(tmp_path, num_steps=1, prompts_per_step=3, micro_batch_size=2)
+    recipe = pepo_recipe.PEPORecipe(cfg)
+    recipe.setup(cfg)
+    ids = [p.id for p in recipe._next_problems()]
+    assert len(ids) == 12 and all(len(set(ids[i : i + 4])) == 1 for i in range(0, 12, 4))
+    assert len(set(ids)) == 3
+    recipe.cleanup()
+
+
+def test_resume_refuses_changed_estimator_hyper_parameters(tmp_path):
+    """Catches a resume that silently replaces the configured tracker settings with the
+    checkpoint's."""
+    run(tiny_cfg(tmp_path, "tiny_spo", num_steps=1))
+    cfg = tiny_cfg(tmp_path, "tiny_spo", num_steps=2, resume_from_checkpoint=True,
+                   estimator={"rho_min": 0.9})
+    recipe = pepo_recipe.PEPORecipe(cfg)
+    with pytest.raises(ValueError, match=r"would change the experiment: estimator.rho_min \(0.875 -> 0.9\)"):
+        recipe.setup(cfg)
+    recipe.cleanup()
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"strategy": {"proximal_sofmax": {"window": 5}}},
+     "unknown config key 'strategy.proximal_sofmax'; did you mean 'strategy.proximal_softmax'"),
+    ({"strategy": {"proximal_softmax": {"windw": 5}}},
+     "unknown config key 'strategy.proximal_softmax.windw'; did you mean 'strategy.proximal_softmax.window'"),
+    ({"strategy": {"global_topk": {"fraction": 2.0}}}, r"strategy.global_topk: fraction must be in \(0, 1\]"),
+    ({"generation": {"temprature": 0.6}},
+     "unknown config key 'generation.temprature'; did you mean 'generation.temperature'"),
+    ({"loss": {"eps_hgh": 0.4}}, "unknown config key 'loss.eps_hgh'; did you mean 'loss.eps_high'"),
+    ({"validation": {"evry": 1}}, "unknown config key 'validation.evry'; did you mean 'validation.every'"),
+    ({"num_stepz": 200}, "unknown config key 'num_stepz'; did you mean 'num_steps'"),
+    ({"estimator": {"rho_mn": 0.5}},
+     r"unknown estimator key\(s\) \['rho_mn'\] for estimator.name='group'; valid keys"),
+    ({"loss": {"eps_low": 1.0}}, "loss.eps_low must be < 1"),
+    ({"strategy": {"entropy_bonus": {"kappa": 1.0}}}, "strategy.entropy_bonus: kappa must be > 1"),
+])
+def test_misspelled_and_bad_keys_are_one_line_errors(tmp_path, override, message):
+    with pytest.raises(ValueError, match=message) as e:
+        pepo_recipe.PEPORecipe(tiny_cfg(tmp_path, **override))
+    assert "\n" not in str(e.value)
+
+
+def test_interpolation_variables_are_not_typos(tmp_path):
+    """A top-level key the config reads as ``${key}`` (the paper configs' ``train_data``) is a
+    variable; the same key unused is a typo."""
+    cfg = tiny_cfg(tmp_path, data_size=32, dataset={"size": "${data_size}"})
+    pepo_recipe.PEPORecipe(cfg)
+    with pytest.raises(ValueError, match="unknown config key 'data_size'"):
+        pepo_recipe.PEPORecipe(tiny_cfg(tmp_path, data_size=32))

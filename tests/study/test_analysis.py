@@ -1,0 +1,169 @@
+"""pepo.study.analysis on synthetic rollouts whose structure is known."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from html.parser import HTMLParser
+
+import pytest
+import torch
+
+import pepo.weighting as pw
+from pepo.study import analysis as A
+
+
+def write_dump(path, entropies, rewards=None, prompts=None, tokens=None):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for i, h in enumerate(entropies):
+            f.write(json.dumps({
+                "step": 1, "prompt_id": prompts[i] if prompts else f"p{i}",
+                "prompt": "q", "reward": rewards[i] if rewards else 1.0, "advantage": 0.5,
+                "entropies": [float(x) for x in h],
+                "tokens": tokens[i] if tokens else [f"t{t}" for t in range(len(h))],
+            }) + "\n")
+    return path
+
+
+def trend_and_shift(n=64, T=400, seed=0):
+    """H = per-sequence shift + a smooth decay over the sequence + positive noise."""
+    g = torch.Generator().manual_seed(seed)
+    shift = 2.0 * torch.rand(n, 1, generator=g)
+    pos = torch.arange(T) / T
+    return shift + 1.5 * (1 - pos) + 0.3 * torch.rand(n, T, generator=g)
+
+
+def test_trend_shows_in_global_and_vanishes_from_proximal(tmp_path):
+    h = trend_and_shift()
+    r = A.load_dump(write_dump(tmp_path / "d.jsonl", h.tolist()))
+    curves = A.positional_bias(r, windows=(21,), n_bins=10)
+    g, p = curves["global"], curves["proximal_21"]
+    assert g[0] > 0.25 and g[-1] < -0.25 and bool((g[1:] < g[:-1]).all())  # decays
+    assert float(p.abs().max()) < 0.05  # flat: |s| * W/2 = 1.5/400 * 10 is small
+    assert float(curves["window_average_21"].abs().max()) < 0.05  # windowing alone suffices
+
+
+def test_proximal_entropy_mean_is_one_over_w_in_every_difficulty_group(tmp_path):
+    h = trend_and_shift(n=48, T=300)
+    # 6 prompts x 8 rollouts; pass counts 0, 1, 4, 5, 7, 8 -> hard, hard, moderate x2, easy x2
+    passes = [0, 1, 4, 5, 7, 8]
+    rewards = [1.0 if j < passes[i // 8] else 0.0 for i in range(48) for j in [i % 8]]
+    prompts = [f"p{i // 8}" for i in range(48)]
+    r = A.load_dump(write_dump(tmp_path / "d.jsonl", h.tolist(), rewards, prompts))
+    table = A.difficulty_bias(r, window=101)
+    assert set(table) == {"hard", "moderate", "easy"}
+    assert [table[g]["rollouts"] for g in A.GROUPS] == [16, 16, 16]
+    for g in A.GROUPS:
+        assert abs(table[g]["proximal"] - 1 / 101) < 0.05 / 101, (g, table[g])
+    # global entropy differs between groups here only through the random shifts
+    assert len({round(table[g]["global"], 6) for g in A.GROUPS}) == 3
+
+
+class _Balance(HTMLParser):
+    VOID = {"meta", "br", "img", "hr", "link", "input"}
+
+    def __init__(self):
+        super().__init__()
+        self.stack, self.errors = [], []
+
+    def handle_starttag(self, tag, attrs):
+        if tag not in self.VOID:
+            self.stack.append(tag)
+
+    def handle_endtag(self, tag):
+        if not self.stack or self.stack.pop() != tag:
+            self.errors.append(tag)
+
+
+def test_heatmap_is_well_formed_and_escapes_tokens(tmp_path):
+    toks = [["<script>", "alert('x')", "</script>", "a & b", '"q"']]
+    r = A.load_dump(write_dump(tmp_path / "d.jsonl", [[0.1, 2.0, 0.3, 0.2, 1.0]], tokens=toks))
+    page = A.heatmap_html(r, [0], window=3)
+    assert "<script>" not in page and "&lt;script&gt;" in page and "a &amp; b" in page
+    p = _Balance()
+    p.feed(page)
+    assert not p.errors and not p.stack
+    assert page.startswith("<!DOCTYPE html>") and page.count('class="col"') == 2
+
+
+def test_weight_mass_sums_to_one_and_uniform_follows_token_counts(tmp_path):
+    h = trend_and_shift(n=16, T=100)
+    r = A.load_dump(write_dump(tmp_path / "d.jsonl", h.tolist()))
+    mass = A.weight_mass(r, window=11)
+    for name, row in mass.items():
+        assert abs(sum(row[f"decile_{d}"] for d in range(1, 11)) - 1) < 1e-5, name
+    assert all(abs(mass["uniform (GRPO)"][f"decile_{d}"] - 0.1) < 1e-6 for d in range(1, 11))
+    # 80/20 by global entropy follows the decaying trend: most of its weight is early
+    topk = mass["global_topk (80/20)"]
+    assert topk["decile_1"] > topk["decile_10"]
+    # top20: uniform weights put exactly int(0.2 N) / N of the weight on any 20% of the tokens;
+    # 80/20 keeps 20% of the tokens, so they hold all of it (continuous entropies: no ties)
+    n = int(r.mask.sum())
+    assert mass["uniform (GRPO)"]["top20"] == pytest.approx(int(0.2 * n) / n, abs=1e-6)
+    assert topk["top20"] == pytest.approx(1.0, abs=1e-6)
+    # a slow reference for PEPO's row: its weights, sorted by hand
+    c = pw.get_strategy("proximal_softmax", window=11)(torch.ones(len(r)), r.entropies, r.mask)
+    vals = sorted(c[r.mask].tolist(), reverse=True)
+    ref = sum(vals[: int(0.2 * n)]) / sum(vals)
+    assert mass["proximal_softmax (PEPO)"]["top20"] == pytest.approx(ref, rel=1e-5)
+    # a colder softmax concentrates the weight: tau 0.5 > tau 1 > tau 2 > uniform
+    shares = [mass[k]["top20"] for k in ("proximal_softmax, τ = 0.5", "proximal_softmax (PEPO)",
+                                        "proximal_softmax, τ = 2", "uniform (GRPO)")]
+    assert shares == sorted(shares, reverse=True) and len(set(shares)) == 4, shares
+
+
+def test_entropy_profile_matches_its_definitions(tmp_path):
+    rows = [[0.0, 0.005, 0.5, 2.0, 0.0], [1.0, 0.0, 0.02], [0.009, 0.3, 0.0, 0.0, 0.0, 4.0]]
+    r = A.load_dump(write_dump(tmp_path / "d.jsonl", rows))
+    prof = A.entropy_profile(r, windows=(3,))
+    flat = sorted((x for row in rows for x in row), reverse=True)  # 14 tokens
+    assert (prof["length_min"], prof["length_max"]) == (3, 6)
+    assert prof["length_mean"] == pytest.approx(14 / 3)
+    assert prof["near_deterministic_share"] == pytest.approx(
+        sum(x < 0.01 for x in flat) / 14)  # 8 of 14
+    assert prof["top20_entropy_share"] == pytest.approx(sum(flat[:2]) / sum(flat))  # int(2.8)
+    assert prof["mean_entropy"] == pytest.approx(sum(flat) / 14)
+    curves = A.positional_bias(r, (3,))
+    assert prof["global_span"] == pytest.approx(float(curves["global"].max() - curves["global"].min()))
+    assert prof["proximal_3_max_abs"] == pytest.approx(float(curves["proximal_3"].abs().max()))
+
+
+def test_command_writes_every_output(tmp_path):
+    write_dump(tmp_path / "rollouts" / "step_000001.jsonl", trend_and_shift(n=32, T=256).tolist())
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "pepo.study.analysis", str(tmp_path / "rollouts"),
+                        "--out", str(out), "--windows", "11", "31"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for name in ("positional_bias.png", "positional_bias.csv", "difficulty_bias.md",
+                 "heatmap.html", "weight_mass.csv", "weight_mass.md", "profile.md",
+                 "profile.json"):
+        assert (out / name).stat().st_size > 0, name
+    header = (out / "positional_bias.csv").read_text().splitlines()[0]
+    assert header.startswith("percentile_bin_center,global,proximal_11,window_average_11")
+    bad = subprocess.run([sys.executable, "-m", "pepo.study.analysis", str(tmp_path / "nope"), "--out",
+                          str(out)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "no rollout dump" in bad.stderr
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", r"d.jsonl:2: not valid JSON"),
+    ("[1, 2]", r"d.jsonl:2: a record must be a JSON object, got list"),
+    ('{"reward": 1.0}', r"d.jsonl:2: 'entropies' must be a list of numbers, got None"),
+    ('{"entropies": [0.1, "x"], "reward": 1.0}', r"d.jsonl:2: 'entropies' must be a list of numbers"),
+    ('{"entropies": [0.1]}', r"d.jsonl:2: 'reward' must be a number, got None"),
+    ('{"entropies": [0.1, 0.2], "reward": 0, "tokens": ["a"]}', r"d.jsonl:2: 'tokens' must be a list as long"),
+])
+def test_malformed_records_are_one_line_errors_naming_file_and_line(tmp_path, line, message):
+    """Catches KeyError/IndexError tracebacks (or a silent skip) on a malformed dump."""
+    path = write_dump(tmp_path / "d.jsonl", [[0.1, 0.2]])
+    with open(path, "a") as f:
+        f.write(line + "\n")
+    with pytest.raises(ValueError, match=message):
+        A.load_dump(path)
+    r = subprocess.run([sys.executable, "-m", "pepo.study.analysis", str(path), "--out", str(tmp_path / "o")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "d.jsonl:2" in r.stderr

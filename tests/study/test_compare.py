@@ -1,0 +1,121 @@
+"""The study script's bookkeeping: runs, saved results, the paired statistics and the report,
+on a 2-step, 1-seed run of the tiny task."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+
+
+
+@pytest.fixture(scope="module")
+def study():
+    from pepo.study import compare
+
+    return compare
+
+
+def test_paired_statistics_match_their_definition(study):
+    base = [{"seed": s, "val_after": v} for s, v in enumerate([0.50, 0.60, 0.55, 0.70])]
+    runs = [{"seed": s, "val_after": v} for s, v in enumerate([0.55, 0.60, 0.65, 0.72])]
+    runs.append({"seed": 9, "val_after": 1.0})  # no baseline for seed 9: not paired
+    p = study.paired(runs, base)
+    d = [0.05, 0.0, 0.10, 0.02]
+    t = statistics.mean(d) / (statistics.stdev(d) / math.sqrt(4))
+    assert p["n"] == 4 and (p["wins"], p["ties"], p["losses"]) == (3, 1, 0)
+    assert p["mean"] == pytest.approx(statistics.mean(d), abs=1e-12)
+    assert p["t"] == pytest.approx(t, rel=1e-12)
+    assert p["significant"] == (abs(t) > 3.182)  # df = 3
+    assert study.paired(runs, []) is None
+
+
+def test_two_step_one_seed_study(study, tmp_path, monkeypatch):
+    out, docs = tmp_path / "runs", tmp_path / "docs"
+    argv = ["--tasks", "tiny", "--seeds", "0", "--only", "group", "--methods", "PEPO",
+            "--steps", "2", "--out", str(out), "--docs", str(docs), "--discussion", "",
+            "--set", "validation.samples=1", "val_dataset.size=4", "dump_rollouts_every=1",
+            "prompts_per_step=2", "micro_batch_size=8", "--budgets", "0", "100", "--intervention-k", "1"]
+    calls = []
+    real = study.pepo_recipe.recipe_main
+    monkeypatch.setattr(study.pepo_recipe, "recipe_main",
+                        lambda cfg, **kw: calls.append(cfg) or real(cfg, **kw))
+    results = study.main(argv)
+    # the baseline is always run; each run used its strategy, seed and the overrides
+    assert [(c.strategy.name, c.seed, c.num_steps, c.val_dataset.size) for c in calls] == [
+        ("uniform", 0, 2, 4), ("proximal_softmax", 0, 2, 4)]
+    assert [r["method"] for r in results] == ["GRPO", "PEPO"]
+    for r in results:
+        saved = json.loads((study.run_dir(out, "tiny", "group", r["method"], 0)
+                            / "result.json").read_text())
+        assert saved == r and r["val_curve"][-1] == [2, r["val_after"]]
+        assert r["val_curve"][0][0] == 0 and r["val_k"] == 1 and r["num_steps"] == 2
+        assert Path(r["checkpoint"]).name == "step_2" and Path(r["checkpoint"]).is_dir()
+    text = (docs / "results.md").read_text()
+    grpo, pepo = results
+    delta = 100 * (pepo["val_after"] - grpo["val_after"])
+    assert f"| PEPO | 1 | {100 * pepo['val_before']:.1f} | {100 * pepo['val_after']:.1f} | " \
+           f"{delta:+.1f} (" in text
+    assert "| GRPO | 1 |" in text and "(baseline)" in text
+    # the intervention table's end points: budget 0 = warm start, 100% = the GRPO checkpoint
+    iv = json.loads((out / "tiny" / "intervention.json").read_text())
+    assert iv["global"]["0.0"] == iv["proximal"]["0.0"]
+    assert iv["global"]["1.0"] == iv["replacement"]["1.0"]
+    assert "### Token intervention (tiny)" in text and "### Entropy structure of tiny" in text
+    assert (docs / "images" / "comparison.png").stat().st_size > 0
+    # finished runs are read back, not rerun
+    calls.clear()
+    assert study.main(argv) == results and calls == []
+
+
+def test_shards_split_the_runs(study, tmp_path, monkeypatch):
+    ran = []
+    monkeypatch.setattr(study, "run_one", lambda task, mode, label, *a: ran.append(label) or {})
+    for i in range(2):
+        study.main(["--tasks", "tiny", "--seeds", "0", "--only", "single_stream", "--out",
+                    str(tmp_path), "--shard", f"{i}/2"])
+    assert sorted(ran) == sorted(label for label, _ in study.METHODS["single_stream"])
+    assert len(set(ran)) == len(ran)
+
+
+class _FakeRecipe:
+    history = [{"step": 0, "val_accuracy": 0.5}, {"step": 1, "step_time": 1.0},
+               {"step": 2, "step_time": 3.0, "val_accuracy": 0.75}]
+
+
+def test_runs_held_by_another_process_are_left_to_it(study, tmp_path, monkeypatch, capsys):
+    """Several processes on one plan: a run another process holds is skipped (and no report is
+    written from a partial set); what a killed run left is removed before it runs again; the
+    single-stream runs of a seed share one prior file, the group runs have none."""
+    calls = []
+    monkeypatch.setattr(study.pepo_recipe, "recipe_main",
+                        lambda cfg, **kw: calls.append(cfg) or _FakeRecipe)
+    out, docs = tmp_path / "runs", tmp_path / "docs"
+    held = study.run_dir(out, "tiny", "single_stream", "SPO", 0)
+    (held / "checkpoints" / "step_1").mkdir(parents=True)  # what a killed run left
+    argv = ["--tasks", "tiny", "--seeds", "0", "--out", str(out), "--docs", str(docs),
+            "--discussion", "", "--no-intervention"]
+    with open(held / ".lock", "a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # "another process"
+        results = study.main(argv)
+    assert "1 run(s) were taken by other processes" in capsys.readouterr().out
+    assert not (docs / "results.md").exists()
+    n_methods = len(study.METHODS["group"]) + len(study.METHODS["single_stream"])
+    assert len(calls) == len(results) == n_methods - 1
+    assert "SPO" not in [r["method"] for r in results if r["mode"] == "single_stream"]
+    assert (held / "checkpoints" / "step_1").is_dir()  # untouched while held
+    prior = str(out / "tiny" / "single_stream" / "prior_seed_0.json")
+    assert {c.get("prior_cache") for c in calls if c.estimator.name == "single_stream"} == {prior}
+    assert {c.get("prior_cache") for c in calls if c.estimator.name == "group"} == {None}
+    r = results[0]
+    assert (r["val_before"], r["val_after"], r["step_time_median"]) == (0.5, 0.75, 2.0)
+    calls.clear()
+    results = study.main(argv)  # the lock is free now: only the held run runs
+    assert [c.output_dir for c in calls] == [str(held)]
+    assert not (held / "checkpoints").exists()
+    assert json.loads((held / "result.json").read_text())["val_after"] == 0.75
+    assert len(results) == n_methods and (docs / "results.md").is_file()

@@ -1,0 +1,234 @@
+"""Token intervention (Sec. 4.4, Table 5): mixed decoding against a slow loop reference, the
+position selection against a sort written from its definition, the end points of the table
+(budget 0 = the base model's avg@k, every token replaced = the replacement model's) and the CLI."""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import pytest
+import torch
+
+from pepo.study import analysis
+from pepo.training.evaluation import avg_at_k, eval_generator
+from pepo.training.generation import _sample, draw_seeds, filter_logits, generate, row_uniforms
+from pepo.study.intervention import intervene, mixed_generate, select_positions, token_metric
+from pepo.training.models import tiny_qwen3
+from pepo.tasks import modsum_dataset
+from tests.recipe_helpers import MODEL_OVERRIDES, random_checkpoint
+
+V = 32
+STOP = [1]
+PAD = 0
+
+
+def _model(seed: int, dtype=torch.float64, std: float = 0.3):
+    torch.manual_seed(seed)
+    m = tiny_qwen3(**MODEL_OVERRIDES).to(dtype)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() >= 2:
+                torch.nn.init.normal_(p, std=std)
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def models():
+    return _model(0), _model(1)
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, V, (int(torch.randint(2, 7, (1,), generator=g)),),
+                          generator=g).tolist() for _ in range(n)]
+
+
+@torch.no_grad()
+def _reference(base, repl, prompt, replace_row, seed, max_new, temperature, top_p):
+    """One row decoded by full forwards (no cache, no padding), token by token."""
+    seq, toks, ents = list(prompt), [], []
+    for t in range(max_new):
+        x = torch.tensor([seq])
+        zb = base(x)[0, -1]
+        z = repl(x)[0, -1] if bool(replace_row[t]) else zb
+        probs = filter_logits(z[None], temperature, None, top_p).softmax(-1)
+        tok = int(_sample(probs, row_uniforms(torch.tensor([seed]), t))[0])
+        p = (zb.double() / temperature).softmax(-1)
+        ents.append(float(-(p * p.clamp_min(1e-300).log()).sum()))
+        toks.append(tok)
+        seq.append(tok)
+        if tok in STOP:
+            break
+    return toks, ents
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_mixed_generation_matches_a_token_by_token_reference(models, temperature, top_p):
+    base, repl = models
+    prompts = _prompts(5)
+    max_new = 10
+    seeds = draw_seeds(torch.Generator().manual_seed(3), len(prompts))
+    g = torch.Generator().manual_seed(4)
+    replace = torch.rand((len(prompts), max_new), generator=g) < 0.4
+    ro = mixed_generate(base, repl, prompts, replace, seeds=seeds, max_new_tokens=max_new,
+                        pad_id=PAD, stop_tokens=STOP, temperature=temperature, top_p=top_p)
+    n_replaced_differs = 0
+    for i, p in enumerate(prompts):
+        toks, ents = _reference(base, repl, p, replace[i], int(seeds[i]), max_new,
+                                temperature, top_p)
+        n = int(ro.mask[i].sum())
+        assert ro.tokens[i, :n].tolist() == toks
+        torch.testing.assert_close(ro.entropies[i, :n].double(), torch.tensor(ents,
+                                   dtype=torch.float64), rtol=1e-5, atol=1e-6)
+        assert ro.replaced[i, :n].tolist() == replace[i, :n].tolist()
+        # the replaced positions' tokens are not what the base alone would have drawn everywhere
+        alone, _ = _reference(base, base, p, replace[i], int(seeds[i]), max_new, temperature,
+                              top_p)
+        n_replaced_differs += alone != toks
+    assert n_replaced_differs > 0  # the replacement model was used
+
+
+def test_empty_and_full_masks_reproduce_each_model(models):
+    base, repl = models
+    prompts = _prompts(6, seed=1)
+    seeds = draw_seeds(torch.Generator().manual_seed(5), len(prompts))
+    kw = dict(max_new_tokens=12, pad_id=PAD, stop_tokens=STOP, temperature=1.0)
+    for model, fill in ((base, False), (repl, True)):
+        want = generate(model, prompts, seeds=seeds, **kw)
+        got = mixed_generate(base, repl, prompts, torch.full((6, 12), fill), seeds=seeds, **kw)
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.mask, want.mask)
+        torch.testing.assert_close(got.logprobs, want.logprobs)
+    with pytest.raises(ValueError, match=r"replace must be a bool \[B, max_new_tokens\]"):
+        mixed_generate(base, repl, prompts, torch.zeros((6, 11), dtype=torch.bool), seeds=seeds,
+                       **kw)
+    with pytest.raises(ValueError, match="seeds must be"):
+        mixed_generate(base, repl, prompts, None, seeds=seeds[:3], **kw)
+
+
+def _select_reference(metric, mask, budget, width):
+    out = torch.zeros((mask.shape[0], width), dtype=torch.bool)
+    for i in range(mask.shape[0]):
+        valid = [t for t in range(mask.shape[1]) if mask[i, t]]
+        if budget >= 1:
+            out[i] = True
+            continue
+        k = math.ceil(budget * len(valid) - 1e-9)
+        for t in sorted(valid, key=lambda t: (-float(metric[i, t]), t))[:k]:
+            out[i, t] = True
+    return out
+
+
+@pytest.mark.parametrize("budget", [0.0, 0.05, 0.1, 0.3, 0.5, 0.99, 1.0])
+def test_selected_positions_are_the_top_budget_fraction(budget):
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([1, 7, 20, 13, 20])
+    mask = torch.arange(20)[None] < lengths[:, None]
+    metric = torch.randint(0, 4, (5, 20), generator=g).float()  # many ties
+    got = select_positions(metric, mask, budget, width=24)
+    assert torch.equal(got, _select_reference(metric, mask, budget, 24))
+    if budget < 1:
+        assert got.sum(-1).tolist() == [math.ceil(budget * n - 1e-9) for n in lengths.tolist()]
+
+
+def test_selection_rejects_bad_budgets_and_shapes():
+    mask = torch.ones((2, 4), dtype=torch.bool)
+    with pytest.raises(ValueError, match="budget must be a fraction in"):
+        select_positions(torch.zeros(2, 4), mask, 1.5, 4)
+    with pytest.raises(ValueError, match="differ"):
+        select_positions(torch.zeros(2, 5), mask, 0.5, 5)
+    with pytest.raises(ValueError, match="unknown metric 'local'"):
+        token_metric("local", torch.zeros(2, 4), mask)
+
+
+class _Tok:
+    """Digits-only stand-in: ids 3.. are the characters of the modsum alphabet."""
+
+    pad_id, eos_id, stop_tokens = PAD, 1, [1]
+    chars = "0123456789+-= \nmodbxe\\{}*"
+
+    def encode_prompt(self, s):
+        return [3 + self.chars.index(c) for c in s]
+
+    def decode(self, ids):
+        return "".join(self.chars[i - 3] if 3 <= i < 3 + len(self.chars) else "" for i in ids)
+
+
+def _digit_share(texts, answers):
+    return [float(sum(c.isdigit() for c in t) / max(1, len(t)) > 0.3) for t in texts]
+
+
+def test_budget_zero_is_the_base_model_and_full_budget_the_replacement(models):
+    base, repl = models
+    problems = modsum_dataset(6, split="val")
+    kw = dict(max_new_tokens=10, temperature=1.0, stop_tokens=STOP)
+    generations = []
+    res = intervene(base, repl, _Tok(), problems, _digit_share, budgets=[0.0, 0.2, 1.0],
+                    metrics=["global", "proximal"], k=3, window=5, seed=11,
+                    progress=lambda: generations.append(1), **kw)
+    # base, every token replaced, and one run per metric at 20%: nothing generated twice
+    assert len(generations) == 4
+    want_base = avg_at_k(base, _Tok(), problems, 3, _digit_share, generator=eval_generator(11), **kw)
+    want_repl = avg_at_k(repl, _Tok(), problems, 3, _digit_share, generator=eval_generator(11), **kw)
+    assert res["global"][0.0] == res["proximal"][0.0] == want_base
+    assert res["global"][1.0] == res["proximal"][1.0] == res["replacement"][1.0] == want_repl
+    assert want_base != want_repl  # the end points can tell the models apart
+    with pytest.raises(ValueError, match="budgets are fractions"):
+        intervene(base, repl, _Tok(), problems, _digit_share, budgets=[20], k=1, **kw)
+
+
+def test_cli_writes_the_table(tmp_path, capsys):
+    base = random_checkpoint(tmp_path / "base", seed=0)
+    repl = random_checkpoint(tmp_path / "repl", seed=1)
+    cfg = tmp_path / "cfg.yaml"
+    from omegaconf import OmegaConf
+    from pepo.training.config import find_config, register_resolvers
+
+    register_resolvers()
+    c = OmegaConf.load(find_config("tiny"))
+    c.model = {"_component_": "pepo.training.models.tiny_qwen3", **MODEL_OVERRIDES}
+    c.checkpoint_dir = str(base)
+    c.generation.max_new_tokens = 8
+    OmegaConf.save(c, cfg)
+    out = tmp_path / "out"
+    analysis.main(["intervene", "--config", str(cfg), "--replacement", str(repl), "--budgets",
+                   "0", "10", "100", "--k", "2", "--problems", "3", "--window", "5",
+                   "--out", str(out)])
+    rows = list(csv.DictReader(open(out / "intervention.csv")))
+    table = {(r["metric"], r["budget_percent"]): float(r["avg@2"]) for r in rows}
+    assert set(table) == {(m, b) for m in ("global", "proximal") for b in ("0", "10", "100")} | {
+        ("replacement", "100")}
+    assert table[("global", "0")] == table[("proximal", "0")]
+    assert table[("global", "100")] == table[("replacement", "100")]
+    assert (out / "intervention.png").stat().st_size > 0
+    assert "| Global Entropy |" in (out / "intervention.md").read_text()
+    with pytest.raises(SystemExit, match=r"--budgets are percentages in \[0, 100\], got 150"):
+        analysis.main(["intervene", "--config", str(cfg), "--replacement", str(repl),
+                       "--budgets", "150", "--out", str(out)])
+    with pytest.raises(SystemExit, match="--replacement="):
+        analysis.main(["intervene", "--config", str(cfg), "--replacement", str(tmp_path),
+                       "--out", str(out)])
+
+
+def test_each_metric_ranks_by_its_own_statistic(models, monkeypatch):
+    """The positions of metric m are chosen from m of the base rollouts' entropies (W as given)."""
+    import pepo.study.intervention as iv
+    from pepo import weighting
+
+    base, repl = models
+    seen = []
+    real = iv.select_positions
+    monkeypatch.setattr(iv, "select_positions",
+                        lambda s, mk, b, w: seen.append((s.clone(), mk.clone(), b)) or real(s, mk, b, w))
+    problems = modsum_dataset(4, split="val")
+    kw = dict(max_new_tokens=10, temperature=1.0, stop_tokens=STOP)
+    intervene(base, repl, _Tok(), problems, _digit_share, budgets=[0.0, 0.3], k=2, window=5,
+              seed=2, **kw)
+    prompts = [_Tok().encode_prompt(p.prompt) for p in problems for _ in range(2)]
+    seeds = draw_seeds(eval_generator(2), len(prompts))
+    ro = mixed_generate(base, None, prompts, None, seeds=seeds, pad_id=PAD, **kw)
+    (g, gm, gb), (p, pm, pb) = seen
+    assert gb == pb == 0.3 and torch.equal(gm, ro.mask) and torch.equal(pm, ro.mask)
+    torch.testing.assert_close(g, torch.where(ro.mask, ro.entropies, 0.0))
+    torch.testing.assert_close(p, weighting.proximal_entropy(ro.entropies, ro.mask, window=5))
+    assert not torch.allclose(g, p)

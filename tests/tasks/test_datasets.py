@@ -1,0 +1,194 @@
+"""Local math datasets in their published layouts → (prompt, gold answer)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pepo.tasks.datasets import BOXED_TEMPLATE, load_math_dataset
+from tests import hf_fixtures as F
+
+
+def test_deepmath(tmp_path):
+    path = F.write_parquet(tmp_path / "deepmath" / "train-00000.parquet", F.deepmath_rows(3))
+    probs = load_math_dataset(tmp_path / "deepmath")  # a directory of shards
+    assert [p.answer for p in probs] == ["1", "3", "5"]
+    assert probs[1].prompt == BOXED_TEMPLATE.format(question="What is $1 + 2$?")
+    assert probs[1].prompt.endswith("within \\boxed{}.")
+    assert load_math_dataset(path, layout="deepmath", limit=2, template=None)[1].prompt == (
+        "What is $1 + 2$?")
+
+
+def test_dapo_strips_its_answer_format_instructions(tmp_path):
+    path = F.write_parquet(tmp_path / "dapo.parquet", F.dapo_rows(3))
+    probs = load_math_dataset(path, template=None)
+    assert [(p.id, p.prompt, p.answer) for p in probs][2] == ("dapo-0002", "Compute $2 \\times 3$.", "6")
+
+
+@pytest.mark.parametrize("rows, answers, ids", [
+    (F.math500_rows(), ["\\left( 3, \\frac{\\pi}{2} \\right)", "2"], ["test/precalculus/807.json",
+                                                                     "test/prealgebra/1.json"]),
+    (F.amc_rows(), ["142"], ["b-0"]),
+    (F.aime24_rows(), ["104"], ["b-2024-I-1"]),
+    (F.aime25_rows(), ["70"], ["b-0"]),
+])
+def test_benchmarks(tmp_path, rows, answers, ids):
+    path = tmp_path / "b.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    probs = load_math_dataset(path)
+    assert [p.answer for p in probs] == answers and [p.id for p in probs] == ids
+
+
+def test_errors(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_math_dataset(tmp_path / "nope.parquet")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        load_math_dataset(tmp_path, layout="gsm8k")
+    bad = F.write_parquet(tmp_path / "bad.parquet", [{"text": "x"}])
+    with pytest.raises(ValueError, match="cannot tell the dataset layout from the columns \\['text'\\]"):
+        load_math_dataset(bad)
+    with pytest.raises(ValueError, match="bad.parquet: row 0: field 'prompt' is missing for the "
+                                         "'dapo' layout \\(columns: \\['text'\\]\\)"):
+        load_math_dataset(bad, layout="dapo")
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+AIME = {"id": 7, "problem": "Find $3 + 4$.", "answer": "7"}
+
+
+@pytest.mark.parametrize("bad, field, problem", [
+    ({"id": 1, "problem": "Find $1$."}, "answer", "missing"),  # AIME-style row without answer
+    ({"id": 1, "answer": "1"}, "problem", "missing"),
+    ({"id": 1, "problem": "Find $1$.", "answer": None}, "answer", "null"),
+    ({"id": 1, "problem": None, "answer": "1"}, "problem", "null"),
+    ({"id": 1, "problem": "Find $1$.", "answer": float("nan")}, "answer", "null \\(NaN\\)"),
+    ({"id": 1, "problem": "Find $1$.", "answer": "  "}, "answer", "empty"),
+    ({"id": 1, "Problem": 12, "answer": "1"}, "problem", "not text \\(int\\)"),
+])
+def test_a_row_without_prompt_or_answer_is_an_error(tmp_path, bad, field, problem):
+    """Catches the reported bug: ``str(None)`` made "None" the prompt or the gold answer, and
+    every reward of that problem 0 without a word. The error must name file, row, line, field."""
+    path = _jsonl(tmp_path / "aime.jsonl", [AIME, bad, AIME])
+    path.write_text(path.read_text().replace("\n", "\n\n", 1))  # a blank line: row 1 is line 3
+    with pytest.raises(ValueError, match=f"aime.jsonl: row 1 \\(line 3\\): field '{field}' is "
+                                         f"{problem} for the 'aime' layout"):
+        load_math_dataset(path)
+
+
+def test_a_forced_layout_that_does_not_fit_is_an_error(tmp_path):
+    """Catches ``layout=`` overriding detection and then reading absent columns as None
+    (DeepMath rows read as AIME had answer "None"), and null values in the other layouts."""
+    deepmath = F.write_parquet(tmp_path / "deepmath.parquet", F.deepmath_rows(2))
+    with pytest.raises(ValueError, match="deepmath.parquet: row 0: field 'answer' is missing for "
+                                         "the 'aime' layout"):
+        load_math_dataset(deepmath, layout="aime")
+    rows = F.dapo_rows(2)
+    rows[1]["reward_model"]["ground_truth"] = None
+    dapo = F.write_parquet(tmp_path / "dapo.parquet", rows)
+    with pytest.raises(ValueError, match="dapo.parquet: row 1: field 'reward_model.ground_truth' "
+                                         "is null"):
+        load_math_dataset(dapo)
+    rows = F.math500_rows()
+    rows[0]["unique_id"] = None  # ids key the single-stream tracker: "None" would be shared
+    math500 = _jsonl(tmp_path / "m.jsonl", rows)
+    with pytest.raises(ValueError, match="m.jsonl: row 0 \\(line 1\\): field 'unique_id' is null"):
+        load_math_dataset(math500)
+
+
+def test_a_bad_shard_is_named(tmp_path):
+    """Catches errors that give the dataset-wide row index but not the shard that holds it."""
+    d = tmp_path / "deepmath"
+    F.write_parquet(d / "train-00000.parquet", F.deepmath_rows(3))
+    rows = F.deepmath_rows(2)
+    rows[1]["final_answer"] = None
+    F.write_parquet(d / "train-00001.parquet", rows)
+    with pytest.raises(ValueError,
+                       match="train-00001.parquet: row 1: field 'final_answer' is null"):
+        load_math_dataset(d)
+
+
+def test_skip_drops_bad_rows_with_one_warning(tmp_path):
+    """Catches "skip" keeping the bad rows (as "None"), dropping good ones, or warning per row;
+    and a dataset left empty by skipping passing silently."""
+    first_bad = {"id": 0, "problem": "Find $0$."}  # also the first row: layout detection must
+    rows = [first_bad, AIME, {"id": 2, "answer": 5}, {**AIME, "id": 3}]  # look past it
+    path = _jsonl(tmp_path / "a.jsonl", rows)
+    with pytest.raises(ValueError, match="row 0 \\(line 1\\): field 'answer' is missing"):
+        load_math_dataset(path)
+    with pytest.warns(UserWarning, match="a.jsonl: skipped 2 rows with a missing, null or empty "
+                                         "field \\(first: .*row 0 \\(line 1\\)") as record:
+        probs = load_math_dataset(path, on_bad_row="skip", template=None)
+    assert len(record) == 1
+    assert [(p.id, p.prompt, p.answer) for p in probs] == [("a-7", "Find $3 + 4$.", "7"),
+                                                           ("a-3", "Find $3 + 4$.", "7")]
+    with pytest.warns(UserWarning, match="skipped 1 rows"):  # limit counts kept problems
+        assert [p.id for p in load_math_dataset(path, on_bad_row="skip", limit=1)] == ["a-7"]
+    only_bad = _jsonl(tmp_path / "b.jsonl", [first_bad, {"id": 2, "answer": 5}])
+    with pytest.raises(ValueError, match="b.jsonl: no usable rows: all 2 have a missing"):
+        load_math_dataset(only_bad, layout="aime", on_bad_row="skip")
+    with pytest.raises(ValueError,
+                       match="on_bad_row must be one of \\['error', 'skip'\\], got 'drop'"):
+        load_math_dataset(path, on_bad_row="drop")
+
+
+def test_limit(tmp_path):
+    """Catches ``rows[:limit] if limit else rows`` (limit=0 returned everything) and negative
+    limits slicing from the end (-1 dropped the last row)."""
+    path = F.write_parquet(tmp_path / "d.parquet", F.deepmath_rows(4))
+    assert load_math_dataset(path, limit=0) == []
+    assert [p.answer for p in load_math_dataset(path, limit=3)] == ["1", "3", "5"]
+    assert len(load_math_dataset(path, limit=10)) == 4
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match=f"limit must be None or an int >= 0, got {bad!r}"):
+            load_math_dataset(path, limit=bad)
+    rows = [AIME, AIME, {"id": 9, "problem": "x"}]  # a bad row after the limit is never read
+    assert len(load_math_dataset(_jsonl(tmp_path / "l.jsonl", rows), limit=2)) == 2
+
+
+def test_unreadable_files_are_named(tmp_path):
+    """Catches raw JSONDecodeError / UnicodeDecodeError escaping without the file (and, for
+    JSONL, the line), a locale-dependent decoding, and a JSON row that is not an object."""
+    jl = tmp_path / "broken.jsonl"
+    jl.write_text(json.dumps(AIME) + "\n\n" + '{"problem": "x", "answer": \n')
+    with pytest.raises(ValueError, match="broken.jsonl: line 3 is not valid JSON"):
+        load_math_dataset(jl)
+    js = tmp_path / "broken.json"
+    js.write_text('[\n  {"problem": "x",\n   "answer": }\n]')
+    with pytest.raises(ValueError, match="broken.json is not valid JSON \\(.* at line 3, column"):
+        load_math_dataset(js)
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(json.dumps(AIME).encode() + b"\n"
+                      + '{"problem": "caf\xe9", "answer": "1"}\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match="latin.jsonl: line 2 is not UTF-8 text"):
+        load_math_dataset(latin)
+    latin_json = tmp_path / "latin.json"
+    latin_json.write_bytes('[{"problem": "caf\xe9", "answer": "1"}]'.encode("latin-1"))
+    with pytest.raises(ValueError, match="latin.json is not UTF-8 text"):
+        load_math_dataset(latin_json)
+    bom = tmp_path / "bom.jsonl"  # a UTF-8 byte-order mark (Windows editors) is fine
+    bom.write_bytes(b"\xef\xbb\xbf" + json.dumps(AIME).encode() + b"\n")
+    assert load_math_dataset(bom)[0].answer == "7"
+    lists = tmp_path / "lists.jsonl"
+    lists.write_text(json.dumps(AIME) + "\n" + json.dumps(["x", "1"]) + "\n")
+    with pytest.raises(ValueError, match="lists.jsonl: line 2 must be a JSON object"):
+        load_math_dataset(lists)
+    scalar = tmp_path / "scalar.json"
+    scalar.write_text("3")
+    with pytest.raises(ValueError, match="scalar.json must hold a JSON list of rows"):
+        load_math_dataset(scalar)
+    not_parquet = tmp_path / "x.parquet"
+    not_parquet.write_text("hello")
+    with pytest.raises(ValueError, match="x.parquet: not a readable Parquet file"):
+        load_math_dataset(not_parquet)
+
+
+def test_a_template_without_the_question_is_refused(tmp_path):
+    """Catches a template that silently drops the question (every prompt identical)."""
+    path = _jsonl(tmp_path / "a.jsonl", [AIME])
+    with pytest.raises(ValueError, match="template must contain \\{question\\}"):
+        load_math_dataset(path, template="Solve it step by step.")

@@ -1,0 +1,204 @@
+"""math-verify rewards on realistic responses; pathological ones cost at most the timeout."""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+import signal
+import threading
+import time
+
+import pytest
+
+import pepo.tasks.rewards as R
+from tests.proc_helpers import dead as _dead
+
+QWEN3 = ("<think>\nOkay, so I need to find x. If 2x = 1 then x = 1/2... wait, let me double-check."
+         "\n</think>\n\nWe solve $2x = 1$, so $x = \\frac{1}{2}$.\n\n**Final Answer**\n"
+         "\\[\n\\boxed{\\dfrac{1}{2}}\n\\]")
+
+CASES = [
+    (QWEN3, "\\frac{1}{2}", 1.0),                  # DeepMath final_answer layout
+    (QWEN3, "0.5", 1.0),                           # numerically equal
+    (QWEN3, "1/3", 0.0),
+    ("<think>\nthe answer might be \\boxed{7}", "7", 0.0),  # thinking never closed: no answer
+    ("<think>I guess \\boxed{3}</think> The answer is \\boxed{4}.", "4", 1.0),  # after </think>
+    ("The polar coordinates are $\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}$.",
+     "\\left( 3, \\frac{\\pi}{2} \\right)", 1.0),  # MATH500 layout
+    ("Therefore the remainder is \\boxed{34}.", "34", 1.0),  # DAPO ground_truth layout
+    ("I give up.", "34", 0.0),
+    ("", "34", 0.0),
+]
+
+
+@pytest.mark.parametrize("response, gold, expected", CASES)
+def test_scores_in_main_thread(response, gold, expected):
+    assert R.math_verify_score(response, gold, timeout=5) == expected
+
+
+def test_pool_matches_main_thread():
+    mv = R.MathVerify(timeout=5, workers=2)
+    try:
+        got = mv([c[0] for c in CASES], [c[1] for c in CASES])
+    finally:
+        mv.close()
+    assert got == [c[2] for c in CASES]
+
+
+PATHOLOGICAL = [
+    "\\boxed{9^{9^{9^{9^{9^{9}}}}}}",
+    "\\boxed{" + "\\frac{1}{" * 5000 + "2" + "}" * 5000 + "}",
+    "\\boxed{" + "x+" * 200_000 + "1}",
+]
+
+
+def test_pathological_answers_cost_at_most_the_timeout():
+    mv = R.MathVerify(timeout=1, workers=2, grace=0.5)
+    try:
+        mv(["\\boxed{1}"], ["1"])  # workers started
+        t0 = time.monotonic()
+        got = mv(PATHOLOGICAL + [QWEN3], ["1"] * len(PATHOLOGICAL) + ["1/2"])
+        elapsed = time.monotonic() - t0
+    finally:
+        mv.close()
+    assert got == [0.0] * len(PATHOLOGICAL) + [1.0]
+    # 2 workers, 4 jobs: at most two rounds of the hard limit (2 x timeout + grace) each, 5 s;
+    # 3x headroom for a loaded machine still fails an unbounded parse (minutes)
+    assert elapsed < 3 * 2 * (2 * 1 + 0.5), elapsed
+
+
+def test_a_stuck_worker_is_killed_and_replaced(monkeypatch):
+    real = R.math_verify_score
+
+    def sometimes_hangs(response, *args):
+        if response == "HANG":
+            time.sleep(60)  # like C-level arithmetic that SIGALRM cannot interrupt
+        return real(response, *args)
+
+    monkeypatch.setattr(R, "math_verify_score", sometimes_hangs)  # forked workers inherit it
+    mv = R.MathVerify(timeout=1, workers=1, grace=0.5)
+    try:
+        t0 = time.monotonic()
+        got = mv(["HANG", "\\boxed{2}"], ["2", "2"])
+        elapsed = time.monotonic() - t0
+        assert got == [0.0, 1.0] and mv.killed == 1
+        # the limit (2.5 s) plus a worker restart (< 1 s), with 3x headroom; the hang is 60 s
+        assert elapsed < 3 * (2 * 1 + 0.5 + 1.0), elapsed
+    finally:
+        mv.close()
+
+
+def _bounded(fn, seconds: float = 60.0):
+    """``fn()`` in a daemon thread; fails the test instead of hanging when it never returns,
+    and re-raises what it raised."""
+    out: list = []
+    errors: list = []
+
+    def run():
+        try:
+            out.append(fn())
+        except BaseException as e:  # handed to the test's thread
+            errors.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    if errors:
+        raise errors[0]
+    assert out, f"the call did not return within {seconds} s"
+    return out[0]
+
+
+needs_proc = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
+
+
+@needs_proc
+def test_a_worker_killed_while_idle_is_replaced_and_its_job_scored():
+    """Catches sending to the dead worker (BrokenPipeError crashes training), scoring its job 0
+    instead of re-running it, or leaving the pool one worker short."""
+    with R.MathVerify(timeout=5, workers=2) as mv:
+        assert mv(["\\boxed{1}", "\\boxed{2}"], ["1", "2"]) == [1.0, 1.0]
+        victim = mv.pids[0]
+        os.kill(victim, signal.SIGKILL)  # like the OOM killer, between two training steps
+        assert _dead(victim)
+        got = _bounded(lambda: mv([c[0] for c in CASES], [c[1] for c in CASES]))
+        assert got == [c[2] for c in CASES]
+        assert len(mv.pids) == 2 and victim not in mv.pids and mv.died == 1 and mv.killed == 0
+        assert all(proc.is_alive() for proc, _ in mv._pool)
+
+
+def test_a_worker_that_dies_under_a_job_is_replaced_and_the_job_rerun(monkeypatch, tmp_path):
+    """Catches scoring 0 a job whose worker died under it (it must be re-run on the new
+    worker), and re-running forever a job that kills every worker it reaches (it must score 0
+    after two tries, without hanging)."""
+    real = R.math_verify_score
+    once = tmp_path / "died-once"
+
+    def dies(response, *args):
+        if "DIE_ONCE" in response and not once.exists():
+            once.touch()  # the file tells the re-run (in another process) not to die again
+            os.kill(os.getpid(), signal.SIGKILL)
+        if "DIE_ALWAYS" in response:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(response, *args)
+
+    monkeypatch.setattr(R, "math_verify_score", dies)  # forked workers inherit it
+    with R.MathVerify(timeout=5, workers=2) as mv:
+        got = _bounded(lambda: mv(["DIE_ONCE \\boxed{5}", "\\boxed{6}", "DIE_ALWAYS \\boxed{7}"],
+                                  ["5", "6", "7"]))
+        assert got == [1.0, 1.0, 0.0]
+        assert mv.died == 3 and len(mv.pids) == 2  # DIE_ONCE once, DIE_ALWAYS twice
+
+
+@needs_proc
+def test_close_is_idempotent_and_the_workers_end_with_their_owner():
+    """Catches a second close() failing on closed pipes, a ``with`` block that leaves workers
+    running, and an unreferenced MathVerify whose workers outlive it (no finalizer)."""
+    with R.MathVerify(timeout=5, workers=2) as mv:
+        mv(["\\boxed{1}"], ["1"])
+        pids = mv.pids
+    assert mv.pids == [] and all(_dead(p) for p in pids)
+    mv.close()  # again: no error
+    assert mv(["\\boxed{1}"], ["1"]) == [1.0]  # usable again: fresh workers
+    pids = mv.pids
+    mv.close()
+    mv.close()
+    assert all(_dead(p) for p in pids)
+
+    mv = R.MathVerify(timeout=5, workers=1)
+    mv(["\\boxed{1}"], ["1"])
+    pids = mv.pids
+    del mv
+    gc.collect()
+    assert all(_dead(p) for p in pids)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"timeout": 0.5}, "timeout must be an int >= 1, got 0.5"),
+    ({"timeout": 0}, "timeout must be an int >= 1, got 0"),
+    ({"timeout": True}, "timeout must be an int >= 1, got True"),
+    ({"workers": -1}, "workers must be an int >= 0, got -1"),
+    ({"workers": 1.5}, "workers must be an int >= 0, got 1.5"),
+    ({"grace": -0.5}, "grace must be a finite number of seconds >= 0, got -0.5"),
+    ({"grace": float("nan")}, "grace must be a finite number of seconds >= 0, got nan"),
+    ({"grace": "1"}, "grace must be a finite number of seconds >= 0, got '1'"),
+    ({"max_chars": 0}, "max_chars must be an int >= 1, got 0"),
+    ({"think_end": 3}, "think_end must be a string or None, got 3"),
+])
+def test_bad_constructor_arguments(kwargs, message):
+    """Catches the unchecked ``grace < 0`` that made every response time out and score 0, and
+    the like for each other parameter."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        R.MathVerify(**kwargs)
+
+
+def test_grace_zero_and_no_think_end_still_score():
+    """Catches ``grace=0`` or ``think_end=None`` being accepted but mis-handled (every score 0)."""
+    with R.MathVerify(timeout=5, workers=1, grace=0, think_end=None) as mv:
+        assert mv(["\\boxed{4}", "\\boxed{3}"], ["4", "4"]) == [1.0, 0.0]
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="2 responses but 1 answers"):
+        R.MathVerify(workers=0)(["a", "b"], ["a"])

@@ -1,0 +1,95 @@
+"""The embedded tasks (their solutions, splits and argument checks) and the boxed-answer verifier."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pepo.tasks.rewards import BoxedMatch, boxed_match, last_boxed
+from pepo.tasks.problems import MULTIPLIERS, apply_op, drift_dataset, drift_problem, modsum_dataset, modsum_problem
+from pepo.training.config import asset_dir
+from pepo.training.tokenizers import load_tokenizer
+
+
+def test_solutions_are_correct_and_long():
+    rng = random.Random(0)
+    tok = load_tokenizer(asset_dir("tiny"))
+    for _ in range(200):
+        n = rng.randint(6, 9)
+        p = modsum_problem(rng, n)
+        expr = p.id.replace("-", "+-").split("+")
+        assert int(p.answer) == sum(int(x) for x in expr) % 10  # left to right mod 10 = sum mod 10
+        assert boxed_match([p.solution], [p.answer]) == [1.0]
+        assert len(tok.encode(p.solution)) >= 30
+        assert tok.decode(tok.encode(p.prompt + p.solution)) == p.prompt + p.solution
+
+
+def test_splits_are_disjoint_and_reproducible():
+    train = modsum_dataset(2000, seed=0, split="train")
+    val = modsum_dataset(200, seed=0, split="val")
+    assert not {p.id for p in train} & {p.id for p in val}
+    assert len({p.id for p in train}) == 2000
+    assert modsum_dataset(50, seed=0, split="val") == val[:50]
+    assert modsum_dataset(50, seed=1, split="val") != val[:50]
+
+
+def _evaluate_chain(expr: str) -> int:
+    """Left-to-right mod-10 value of ``expr``, from the characters (reference for the solver)."""
+    acc = int(expr[0])
+    for i in range(1, len(expr), 2):
+        op, d = expr[i], int(expr[i + 1])
+        acc = {"+": acc + d, "-": acc - d, "*": acc * d}[op] % 10
+    return acc
+
+
+def test_drift_solutions_are_correct_long_and_hard_early():
+    rng = random.Random(0)
+    early = late = 0
+    for _ in range(300):
+        p = drift_problem(rng, rng.randint(26, 38), rng.random())
+        assert int(p.answer) == _evaluate_chain(p.id)
+        assert boxed_match([p.solution], [p.answer]) == [1.0]
+        assert 159 <= len(p.solution) <= 231  # 6 characters a step plus \boxed{d}
+        ops = p.id[1::2]
+        assert all(int(d) in MULTIPLIERS for o, d in zip(ops, p.id[2::2]) if o == "*")
+        early += ops[: len(ops) // 2].count("*")
+        late += ops[len(ops) // 2 :].count("*")
+    assert early > 4 * late > 0  # the hard steps come early (probability (1 - i/n)^2)
+    easy = drift_problem(random.Random(1), 30, 0.0)
+    assert "*" not in easy.id  # hardness 0: no * steps
+    with pytest.raises(ValueError, match="hardness must be in"):
+        drift_problem(rng, 30, 1.5)
+    with pytest.raises(ValueError, match="unknown operator '/'"):
+        apply_op(1, "/", 2)
+
+
+def test_drift_splits_are_disjoint_and_reproducible():
+    train = drift_dataset(500, seed=0, split="train")
+    val = drift_dataset(64, seed=0, split="val")
+    assert not {p.id for p in train} & {p.id for p in val}
+    assert drift_dataset(20, seed=0, split="val") == val[:20]
+    with pytest.raises(ValueError, match="operands"):
+        drift_dataset(3, min_operands=9, max_operands=8)
+
+
+@pytest.mark.parametrize("kw, msg", [({"size": 0}, "size"), ({"size": 3, "split": "test"}, "split"),
+                                     ({"size": 3, "min_operands": 5, "max_operands": 4}, "operands")])
+def test_dataset_rejects_bad_values(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        modsum_dataset(**kw)
+
+
+@pytest.mark.parametrize("text, boxed", [
+    ("1+2=3\n\\boxed{3}", "3"), ("no box", None), ("\\boxed{1} then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+    ("\\boxed{unclosed", None), ("\\boxed{}", ""),
+])
+def test_last_boxed(text, boxed):
+    assert last_boxed(text) == boxed
+
+
+def test_boxed_match():
+    assert BoxedMatch()(["\\boxed{ 7 }", "\\boxed{7}x", "7", "\\boxed{8}"], ["7", "7", "7", "7"]) == [
+        1.0, 1.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="2 responses but 1 answers"):
+        boxed_match(["a", "b"], ["a"])

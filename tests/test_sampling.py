@@ -1,0 +1,31 @@
+"""pepo.sampling: the resumable prompt order and SPO's prioritised sampling."""
+
+import pytest
+import torch
+
+from pepo.sampling import PromptSampler, prioritized_sample
+
+
+def test_sampler_covers_each_epoch_and_resumes():
+    s = PromptSampler(10, seed=3)
+    first = s.next(7) + s.next(7)  # crosses into epoch 1
+    assert sorted(first[:10]) == list(range(10))
+    state = s.state_dict()
+    cont = s.next(9)
+    t = PromptSampler(10, seed=3)
+    t.load_state_dict(state)
+    assert t.next(9) == cont
+    with pytest.raises(ValueError, match="dataset of 10 items"):
+        PromptSampler(11).load_state_dict(state)
+
+
+def test_prioritized_sample_follows_weights():
+    g = torch.Generator().manual_seed(0)
+    w = torch.tensor([1.0, 1.0, 8.0, 1e-6])
+    counts = torch.zeros(4)
+    for _ in range(2000):
+        counts[prioritized_sample(w, 1, g)[0]] += 1
+    torch.testing.assert_close(counts / 2000, w / w.sum(), atol=0.03, rtol=0)
+    assert sorted(prioritized_sample(w, 10, g)) == [0, 1, 2, 3]  # k > N: everything once
+    with pytest.raises(ValueError, match="finite and > 0"):
+        prioritized_sample(torch.tensor([1.0, 0.0]), 1, g)

@@ -1,0 +1,189 @@
+"""Atomic checkpoints: a crash while writing never leaves `latest` naming a broken directory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import pepo.training.checkpointing as ck
+from pepo.training.weights import load_model_weights
+
+
+def test_save_load_and_latest(tmp_path):
+    m = torch.nn.Linear(3, 2)
+    c = ck.AtomicCheckpointer(tmp_path, keep=2)
+    assert c.latest() is None
+    for step in (1, 2, 3):
+        c.save(step, m, {"step": step, "rng": torch.get_rng_state()})
+    assert c.latest().name == "step_3"
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_2", "step_3"]
+    assert c.load_state(c.latest())["step"] == 3
+    m2 = torch.nn.Linear(3, 2)
+    load_model_weights(m2, c.latest())
+    assert torch.equal(m2.weight, m.weight)
+    assert not list(tmp_path.glob(".tmp*"))
+
+
+def test_crash_during_save_keeps_previous(tmp_path, monkeypatch):
+    m = torch.nn.Linear(3, 2)
+    c = ck.AtomicCheckpointer(tmp_path)
+    c.save(1, m, {"step": 1})
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ck.torch, "save", boom)
+    with pytest.raises(OSError, match="disk full"):
+        c.save(2, m, {"step": 2})
+    assert c.latest().name == "step_1"
+    assert not (tmp_path / "step_2").exists() and not list(tmp_path.glob(".tmp*"))
+
+
+def test_mismatched_weights_are_refused(tmp_path):
+    c = ck.AtomicCheckpointer(tmp_path)
+    path = c.save(1, torch.nn.Linear(3, 2), {})
+    with pytest.raises(ValueError, match="has shape \\[2(, 3)?\\], the model expects \\[4(, 3)?\\]"):
+        load_model_weights(torch.nn.Linear(3, 4), path)
+    with pytest.raises(ValueError, match="has no model.safetensors"):
+        load_model_weights(torch.nn.Linear(3, 2), tmp_path)
+
+
+def _three_steps(root):
+    """Checkpoints step_1..3 of a Linear(3, 2), ``latest`` naming step_3."""
+    m = torch.nn.Linear(3, 2)
+    c = ck.AtomicCheckpointer(root, keep=3)
+    for step in (1, 2, 3):
+        c.save(step, m, {"step": step})
+    return c
+
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # a copy or a write cut off half way
+
+
+def test_marker_deleted_finds_the_newest_step(tmp_path):
+    """Catches `latest()` answering "no checkpoint" when the marker is gone though complete
+    step_* directories exist (the reported bug), and a scan that sorts names as strings
+    (step_10 < step_9) or picks the oldest."""
+    c = ck.AtomicCheckpointer(tmp_path, keep=5)
+    for step in (2, 9, 10):
+        c.save(step, torch.nn.Linear(3, 2), {"step": step})
+    (tmp_path / "latest").unlink()
+    assert c.latest().name == "step_10"
+    assert c.load_latest()[1]["step"] == 10
+
+
+@pytest.mark.parametrize("damaged", [
+    ck.MODEL_FILE, ck.STATE_FILE, "missing " + ck.MODEL_FILE, "missing " + ck.STATE_FILE,
+])
+@pytest.mark.parametrize("with_marker", [True, False])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, damaged, with_marker):
+    """Catches trusting the marker (or the newest directory) because its two files exist: a
+    half-written model.safetensors or training_state.pt must be skipped, with a warning naming
+    it, for step_2, by both latest() and load_latest()."""
+    c = _three_steps(tmp_path)
+    if damaged.startswith("missing "):
+        (tmp_path / "step_3" / damaged.split()[1]).unlink()
+    else:
+        _truncate(tmp_path / "step_3" / damaged)
+    if not with_marker:
+        (tmp_path / "latest").unlink()
+    with pytest.warns(ck.CheckpointWarning, match="step_3 is damaged"):
+        assert c.latest().name == "step_2"
+    with pytest.warns(ck.CheckpointWarning, match="step_3 is damaged"):
+        path, state = c.load_latest()
+    assert path.name == "step_2" and state == {"step": 2}
+
+
+def test_a_state_file_damaged_inside_is_caught_at_load_time(tmp_path):
+    """Catches a resume that stops at the cheap check: a training_state.pt of the right length
+    whose pickle bytes are garbage passes the zip-directory test, but load_latest() must fail
+    to unpickle it and fall back to step_2 rather than crash the resume."""
+    c = _three_steps(tmp_path)
+    state_file = tmp_path / "step_3" / ck.STATE_FILE
+    raw = bytearray(state_file.read_bytes())
+    start = raw.index(b"\x80\x02")  # the pickle (protocol 2) of data.pkl, the archive's first entry
+    raw[start + 2 : start + 40] = b"X" * 38
+    state_file.write_bytes(bytes(raw))
+    assert c.latest().name == "step_3"  # the cheap check cannot see inside
+    with pytest.warns(ck.CheckpointWarning, match="step_3 is damaged .*does not load"):
+        path, state = c.load_latest()
+    assert path.name == "step_2" and state["step"] == 2
+
+
+def test_nothing_intact_means_no_checkpoint(tmp_path):
+    """Catches returning a damaged directory when it is the only one left."""
+    c = _three_steps(tmp_path)
+    for step in (1, 2, 3):
+        _truncate(tmp_path / f"step_{step}" / ck.MODEL_FILE)
+    with pytest.warns(ck.CheckpointWarning):
+        assert c.latest() is None
+    with pytest.warns(ck.CheckpointWarning):
+        assert c.load_latest() is None
+    assert c.has_checkpoints()  # still: a fresh run must not start over them
+
+
+@pytest.mark.parametrize("content", [
+    "../../etc", "../outside", "/abs/step_1", "step_1/../step_2", "step_2/", "step_02", "step_-1",
+    "step_x", "", "step_9",  # step_9: a valid name, but no such directory
+])
+def test_an_invalid_marker_is_ignored_with_a_warning(tmp_path, content):
+    """Catches a marker that can make resume read outside checkpoints/ (``root / marker`` with
+    ``../`` or an absolute path), or one naming a missing directory that ends the search: each
+    must be ignored with a warning, and the newest step found by scanning."""
+    c = _three_steps(tmp_path / "checkpoints")
+    outside = tmp_path / "outside"  # a complete checkpoint outside root: never to be used
+    ck.AtomicCheckpointer(tmp_path).save(7, torch.nn.Linear(3, 2), {"step": 7})
+    (tmp_path / "step_7").rename(outside)
+    (tmp_path / "checkpoints" / "latest").write_text(content + "\n")
+    with pytest.warns(ck.CheckpointWarning, match="checkpoint marker .*latest .*ignored"):
+        assert c.latest() == tmp_path / "checkpoints" / "step_3"
+
+
+def test_symlinks_and_stale_temporaries_are_ignored(tmp_path):
+    """Catches a scan that globs ``*step_*`` (a complete ``.tmp_step_9_*`` left by a crash
+    before its rename would win), one that follows a ``step_8`` symlink out of root, a marker
+    that is itself a symlink, and pruning that crashes on a stray ``step_notes`` directory."""
+    root = tmp_path / "checkpoints"
+    c = _three_steps(root)
+    m = torch.nn.Linear(3, 2)
+    stale = root / ".tmp_step_9_abc"
+    stale.mkdir()
+    save_file({k: v.contiguous() for k, v in m.state_dict().items()}, str(stale / ck.MODEL_FILE))
+    torch.save({"step": 9}, stale / ck.STATE_FILE)
+    ck.AtomicCheckpointer(tmp_path / "elsewhere").save(8, m, {"step": 8})
+    (root / "step_8").symlink_to(tmp_path / "elsewhere" / "step_8", target_is_directory=True)
+    (root / "step_notes").mkdir()
+    (root / "latest").unlink()
+    assert c.latest().name == "step_3"
+    (root / "latest").symlink_to(tmp_path / "elsewhere" / "latest")
+    with pytest.warns(ck.CheckpointWarning, match="is not a regular file"):
+        assert c.latest().name == "step_3"
+    (root / "latest").unlink()
+    c.save(4, m, {"step": 4})  # saves (and prunes) with the strays present
+    assert c.latest().name == "step_4" and (root / "step_notes").is_dir()
+    assert (tmp_path / "elsewhere" / "step_8").is_dir()  # pruning never deletes through a link
+
+
+def test_has_checkpoints(tmp_path):
+    """Catches a check that only looks at the marker (a run whose marker was lost would be
+    overwritten by a fresh start) or that counts stale temporaries as checkpoints."""
+    c = ck.AtomicCheckpointer(tmp_path / "checkpoints")
+    assert not c.has_checkpoints()  # no directory at all
+    (tmp_path / "checkpoints" / ".tmp_step_1_x").mkdir(parents=True)
+    assert not c.has_checkpoints()
+    (tmp_path / "checkpoints" / "step_1").mkdir()
+    assert c.has_checkpoints()
+    (tmp_path / "checkpoints" / "step_1").rmdir()
+    (tmp_path / "checkpoints" / "latest").write_text("step_1\n")
+    assert c.has_checkpoints()
+
+
+def test_bad_arguments(tmp_path):
+    for keep in (0, 1.5, True):
+        with pytest.raises(ValueError, match=f"keep must be an int >= 1, got {keep!r}"):
+            ck.AtomicCheckpointer(tmp_path, keep=keep)
+    with pytest.raises(ValueError, match="step must be an int >= 0, got -1"):
+        ck.AtomicCheckpointer(tmp_path).save(-1, torch.nn.Linear(3, 2), {})

@@ -1,0 +1,102 @@
+"""Parity with transformers: tiny random Qwen3 and Llama 3.2 checkpoints built and saved here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import transformers
+
+from pepo.training.hf import from_hf, load_hf_config, save_hf
+
+
+def randomise(model):
+    with torch.no_grad():  # random norms too: a q/k-norm-vs-RoPE ordering bug hides behind ones
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+
+
+def qwen3_dir(tmp_path, tied=True):
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(
+        vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,  # 4 x 16 != 48
+        max_position_embeddings=256, rope_theta=1_000_000.0, tie_word_embeddings=tied,
+    )
+    m = transformers.Qwen3ForCausalLM(cfg).eval()
+    randomise(m)
+    m.save_pretrained(tmp_path)
+    return m
+
+
+def llama_dir(tmp_path):
+    torch.manual_seed(1)
+    cfg = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        rope_theta=500_000.0, tie_word_embeddings=True, rms_norm_eps=1e-5,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    )
+    m = transformers.LlamaForCausalLM(cfg).eval()
+    randomise(m)
+    m.save_pretrained(tmp_path)
+    return m
+
+
+TOKENS = torch.randint(0, 96, (2, 37), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("build", [qwen3_dir, lambda p: qwen3_dir(p, tied=False), llama_dir],
+                         ids=["qwen3-tied", "qwen3-untied", "llama3.2"])
+def test_logits_match_transformers(tmp_path, build):
+    hf = build(tmp_path)
+    ours = from_hf(tmp_path)
+    with torch.no_grad():
+        ref = hf(TOKENS).logits
+        got = ours(TOKENS)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("build", [qwen3_dir, llama_dir], ids=["qwen3", "llama3.2"])
+def test_save_hf_round_trips_through_transformers(tmp_path, build):
+    build(tmp_path / "src")
+    ours = from_hf(tmp_path / "src")
+    with torch.no_grad():
+        for p in ours.parameters():  # a trained model differs from its source
+            p.add_(0.01 * torch.randn_like(p))
+    save_hf(ours, tmp_path / "out", source_dir=tmp_path / "src")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(TOKENS).logits, ours(TOKENS), rtol=1e-4, atol=1e-4)
+
+
+def test_published_config_layout_is_read(tmp_path):
+    qwen3_dir(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    theta = (cfg.pop("rope_parameters", None) or {}).get("rope_theta", 1_000_000.0)
+    cfg["rope_theta"], cfg["rope_scaling"] = theta, None  # as Qwen/Qwen3-4B's config.json has it
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert load_hf_config(tmp_path)["rope_theta"] == 1_000_000.0
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(from_hf(tmp_path)(TOKENS), hf(TOKENS).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_sharded_checkpoint(tmp_path):
+    hf = qwen3_dir(tmp_path / "one")
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    with torch.no_grad():
+        torch.testing.assert_close(from_hf(tmp_path / "sharded")(TOKENS), hf(TOKENS).logits,
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_errors_name_the_problem(tmp_path):
+    with pytest.raises(ValueError, match="has no config.json"):
+        from_hf(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="model_type='gpt2' is not supported"):
+        from_hf(tmp_path)

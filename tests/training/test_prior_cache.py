@@ -1,0 +1,140 @@
+"""``prior_cache``: SPO's offline prior kept in a file, computed by the first run that needs it
+and read by the next ones, without changing what any run does."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import pepo_recipe
+from pepo.training import prior_cache
+from pepo.training.config import prior_fingerprint, validate_config
+from tests.recipe_helpers import tiny_cfg
+
+
+def setup_recipe(cfg):
+    recipe = pepo_recipe.PEPORecipe(cfg)
+    recipe.setup(cfg)
+    return recipe
+
+
+def state(recipe) -> tuple:
+    ids = [p.id for p in recipe.train_data]
+    return (recipe.estimator.values(ids), recipe.estimator.state_dict(),
+            recipe.sample_rng.get_state(), recipe.rng.get_state())
+
+
+def test_prior_is_written_then_read_and_the_run_is_the_same(tmp_path, monkeypatch):
+    """Catches a cached prior that differs from a computed one, a read that still generates, and
+    a prior whose draws move the training stream (the next draws would differ with a cache)."""
+    cache = tmp_path / "prior.json"
+    plain = tiny_cfg(tmp_path / "a", "tiny_spo", estimator={"prior_samples": 2})
+    ckpt = plain.checkpoint_dir
+    a = setup_recipe(plain)
+    rollouts = []
+    real = pepo_recipe.PEPORecipe._rollout
+    monkeypatch.setattr(pepo_recipe.PEPORecipe, "_rollout",
+                        lambda self, problems, seeds: rollouts.append(len(problems))
+                        or real(self, problems, seeds))
+    b = setup_recipe(tiny_cfg(tmp_path / "b", "tiny_spo", checkpoint_dir=ckpt,
+                              estimator={"prior_samples": 2}, prior_cache=str(cache)))
+    assert sum(rollouts) == 2 * len(b.train_data)  # computed: 2 rollouts of every prompt
+    saved = json.loads(cache.read_text())
+    ids = [p.id for p in a.train_data]
+    assert [k for k, _ in saved["pass_rates"]] == ids
+    assert saved["fingerprint"]["estimator.prior_samples"] == 2
+    assert saved["fingerprint"]["checkpoint_dir"] == str(ckpt)
+    rollouts.clear()
+    c = setup_recipe(tiny_cfg(tmp_path / "c", "tiny_spo", checkpoint_dir=ckpt,
+                              estimator={"prior_samples": 2}, prior_cache=str(cache),
+                              strategy={"name": "uniform"}))
+    assert rollouts == []  # read, not generated
+    for other in (b, c):
+        values, tracker, sample_rng, rng = state(other)
+        want_values, want_tracker, want_sample_rng, want_rng = state(a)
+        torch.testing.assert_close(values, want_values, rtol=0, atol=0)
+        assert tracker == want_tracker
+        assert torch.equal(sample_rng, want_sample_rng) and torch.equal(rng, want_rng)
+    # the saved rates are the computed prior: p = (k + 1/2) / (n + 1) with k = rate * n
+    rates = dict(saved["pass_rates"])
+    want = torch.tensor([(rates[i] * 2 + 0.5) / 3 for i in ids])
+    torch.testing.assert_close(a.estimator.values(ids), want, rtol=1e-6, atol=1e-6)
+    for r in (a, b, c):
+        r.cleanup()
+
+
+def test_first_training_step_is_the_same_with_a_read_prior(tmp_path):
+    """The step after a read prior samples the very tokens of a run that computed it."""
+    cache = tmp_path / "prior.json"
+    runs = []
+    for name in ("a", "b", "c"):
+        cfg = tiny_cfg(tmp_path / name, "tiny_spo", num_steps=1,
+                       prior_cache=None if name == "a" else str(cache),
+                       **({"checkpoint_dir": runs[0].checkpoint_dir} if runs else {}))
+        runs.append(cfg)
+        pepo_recipe.recipe_main(cfg, log_config=False)
+    dumps = [[json.loads(line)["token_ids"] for line in
+              (tmp_path / n / "run" / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
+             for n in ("a", "b", "c")]
+    assert dumps[0] and dumps[0] == dumps[1] == dumps[2]
+
+
+def test_a_prior_made_under_other_settings_is_refused(tmp_path):
+    cache = tmp_path / "prior.json"
+    cfg = tiny_cfg(tmp_path / "a", "tiny_spo", prior_cache=str(cache))
+    setup_recipe(cfg).cleanup()
+    other = tiny_cfg(tmp_path / "b", "tiny_spo", checkpoint_dir=cfg.checkpoint_dir,
+                     prior_cache=str(cache), seed=7, generation={"temperature": 0.5})
+    with pytest.raises(ValueError, match=r"other settings: generation.temperature \(1.0 -> 0.5\), "
+                                         r"seed \(0 -> 7\)"):
+        setup_recipe(other)
+
+
+def test_settings_that_do_not_change_the_prior_are_not_in_its_fingerprint(tmp_path):
+    base = tiny_cfg(tmp_path, "tiny_spo", prior_cache="p.json")
+    fp = prior_fingerprint(base)
+    for key, value in (("generation.batch_size", 3), ("strategy.name", "uniform"),
+                       ("estimator.rho_min", 0.5), ("num_steps", 9), ("output_dir", "x")):
+        changed = base.copy()
+        OmegaConf.update(changed, key, value)
+        assert prior_fingerprint(changed) == fp, key
+    assert {"seed", "checkpoint_dir", "estimator.prior_samples", "dataset.size",
+            "generation.max_new_tokens", "reward._component_"} <= set(fp)
+
+
+def test_read_prior_checks_the_file_and_the_prompts(tmp_path):
+    path = tmp_path / "p.json"
+    assert prior_cache.read_prior(path, {"seed": 0}, ["a"]) is None
+    prior_cache.write_prior(path, {"seed": 0}, {"a": 0.5, "b": 1.0})
+    assert prior_cache.read_prior(path, {"seed": 0}, ["b", "a"]) == {"a": 0.5, "b": 1.0}
+    with pytest.raises(ValueError, match="holds 2 prompts but the dataset has 3 .*'c' is missing"):
+        prior_cache.read_prior(path, {"seed": 0}, ["a", "b", "c"])
+    with pytest.raises(ValueError, match="holds 2 prompts but the dataset has 1"):
+        prior_cache.read_prior(path, {"seed": 0}, ["a"])
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="is not a prior cache file"):
+        prior_cache.read_prior(path, {"seed": 0}, ["a"])
+    with pytest.raises(ValueError, match="str or int prompt ids only"):
+        prior_cache.write_prior(path, {}, {("a", 1): 0.5})
+
+
+def test_lock_is_exclusive(tmp_path):
+    path = tmp_path / "p.json"
+    with prior_cache.locked(path):
+        with open(f"{path}.lock", "a") as other:  # another open file: another holder
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(f"{path}.lock", "a") as other:  # released
+        fcntl.flock(other.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_prior_cache_needs_an_offline_prior(tmp_path):
+    with pytest.raises(ValueError, match="prior_cache='p.json' is set but estimator.name='group'"):
+        validate_config(tiny_cfg(tmp_path, "tiny", prior_cache="p.json"))
+    with pytest.raises(ValueError, match="prior_samples >= 1"):
+        validate_config(tiny_cfg(tmp_path, "tiny_spo", prior_cache="p.json",
+                                 estimator={"prior_samples": 0}))
