@@ -8,6 +8,7 @@ installed.
 
 from __future__ import annotations
 
+import ast
 import json
 import pkgutil
 import subprocess
@@ -40,6 +41,80 @@ PRELUDE = textwrap.dedent(f"""
 
     sys.meta_path.insert(0, Block())
 """)
+
+
+SRC = Path(pepo.__file__).resolve().parent
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+SUBPACKAGES = {"tasks", "training", "study", "integrations"}
+STDLIB = set(sys.stdlib_module_names) | {"__future__"}
+
+
+def imported(path: Path) -> set[str]:
+    """Every module ``path`` imports, at any depth (lazy imports inside functions included),
+    as dotted names; ``from pepo import training`` also counts as ``pepo.training``."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}: relative import (pepo imports absolutely)"
+            out.add(node.module)
+            if node.module == "pepo":
+                out.update(f"pepo.{a.name}" for a in node.names)
+    return out
+
+
+def layer_violations(path: Path, layer: str) -> list[str]:
+    """The imports of ``path`` that its layer may not make (docs/architecture.md's table)."""
+    bad = []
+    for name in sorted(imported(path)):
+        top, _, rest = name.partition(".")
+        sub = (rest.split(".")[0] or None) if top == "pepo" else None
+        if layer == "core":
+            ok = top in STDLIB or top == "torch" or (top == "pepo" and sub not in SUBPACKAGES)
+        elif layer == "tasks":
+            # math-verify and pyarrow (Parquet files) are imported lazily, where they are used
+            ok = top in STDLIB or top in ("math_verify", "pyarrow") or (
+                top == "pepo" and sub in (None, "tasks", "_extras"))
+        elif layer == "training":
+            ok = not (sub in ("study", "integrations") or top in ("pepo_recipe", "pepo_eval"))
+        elif layer == "recipes":
+            ok = sub not in ("study", "integrations")
+        elif layer == "study":
+            ok = sub != "integrations"
+        else:  # integrations: the core and the framework it adapts
+            ok = sub not in ("training", "study") and top not in ("pepo_recipe", "pepo_eval")
+        if not ok:
+            bad.append(f"{path.relative_to(path.parents[1])} ({layer}) imports {name}")
+    return bad
+
+
+def test_imports_point_down_the_layers():
+    files = [(p, "core") for p in SRC.glob("*.py")]
+    files += [(p, sub) for sub in SUBPACKAGES for p in (SRC / sub).glob("*.py")]
+    files += [(p, "recipes") for p in RECIPES.glob("*.py")]
+    assert {layer for _, layer in files} == {"core", *SUBPACKAGES, "recipes"}, files
+    bad = [v for path, layer in files for v in layer_violations(path, layer)]
+    assert bad == []
+
+
+def test_layer_check_catches_an_upward_import(tmp_path):
+    # the rules above, applied to files that break them (a check that passes everything fails)
+    (tmp_path / "core").mkdir()
+    cases = {
+        "core": "def f():\n    from pepo.training import engines\n",
+        "tasks": "import torch\n",
+        "training": "from pepo import study\n",
+        "study": "import pepo.integrations.trl\n",
+        "integrations": "from pepo.training.config import x\n",
+    }
+    for layer, code in cases.items():
+        path = tmp_path / "core" / f"{layer}.py"
+        path.write_text(code)
+        assert len(layer_violations(path, layer)) == 1, layer
+    clean = tmp_path / "core" / "clean.py"
+    clean.write_text("import math\nimport torch\nfrom pepo import _checks\nimport pepo.loss\n")
+    assert layer_violations(clean, "core") == []
 
 
 def run_blocked(code: str) -> dict:

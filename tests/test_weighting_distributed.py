@@ -20,6 +20,14 @@ def _shards():
     return (adv[:2], ent[:2, :40], mask[:2, :40]), (adv[2:], ent[2:, :40], mask[2:, :40])
 
 
+def _leave():
+    """Ends a worker whose output is saved, without destroying its process group. torch 2.2-2.4
+    (the core's oldest supported releases, which CI tests) can deadlock freeing a gloo group:
+    the destructor joins the group's worker thread while holding the GIL, and that thread waits
+    for the GIL to free a finished collective's tensor (seen in about half the runs)."""
+    os._exit(0)
+
+
 def _worker(rank, world, init_file, out_dir, score):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -29,8 +37,11 @@ def _worker(rank, world, init_file, out_dir, score):
             normalize="selected_tokens",
         )
         torch.save(strategy(*shard), os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
+        dist.barrier()
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    _leave()
 
 
 @pytest.mark.parametrize("score", ["entropy", "proximal"])
@@ -63,8 +74,11 @@ def _loss_worker(rank, world, init_file, out_dir):
         loss = clipped_policy_loss(lp, old, adv, mask, num_tokens=_all_sum(mask.sum()))
         loss.backward()
         torch.save((_all_sum(loss.detach()), lp.grad), os.path.join(out_dir, f"loss{rank}.pt"))
-    finally:
+        dist.barrier()
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    _leave()
 
 
 def _loss_shards():
