@@ -1,0 +1,215 @@
+"""pepo inside TRL's GRPOTrainer, checked against TRL's own code (a tiny random Qwen3 with a
+character tokenizer, on CPU).
+
+These tests need TRL (`pip install trl==1.16.0` beside the recipe install). Without it they are
+skipped, unless PEPO_REQUIRE_TRL=1 (as `.ci/run` sets), when they fail instead.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+if importlib.util.find_spec("trl") is None:
+    if os.environ.get("PEPO_REQUIRE_TRL") == "1":
+        raise RuntimeError("PEPO_REQUIRE_TRL=1 but TRL is not installed")
+    pytest.skip("TRL is not installed (pip install trl==1.16.0)", allow_module_level=True)
+
+import transformers  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+import pepo.weighting as pw  # noqa: E402
+from pepo.integrations.trl import PepoGRPOTrainer  # noqa: E402
+from tests.hf_fixtures import tiny_hf_qwen3  # noqa: E402
+
+TEMPERATURE = 0.7  # not TRL's default, so entropies at the wrong temperature show
+
+
+def reward_has_seven(completions, **kwargs):
+    """A verifiable 0/1 reward that about half of the random model's completions pass: 1 when
+    the completion's first character has an even code point."""
+    return [float(len(c) > 0 and ord(c[0]) % 2 == 0) for c in completions]
+
+
+def dataset(n=8):
+    return Dataset.from_list([{"prompt": f"Say a number near {i}:"} for i in range(n)])
+
+
+def config(tmp_path, **overrides):
+    kw = dict(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=16, num_generations=4,
+        max_completion_length=16, max_steps=2, learning_rate=5e-2, logging_steps=1,
+        report_to="none", use_cpu=True, seed=0, save_strategy="no", temperature=TEMPERATURE,
+        beta=0.0, disable_tqdm=True, bf16=False,  # GRPOConfig autocasts to bf16 by default
+    )
+    kw.update(overrides)
+    return GRPOConfig(**kw)
+
+
+class Recording:
+    """Records what TRL generated and what reached its loss, changing nothing."""
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        self.generations.append({k: out[k].detach().clone() for k in
+                                 ("prompt_ids", "prompt_mask", "completion_ids",
+                                  "completion_mask", "advantages")})
+        self.sequence_advantages.append(torch.tensor(list(self._logs["advantages"])[-len(inputs):]))
+        return out
+
+    def _compute_loss(self, model, inputs):
+        loss = super()._compute_loss(model, inputs)
+        self.losses.append(loss.detach().clone())
+        self.loss_inputs.append({k: inputs[k].detach().clone() for k in
+                                 ("prompt_ids", "completion_ids", "completion_mask", "advantages")})
+        return loss
+
+
+class RecordingGRPO(Recording, GRPOTrainer):
+    pass
+
+
+class RecordingPepo(Recording, PepoGRPOTrainer):
+    pass
+
+
+def train(cls, model_dir, args, **kwargs):
+    transformers.set_seed(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    trainer = cls(model=model, reward_funcs=reward_has_seven, args=args,
+                  train_dataset=dataset(), processing_class=tok, **kwargs)
+    trainer.generations, trainer.sequence_advantages = [], []
+    trainer.losses, trainer.loss_inputs = [], []
+    forwards = []
+    trainer.model.register_forward_hook(lambda *a: forwards.append(1))
+    trainer.forwards = forwards
+    trainer.train()
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_hf_qwen3(tmp_path_factory.mktemp("trl_qwen3"), seed=3, hidden=32, std=0.2)
+
+
+def test_uniform_trains_exactly_as_plain_grpo(model_dir, tmp_path):
+    plain = train(RecordingGRPO, model_dir, config(tmp_path / "a"))
+    ours = train(RecordingPepo, model_dir, config(tmp_path / "b"), pepo_strategy="uniform")
+    assert len(plain.losses) == len(ours.losses) == 2
+    for g0, g1 in zip(plain.generations, ours.generations):
+        assert torch.equal(g0["completion_ids"], g1["completion_ids"])
+        mask = g1["completion_mask"].bool()
+        # uniform: each row's sequence advantage on its tokens, 0 on padding
+        expected = torch.where(mask, g0["advantages"][:, None], torch.zeros(()))
+        assert torch.equal(g1["advantages"], expected)
+    assert any((g["advantages"] != 0).any() for g in ours.generations)  # the steps learned something
+    for l0, l1 in zip(plain.losses, ours.losses):
+        assert torch.equal(l0, l1)
+    for (n0, p0), (n1, p1) in zip(plain.model.named_parameters(), ours.model.named_parameters()):
+        assert n0 == n1 and torch.equal(p0, p1), n0
+    # and the training moved the weights (so equal weights are not two untouched models)
+    fresh = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    assert any(not torch.equal(p, q) for p, q in zip(fresh.parameters(), ours.model.parameters()))
+    assert len(ours.forwards) == len(plain.forwards)  # uniform adds no forward pass
+
+
+def rollout_entropies(model_dir, gen):
+    """The rollout policy's token entropies at the sampling temperature, from a fresh copy of
+    the initial model (the policy that generated the first batch)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
+    ids = torch.cat([gen["prompt_ids"], gen["completion_ids"]], dim=1)
+    attn = torch.cat([gen["prompt_mask"], gen["completion_mask"]], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn).logits
+    t = gen["completion_ids"].size(1)
+    logp = torch.log_softmax(logits[:, -t - 1:-1] / TEMPERATURE, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("strategy,params,misaligned", [
+    ("proximal_softmax", {"window": 5, "temperature": 0.5}, False),
+    ("proximal_softmax", {"window": 5, "temperature": 0.5}, True),
+    ("global_topk", {"fraction": 0.2}, False),
+])
+def test_advantages_reaching_the_loss_are_the_strategy_on_rollout_entropies(
+        model_dir, tmp_path, strategy, params, misaligned):
+    # misaligned: a generation serves two optimizer steps, so TRL computes old log-probs itself
+    # and the entropies must come from that forward (no pass of the adapter's)
+    overrides = {"steps_per_generation": 2, "max_steps": 2} if misaligned else {}
+    args = config(tmp_path, **overrides)
+    ours = train(RecordingPepo, model_dir, args, pepo_strategy=strategy, pepo_params=params)
+    gen = ours.generations[0]
+    mask = gen["completion_mask"].bool()
+    ent = rollout_entropies(model_dir, gen)
+    texts = ours.processing_class.batch_decode(gen["completion_ids"], skip_special_tokens=True)
+    success = torch.tensor(reward_has_seven(texts)) > 0
+    assert 0 < int(success.sum()) < len(success)  # both kinds present, so positive= matters
+    seq_adv = ours.sequence_advantages[0]
+    expected = pw.get_strategy(strategy, **params)(seq_adv, ent.float(), mask, positive=success)
+    torch.testing.assert_close(gen["advantages"], expected, rtol=1e-4, atol=1e-5)
+    assert not torch.equal(expected, torch.where(mask, seq_adv[:, None], 0.0))  # not uniform
+
+    # what reached _compute_loss: the same rows (shuffled and split by TRL), matched by tokens
+    def key(prompt, completion):
+        return tuple(prompt.tolist()) + (-1,) + tuple(completion.tolist())
+
+    want = {}
+    for i in range(len(seq_adv)):
+        want.setdefault(key(gen["prompt_ids"][i], gen["completion_ids"][i]), []).append(
+            gen["advantages"][i])
+    seen = 0
+    per_gen = args.steps_per_generation  # the micro-batches the first generation was split into
+    for inp in ours.loss_inputs[:per_gen]:
+        for j in range(inp["completion_ids"].size(0)):
+            rows = want[key(inp["prompt_ids"][j], inp["completion_ids"][j])]
+            assert any(torch.equal(inp["advantages"][j], r) for r in rows)
+            seen += 1
+    assert seen == len(seq_adv)
+
+    if misaligned:
+        plain = train(RecordingGRPO, model_dir, config(tmp_path / "plain", **overrides))
+        assert len(ours.forwards) == len(plain.forwards)
+    else:
+        # one extra no-grad forward per generation (TRL runs none of its own here)
+        plain = train(RecordingGRPO, model_dir, config(tmp_path / "plain"))
+        assert len(ours.forwards) == len(plain.forwards) + len(ours.generations)
+
+
+def test_success_comes_from_rewards_not_the_advantage_sign(model_dir, tmp_path):
+    # pepo_success sees TRL's weighted reward sum (here at most 1) and calls nothing a success:
+    # PEPO (apply_to="positive") then leaves every token at its sequence advantage, although
+    # half of the advantages are > 0 (an adapter reading the advantage's sign would weight them)
+    def never(completions, **kwargs):
+        return [0.0 for _ in completions]
+
+    transformers.set_seed(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    trainer = RecordingPepo(model=model, reward_funcs=[reward_has_seven, never],
+                            args=config(tmp_path, max_steps=1),
+                            train_dataset=dataset(), processing_class=tok,
+                            pepo_strategy="proximal_softmax", pepo_params={"window": 5},
+                            pepo_success=lambda r: r > 5.0)
+    trainer.generations, trainer.sequence_advantages = [], []
+    trainer.losses, trainer.loss_inputs = [], []
+    trainer.train()
+    gen = trainer.generations[0]
+    mask = gen["completion_mask"].bool()
+    seq = trainer.sequence_advantages[0]
+    assert (seq > 0).any()
+    assert torch.equal(gen["advantages"], torch.where(mask, seq[:, None], torch.zeros(())))
+
+
+def test_bad_strategy_or_params_fail_before_training(model_dir, tmp_path):
+    with pytest.raises(ValueError, match="no_such"):
+        PepoGRPOTrainer(model=str(model_dir), reward_funcs=reward_has_seven,
+                        args=config(tmp_path), train_dataset=dataset(), pepo_strategy="no_such")
+    with pytest.raises(ValueError, match="process_group"):
+        PepoGRPOTrainer(model=str(model_dir), reward_funcs=reward_has_seven,
+                        args=config(tmp_path), train_dataset=dataset(),
+                        pepo_strategy="global_topk", pepo_params={"process_group": None})
