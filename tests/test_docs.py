@@ -6,7 +6,9 @@ import re
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# docs/integrations.md's examples need TRL or verl: tests/integrations runs them where installed
+DOCS = [ROOT / "README.md",
+        *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "integrations.md")]
 
 
 def blocks(path: pathlib.Path) -> list[str]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -213,3 +215,14 @@ def test_bad_strategy_or_params_fail_before_training(model_dir, tmp_path):
         PepoGRPOTrainer(model=str(model_dir), reward_funcs=reward_has_seven,
                         args=config(tmp_path), train_dataset=dataset(),
                         pepo_strategy="global_topk", pepo_params={"process_group": None})
+
+
+def test_the_docs_example_runs(tmp_path, monkeypatch):
+    doc = Path(__file__).resolve().parents[2] / "docs" / "integrations.md"
+    code = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)[0]
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(code, str(doc), "exec"), namespace)
+    trainer = namespace["trainer"]
+    assert isinstance(trainer, PepoGRPOTrainer) and trainer.pepo_strategy_name == "proximal_softmax"
+    assert trainer.state.global_step == 8
