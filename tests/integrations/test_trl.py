@@ -133,19 +133,24 @@ def rollout_entropies(model_dir, gen):
     return -(logp.exp() * logp).sum(-1)
 
 
-@pytest.mark.parametrize("strategy,params,misaligned", [
-    ("proximal_softmax", {"window": 5, "temperature": 0.5}, False),
-    ("proximal_softmax", {"window": 5, "temperature": 0.5}, True),
-    ("global_topk", {"fraction": 0.2}, False),
+@pytest.mark.parametrize("strategy,params,misaligned,where", [
+    # TRL's default: weighted inside _compute_loss from the loss's own forward
+    ("proximal_softmax", {"window": 5, "temperature": 0.5}, False, "loss"),
+    ("entropy_bonus", {"alpha": 0.4, "kappa": 2.0}, False, "loss"),
+    # a generation serves two optimizer steps: TRL computes old log-probs during generation,
+    # and the entropies come from that forward
+    ("proximal_softmax", {"window": 5, "temperature": 0.5}, True, "generation"),
+    # a batch-wide threshold: every entropy before the first loss (one pass of the adapter's)
+    ("global_topk", {"fraction": 0.2}, False, "generation"),
 ])
 def test_advantages_reaching_the_loss_are_the_strategy_on_rollout_entropies(
-        model_dir, tmp_path, strategy, params, misaligned):
-    # misaligned: a generation serves two optimizer steps, so TRL computes old log-probs itself
-    # and the entropies must come from that forward (no pass of the adapter's)
-    overrides = {"steps_per_generation": 2, "max_steps": 2} if misaligned else {}
+        model_dir, tmp_path, strategy, params, misaligned, where):
+    overrides = {"steps_per_generation": 2} if misaligned else {}
     args = config(tmp_path, **overrides)
     ours = train(RecordingPepo, model_dir, args, pepo_strategy=strategy, pepo_params=params)
     gen = ours.generations[0]
+    # where the weighting happened: [B, T] advantages leave generation, or [B] go to the loss
+    assert gen["advantages"].dim() == (2 if where == "generation" else 1)
     mask = gen["completion_mask"].bool()
     ent = rollout_entropies(model_dir, gen)
     texts = ours.processing_class.batch_decode(gen["completion_ids"], skip_special_tokens=True)
@@ -153,33 +158,29 @@ def test_advantages_reaching_the_loss_are_the_strategy_on_rollout_entropies(
     assert 0 < int(success.sum()) < len(success)  # both kinds present, so positive= matters
     seq_adv = ours.sequence_advantages[0]
     expected = pw.get_strategy(strategy, **params)(seq_adv, ent.float(), mask, positive=success)
-    torch.testing.assert_close(gen["advantages"], expected, rtol=1e-4, atol=1e-5)
     assert not torch.equal(expected, torch.where(mask, seq_adv[:, None], 0.0))  # not uniform
+    if where == "generation":
+        torch.testing.assert_close(gen["advantages"], expected, rtol=1e-4, atol=1e-5)
 
-    # what reached _compute_loss: the same rows (shuffled and split by TRL), matched by tokens
+    # what reached TRL's loss: the same rows (shuffled and split by TRL), matched by tokens
     def key(prompt, completion):
         return tuple(prompt.tolist()) + (-1,) + tuple(completion.tolist())
 
     want = {}
     for i in range(len(seq_adv)):
-        want.setdefault(key(gen["prompt_ids"][i], gen["completion_ids"][i]), []).append(
-            gen["advantages"][i])
+        want.setdefault(key(gen["prompt_ids"][i], gen["completion_ids"][i]), []).append(expected[i])
     seen = 0
-    per_gen = args.steps_per_generation  # the micro-batches the first generation was split into
-    for inp in ours.loss_inputs[:per_gen]:
+    for inp in ours.loss_inputs[:args.steps_per_generation]:  # the first generation's
+        assert inp["advantages"].dim() == 2
         for j in range(inp["completion_ids"].size(0)):
             rows = want[key(inp["prompt_ids"][j], inp["completion_ids"][j])]
-            assert any(torch.equal(inp["advantages"][j], r) for r in rows)
+            assert any(torch.allclose(inp["advantages"][j], r, rtol=1e-4, atol=1e-5) for r in rows)
             seen += 1
     assert seen == len(seq_adv)
 
-    if misaligned:
-        plain = train(RecordingGRPO, model_dir, config(tmp_path / "plain", **overrides))
-        assert len(ours.forwards) == len(plain.forwards)
-    else:
-        # one extra no-grad forward per generation (TRL runs none of its own here)
-        plain = train(RecordingGRPO, model_dir, config(tmp_path / "plain"))
-        assert len(ours.forwards) == len(plain.forwards) + len(ours.generations)
+    plain = train(RecordingGRPO, model_dir, config(tmp_path / "plain", **overrides))
+    extra = len(ours.generations) if strategy == "global_topk" else 0
+    assert len(ours.forwards) == len(plain.forwards) + extra
 
 
 def test_success_comes_from_rewards_not_the_advantage_sign(model_dir, tmp_path):
@@ -200,11 +201,14 @@ def test_success_comes_from_rewards_not_the_advantage_sign(model_dir, tmp_path):
     trainer.generations, trainer.sequence_advantages = [], []
     trainer.losses, trainer.loss_inputs = [], []
     trainer.train()
-    gen = trainer.generations[0]
-    mask = gen["completion_mask"].bool()
     seq = trainer.sequence_advantages[0]
     assert (seq > 0).any()
-    assert torch.equal(gen["advantages"], torch.where(mask, seq[:, None], torch.zeros(())))
+    inp = trainer.loss_inputs[0]  # the whole generation (one micro-batch), shuffled
+    adv, mask = inp["advantages"], inp["completion_mask"].bool()
+    assert adv.dim() == 2
+    row = adv[:, :1]  # each row's value: constant on its tokens, 0 on padding
+    assert torch.equal(adv, torch.where(mask, row, torch.zeros(())))
+    assert sorted(row.squeeze(1).tolist()) == sorted(seq.tolist())
 
 
 def test_bad_strategy_or_params_fail_before_training(model_dir, tmp_path):

@@ -16,18 +16,26 @@ PEFT) is TRL's own::
 
 What it feeds the strategy, following the paper:
 
-- **entropies of the rollout policy**, at the sampling temperature, for every completion token of
-  the whole generation batch (all gradient-accumulation micro-batches), computed once per
-  generation before any update. When TRL already runs that forward (it computes the old log-probs
-  when generation and optimisation steps are misaligned, or for vLLM's importance sampling), the
-  entropies come from the same pass; otherwise the adapter adds one no-grad forward over the
-  generation batch. ``uniform`` needs no entropies and adds nothing.
+- **entropies of the rollout policy**, at the sampling temperature, taken from a forward TRL
+  already runs, without a pass of the adapter's, wherever one exists:
+
+  - when TRL computes old log-probs during generation (a generation serves several optimizer
+    steps, or vLLM's importance-sampling correction is on), that forward also returns them, and
+    the weights are computed there;
+  - otherwise (TRL's default: every loss of a generation runs before the next update, so the
+    policy in ``_compute_loss`` *is* the rollout policy) the weights of a row depend on its own
+    entropies only, for every strategy but ``global_topk``, and are computed inside
+    ``_compute_loss`` from the (detached) entropies of the loss's own forward;
+  - ``global_topk`` (and strategies registered by users, whose dependence is not known) needs
+    every entropy of the generation batch before the first loss: there the adapter adds one
+    no-grad forward over the generation batch. ``uniform`` needs none.
+
 - **successful completions** (``positive=``) from TRL's rewards: the weighted sum of the reward
   functions, as TRL computes it, ``> 0`` (or ``pepo_success(rewards)``), not the sign of the
   advantage.
 - **one threshold for the whole generation batch of all processes** for ``global_topk``: its
-  quantile is taken over every completion token of every process (TRL's own ``top_entropy_quantile``
-  takes it per micro-batch and per process).
+  quantile is taken over every completion token of every process (TRL's own
+  ``top_entropy_quantile`` takes it per micro-batch and per process).
 
 ``pepo_strategy="uniform"`` trains exactly as plain ``GRPOTrainer`` (the same completions, losses
 and weights, bit for bit).
@@ -49,6 +57,10 @@ except ImportError as e:  # pragma: no cover - exercised in an environment witho
     ) from e
 
 __all__ = ["PepoGRPOTrainer"]
+
+# Strategies whose weights for a row depend on that row's entropies alone: weighted inside
+# _compute_loss when the loss's policy is the rollout policy, with no forward of their own.
+ROW_WISE = frozenset({"proximal_softmax", "window_average", "entropy_bonus"})
 
 
 class PepoGRPOTrainer(GRPOTrainer):
@@ -91,6 +103,7 @@ class PepoGRPOTrainer(GRPOTrainer):
         self._pepo_capture = False
         self._pepo_captured: Optional[torch.Tensor] = None
         self._pepo_rewards: Optional[torch.Tensor] = None
+        self._pepo_loss_inputs: Optional[dict] = None
         super().__init__(*args, **kwargs)
         if self.accelerator.num_processes > 1 and "process_group" in (
             pw.strategy_parameters(pepo_strategy) or []
@@ -112,6 +125,15 @@ class PepoGRPOTrainer(GRPOTrainer):
         return rewards_per_func
 
     def _get_per_token_logps_and_entropies(self, model, *args: Any, **kwargs: Any):
+        pending = self._pepo_loss_inputs
+        if pending is not None and kwargs.get("compute_entropy"):
+            # the loss's own forward (on the rollout policy): weight this micro-batch's rows
+            self._pepo_loss_inputs = None
+            logps, entropies, aux = super()._get_per_token_logps_and_entropies(
+                model, *args, **kwargs)
+            pending["advantages"] = self._pepo_weigh(
+                pending, entropies.detach().float(), pending.pop("pepo_positive"))
+            return logps, entropies, aux
         # During generation, TRL's own old-log-prob forward (when it runs one) also yields the
         # entropies the strategy needs: ask for them and keep them.
         capture = self._pepo_capture and self._pepo_captured is None and model is self.model
@@ -131,19 +153,33 @@ class PepoGRPOTrainer(GRPOTrainer):
         # TRL's old-log-prob pass runs on the current policy only under these conditions (its
         # own test); otherwise the first forward through self.model may be a PEFT reference.
         generate_every = self.args.steps_per_generation * self.num_iterations
-        self._pepo_capture = self._pepo_uses_entropy and mode == "train" and (
+        old_logps_pass = (
             self.args.gradient_accumulation_steps % generate_every != 0
             or (self.use_vllm and self.vllm_importance_sampling_correction)
         )
+        self._pepo_capture = self._pepo_uses_entropy and mode == "train" and old_logps_pass
         try:
             output = super()._generate_and_score_completions(inputs)
         finally:
             self._pepo_capture = False
         if mode != "train":
             return output
-        output["advantages"] = self.pepo_token_advantages(output, len(inputs))
+        positive = self.pepo_success(len(inputs))
+        if (self._pepo_uses_entropy and not old_logps_pass
+                and self.pepo_strategy_name in ROW_WISE):
+            output["pepo_positive"] = positive  # weighted in _compute_loss, row by row
+        else:
+            output["advantages"] = self.pepo_token_advantages(output, positive)
         self._pepo_rewards, self._pepo_captured = None, None
         return output
+
+    def _compute_loss(self, model, inputs):
+        if "pepo_positive" in inputs:
+            self._pepo_loss_inputs = inputs
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._pepo_loss_inputs = None
 
     # -- the weighting -----------------------------------------------------------------------
 
@@ -188,17 +224,21 @@ class PepoGRPOTrainer(GRPOTrainer):
             )
         return entropies
 
-    def pepo_token_advantages(self, output: Mapping[str, Any], local_count: int) -> torch.Tensor:
+    def pepo_token_advantages(self, output: Mapping[str, Any], positive: torch.Tensor) -> torch.Tensor:
         """The strategy's token advantages ``[B, T]`` for a generation batch TRL produced."""
-        advantages = output["advantages"]
-        mask = output["completion_mask"].bool()
-        if "tool_mask" in output:
-            mask = mask & output["tool_mask"].bool()
         if self._pepo_uses_entropy:
             entropies = self.pepo_rollout_entropies(output).float()
         else:
-            entropies = torch.zeros(mask.shape, device=mask.device)
-        positive = self.pepo_success(local_count)
+            entropies = torch.zeros(output["completion_mask"].shape,
+                                    device=output["completion_mask"].device)
+        return self._pepo_weigh(output, entropies, positive)
+
+    def _pepo_weigh(self, batch: Mapping[str, Any], entropies: torch.Tensor,
+                    positive: torch.Tensor) -> torch.Tensor:
+        advantages = batch["advantages"]
+        mask = batch["completion_mask"].bool()
+        if batch.get("tool_mask") is not None:
+            mask = mask & batch["tool_mask"].bool()
         return self._pepo_strategy(advantages, entropies, mask, positive=positive).to(
             advantages.dtype
         )
