@@ -1,3 +1,6 @@
+import importlib.util
+import os
+
 import pytest
 import torch
 
@@ -7,15 +10,27 @@ from pepo import _extras
 # layers above it are tested where the recipe extra is installed (the TRL adapter's tests build
 # their model with the recipe's test fixtures, so they go with them).
 RECIPE_MISSING = _extras.missing(_extras.RECIPE_MODULES)
+collect_ignore = []
 if RECIPE_MISSING:
-    collect_ignore = ["tasks", "training", "recipes", "study", "integrations/test_trl.py"]
+    collect_ignore += ["tasks", "training", "recipes", "study", "integrations/test_trl.py"]
+# An adapter's tests run where its framework is installed, and must run where
+# PEPO_REQUIRE_TRL=1 / PEPO_REQUIRE_VERL=1 (CI's environments for them) say so.
+FRAMEWORKS_MISSING = [
+    name for name in ("trl", "verl")
+    if importlib.util.find_spec(name) is None and os.environ.get(f"PEPO_REQUIRE_{name.upper()}") != "1"
+]
+collect_ignore += [f"integrations/test_{name}.py" for name in FRAMEWORKS_MISSING]
 
 
 def pytest_report_header(config):
+    lines = []
     if RECIPE_MISSING:
-        return (f"pepo: the recipe extra is not installed (missing {', '.join(RECIPE_MISSING)}): "
-                f"collecting the core's tests only")
-    return None
+        lines.append(f"pepo: the recipe extra is not installed (missing "
+                     f"{', '.join(RECIPE_MISSING)}): collecting the core's tests only")
+    if FRAMEWORKS_MISSING:
+        lines.append(f"pepo: not installed, their adapters' tests not collected: "
+                     f"{', '.join(FRAMEWORKS_MISSING)}")
+    return lines or None
 
 
 def ragged_batch(lengths, t_max, *, holes=False, seed=0, dtype=torch.float32, scale=2.0, pad_value=float("nan")):

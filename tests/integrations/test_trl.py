@@ -1,8 +1,8 @@
 """pepo inside TRL's GRPOTrainer, checked against TRL's own code (a tiny random Qwen3 with a
 character tokenizer, on CPU).
 
-These tests need TRL (`pip install trl==1.16.0` beside the recipe install). Without it they are
-skipped, unless PEPO_REQUIRE_TRL=1 (as `.ci/run` sets), when they fail instead.
+These tests need TRL (`pip install trl==1.16.0` beside the recipe install). Without it they are not
+collected, unless PEPO_REQUIRE_TRL=1 (as `.ci/run` sets), when they fail instead.
 """
 
 from __future__ import annotations
