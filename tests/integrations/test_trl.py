@@ -230,3 +230,17 @@ def test_the_docs_example_runs(tmp_path, monkeypatch):
     trainer = namespace["trainer"]
     assert isinstance(trainer, PepoGRPOTrainer) and trainer.pepo_strategy_name == "proximal_softmax"
     assert trainer.state.global_step == 8
+
+
+def test_a_loss_without_an_entropy_forward_is_an_error_not_unweighted_training(monkeypatch):
+    # the row-wise path weights inside TRL's loss forward; a TRL whose loss skips it must not
+    # silently train on unweighted [B] advantages
+    monkeypatch.setattr(GRPOTrainer, "_compute_loss", lambda self, model, inputs: torch.zeros(()))
+    trainer = object.__new__(PepoGRPOTrainer)
+    trainer._pepo_loss_inputs = None
+    inputs = {"advantages": torch.ones(2), "pepo_positive": torch.ones(2, dtype=torch.bool)}
+    with pytest.raises(RuntimeError, match="computed none"):
+        trainer._compute_loss(None, inputs)
+    assert trainer._pepo_loss_inputs is None
+    # without the flag (uniform, generation-time weighting, eval) the loss passes through
+    assert trainer._compute_loss(None, {"advantages": torch.ones(2)}) == 0

@@ -177,9 +177,15 @@ class PepoGRPOTrainer(GRPOTrainer):
         if "pepo_positive" in inputs:
             self._pepo_loss_inputs = inputs
         try:
-            return super()._compute_loss(model, inputs)
+            loss = super()._compute_loss(model, inputs)
         finally:
             self._pepo_loss_inputs = None
+        if "pepo_positive" in inputs:  # TRL's loss ran no entropy forward: nothing was weighted
+            raise RuntimeError(
+                "PepoGRPOTrainer weights row-wise strategies inside TRL's _compute_loss, from the "
+                "entropies of its forward, and this TRL version computed none; use TRL 1.16"
+            )
+        return loss
 
     # -- the weighting -----------------------------------------------------------------------
 
