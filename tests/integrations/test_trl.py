@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -244,3 +246,46 @@ def test_a_loss_without_an_entropy_forward_is_an_error_not_unweighted_training(m
     assert trainer._pepo_loss_inputs is None
     # without the flag (uniform, generation-time weighting, eval) the loss passes through
     assert trainer._compute_loss(None, {"advantages": torch.ones(2)}) == 0
+
+
+def test_global_topk_threshold_covers_every_process(model_dir, tmp_path):
+    # Two CPU processes (gloo) train one step of global_topk; each saves what the strategy got and
+    # gave on its rank. The threshold must be the quantile over both ranks' tokens together:
+    # the strategy applied once (no process group) to the concatenation gives both ranks' output.
+    worker = Path(__file__).with_name("trl_two_process_worker.py")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(root), str(root / "src"), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(worker), str(model_dir), str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert [r["world_size"] for r in ranks] == [2, 2]
+    assert [len(r["weighed"]) for r in ranks] == [1, 1]  # one generation batch, weighted once
+    parts = [r["weighed"][0] for r in ranks]
+    # the ranks generated different completions (else a per-rank threshold could not differ)
+    assert not torch.equal(parts[0]["entropies"], parts[1]["entropies"])
+    width = max(p["mask"].size(1) for p in parts)
+
+    def cat(key, fill):
+        return torch.cat([torch.nn.functional.pad(p[key], (0, width - p[key].size(1)), value=fill)
+                          if p[key].dim() == 2 else p[key] for p in parts])
+
+    fn = pw.get_strategy("global_topk", fraction=0.2)
+    mask = cat("mask", False)
+    expected = fn(cat("advantages", 0.0), cat("entropies", 0.0), mask, positive=cat("positive", False))
+    assert torch.equal(cat("token_advantages", 0.0), expected)
+    # a per-process threshold (TRL's own top_entropy_quantile) gives another selection here
+    local = torch.cat([torch.nn.functional.pad(
+        fn(p["advantages"], p["entropies"], p["mask"]), (0, width - p["mask"].size(1)))
+        for p in parts])
+    assert not torch.equal(local != 0, expected != 0)
+    # and from Eq. (4) directly: A_i on the tokens at or above the 0.8 quantile of all ranks'
+    # valid entropies (torch.quantile's), 0 elsewhere
+    ent, adv = cat("entropies", 0.0), cat("advantages", 0.0)
+    tau = torch.quantile(ent[mask].double(), 0.8)
+    by_formula = torch.where(mask & (ent.double() >= tau), adv[:, None], torch.zeros(()))
+    assert torch.equal(cat("token_advantages", 0.0), by_formula)

@@ -149,6 +149,17 @@ def test_config_errors_name_the_fix():
         pv.strategy_from_config(OmegaConf.create({"strategy": "no_such"}))
 
 
+def test_the_trainer_checks_its_pepo_section_before_verl_builds_anything(monkeypatch):
+    built = []
+    monkeypatch.setattr(pv.PPOTrainerSync, "__init__", lambda self, config: built.append(config))
+    with pytest.raises(ValueError, match="no_such"):
+        pv.PepoPPOTrainer(OmegaConf.create({"pepo": {"strategy": "no_such"}}))
+    assert built == []
+    good = OmegaConf.create({"pepo": {"strategy": "global_topk", "params": {"fraction": 0.3}}})
+    trainer = pv.PepoPPOTrainer(good)
+    assert built == [good] and trainer.pepo_strategy is not None
+
+
 def test_import_verl_registers_the_trainer_through_the_entry_point():
     code = ("import sys, verl; from verl.trainer.ppo.v1 import get_trainer_cls; "
             "c = get_trainer_cls('pepo'); print(c.__module__, c.__name__)")

@@ -90,11 +90,10 @@ def token_advantages(
 class PepoPPOTrainer(PPOTrainerSync):
     """verl's synchronous v1 trainer with pepo's token weighting of the advantages."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.pepo_strategy, self.pepo_success_threshold = strategy_from_config(
-            self.config.get("pepo")
-        )
+    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+        # a bad `pepo` section fails here, before verl builds anything
+        self.pepo_strategy, self.pepo_success_threshold = strategy_from_config(config.get("pepo"))
+        super().__init__(config, *args, **kwargs)
 
     def _compute_advantage(self, batch, metrics: dict):
         batch = super()._compute_advantage(batch, metrics)
