@@ -25,6 +25,8 @@ RECIPE_MODULES = (
     "omegaconf",
     "tqdm",
     "matplotlib",
+    "gguf",
+    "accelerate",
 )
 
 INSTALL_HINT = {"recipe": 'pip install "pepo[recipe]"  (from a clone: pip install -e ".[recipe]")'}

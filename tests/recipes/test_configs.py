@@ -29,7 +29,13 @@ TINY = dict(strategy=("proximal_softmax", {"window": 11, "temperature": 1.0, "ap
 DRIFT = dict(TINY, strategy=("proximal_softmax", {"window": 21, "temperature": 1.0,
                                                   "apply_to": "positive"}),
              max_new_tokens=232, lr=DRIFT_LR)
+# the real-model showcase: SmolLM2-135M-Instruct on small sums (its own tokenizer and template)
+SMOLLM2 = dict(strategy=("proximal_softmax", {"window": 101, "temperature": 1.0,
+                                              "apply_to": "positive"}),
+               eps=(0.2, 0.28), temperature=0.7, top_p=1.0, top_k=None, max_new_tokens=96,
+               lr=1e-5, estimator=("group", {"group_size": 8}), arch="llama", bundled_task=True)
 EXPECTED = {
+    "smollm2": SMOLLM2,
     "tiny": dict(TINY, estimator=("group", {"group_size": 8})),
     "tiny_drift": dict(DRIFT, estimator=("group", {"group_size": 8})),
     "tiny_drift_spo": dict(DRIFT, estimator=("single_stream", {"candidate_pool": 4,
@@ -70,7 +76,11 @@ def _recipe_cfg(name, tmp_path, stand_ins):
              "validation": {"every": 0}, "dump_rollouts_every": 0, "save_every": 0,
              "plot": False, "generation": {"max_new_tokens": 6}, "estimator": {"prior_samples": 1}
              if cfg.estimator.name == "single_stream" else {}}
-    if "arch" in EXPECTED[name]:
+    if EXPECTED[name].get("bundled_task"):  # its own dataset; the model: a stand-in
+        small.update({"checkpoint_dir": str(stand_ins[EXPECTED[name]["arch"]]),
+                      "model": {"max_seq_len": 512}, "reward": {"workers": 1, "timeout": 2},
+                      "val_dataset": None})
+    elif "arch" in EXPECTED[name]:
         rows = F.dapo_rows(8) if cfg.estimator.name == "single_stream" else F.deepmath_rows(8)
         small.update({"checkpoint_dir": str(stand_ins[EXPECTED[name]["arch"]]),
                       "train_data": str(F.write_parquet(tmp_path / "train.parquet", rows)),

@@ -29,6 +29,7 @@ from typing import Optional
 __all__ = [
     "Problem",
     "apply_op",
+    "small_sums_dataset",
     "drift_dataset",
     "drift_problem",
     "modsum_dataset",
@@ -174,3 +175,46 @@ def drift_dataset(
     rng = random.Random(f"drift-{seed}")
     return _distinct(size, split, lambda: drift_problem(
         rng, rng.randint(min_operands, max_operands), rng.random()))
+
+
+SUMS_PROMPT = "What is {a} + {b}? Explain briefly, then give the answer."
+
+
+def small_sums_dataset(
+    size: Optional[int] = None,
+    seed: int = 0,
+    split: str = "train",
+    max_operand: int = 12,
+) -> list[Problem]:
+    """Sums of two small numbers asked in words, for a small pretrained chat model
+    (``--config smollm2``): ``"What is 7 + 5? Explain briefly, then give the answer."``, gold
+    ``"12"``, rewarded by math-verify.
+
+    Every ordered pair ``a, b`` in ``0..max_operand`` is one problem. A quarter of the pairs (by
+    a hash of ``"a+b"``) form the validation split, so the splits never share a question. ``size``
+    problems of the split are drawn without replacement, reproducibly from ``seed`` (all of them,
+    shuffled, when ``size`` is None).
+
+    Raises:
+        ValueError: bad split or ``max_operand``, or more problems asked for than the split has.
+    """
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    if isinstance(max_operand, bool) or not isinstance(max_operand, int) or max_operand < 1:
+        raise ValueError(f"max_operand must be an int >= 1, got {max_operand!r}")
+    pool = [
+        Problem(id=f"{a}+{b}", prompt=SUMS_PROMPT.format(a=a, b=b), answer=str(a + b))
+        for a in range(max_operand + 1) for b in range(max_operand + 1)
+        if ("val" if zlib.crc32(f"{a}+{b}".encode()) % 4 == 0 else "train") == split
+    ]
+    random.Random(f"small-sums-{seed}").shuffle(pool)
+    if size is None:
+        return pool
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"size must be a positive int or None, got {size!r}")
+    if size > len(pool):
+        raise ValueError(
+            f"the {split} split of small_sums_dataset(max_operand={max_operand}) has {len(pool)} "
+            f"problems, fewer than size={size}"
+        )
+    return pool[:size]

@@ -3,7 +3,8 @@
 * Bundled configs (``recipes/configs/*.yaml``, installed as ``pepo.configs``) are found by name:
   ``tune run pepo_recipe --config tiny``; a path to a YAML file works too.
 * ``${pepo_asset:tiny}`` in a config resolves to the packaged asset directory ``tiny`` (the
-  embedded task's tokenizer and warm-start checkpoint).
+  embedded task's tokenizer and warm-start checkpoint); ``${pepo_pretrained:smollm2}`` to a real
+  pretrained model's HF checkpoint, converted from its package into the cache on first use.
 * :func:`validate_config` checks everything that can be checked without building a model and
   raises ``ValueError`` naming the key and value, so a bad config fails in a second, not after
   the model is loaded. The config is a schema: a key the recipe does not know (a typo such as
@@ -59,12 +60,24 @@ def asset_dir(name: str) -> str:
     return str(path)
 
 
+def pretrained(name: str) -> str:
+    """``${pepo_pretrained:NAME}``: the HF checkpoint directory of a pretrained model that ships
+    in a package (:mod:`pepo.training.pretrained`), converted into the cache on first use."""
+    from pepo.training.pretrained import pretrained_dir
+
+    return pretrained_dir(name)
+
+
 def register_resolvers() -> None:
-    """Registers ``${pepo_asset:NAME}`` with OmegaConf (idempotent)."""
+    """Registers ``${pepo_asset:NAME}`` and ``${pepo_pretrained:NAME}`` with OmegaConf
+    (idempotent)."""
+    # omegaconf 2.4 renamed register_new_resolver (deprecated there) to register_resolver
+    register = getattr(OmegaConf, "register_resolver", None) or OmegaConf.register_new_resolver
     if not OmegaConf.has_resolver("pepo_asset"):
-        # omegaconf 2.4 renamed register_new_resolver (deprecated there) to register_resolver
-        register = getattr(OmegaConf, "register_resolver", None) or OmegaConf.register_new_resolver
         register("pepo_asset", asset_dir)
+    if not OmegaConf.has_resolver("pepo_pretrained"):
+        # cached by OmegaConf per config (use_cache): the directory is checked once per run
+        register("pepo_pretrained", pretrained, use_cache=True)
 
 
 def _configs_dir() -> Path:
