@@ -52,6 +52,8 @@ EXPECTED = {
     # Sec. 4.1: avg@16 on AIME and AMC, avg@1 on MATH500, T 0.6, top-p 0.6, 4096 tokens
     "eval_math": dict(eval={"AIME2024": 16, "AIME2025": 16, "AMC": 16, "MATH500": 1},
                       temperature=0.6, top_p=0.6, top_k=None, max_new_tokens=4096),
+    "eval_smollm2": dict(eval={"small_sums_val": 4}, temperature=0.7, top_p=1.0, top_k=None,
+                         max_new_tokens=96),
     "eval_tiny": dict(eval={"modsum_val": 8}, temperature=1.0, top_p=1.0, top_k=None,
                       max_new_tokens=64),
 }
@@ -112,6 +114,9 @@ def test_config_values_reach_the_objects_that_use_them(name, tmp_path, stand_ins
                                         "data_dir": str(tmp_path / "data"),
                                         "model": {"max_seq_len": 512}})
             cfg.benchmarks.AIME2025.dataset.path = str(data["aime25"])
+        if name == "eval_smollm2":  # a stand-in for the packaged model
+            cfg = OmegaConf.merge(cfg, {"checkpoint_dir": str(stand_ins["llama"]),
+                                        "model": {"max_seq_len": 512}})
         monkeypatch.setattr(pepo_eval, "avg_at_k",
                             lambda model, tok, problems, k, reward, **kw: avg_calls.append((k, kw)) or 0.5)
         results = pepo_eval.eval_main(cfg)
