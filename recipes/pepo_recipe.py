@@ -463,7 +463,9 @@ class PEPORecipe(FTRecipeInterface):
         adv, success = adv_all[part], success_all[part]  # [b]
 
         mask = ro.mask  # [b, T]
+        t_lp = time.perf_counter()
         old_lp, entropies = self._all_logprobs(ro)  # [b, T] each
+        t_lp = time.perf_counter() - t_lp
         # the rollout engine's log-probs against the trainer's, for the same policy
         gap = torch.where(mask, (old_lp - ro.logprobs).abs(), 0.0)  # [b, T]
         is_weights = (truncated_is_weights(old_lp, ro.logprobs, mask, self.tis_cap)
@@ -471,8 +473,10 @@ class PEPORecipe(FTRecipeInterface):
         # non-finite log-probs (a NaN logit) give NaN token advantages, so the loss guard
         # below skips the optimizer steps they reach instead of the strategy raising
         token_adv = self.strategy(adv, entropies, mask, positive=success, check_finite=False)
+        t_update = time.perf_counter()
         losses, sums, grad_norms = self._update(ro, old_lp, token_adv, is_weights, part,
                                                 len(problems))
+        t_update = time.perf_counter() - t_update
         drift = self._policy_drift(ro, old_lp) if self.estimator.needs_drift else None
         if drift is not None and not math.isfinite(drift):  # NaN log-probs: steps were skipped
             drift = 0.0
@@ -506,6 +510,8 @@ class PEPORecipe(FTRecipeInterface):
             "tokens_per_s": ntok / dt,
             "step_time": dt,
             "gen_time": t_gen,
+            "logprob_time": t_lp,
+            "update_time": t_update,
         }
         if drift is not None:
             metrics["policy_drift"] = drift

@@ -1,0 +1,118 @@
+"""Decoders compared on a real pretrained model: pepo's in-process decoder, transformers'
+``generate`` and vLLM, on the same model, prompts, sampling settings and number of tokens.
+
+    python benchmarks/bench_decoders.py [--model smollm2 | --model-dir DIR] [--rows 32]
+        [--new-tokens 64] [--repeats 3] [--decoders pepo transformers vllm]
+
+Every row decodes exactly ``--new-tokens`` tokens (end-of-sequence ignored), at temperature 1
+with no top-k/top-p, from the small-sums prompts of ``--config smollm2`` rendered with the model's
+chat template. The decoders run back to back, ``--repeats`` rounds in turn (so a load change on
+the machine hits all of them), after one warm-up each; the table gives the median generated
+tokens/s and its ratio to pepo's decoder, measured in this one run. The vLLM engine is pepo's
+colocated one (``generation.engine=vllm``; weights copied in from the trainer's model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2", help="a packaged pretrained model")
+    ap.add_argument("--model-dir", default=None, help="an HF checkpoint directory instead")
+    ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--decoders", nargs="+", default=["pepo", "transformers", "vllm"],
+                    choices=["pepo", "transformers", "vllm"])
+    args = ap.parse_args()
+
+    import transformers
+
+    from pepo.tasks.problems import small_sums_dataset
+    from pepo.training.generation import generate
+    from pepo.training.hf import from_hf
+    from pepo.training.pretrained import pretrained_dir
+    from pepo.training.tokenizers import ChatTokenizer
+
+    model_dir = args.model_dir or pretrained_dir(args.model)
+    tok = ChatTokenizer(model_dir)
+    problems = small_sums_dataset(split="train")
+    prompts = [tok.encode_prompt(problems[i % len(problems)].prompt) for i in range(args.rows)]
+    seeds = torch.arange(args.rows, dtype=torch.int64)
+    n_new = args.new_tokens
+    ours = from_hf(model_dir, max_seq_len=max(map(len, prompts)) + n_new).eval()
+
+    def run_pepo() -> int:
+        ro = generate(ours, prompts, max_new_tokens=n_new, pad_id=tok.pad_id, stop_tokens=[],
+                      temperature=1.0, top_p=1.0, seeds=seeds)
+        return int(ro.mask.sum())
+
+    hf = tok_hf = None
+    if "transformers" in args.decoders:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        width = max(map(len, prompts))  # left padding, as generate expects
+        ids = torch.tensor([[tok.pad_id] * (width - len(p)) + p for p in prompts])
+        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+
+        def run_transformers() -> int:
+            with torch.no_grad():
+                out = hf.generate(input_ids=ids, attention_mask=attn, do_sample=True,
+                                  temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=n_new,
+                                  min_new_tokens=n_new, pad_token_id=tok.pad_id)
+            return int(out[:, width:].numel())
+
+    engine = None
+    if "vllm" in args.decoders:
+        from pepo.training.engines import VLLMEngine
+
+        engine = VLLMEngine(ours, hf_dir=model_dir, dtype="float32",
+                            max_model_len=max(map(len, prompts)) + n_new,
+                            kv_cache_memory_bytes=2**30, max_num_seqs=args.rows)
+
+        def run_vllm() -> int:
+            ro = engine.generate(prompts, max_new_tokens=n_new, pad_id=tok.pad_id,
+                                 stop_tokens=[], temperature=1.0, top_p=1.0, seeds=seeds)
+            return int(ro.mask.sum())
+
+    runners = {"pepo": run_pepo}
+    if hf is not None:
+        runners["transformers"] = run_transformers
+    if engine is not None:
+        runners["vllm"] = run_vllm
+    rates: dict[str, list[float]] = {name: [] for name in runners}
+    for name, fn in runners.items():  # warm-up
+        fn()
+    for _ in range(args.repeats):
+        for name, fn in runners.items():
+            t0 = time.perf_counter()
+            tokens = fn()
+            dt = time.perf_counter() - t0
+            if tokens != args.rows * n_new:
+                raise RuntimeError(f"{name} generated {tokens} tokens, not {args.rows * n_new}")
+            rates[name].append(tokens / dt)
+    if engine is not None:
+        engine.close()
+
+    params = sum(p.numel() for p in ours.parameters())
+    print(f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+          f"torch {torch.__version__}, transformers {transformers.__version__}; "
+          f"{params / 1e6:.1f}M parameters, {args.rows} rows x {n_new} new tokens (EOS ignored), "
+          f"T = 1, prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens; "
+          f"median of {args.repeats} rounds")
+    base = statistics.median(rates["pepo"])
+    print("| decoder | generated tokens/s | vs pepo | rounds (tokens/s) |")
+    print("|---|---:|---:|---|")
+    for name, r in rates.items():
+        med = statistics.median(r)
+        print(f"| {name} | {med:.0f} | {med / base:.2f}x | {', '.join(f'{x:.0f}' for x in r)} |")
+
+
+if __name__ == "__main__":
+    main()
