@@ -100,3 +100,14 @@ def test_errors_name_the_problem(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ValueError, match="model_type='gpt2' is not supported"):
         from_hf(tmp_path)
+
+
+@pytest.mark.parametrize("content", [b"", b"\x08\x00\x00\x00\x00\x00\x00\x00{\"a\":1", b"not safetensors at all"])
+def test_an_unreadable_weights_file_is_one_value_error_naming_it(tmp_path, content):
+    from pepo.training.models import tiny_qwen3
+    from pepo.training.weights import load_model_weights
+
+    (tmp_path / "model.safetensors").write_bytes(content)
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a readable safetensors file "
+                                         rf"\({len(content)} bytes"):
+        load_model_weights(tiny_qwen3(), tmp_path)

@@ -435,6 +435,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--heatmap-rollouts", type=int, default=4)
     args = ap.parse_args(argv)
     try:
+        from pepo.training.config import check_output_dir
+
+        check_output_dir(args.out, "--out")  # before reading the dump
         run(args.dump, args.out, args.windows, args.heatmap_rollouts)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None

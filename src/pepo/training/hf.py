@@ -29,6 +29,7 @@ from pepo import _checks
 
 __all__ = [
     "architecture_from_hf",
+    "read_safetensors",
     "from_hf",
     "hf_config_of",
     "hf_to_tune_state",
@@ -136,6 +137,25 @@ def architecture_from_hf(
     )
 
 
+def read_safetensors(path: Union[str, Path]) -> dict[str, torch.Tensor]:
+    """All tensors of one safetensors file.
+
+    Raises:
+        ValueError: the file is empty, truncated or not safetensors (naming it and the reason),
+            instead of safetensors' own error from deep inside the load.
+    """
+    from safetensors import SafetensorError
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        size = Path(path).stat().st_size if Path(path).is_file() else 0
+        raise ValueError(
+            f"{path} is not a readable safetensors file ({size} bytes: {e}); it is empty, "
+            f"truncated or of another format"
+        ) from None
+
+
 def load_hf_state(model_dir: Union[str, Path]) -> dict[str, torch.Tensor]:
     """All tensors of a (possibly sharded) safetensors checkpoint, with HF key names."""
     d = Path(model_dir)
@@ -153,7 +173,7 @@ def load_hf_state(model_dir: Union[str, Path]) -> dict[str, torch.Tensor]:
     for f in files:
         if not (d / f).is_file():
             raise ValueError(f"{index} names {f}, which is missing")
-        state.update(load_file(str(d / f)))
+        state.update(read_safetensors(d / f))
     return state
 
 

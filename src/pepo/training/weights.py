@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Union
 
 import torch
-from safetensors.torch import load_file
 
 from pepo import _checks
 from pepo.training import hf
@@ -36,6 +35,6 @@ def load_model_weights(model: torch.nn.Module, checkpoint_dir: Union[str, Path])
         source = d / MODEL_FILE
         if not source.is_file():
             raise ValueError(f"checkpoint_dir={str(checkpoint_dir)!r} has no {MODEL_FILE}")
-        state = load_file(str(source))
+        state = hf.read_safetensors(source)
     _checks.check_state_matches(model, state, source)
     model.load_state_dict(state)
