@@ -37,6 +37,7 @@ from pepo.training.config import (
     engine_options,
     resolve_config_arg,
 )
+from pepo.training.run_lock import RunLock
 from pepo.training.tokenizers import stop_token_ids
 from pepo.training.weights import load_model_weights
 
@@ -76,10 +77,21 @@ def validate_eval_config(cfg: DictConfig) -> None:
     check_engine(cfg.generation)
 
 
-def _check_results_dir(cfg: DictConfig) -> None:
-    """``output_dir`` must be writable, and must not hold another checkpoint's results (two
-    evaluations into one directory would silently replace one with the other)."""
+def _check_results_dir(cfg: DictConfig) -> RunLock:
+    """``output_dir`` must be writable, not in use by another evaluation or run (it is locked
+    until the evaluation ends: the returned lock), and must not hold another checkpoint's
+    results (two evaluations into one directory would silently replace one with the other)."""
     check_output_dir(cfg.get("output_dir"))
+    lock = RunLock(str(cfg.output_dir))
+    try:
+        _check_previous_results(cfg)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def _check_previous_results(cfg: DictConfig) -> None:
     previous = Path(str(cfg.output_dir)) / "eval_results.json"
     if previous.is_file():
         try:
@@ -98,14 +110,15 @@ def _setup(cfg: DictConfig) -> dict[str, Any]:
     """Everything an evaluation needs, cheapest checks first: config, output directory, data,
     tokenizer, reward, then the model. Raises ``ValueError`` for what the user must fix."""
     validate_eval_config(cfg)
-    _check_results_dir(cfg)
-    device = utils.get_device(cfg.get("device", "cpu"))
-    dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=device)
-    tokenizer = config.instantiate(cfg.tokenizer)
-    stop_tokens = stop_token_ids(tokenizer, cfg.generation.get("stop_tokens"))
-    data = {name: list(config.instantiate(b.dataset)) for name, b in cfg.benchmarks.items()}
-    reward = config.instantiate(cfg.reward)
+    lock = _check_results_dir(cfg)
+    reward = None
     try:
+        device = utils.get_device(cfg.get("device", "cpu"))
+        dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=device)
+        tokenizer = config.instantiate(cfg.tokenizer)
+        stop_tokens = stop_token_ids(tokenizer, cfg.generation.get("stop_tokens"))
+        data = {name: list(config.instantiate(b.dataset)) for name, b in cfg.benchmarks.items()}
+        reward = config.instantiate(cfg.reward)
         with training.set_default_dtype(dtype), device:
             model = config.instantiate(cfg.model)
         load_model_weights(model, cfg.checkpoint_dir)
@@ -116,10 +129,10 @@ def _setup(cfg: DictConfig) -> dict[str, Any]:
             {**options, "hf_dir": src if (src / "config.json").is_file() else None,
              "seed": cfg.seed} if name == "vllm" else {}))
     except BaseException:
-        _close(reward)
+        _close(reward, lock)
         raise
     return dict(device=device, tokenizer=tokenizer, stop_tokens=stop_tokens, data=data,
-                reward=reward, engine=engine)
+                reward=reward, engine=engine, lock=lock)
 
 
 def _close(*owners: Any) -> None:
@@ -145,14 +158,15 @@ def _evaluate(cfg: DictConfig, setup: dict[str, Any]) -> dict[str, float]:
             )
             log.info(f"{name}: avg@{b.k} = {100 * results[name]:.2f} over {len(problems)} "
                      f"problems ({time.perf_counter() - t0:.1f}s)")
+        name = cfg.get("model_name") or Path(str(cfg.checkpoint_dir)).name
+        table = format_table(results, name)
+        js, md = write_results(
+            results, cfg.output_dir, name,
+            meta={"checkpoint_dir": str(Path(str(cfg.checkpoint_dir)).resolve()),
+                  "k": {n: b.k for n, b in cfg.benchmarks.items()},
+                  "generation": OmegaConf.to_container(g, resolve=True)})
     finally:
-        _close(setup["reward"], setup["engine"])
-    name = cfg.get("model_name") or Path(str(cfg.checkpoint_dir)).name
-    table = format_table(results, name)
-    js, md = write_results(results, cfg.output_dir, name,
-                           meta={"checkpoint_dir": str(Path(str(cfg.checkpoint_dir)).resolve()),
-                                 "k": {n: b.k for n, b in cfg.benchmarks.items()},
-                                 "generation": OmegaConf.to_container(g, resolve=True)})
+        _close(setup["reward"], setup["engine"], setup["lock"])
     print("\n" + table + "\n")
     log.info(f"Results: {js} and {md}")
     return results

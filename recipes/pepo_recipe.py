@@ -94,6 +94,7 @@ from pepo.training.config import (
     validate_config,
 )
 from pepo.training.reporting import plot_curves, write_rollouts
+from pepo.training.run_lock import RunLock
 from pepo.sampling import PromptSampler
 from pepo.training.tokenizers import stop_token_ids
 from pepo.training.weights import load_model_weights
@@ -184,17 +185,24 @@ class PEPORecipe(FTRecipeInterface):
         self.dump_every = cfg.dump_rollouts_every
         self.resume = bool(cfg.get("resume_from_checkpoint", False))
         self.plot = bool(cfg.get("plot", True))
-        has_checkpoints = AtomicCheckpointer(self.output_dir / "checkpoints").has_checkpoints()
-        if not self.resume and has_checkpoints:
-            raise ValueError(
-                f"output_dir={str(self.output_dir)!r} already holds a run's checkpoints; pass "
-                f"resume_from_checkpoint=True to continue it, or choose another output_dir"
-            )
-        if self.resume and not has_checkpoints:
-            raise ValueError(
-                f"resume_from_checkpoint=True but {self.output_dir / 'checkpoints'} holds no "
-                f"checkpoint; start without it for a new run"
-            )
+        # one run per output_dir, from before the checkpoint check to the end of the run (rank 0
+        # holds it for the job); a second run gets one config error naming the holder
+        self.run_lock = RunLock(self.output_dir) if self.dist.is_main else None
+        try:
+            has_checkpoints = AtomicCheckpointer(self.output_dir / "checkpoints").has_checkpoints()
+            if not self.resume and has_checkpoints:
+                raise ValueError(
+                    f"output_dir={str(self.output_dir)!r} already holds a run's checkpoints; pass "
+                    f"resume_from_checkpoint=True to continue it, or choose another output_dir"
+                )
+            if self.resume and not has_checkpoints:
+                raise ValueError(
+                    f"resume_from_checkpoint=True but {self.output_dir / 'checkpoints'} holds no "
+                    f"checkpoint; start without it for a new run"
+                )
+        except BaseException:
+            self._release_run_lock()
+            raise
         self.experiment = experiment_config(cfg)
         self.prior_path = cfg.get("prior_cache")
         self.prior_fingerprint = prior_fingerprint(cfg)
@@ -734,15 +742,24 @@ class PEPORecipe(FTRecipeInterface):
         self.dist.barrier()
 
     def cleanup(self) -> None:
-        """Closes what setup opened (also after a setup that failed half-way)."""
-        logger = getattr(self, "metric_logger", None)
-        if logger is not None:
-            logger.close()
-        for owner in (getattr(self, "reward_fn", None), getattr(self, "engine", None),
-                      getattr(self, "dist", None)):
-            close = getattr(owner, "close", None)
-            if callable(close):  # MathVerify's workers, a vLLM engine, the process group
-                close()
+        """Closes what setup opened (also after a setup that failed half-way), and lets go of
+        the output directory last."""
+        try:
+            logger = getattr(self, "metric_logger", None)
+            if logger is not None:
+                logger.close()
+            for owner in (getattr(self, "reward_fn", None), getattr(self, "engine", None),
+                          getattr(self, "dist", None)):
+                close = getattr(owner, "close", None)
+                if callable(close):  # MathVerify's workers, a vLLM engine, the process group
+                    close()
+        finally:
+            self._release_run_lock()
+
+    def _release_run_lock(self) -> None:
+        lock = getattr(self, "run_lock", None)
+        if lock is not None:
+            lock.release()
 
 
 def _built(cfg: DictConfig, log_config: bool) -> PEPORecipe:

@@ -99,6 +99,27 @@ def test_eval_never_overwrites_another_checkpoints_results(tmp_path, monkeypatch
     assert saved["checkpoint_dir"] == str(Path(first.checkpoint_dir).resolve())
 
 
+def test_eval_refuses_an_output_dir_in_use_and_lets_go_of_its_own(tmp_path, monkeypatch):
+    """Catches two evaluations (or a run and an evaluation) writing one directory at once, and
+    an evaluation that keeps its directory locked after it ended or failed."""
+    import os
+
+    from pepo.training.run_lock import RunLock
+
+    called = []
+    monkeypatch.setattr(pepo_eval, "avg_at_k", lambda *a, **k: called.append(1) or 0.5)
+    cfg = _tiny_eval_cfg(tmp_path)
+    with RunLock(cfg.output_dir):
+        with pytest.raises(ValueError, match=rf"in use by another run \(pid {os.getpid()} on "):
+            pepo_eval.eval_main(cfg)
+    assert not called
+    pepo_eval.eval_main(cfg)  # free again: it runs, and leaves the directory free
+    monkeypatch.setattr(pepo_eval, "avg_at_k", lambda *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        pepo_eval.eval_main(cfg)
+    RunLock(cfg.output_dir).release()  # a failed evaluation let go too
+
+
 def test_eval_stop_tokens_reach_generation(tmp_path, monkeypatch):
     """Catches pepo_eval ignoring generation.stop_tokens."""
     seen = []

@@ -317,3 +317,72 @@ def test_killed_at_random_points_the_run_resumes_exactly_and_leaves_no_processes
     assert [h.get("loss") for h in got_state["history"]] == [h.get("loss") for h in ref_state["history"]]
     pids = _worker_pids(run_dir) | _worker_pids(ref_dir)
     assert len(pids) >= 10 and all(dead(pid, 10) for pid in pids)
+
+
+# ----------------------------------------------------------------- one run per output_dir
+
+
+@needs_proc
+@pytest.mark.parametrize("second_resumes", [False, True])
+def test_a_second_run_on_a_live_runs_output_dir_is_refused(tmp_path, monkeypatch, capsys,
+                                                          second_resumes):
+    """Catches two runs interleaving in one output_dir: both would pass the checkpoint check
+    before either saved, then mix metrics, dumps and checkpoints. The second gets one config
+    error naming the holder; the first finishes with one metrics line per step and its own
+    checkpoints."""
+    steps = 12
+    cfg_path = _write_cfg(tmp_path, num_steps=steps)
+    progress = tmp_path / "progress"
+    holder = subprocess.Popen([sys.executable, "-m", "tests.trainer_driver", str(cfg_path)],
+                              cwd=ROOT, env=_env(tmp_path, PEPO_TEST_PROGRESS=str(progress)),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(progress, 2, holder)  # it has saved: a resume would find checkpoints
+        assert holder.poll() is None, "the first run ended before the second could start"
+        second = OmegaConf.load(cfg_path)
+        second.seed = 1  # another experiment, as a double submission with a changed seed
+        second.resume_from_checkpoint = second_resumes
+        msg = cli(monkeypatch, capsys, second)
+        _, err = holder.communicate(timeout=300)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+    run_dir = tmp_path / "run"
+    assert msg.startswith(f"config error: output_dir={str(run_dir)!r} is in use by another run "
+                          f"(pid {holder.pid} on "), msg
+    assert "\n" not in msg
+    assert holder.returncode == 0, err[-2000:]
+    metric_steps = [int(line.split()[1]) for line in
+                    (run_dir / "logs" / "metrics.txt").read_text().splitlines()
+                    if line.startswith("Step ") and "loss:" in line]
+    assert metric_steps == list(range(1, steps + 1))
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{steps}"
+    # and the directory is free again once its run has ended
+    again = OmegaConf.load(cfg_path)
+    again.num_steps = steps + 1
+    again.resume_from_checkpoint = True
+    assert run(again).step == steps + 1
+
+
+def test_the_lock_dies_with_its_process(tmp_path):
+    from pepo.training.run_lock import RunLock
+
+    code = ("import sys, time; from pepo.training.run_lock import RunLock; "
+            "lock = RunLock(sys.argv[1]); print('held', flush=True); time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "out")], cwd=ROOT,
+                            env=_env(tmp_path), stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        with pytest.raises(ValueError, match=rf"in use by another run \(pid {proc.pid} on "):
+            RunLock(tmp_path / "out")
+        proc.kill()
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    with RunLock(tmp_path / "out") as lock:  # a SIGKILLed holder blocks nothing
+        assert lock.held
+        with pytest.raises(ValueError, match=rf"pid {os.getpid()} on "):
+            RunLock(tmp_path / "out", key="--out")
+    assert not lock.held
+    RunLock(tmp_path / "out").release()

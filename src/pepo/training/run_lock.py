@@ -1,0 +1,94 @@
+"""One run per output directory: an exclusive lock held for the run's whole life.
+
+Two runs started on one ``output_dir`` (a job submitted twice, a scheduler retry, two terminals)
+would both pass the "already holds checkpoints" check before either saves, then interleave their
+metrics, dumps and checkpoints, and each save would prune and sweep the other's. A run therefore
+holds an advisory ``fcntl.flock`` on ``output_dir/.pepo.lock`` from before that check until it
+ends; a second run gets a ``ValueError`` naming the directory and the holder (pid, host, start
+time, command). The kernel drops the lock when its process dies, however it dies, so a SIGKILLed
+run never blocks the next one, and what the lock file still says about a dead holder is ignored.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any, Optional, Union
+
+__all__ = ["LOCK_FILE", "RunLock"]
+
+LOCK_FILE = ".pepo.lock"
+
+
+class RunLock:
+    """Holds ``directory/.pepo.lock`` exclusively until :meth:`release` or process exit.
+
+    Args:
+        directory: the output directory (created if missing).
+        key: the config key or option that named it, for the message (``output_dir``, ``--out``).
+
+    Raises:
+        ValueError: another live process holds the directory.
+    """
+
+    def __init__(self, directory: Union[str, Path], key: str = "output_dir") -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.path = self.directory / LOCK_FILE
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            raise ValueError(
+                f"{key}={str(directory)!r} is in use by another run ({self._holder()}); wait for "
+                f"it to finish, or choose another {key}"
+            ) from None
+        self._fd: Optional[int] = fd
+        info = {"pid": os.getpid(), "host": socket.gethostname(),
+                "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                "command": " ".join(sys.argv)[:500]}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(info) + "\n").encode("utf-8"), 0)
+
+    def _holder(self) -> str:
+        try:
+            info: dict[str, Any] = json.loads(self.path.read_text(encoding="utf-8"))
+            return (f"pid {info['pid']} on {info['host']}, started {info['started']}: "
+                    f"{info.get('command', '')}".rstrip(": "))
+        except (OSError, ValueError, KeyError, TypeError):
+            return "its details are not written yet"
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        """Drops the lock (idempotent). The file stays: removing it would let a third run lock a
+        new file while a second one waits on the old."""
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    close = release
+
+    def __enter__(self) -> "RunLock":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:  # interpreter shutdown
+            pass
