@@ -54,7 +54,7 @@ def main() -> None:
                       temperature=1.0, top_p=1.0, seeds=seeds)
         return int(ro.mask.sum())
 
-    hf = tok_hf = None
+    hf = None
     if "transformers" in args.decoders:
         hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         width = max(map(len, prompts))  # left padding, as generate expects

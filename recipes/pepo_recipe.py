@@ -56,7 +56,7 @@ from pepo import _extras
 _extras.require("pepo_recipe")  # before torchtune: a missing extra gets the line that names it
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,

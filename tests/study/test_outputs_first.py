@@ -16,7 +16,7 @@ def bad_out(tmp_path):
     return str(blocker / "out")
 
 
-def refuse(fn, argv, capsys=None):
+def refuse(fn, argv):
     with pytest.raises(SystemExit) as e:
         fn(argv)
     return str(e.value.code)
