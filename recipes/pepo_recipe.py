@@ -2,7 +2,7 @@
 
     tune run pepo_recipe --config tiny [key=value ...]
 
-One step (PEPO paper, Sec. 3-4 and App. B; ``docs/recipe.md`` has the details):
+One step (PEPO paper, Sec. 3-4 and App. C.1; ``docs/recipe.md`` has the details):
 
 1. choose prompts: a candidate pool from a seeded epoch-wise shuffle, from which the estimator
    picks ``prompts_per_step`` (group mode: the pool as it is; single-stream mode: SPO's

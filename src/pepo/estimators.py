@@ -27,10 +27,13 @@ Both also implement one *step interface*, so a training loop reads the same in e
   ``beta0 = N0 (n - k + 1/2) / (n + 1)`` from ``k`` offline successes out of ``n``, with
   ``N0 = 1 / (1 - rho_min)``; advantages ``r - p`` normalised over the batch (mean and
   Bessel-corrected std); ``rho = clip(2^(-D / D_half), rho_min, rho_max)``; prioritised
-  sampling weights ``sqrt(p (1 - p)) + 0.05``. ``D(x)`` is the policy change since prompt
-  ``x``'s last visit (SPO's definition): the estimator keeps a running total of each step's
-  policy drift (the batch's mean |Δ log-prob| across the update) and, per prompt, the total at
-  its last visit; ``D(x)`` is their difference.
+  sampling weights ``sqrt(p (1 - p)) + 0.05``. The prior, ``N0``, ``D_half = 0.06`` and
+  ``rho_max = 0.96`` are exactly the SPO authors' own implementation. Where pepo differs is
+  ``D(x)``: the SPO code re-scores prompt ``x``'s last response under the current policy and
+  takes the mean |Δ log-prob|; pepo keeps a running total of each step's policy drift (the
+  batch's mean |Δ log-prob| across the update) and, per prompt, the total at its last visit,
+  and takes their difference: the drift summed since the visit, without storing or re-scoring
+  old responses.
 """
 
 from __future__ import annotations

@@ -356,7 +356,11 @@ def proximal_softmax(
 
 @register_strategy("window_average")
 def window_average(window: int = 101, apply_to: str = "positive") -> StrategyFn:
-    """PEPO with the softmax-free window statistic of Appendix E.
+    """PEPO's windowing without its softmax: this library's own strategy, its reading of App. E.
+
+    App. E plots "a simple windowed average of token entropies without the softmax" as a
+    diagnostic (it flattens the positional trend as proximal entropy does) and neither writes
+    this ratio nor trains with it; the weighting below is pepo's.
 
     ``r_{i,t} = H_{i,t} / Σ_{k ∈ W(t)} H_{i,k}`` (:func:`linear_proximal_entropy`; ``1/W`` where
     the window sums to 0), ``c_{i,t} = r_{i,t} / Σ_k r_{i,k} · T_i``, ``Â_{i,t} = c_{i,t} A_i``.
