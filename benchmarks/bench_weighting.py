@@ -223,7 +223,7 @@ def memory_child(spec: dict) -> None:
 
 def _rss_kib(field: str) -> int:
     """Current (VmRSS) or peak (VmHWM) resident memory of this process, in KiB (Linux)."""
-    with open("/proc/self/status") as f:
+    with open("/proc/self/status", encoding="utf-8") as f:
         for line in f:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
@@ -233,7 +233,7 @@ def _rss_kib(field: str) -> int:
 def _reset_peak_rss() -> None:
     # Writing 5 to clear_refs resets the peak RSS (VmHWM) to the current RSS (Linux >= 4.0), so
     # the peak measures this workload, not the interpreter's start-up.
-    with open("/proc/self/clear_refs", "w") as f:
+    with open("/proc/self/clear_refs", "w", encoding="utf-8") as f:
         f.write("5")
 
 
@@ -244,7 +244,7 @@ def _mib(x: int) -> str:
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
-        with open("/proc/cpuinfo") as f:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
                 if line.startswith("model name"):
                     cpu = line.split(":", 1)[1].strip()

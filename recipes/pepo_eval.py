@@ -95,7 +95,7 @@ def _check_previous_results(cfg: DictConfig) -> None:
     previous = Path(str(cfg.output_dir)) / "eval_results.json"
     if previous.is_file():
         try:
-            saved = json.loads(previous.read_text()).get("checkpoint_dir")
+            saved = json.loads(previous.read_text(encoding="utf-8")).get("checkpoint_dir")
         except (json.JSONDecodeError, AttributeError):
             saved = None
         here = str(Path(str(cfg.checkpoint_dir)).resolve())

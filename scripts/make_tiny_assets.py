@@ -67,7 +67,7 @@ def build_tokenizer(out: Path, alphabet: str = ALPHABET) -> None:
     tok.add_special_tokens(SPECIALS[:2])
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(
-        json.dumps({"pad_token": "<|endoftext|>", "eos_token": "<|im_end|>"}, indent=2) + "\n"
+        json.dumps({"pad_token": "<|endoftext|>", "eos_token": "<|im_end|>"}, indent=2) + "\n", encoding="utf-8"
     )
 
 

@@ -361,7 +361,7 @@ def run(dump: Union[str, Path], out: Union[str, Path], windows: Sequence[int] = 
 
     curves = positional_bias(r, windows)
     files["positional_csv"] = out / "positional_bias.csv"
-    with open(files["positional_csv"], "w", newline="") as f:
+    with open(files["positional_csv"], "w", newline="", encoding="utf-8") as f:
         wr = csv.writer(f)
         wr.writerow(["percentile_bin_center", *curves])
         n_bins = len(curves["global"])
@@ -382,20 +382,20 @@ def run(dump: Union[str, Path], out: Union[str, Path], windows: Sequence[int] = 
     if not diff:
         lines.append("| (no groups: single-stream dumps have one rollout per prompt) | | | |")
     files["difficulty_md"] = out / "difficulty_bias.md"
-    files["difficulty_md"].write_text("\n".join(lines) + "\n")
+    files["difficulty_md"].write_text("\n".join(lines) + "\n", encoding="utf-8")
 
     prof = entropy_profile(r, windows)
     files["profile_json"] = out / "profile.json"
-    files["profile_json"].write_text(json.dumps(prof, indent=2) + "\n")
+    files["profile_json"].write_text(json.dumps(prof, indent=2) + "\n", encoding="utf-8")
     files["profile_md"] = out / "profile.md"
     files["profile_md"].write_text("\n".join(
         [f"Entropy profile of {len(r)} rollouts.", "", "| quantity | value |", "|---|---:|"]
-        + [f"| {k} | {v:.4g} |" for k, v in prof.items()]) + "\n")
+        + [f"| {k} | {v:.4g} |" for k, v in prof.items()]) + "\n", encoding="utf-8")
 
     mass = weight_mass(r, w_main)
     cols = [f"decile_{d}" for d in range(1, 11)] + list(GROUPS) + ["top20"]
     files["mass_csv"] = out / "weight_mass.csv"
-    with open(files["mass_csv"], "w", newline="") as f:
+    with open(files["mass_csv"], "w", newline="", encoding="utf-8") as f:
         wr = csv.writer(f)
         wr.writerow(["strategy", *cols])
         for name, row in mass.items():
@@ -409,12 +409,12 @@ def run(dump: Union[str, Path], out: Union[str, Path], windows: Sequence[int] = 
     md += [f"| {n} | " + " | ".join(f"{100 * row[c]:.1f}" for c in cols) + " |"
            for n, row in mass.items()]
     files["mass_md"] = out / "weight_mass.md"
-    files["mass_md"].write_text("\n".join(md) + "\n")
+    files["mass_md"].write_text("\n".join(md) + "\n", encoding="utf-8")
 
     # the heatmap shows correct rollouts of varied length first (their weights are the ones used)
     order = sorted(range(len(r)), key=lambda i: (r.records[i].get("reward", 0) <= 0, i))
     files["heatmap_html"] = out / "heatmap.html"
-    files["heatmap_html"].write_text(heatmap_html(r, order[:heatmap_rollouts], w_main))
+    files["heatmap_html"].write_text(heatmap_html(r, order[:heatmap_rollouts], w_main), encoding="utf-8")
     print(f"analysed {len(r)} rollouts in {time.perf_counter() - t0:.1f}s")
     for k, p in files.items():
         print(f"  {k:15s} {p}")

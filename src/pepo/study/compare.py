@@ -91,14 +91,14 @@ def run_dir(out: Path, task: str, mode: str, label: str, seed: int) -> Path:
 def saved_result(d: Path) -> Optional[dict]:
     """The result a finished run saved in ``d``, or None."""
     done = d / "result.json"
-    return json.loads(done.read_text()) if done.is_file() else None
+    return json.loads(done.read_text(encoding="utf-8")) if done.is_file() else None
 
 
 def _take(d: Path):
     """An exclusive lock on run directory ``d`` (an open file; the lock ends with it or with the
     process), or None when another live process holds it."""
     d.mkdir(parents=True, exist_ok=True)
-    f = open(d / ".lock", "a")
+    f = open(d / ".lock", "a", encoding="utf-8")
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -151,7 +151,7 @@ def _run(task: str, mode: str, label: str, strategy: dict, seed: int, out: Path,
         "checkpoint": str(d / "checkpoints" / f"step_{int(cfg.num_steps)}"),
     }
     tmp = d / "result.json.tmp"
-    tmp.write_text(json.dumps(result, indent=2))
+    tmp.write_text(json.dumps(result, indent=2), encoding="utf-8")
     os.replace(tmp, d / "result.json")  # a result is whole or absent
     print(f"{task:10s} {mode:13s} {label:22s} seed {seed}: {result['val_before']:.3f} -> "
           f"{result['val_after']:.3f}  ({result['wall_s']:.0f}s)", flush=True)
@@ -284,8 +284,8 @@ def run_intervention(task: str, results: list[dict], out: Path, docs: Path,
     if not saved.is_file():
         res = intervention.main(args)
         saved.write_text(json.dumps({m: {str(b): v for b, v in d.items()}
-                                     for m, d in res.items()}, indent=2))
-    table = (dest / "intervention.md").read_text()
+                                     for m, d in res.items()}, indent=2), encoding="utf-8")
+    table = (dest / "intervention.md").read_text(encoding="utf-8")
     return (f"### Token intervention ({task})\n\nBase: the warm-start checkpoint; replacement: "
             f"the final GRPO checkpoint of seed {grpo[0]['seed']}.\n"
             f"`python -m pepo.study.analysis intervene " + " ".join(
@@ -311,9 +311,9 @@ def run_diagnostics(task: str, results: list[dict], out: Path, docs: Path,
             f"seed {pepo[0]['seed']})\n\n"
             f"`python -m pepo.study.analysis RUN/rollouts/{dumps[0].name} --windows "
             + " ".join(map(str, windows)) + "`\n\n"
-            + files["profile_md"].read_text() + "\n" + files["difficulty_md"].read_text()
+            + files["profile_md"].read_text(encoding="utf-8") + "\n" + files["difficulty_md"].read_text(encoding="utf-8")
             + f"\n![positional bias](images/analysis_{task}/positional_bias.png)\n\n"
-            + files["mass_md"].read_text())
+            + files["mass_md"].read_text(encoding="utf-8"))
 
 
 def command_line(argv: Optional[list[str]]) -> str:
@@ -399,7 +399,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         return results  # the report comes from one --report-only call over all shards
     docs = Path(args.docs) if args.docs else out
     (docs / "images").mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2))
+    (out / "results.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
     extra = {}
     for task in args.tasks:
         parts = [run_diagnostics(task, results, out, docs, (5, 11, 21))]
@@ -411,8 +411,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     text = report(results, args.tasks, command_line(argv), extra)
     discussion = Path(args.discussion) if args.discussion else None
     if discussion is not None and discussion.is_file():  # the authors' reading of the numbers
-        text += "\n" + discussion.read_text()
-    (docs / "results.md").write_text(text)
+        text += "\n" + discussion.read_text(encoding="utf-8")
+    (docs / "results.md").write_text(text, encoding="utf-8")
     print(f"wrote {docs / 'results.md'}")
     return results
 

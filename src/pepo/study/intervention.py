@@ -273,7 +273,7 @@ def write_table(results: dict[str, dict[float, float]], out: Union[str, Path], *
     budgets = sorted({b for m in metrics for b in results[m]})
     files = {"csv": out / "intervention.csv", "md": out / "intervention.md",
              "png": out / "intervention.png"}
-    with open(files["csv"], "w", newline="") as f:
+    with open(files["csv"], "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
         w.writerow(["metric", "budget_percent", f"avg@{k}"])
         for m in metrics:
@@ -292,7 +292,7 @@ def write_table(results: dict[str, dict[float, float]], out: Union[str, Path], *
     if "replacement" in results:
         md += ["", f"Replacement model alone (every token replaced): "
                    f"{100 * results['replacement'][1.0]:.1f}%."]
-    files["md"].write_text("\n".join(md) + "\n")
+    files["md"].write_text("\n".join(md) + "\n", encoding="utf-8")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -405,7 +405,7 @@ def _main(args: argparse.Namespace) -> dict[str, dict[float, float]]:
         if callable(close):
             close()
     files = write_table(results, args.out, k=args.k)
-    print(files["md"].read_text())
+    print(files["md"].read_text(encoding="utf-8"))
     for name, p in files.items():
         print(f"  {name:4s} {p}")
     return results

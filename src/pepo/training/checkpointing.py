@@ -112,7 +112,7 @@ class AtomicCheckpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         marker_tmp = self.root / ".latest.tmp"
-        marker_tmp.write_text(final.name + "\n")
+        marker_tmp.write_text(final.name + "\n", encoding="utf-8")
         with open(marker_tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(marker_tmp, self.root / MARKER)

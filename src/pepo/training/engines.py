@@ -175,7 +175,7 @@ class VLLMEngine:
         else:
             self._hf_cfg = hf.hf_config_of(model)
             self._tmp = Path(tempfile.mkdtemp(prefix="pepo_vllm_"))
-            (self._tmp / "config.json").write_text(json.dumps(self._hf_cfg, indent=2))
+            (self._tmp / "config.json").write_text(json.dumps(self._hf_cfg, indent=2), encoding="utf-8")
             config_dir = self._tmp
         self._tied = bool(self._hf_cfg.get("tie_word_embeddings", False))
         self.sleep_level = sleep_level

@@ -167,7 +167,7 @@ def write_results(
     out.mkdir(parents=True, exist_ok=True)
     js = out / "eval_results.json"
     js.write_text(json.dumps({"model": model_name, "results": dict(results), **(meta or {})},
-                             indent=2) + "\n")
+                             indent=2) + "\n", encoding="utf-8")
     md = out / "eval_results.md"
-    md.write_text(format_table(results, model_name) + "\n")
+    md.write_text(format_table(results, model_name) + "\n", encoding="utf-8")
     return js, md

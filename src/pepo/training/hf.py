@@ -53,7 +53,7 @@ def load_hf_config(model_dir: Union[str, Path]) -> dict[str, Any]:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ValueError(f"model_dir={str(model_dir)!r} has no config.json")
-    cfg = json.loads(path.read_text())
+    cfg = json.loads(path.read_text(encoding="utf-8"))
     if cfg.get("model_type") not in SUPPORTED:
         raise ValueError(
             f"{path}: model_type={cfg.get('model_type')!r} is not supported; supported: "
@@ -161,7 +161,7 @@ def load_hf_state(model_dir: Union[str, Path]) -> dict[str, torch.Tensor]:
     d = Path(model_dir)
     index = d / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
     elif (d / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:

@@ -33,7 +33,7 @@ def locked(path: str | os.PathLike) -> Iterator[None]:
     """Holds an exclusive advisory lock on ``path + '.lock'`` (created) while in the block."""
     lock = Path(f"{path}.lock")
     lock.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock, "a") as f:
+    with open(lock, "a", encoding="utf-8") as f:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:
             yield
@@ -52,7 +52,7 @@ def write_prior(path: str | os.PathLike, fingerprint: Mapping[str, Any],
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.write_text(json.dumps({"version": VERSION, "fingerprint": dict(fingerprint),
-                               "pass_rates": [[k, float(v)] for k, v in rates.items()]}))
+                               "pass_rates": [[k, float(v)] for k, v in rates.items()]}), encoding="utf-8")
     os.replace(tmp, path)
     return path
 
@@ -69,7 +69,7 @@ def read_prior(path: str | os.PathLike, fingerprint: Mapping[str, Any],
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
         saved, pairs = data["fingerprint"], data["pass_rates"]
         if data.get("version") != VERSION:
             raise KeyError("version")

@@ -22,7 +22,7 @@ def write_rollouts(path: Union[str, Path], records: Sequence[Mapping[str, Any]])
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w") as f:
+    with open(tmp, "w", encoding="utf-8") as f:
         for r in records:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
     os.replace(tmp, path)

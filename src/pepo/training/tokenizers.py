@@ -82,7 +82,7 @@ def load_tokenizer(path: Union[str, Path]) -> TextTokenizer:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         if not (d / name).is_file():
             raise ValueError(f"tokenizer path {str(d)!r} has no {name}")
-    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
     return TextTokenizer(
         Tokenizer.from_file(str(d / "tokenizer.json")),
         pad_token=cfg["pad_token"],
@@ -131,7 +131,7 @@ class ChatTokenizer:
         stops = [self.eos_id]
         gen = Path(path) / "generation_config.json"
         if gen.is_file():
-            extra = json.loads(gen.read_text()).get("eos_token_id", [])
+            extra = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id", [])
             stops += extra if isinstance(extra, list) else [extra]
         stops += [self.token_id(t, "stop_tokens") for t in stop_tokens]
         self.stop_tokens = list(dict.fromkeys(int(t) for t in stops))
