@@ -49,7 +49,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from pepo import _extras
 
@@ -207,6 +207,7 @@ class PEPORecipe(FTRecipeInterface):
         self.prior_path = cfg.get("prior_cache")
         self.prior_fingerprint = prior_fingerprint(cfg)
         self._stop_requested = False
+        self._diagnostic_failures: set[str] = set()
         self.step = 0
         self.history: list[dict[str, Any]] = []
         self.nonfinite_total = 0
@@ -621,7 +622,21 @@ class PEPORecipe(FTRecipeInterface):
             })
         records = [r for part in self.dist.gather_objects(records) for r in part]  # rank order
         if self.dist.is_main:
-            write_rollouts(self.output_dir / "rollouts" / f"step_{self.step:06d}.jsonl", records)
+            path = self.output_dir / "rollouts" / f"step_{self.step:06d}.jsonl"
+            self._write_diagnostic("rollout dump", path, lambda: write_rollouts(path, records))
+
+    def _write_diagnostic(self, what: str, path: Path, write: Callable[[], Any]) -> Any:
+        """Runs ``write`` (a rollout dump, the curves). A diagnostic that cannot be written (a
+        full disk, a quota) is a warning, once per kind, and training goes on: only checkpoints
+        hold work that a failed write would lose. Returns ``write``'s result, None on failure."""
+        try:
+            return write()
+        except OSError as e:
+            if what not in self._diagnostic_failures:
+                self._diagnostic_failures.add(what)
+                log.warning(f"could not write the {what} {path}: {e.strerror or e}; training "
+                            f"goes on without it (later {what} failures are not reported)")
+            return None
 
     # ------------------------------------------------------------ validation
     def validate(self) -> float:
@@ -704,9 +719,11 @@ class PEPORecipe(FTRecipeInterface):
                 log.info(f"Hugging Face checkpoint of the final model: {path}")
             self.dist.barrier()
         if self.plot and self.dist.is_main:
-            path = plot_curves(self.history, self.output_dir / "training_curves.png",
-                               title=f"{self.config_name}: {self.strategy_name}, {self.estimator.name}")
-            log.info(f"Training curves: {path}")
+            curves = self.output_dir / "training_curves.png"
+            title = f"{self.config_name}: {self.strategy_name}, {self.estimator.name}"
+            if self._write_diagnostic("training curves", curves,
+                                      lambda: plot_curves(self.history, curves, title=title)):
+                log.info(f"Training curves: {curves}")
 
     def _full_state_dict(self, cpu_offload: bool = False) -> dict[str, torch.Tensor]:
         """The model's whole state dict (gathered across ranks under FSDP2; every rank takes

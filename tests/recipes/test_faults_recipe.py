@@ -386,3 +386,40 @@ def test_the_lock_dies_with_its_process(tmp_path):
             RunLock(tmp_path / "out", key="--out")
     assert not lock.held
     RunLock(tmp_path / "out").release()
+
+
+# ----------------------------------------------------------------- diagnostics are not work
+
+
+def test_a_diagnostic_that_cannot_be_written_warns_once_and_training_goes_on(tmp_path, monkeypatch,
+                                                                            caplog):
+    """Catches a full disk during a rollout dump or the curves killing the run and losing every
+    step since the last checkpoint."""
+    import errno
+    import logging
+
+    calls = []
+
+    def full(path, records):
+        calls.append(path)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pepo_recipe, "write_rollouts", full)
+    monkeypatch.setattr(pepo_recipe, "plot_curves", lambda *a, **k: full(a[1], None))
+    cfg = tiny_cfg(tmp_path, num_steps=3, dump_rollouts_every=1, save_every=3, plot=True)
+    with caplog.at_level(logging.WARNING):
+        recipe = run(cfg)
+    assert recipe.step == 3 and len(calls) == 4  # three dumps tried, then the curves
+    warnings = [r.getMessage() for r in caplog.records if "could not write" in r.getMessage()]
+    assert len(warnings) == 2, warnings  # once per kind
+    assert "rollout dump" in warnings[0] and "step_000001.jsonl" in warnings[0]
+    assert "No space left on device" in warnings[0] and "training curves" in warnings[1]
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_3"
+
+
+def test_a_failed_dump_leaves_no_temporary_file(tmp_path):
+    from pepo.training.reporting import write_rollouts
+
+    with pytest.raises(TypeError):
+        write_rollouts(tmp_path / "step_000001.jsonl", [{"ok": 1}, {"bad": object()}])
+    assert list(tmp_path.iterdir()) == []

@@ -18,14 +18,19 @@ __all__ = ["plot_curves", "write_rollouts"]
 
 
 def write_rollouts(path: Union[str, Path], records: Sequence[Mapping[str, Any]]) -> Path:
-    """Writes ``records`` as JSON lines to ``path`` atomically (temp file, then rename)."""
+    """Writes ``records`` as JSON lines to ``path`` atomically (temp file, then rename; the
+    temp file is removed when the write fails)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for r in records:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, a bad record: no half-written file left behind
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 
