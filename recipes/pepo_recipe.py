@@ -138,7 +138,13 @@ class _NoLogger:
 
 
 class TrainingStopped(RuntimeError):
-    """Raised when SIGTERM stopped the run at a step boundary, after its checkpoint."""
+    """Raised when SIGTERM or Ctrl-C (SIGINT) stopped the run: at a step boundary after its
+    checkpoint, or at once on a second signal of the same kind. ``exit_code`` is what a process
+    killed by that signal reports (143 for SIGTERM, 130 for SIGINT)."""
+
+    def __init__(self, message: str, exit_code: int = 143) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 class PEPORecipe(FTRecipeInterface):
@@ -207,6 +213,7 @@ class PEPORecipe(FTRecipeInterface):
         self.prior_path = cfg.get("prior_cache")
         self.prior_fingerprint = prior_fingerprint(cfg)
         self._stop_requested = False
+        self._stop_signals: set[int] = set()
         self._diagnostic_failures: set[str] = set()
         self.step = 0
         self.history: list[dict[str, Any]] = []
@@ -653,26 +660,42 @@ class PEPORecipe(FTRecipeInterface):
     # -------------------------------------------------------------- the loop
     def run(self) -> None:
         """:meth:`train`, then :meth:`cleanup` however it ends. SIGTERM (what ``timeout``,
-        Slurm preemption and ``docker stop`` send) stops the run after the current step and
-        its checkpoint; a second SIGTERM stops it at once."""
+        Slurm preemption and ``docker stop`` send) and Ctrl-C (SIGINT) stop the run after the
+        current step and its checkpoint; a second signal of the same kind stops it at once,
+        naming the last checkpoint."""
         import signal
         import threading
 
-        previous = None
+        previous = {}
         if threading.current_thread() is threading.main_thread():
-            previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                previous[sig] = signal.signal(sig, self._on_stop_signal)
         try:
             self.train()
         finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
-            self.cleanup()
+            try:
+                self.cleanup()  # still under the handlers: a second press during it is clean
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
 
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        if self._stop_requested:
-            raise TrainingStopped(f"a second SIGTERM stopped the run during step {self.step}")
+    def _on_stop_signal(self, signum: int, frame: Any) -> None:
+        import signal
+
+        name, code = ("Ctrl-C", 130) if signum == signal.SIGINT else ("SIGTERM", 143)
+        if signum in self._stop_signals:
+            marker = self.output_dir / "checkpoints" / "latest"
+            latest = marker.read_text(encoding="utf-8").strip() if marker.is_file() else None
+            where = (f"the last checkpoint is {marker.parent / latest} (resume with "
+                     f"resume_from_checkpoint=True)" if latest else "no checkpoint was written yet")
+            raise TrainingStopped(f"a second {name} stopped the run during step {self.step}; "
+                                  f"{where}", exit_code=code)
+        self._stop_signals.add(signum)
+        self._stop_code = code if not self._stop_requested else self._stop_code
+        self._stop_name = name if not self._stop_requested else self._stop_name
         self._stop_requested = True
-        log.warning(f"SIGTERM: stopping after step {self.step} and its checkpoint")
+        log.warning(f"{name}: stopping after step {self.step} and its checkpoint ({name} again "
+                    f"stops at once)")
 
     def train(self) -> None:
         if self.step == 0 and self.val_every:
@@ -704,9 +727,11 @@ class PEPORecipe(FTRecipeInterface):
                 self.save_checkpoint(self.step)
             if self._stop_requested:
                 bar.close()
+                name = getattr(self, "_stop_name", "SIGTERM")  # another rank's signal: SIGTERM
                 raise TrainingStopped(
-                    f"stopped by SIGTERM at step {self.step}; its checkpoint is in "
-                    f"{self.checkpointer.root} (resume with resume_from_checkpoint=True)"
+                    f"stopped by {name} at step {self.step}; its checkpoint is in "
+                    f"{self.checkpointer.root} (resume with resume_from_checkpoint=True)",
+                    exit_code=getattr(self, "_stop_code", 143),
                 )
         bar.close()
         summary = validation_summary(self.history, self.val_samples)
@@ -808,11 +833,14 @@ def _main(cfg: DictConfig) -> None:
         recipe = _built(cfg, log_config=True)
     except ValueError as e:
         sys.exit(f"config error: {e}")
+    except KeyboardInterrupt:  # Ctrl-C before training began: nothing to save
+        print("interrupted (Ctrl-C) while setting up; nothing was trained", file=sys.stderr)
+        sys.exit(130)
     try:
         recipe.run()
     except TrainingStopped as e:
         log.warning(str(e))
-        sys.exit(143)  # 128 + SIGTERM, as a process killed by it reports
+        sys.exit(e.exit_code)  # 128 + the signal, as a process killed by it reports
 
 
 if __name__ == "__main__":

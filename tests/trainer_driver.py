@@ -2,7 +2,7 @@
 ``python -m tests.trainer_driver CONFIG.yaml`` (under torchrun for several processes).
 
 Runs the recipe on a resolved config file as ``tune run`` would, resuming when the output
-directory already holds checkpoints, and exits with 143 when SIGTERM stopped it. At the end it
+directory already holds checkpoints, and exits with 143 when SIGTERM stopped it (130: Ctrl-C). At the end it
 writes this rank's estimator state to ``<output_dir>/estimator_rank<R>.pt`` so a test can
 compare ranks. Hooks, set by environment variables, for the tests that disturb it:
 
@@ -10,7 +10,8 @@ compare ranks. Hooks, set by environment variables, for the tests that disturb i
 * ``PEPO_TEST_KILL=phase:n``: the process SIGKILLs itself at the n-th time the checkpoint
   writer reaches ``phase``: ``write`` (after a file of a checkpoint is written and fsynced),
   ``rename`` (after the checkpoint directory or the ``latest`` marker is renamed into place);
-* ``PEPO_TEST_FAIL_RANK=r``: rank ``r`` raises at step 2.
+* ``PEPO_TEST_FAIL_RANK=r``: rank ``r`` raises at step 2;
+* ``PEPO_TEST_STEP_SLEEP=s``: each step sleeps ``s`` seconds first.
 """
 
 from __future__ import annotations
@@ -73,6 +74,11 @@ def _install_hooks() -> None:
                 f.write(f"{recipe.step}\n")
 
         _wrap_step(after=record)
+    pause = os.environ.get("PEPO_TEST_STEP_SLEEP")
+    if pause:  # a longer step, so that a signal test can land inside one
+        import time
+
+        _wrap_step(before=lambda recipe: time.sleep(float(pause)))
     fail_rank = os.environ.get("PEPO_TEST_FAIL_RANK")
     if fail_rank is not None and rank == fail_rank:
         def fail(recipe):
@@ -90,9 +96,9 @@ def main() -> None:
         os.path.join(cfg.output_dir, "checkpoints")).has_checkpoints()
     try:
         recipe = pepo_recipe.recipe_main(cfg, log_config=False)
-    except pepo_recipe.TrainingStopped as e:  # as `tune run pepo_recipe` ends on SIGTERM
+    except pepo_recipe.TrainingStopped as e:  # as `tune run pepo_recipe` ends on SIGTERM/SIGINT
         print(e, file=sys.stderr)
-        sys.exit(143)
+        sys.exit(e.exit_code)
     torch.save(recipe.estimator.state_dict(),
                os.path.join(cfg.output_dir, f"estimator_rank{recipe.dist.rank}.pt"))
 

@@ -423,3 +423,45 @@ def test_a_failed_dump_leaves_no_temporary_file(tmp_path):
     with pytest.raises(TypeError):
         write_rollouts(tmp_path / "step_000001.jsonl", [{"ok": 1}, {"bad": object()}])
     assert list(tmp_path.iterdir()) == []
+
+
+@needs_proc
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_stops_like_sigterm_in_one_line_and_loses_nothing(tmp_path, presses):
+    """Catches Ctrl-C ending in a KeyboardInterrupt traceback without a checkpoint of the step.
+    Once: the step finishes, is checkpointed, one line says so, exit 130. Twice: it stops at
+    once and names the last checkpoint. The signal goes to the process group, as a terminal
+    sends it, so the verifier workers get it too (and must survive the first)."""
+    cfg = _write_cfg(tmp_path, num_steps=500)
+    progress = tmp_path / "progress"
+    # steps of a second or more, so that the second press lands inside the step
+    proc = subprocess.Popen([sys.executable, "-m", "tests.trainer_driver", str(cfg)], cwd=ROOT,
+                            env=_env(tmp_path, PEPO_TEST_PROGRESS=str(progress),
+                                     PEPO_TEST_STEP_SLEEP="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _wait_for(progress, 2, proc)
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        time.sleep(0.3)  # inside step 3 (its first second is the sleep)
+        os.killpg(proc.pid, signal.SIGINT)
+        if presses == 2:
+            time.sleep(0.2)
+            os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
+    latest = (tmp_path / "run" / "checkpoints" / "latest").read_text().strip()
+    done = int(progress.read_text().split()[-1])
+    if presses == 1:
+        assert "stopped by Ctrl-C at step" in err
+        assert latest == f"step_{done}"  # the step it was in is finished and saved
+    else:
+        assert "a second Ctrl-C stopped the run during step" in err
+        assert f"the last checkpoint is {tmp_path / 'run' / 'checkpoints' / latest}" in err
+        assert latest == f"step_{done}"  # the last finished step; the interrupted one is not
+    assert len([line for line in err.splitlines() if "Ctrl-C" in line]) == 2, err[-2000:]
+    assert _worker_pids(tmp_path) and all(dead(pid, 10) for pid in _worker_pids(tmp_path))
