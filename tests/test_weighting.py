@@ -518,3 +518,71 @@ def test_check_finite_false_propagates_nan_never_a_finite_guess(name, bad):
         assert torch.isnan(out[mask]).all()
     else:  # row-local window statistics: the whole row, the other row untouched
         assert torch.isnan(out[0][mask[0]]).all() and torch.isfinite(out[1][mask[1]]).all()
+
+
+# ---------------------------------------------------------- building blocks for user strategies
+
+
+def test_normalize_to_length_against_the_formula(make_batch):
+    adv, ent, mask = make_batch([5, 3, 0, 7], 8, holes=True, seed=11, pad_value=0.0)
+    w = torch.where(mask, ent, 0.0)
+    w[1] = 0.0  # a row with no mass: uniform
+    got = pw.normalize_to_length(w, mask)
+    for i in range(w.shape[0]):
+        n = int(mask[i].sum())
+        total = float(w[i].double().sum())
+        for t in range(w.shape[1]):
+            if not mask[i, t]:
+                continue
+            want = float(w[i, t]) / total * n if total > 0 else 1.0
+            assert abs(float(got[i, t]) - want) <= 1e-6 * max(1.0, abs(want))
+        if n and total > 0:
+            assert float(got[i][mask[i]].double().sum()) == pytest.approx(n, rel=1e-6)
+    nan_row = w.clone()
+    nan_row[0, 0] = float("nan")
+    assert torch.isnan(pw.normalize_to_length(nan_row, mask)[0]).all()  # never silently uniform
+    with pytest.raises(ValueError, match="same"):
+        pw.normalize_to_length(w[:, :4], mask)
+    with pytest.raises(ValueError, match="bool"):
+        pw.normalize_to_length(w, mask.float())
+
+
+def test_weight_rows_weights_only_the_flagged_rows():
+    adv = torch.tensor([1.0, -2.0, 0.5])
+    c = torch.tensor([[2.0, 0.0], [0.5, 1.5], [1.0, 1.0]])
+    positive = torch.tensor([True, False, True])
+    got = pw.weight_rows(adv, c, positive)
+    assert torch.equal(got, torch.tensor([[2.0, 0.0], [-2.0, -2.0], [0.5, 0.5]]))
+    assert torch.equal(pw.weight_rows(adv, c), c * adv[:, None])
+    with pytest.raises(ValueError, match="bool"):
+        pw.weight_rows(adv, c, positive.float())
+    with pytest.raises(ValueError, match=r"\[B\]"):
+        pw.weight_rows(adv[:2], c)
+
+
+def test_a_user_strategy_from_the_building_blocks_matches_window_average(make_batch):
+    adv, ent, mask = make_batch([6, 4, 9], 10, seed=3, pad_value=0.0)
+
+    @pw.register_strategy("test_my_window_average")
+    def mine(window: int = 5):
+        def fn(advantages, entropies, mask, positive):
+            r = pw.linear_proximal_entropy(entropies, mask, window=window)
+            return pw.weight_rows(advantages, pw.normalize_to_length(r, mask), positive)
+        return fn
+
+    try:
+        positive = torch.tensor([True, False, True])
+        got = pw.get_strategy("test_my_window_average", window=5)(adv, ent, mask,
+                                                                  positive=positive)
+        want = pw.get_strategy("window_average", window=5)(adv, ent, mask, positive=positive)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    finally:
+        pw._REGISTRY.pop("test_my_window_average", None)
+
+
+def test_an_unknown_strategy_name_suggests_the_closest():
+    with pytest.raises(ValueError, match="did you mean 'proximal_softmax'"):
+        pw.get_strategy("proximal_sofmax")
+    with pytest.raises(ValueError, match="registered strategies") as e:
+        pw.get_strategy("zzz")
+    assert "did you mean" not in str(e.value)

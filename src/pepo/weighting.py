@@ -53,10 +53,12 @@ __all__ = [
     "global_topk",
     "linear_proximal_entropy",
     "list_strategies",
+    "normalize_to_length",
     "proximal_entropy",
     "proximal_softmax",
     "register_strategy",
     "uniform",
+    "weight_rows",
     "window_average",
 ]
 
@@ -287,7 +289,12 @@ def strategy_parameters(name: str) -> Optional[list[str]]:
         ValueError: unknown name (the message lists the registered names).
     """
     if name not in _REGISTRY:
-        raise ValueError(f"unknown strategy {name!r}; registered strategies: {list_strategies()}")
+        import difflib
+
+        close = difflib.get_close_matches(str(name), list_strategies(), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"unknown strategy {name!r}; {hint}registered strategies: "
+                         f"{list_strategies()}")
     params = inspect.signature(_REGISTRY[name]).parameters.values()
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return None
@@ -349,7 +356,7 @@ def proximal_softmax(
 
     def fn(advantages, entropies, mask, positive):
         e = _w.proximal(entropies, mask, window, temperature)  # [B, T]
-        return _apply(advantages, _normalise_to_length(e, mask), apply_to, positive)
+        return _apply(advantages, normalize_to_length(e, mask), apply_to, positive)
 
     return fn
 
@@ -373,7 +380,7 @@ def window_average(window: int = 101, apply_to: str = "positive") -> StrategyFn:
 
     def fn(advantages, entropies, mask, positive):
         r = _w.linear_proximal(entropies, mask, window)  # [B, T]
-        return _apply(advantages, _normalise_to_length(r, mask), apply_to, positive)
+        return _apply(advantages, normalize_to_length(r, mask), apply_to, positive)
 
     return fn
 
@@ -494,20 +501,65 @@ def _global_count(flags: torch.Tensor, process_group: Optional[Any]) -> int:
     return int(total)
 
 
-def _normalise_to_length(w: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``c_t = w_t / Σ_k w_k · T_i`` per row (so ``Σ_t c_t = T_i``); rows with no positive total
-    mass get ``c = 1``, rows whose total is NaN get NaN. ``w`` is 0 at masked positions."""
+def normalize_to_length(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Scales each row's weights so they sum to its length: ``c_t = w_t / Σ_k w_k · T_i``.
+
+    The step every length-preserving strategy shares (PEPO's Eq. 7, ``window_average``): the
+    row's total advantage stays GRPO's ``T_i A_i``. Rows with no positive total mass get
+    ``c = 1`` (uniform), rows whose total is NaN get NaN (never silently uniform).
+
+    Args:
+        weights: ``[B, T]`` non-negative weights, 0 at masked positions (use
+            ``torch.where(mask, w, 0)``).
+        mask: ``[B, T]`` bool, True on valid tokens.
+
+    Returns:
+        ``[B, T]`` float: ``c``, on valid tokens (masked positions get 0 where the row has mass).
+
+    Raises:
+        ValueError: shapes that differ, or a mask that is not bool.
+    """
+    if weights.shape != mask.shape or weights.dim() != 2:
+        raise ValueError(f"weights {list(weights.shape)} and mask {list(mask.shape)} must be the "
+                         f"same [B, T] shape")
+    if mask.dtype != torch.bool:
+        raise ValueError(f"mask must be bool, got {mask.dtype}")
     lengths = mask.sum(dim=1, keepdim=True).float()  # [B, 1]
-    total = w.sum(dim=1, keepdim=True)  # [B, 1]
+    total = weights.sum(dim=1, keepdim=True)  # [B, 1]
     ok = total > 0
     fallback = torch.where(torch.isnan(total), math.nan, 1.0)  # NaN stays NaN, never uniform
-    return torch.where(ok, w * (lengths / torch.where(ok, total, 1.0)), fallback)
+    return torch.where(ok, weights * (lengths / torch.where(ok, total, 1.0)), fallback)
+
+
+def weight_rows(advantages: torch.Tensor, c: torch.Tensor,
+                positive: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Token advantages ``c_{i,t} A_i`` on the weighted rows, ``A_i`` on the others.
+
+    The paper weights successful rollouts only (``apply_to="positive"``; Table 8): pass
+    ``positive`` (bool ``[B]``) to weight those rows and leave the rest uniform, or None to
+    weight every row.
+
+    Args:
+        advantages: ``[B]`` sequence advantages.
+        c: ``[B, T]`` per-token weights (e.g. from :func:`normalize_to_length`).
+        positive: ``[B]`` bool, or None.
+
+    Raises:
+        ValueError: shapes that do not fit together, or ``positive`` that is not bool.
+    """
+    if advantages.dim() != 1 or c.dim() != 2 or c.shape[0] != advantages.shape[0]:
+        raise ValueError(f"advantages must be [B] and c [B, T], got {list(advantages.shape)} and "
+                         f"{list(c.shape)}")
+    a = advantages[:, None]  # [B, 1]
+    weighted = c * a
+    if positive is None:
+        return weighted
+    if positive.shape != advantages.shape or positive.dtype != torch.bool:
+        raise ValueError(f"positive must be a bool [B]={list(advantages.shape)} tensor, got "
+                         f"{positive.dtype} {list(positive.shape)}")
+    return torch.where(positive[:, None], weighted, a)
 
 
 def _apply(advantages: torch.Tensor, c: torch.Tensor, apply_to: str, positive: torch.Tensor) -> torch.Tensor:
     """``c A`` on the weighted rows (all, or those flagged ``positive``), ``A`` on the rest."""
-    a = advantages[:, None]  # [B, 1]
-    weighted = c * a
-    if apply_to == "positive":
-        return torch.where(positive[:, None], weighted, a)
-    return weighted
+    return weight_rows(advantages, c, positive if apply_to == "positive" else None)
