@@ -187,3 +187,30 @@ def test_bad_arguments(tmp_path):
             ck.AtomicCheckpointer(tmp_path, keep=keep)
     with pytest.raises(ValueError, match="step must be an int >= 0, got -1"):
         ck.AtomicCheckpointer(tmp_path).save(-1, torch.nn.Linear(3, 2), {})
+
+
+def test_checkpoints_are_as_readable_as_the_umask_allows(tmp_path):
+    """Catches checkpoint directories and files left 0700/0600 (mkdtemp, safetensors), which a
+    team on a shared file system cannot read or resume from."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        checkpointer = ck.AtomicCheckpointer(tmp_path / "ckpt")
+        path = checkpointer.save(1, {"w": torch.zeros(2)}, {"step": 1})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o755
+    for f in path.iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == 0o644, f.name
+
+
+def test_a_missing_checkpoint_dir_says_it_does_not_exist(tmp_path):
+    from pepo.training.config import check_checkpoint_dir
+
+    with pytest.raises(ValueError, match="does not exist"):
+        check_checkpoint_dir(str(tmp_path / "nope"))
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        check_checkpoint_dir(str(tmp_path / "f"))

@@ -42,6 +42,12 @@ class CheckpointWarning(UserWarning):
     """A checkpoint or the ``latest`` marker was found damaged or invalid and was skipped."""
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -99,10 +105,15 @@ class AtomicCheckpointer:
         final = self.root / f"step_{step}"
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp_step_{step}_", dir=self.root))
         try:
+            # mkdtemp makes it 0700; a checkpoint is as readable as anything else the run writes
+            # (the umask decides), so a team on a shared file system can read and resume it
+            os.chmod(tmp, 0o777 & ~_umask())
             sd = model.state_dict() if isinstance(model, torch.nn.Module) else model
             weights = {k: v.detach().contiguous().cpu() for k, v in sd.items()}
             _write_file(tmp / MODEL_FILE, lambda p: save_file(weights, str(p)))
             _write_file(tmp / STATE_FILE, lambda p: torch.save(state, p))
+            for f in (tmp / MODEL_FILE, tmp / STATE_FILE):  # safetensors writes 0600
+                os.chmod(f, 0o666 & ~_umask())
             _fsync_dir(tmp)
             if final.exists():  # a re-run of this step after a resume
                 shutil.rmtree(final)

@@ -132,7 +132,13 @@ def estimator_kwargs(cfg: DictConfig) -> tuple[str, dict[str, Any]]:
 
 def check_checkpoint_dir(ckpt: Any, key: str = "checkpoint_dir") -> None:
     """Raises ``ValueError`` unless ``ckpt`` holds ``model.safetensors`` or a sharded index."""
-    if ckpt is None or not any(
+    if ckpt is None:
+        raise ValueError(f"config key {key!r} is required")
+    if not Path(str(ckpt)).exists():
+        raise ValueError(f"{key}={str(ckpt)!r} does not exist")
+    if not Path(str(ckpt)).is_dir():
+        raise ValueError(f"{key}={str(ckpt)!r} is a file, not a checkpoint directory")
+    if not any(
         (Path(str(ckpt)) / f).is_file()
         for f in ("model.safetensors", "model.safetensors.index.json")
     ):

@@ -16,6 +16,7 @@ interleaved RoPE needs torchtune's q/k permutation (``torchtune.models.convert_w
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -283,6 +284,9 @@ def save_hf(
     if cfg.get("tie_word_embeddings"):
         hf.pop("lm_head.weight", None)
     save_file(hf, str(out / "model.safetensors"), metadata={"format": "pt"})
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(out / "model.safetensors", 0o666 & ~mask)  # safetensors writes 0600
     for name in ("config.json", "generation_config.json", "tokenizer.json",
                  "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                  "chat_template.jinja"):

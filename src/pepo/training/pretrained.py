@@ -155,6 +155,9 @@ def convert_gguf(gguf: Union[str, Path], out_dir: Union[str, Path],
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(out / "model.safetensors", 0o666 & ~mask)  # safetensors writes 0600
     config.save_pretrained(str(out))
     model.generation_config.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
