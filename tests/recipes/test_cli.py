@@ -37,3 +37,25 @@ def test_tune_run_bad_config_is_one_clear_line(tmp_path, args, message):
     r = tune(tmp_path, *args)
     assert r.returncode != 0
     assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_list_and_copy_a_config_then_run_the_copy(tmp_path):
+    """`python -m pepo.configs ls / cp`: the torchtune habit for pepo's configs; the copy runs,
+    and cp never overwrites."""
+    ls = subprocess.run([sys.executable, "-m", "pepo.configs", "ls"], cwd=tmp_path,
+                        capture_output=True, text=True, timeout=120)
+    assert ls.returncode == 0, ls.stderr
+    names = {line.split()[0] for line in ls.stdout.split("configs:")[1].splitlines() if line.strip()}
+    from pepo.training.config import list_configs
+    assert names == set(list_configs()) and "pepo_recipe" in ls.stdout.split("configs:")[0]
+    cp = [sys.executable, "-m", "pepo.configs", "cp", "tiny", "mine.yaml"]
+    first = subprocess.run(cp, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0 and "tune run pepo_recipe --config mine.yaml" in first.stdout
+    (tmp_path / "mine.yaml").write_text((tmp_path / "mine.yaml").read_text().replace(
+        "num_steps: 60", "num_steps: 1"))
+    again = subprocess.run(cp, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and "never overwrites" in again.stderr
+    assert "num_steps: 1\n" in (tmp_path / "mine.yaml").read_text()  # the edit survived
+    r = tune(tmp_path, "--config", "mine.yaml", "output_dir=out", "validation.every=0")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "out" / "checkpoints" / "latest").read_text().strip() == "step_1"
