@@ -137,6 +137,24 @@ class _NoLogger:
         pass
 
 
+class CheckpointFailed(RuntimeError):
+    """A checkpoint could not be written (a full disk); the message names the last intact one."""
+
+
+def _out_of_space(error: BaseException, where: Path) -> bool:
+    """Whether a failed write was the disk filling up: ENOSPC/EDQUOT, or (torch.save's C++
+    stream errors say nothing about why) less than 1 MiB left where it was writing."""
+    import errno
+    import shutil
+
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    try:
+        return shutil.disk_usage(where).free < 2**20
+    except OSError:
+        return False
+
+
 class TrainingStopped(RuntimeError):
     """Raised when SIGTERM or Ctrl-C (SIGINT) stopped the run: at a step boundary after its
     checkpoint, or at once on a second signal of the same kind. ``exit_code`` is what a process
@@ -780,7 +798,20 @@ class PEPORecipe(FTRecipeInterface):
         state["estimator"] = self.estimator.state_dict()
         state["experiment"] = self.experiment
         if self.dist.is_main:
-            self.checkpointer.save(step, weights, state)
+            try:
+                self.checkpointer.save(step, weights, state)
+            except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a C++ error
+                if not _out_of_space(e, self.checkpointer.root):
+                    raise
+                marker = self.checkpointer.root / "latest"
+                latest = marker.read_text(encoding="utf-8").strip() if marker.is_file() else None
+                raise CheckpointFailed(
+                    f"could not write the checkpoint of step {step} in {self.checkpointer.root}: "
+                    f"no space left on device; "
+                    + (f"the last intact checkpoint is {self.checkpointer.root / latest}: free "
+                       f"some space and resume with resume_from_checkpoint=True" if latest else
+                       "no checkpoint was written before it: free some space and start again")
+                ) from None
         self.dist.barrier()
 
     def cleanup(self) -> None:
@@ -841,6 +872,8 @@ def _main(cfg: DictConfig) -> None:
     except TrainingStopped as e:
         log.warning(str(e))
         sys.exit(e.exit_code)  # 128 + the signal, as a process killed by it reports
+    except CheckpointFailed as e:
+        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

@@ -465,3 +465,47 @@ def test_ctrl_c_stops_like_sigterm_in_one_line_and_loses_nothing(tmp_path, press
         assert latest == f"step_{done}"  # the last finished step; the interrupted one is not
     assert len([line for line in err.splitlines() if "Ctrl-C" in line]) == 2, err[-2000:]
     assert _worker_pids(tmp_path) and all(dead(pid, 10) for pid in _worker_pids(tmp_path))
+
+
+@pytest.mark.parametrize("how", ["enospc", "cpp_stream_error"])
+def test_a_full_disk_at_a_checkpoint_is_one_line_naming_the_last_intact_one(tmp_path, monkeypatch,
+                                                                           capsys, how):
+    """Catches ~50 lines of C++ stream errors that never say 'no space' when the disk fills
+    during a checkpoint write; the state stays safe (temporaries removed, `latest` intact)."""
+    import errno
+    import shutil as sh
+
+    import pepo.training.checkpointing as ckpt_mod
+
+    real_write = ckpt_mod._write_file
+    calls = [0]
+
+    def filling(path, write):
+        calls[0] += 1
+        if calls[0] > 4:  # the first two checkpoints (two files each) fit
+            if how == "enospc":
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            monkeypatch.setattr(sh, "disk_usage", lambda p: sh._ntuple_diskusage(10**9, 10**9, 0))
+            raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")
+        return real_write(path, write)
+
+    monkeypatch.setattr(ckpt_mod, "_write_file", filling)
+    cfg = tiny_cfg(tmp_path, num_steps=5, save_every=1)
+    msg = cli(monkeypatch, capsys, cfg)
+    root = tmp_path / "run" / "checkpoints"
+    assert msg.startswith(f"error: could not write the checkpoint of step 3 in {root}: no space "
+                          f"left on device; the last intact checkpoint is {root / 'step_2'}"), msg
+    assert "resume_from_checkpoint=True" in msg and "\n" not in msg
+    assert (root / "latest").read_text().strip() == "step_2"
+    assert not list(root.glob(".tmp_step_*"))
+
+
+def test_a_checkpoint_error_that_is_not_space_keeps_its_traceback(tmp_path, monkeypatch):
+    import pepo.training.checkpointing as ckpt_mod
+
+    def broken(path, write):
+        raise RuntimeError("a bug, not a full disk")
+
+    monkeypatch.setattr(ckpt_mod, "_write_file", broken)
+    with pytest.raises(RuntimeError, match="a bug, not a full disk"):
+        run(tiny_cfg(tmp_path, num_steps=1, save_every=1))
