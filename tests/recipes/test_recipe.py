@@ -180,7 +180,7 @@ def test_nonfinite_steps_are_skipped_then_stop(tmp_path, monkeypatch):
         ({"ppo_mini_batches": 3}, "ppo_mini_batches=3 does not divide"),
         ({"estimator": {"group_size": 1}}, "estimator.group_size must be an int >= 2"),
         ({"estimator": {"name": "ppo"}}, "estimator.name must be one of"),
-        ({"checkpoint_dir": "/nonexistent/ckpt"}, "checkpoint_dir='/nonexistent/ckpt' has no model"),
+        ({"checkpoint_dir": "/nonexistent/ckpt"}, "checkpoint_dir='/nonexistent/ckpt' does not exist"),
         ({"generation": {"top_p": 0.0}}, "generation.top_p must be a number in"),
         ({"seed": None}, "seed must be an int"),
         ({"estimator": {"group_sise": 4}}, "unknown estimator key\\(s\\) \\['group_sise'\\]"),
