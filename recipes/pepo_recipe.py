@@ -155,6 +155,14 @@ def _out_of_space(error: BaseException, where: Path) -> bool:
         return False
 
 
+def _stop_signal(signum: Optional[int]) -> tuple[str, int]:
+    """How a stop signal is named to the user, and the exit code a process killed by it reports
+    (SIGTERM's for None: a stop another rank asked for)."""
+    import signal
+
+    return ("Ctrl-C", 130) if signum == signal.SIGINT else ("SIGTERM", 143)
+
+
 class TrainingStopped(RuntimeError):
     """Raised when SIGTERM or Ctrl-C (SIGINT) stopped the run: at a step boundary after its
     checkpoint, or at once on a second signal of the same kind. ``exit_code`` is what a process
@@ -231,7 +239,7 @@ class PEPORecipe(FTRecipeInterface):
         self.prior_path = cfg.get("prior_cache")
         self.prior_fingerprint = prior_fingerprint(cfg)
         self._stop_requested = False
-        self._stop_signals: set[int] = set()
+        self._stop_signals: list[int] = []  # in the order received
         self._diagnostic_failures: set[str] = set()
         self.step = 0
         self.history: list[dict[str, Any]] = []
@@ -698,19 +706,14 @@ class PEPORecipe(FTRecipeInterface):
                     signal.signal(sig, handler)
 
     def _on_stop_signal(self, signum: int, frame: Any) -> None:
-        import signal
-
-        name, code = ("Ctrl-C", 130) if signum == signal.SIGINT else ("SIGTERM", 143)
+        name, code = _stop_signal(signum)
         if signum in self._stop_signals:
-            marker = self.output_dir / "checkpoints" / "latest"
-            latest = marker.read_text(encoding="utf-8").strip() if marker.is_file() else None
-            where = (f"the last checkpoint is {marker.parent / latest} (resume with "
-                     f"resume_from_checkpoint=True)" if latest else "no checkpoint was written yet")
+            latest = self.checkpointer.marked()
+            where = (f"the last checkpoint is {latest} (resume with resume_from_checkpoint=True)"
+                     if latest else "no checkpoint was written yet")
             raise TrainingStopped(f"a second {name} stopped the run during step {self.step}; "
                                   f"{where}", exit_code=code)
-        self._stop_signals.add(signum)
-        self._stop_code = code if not self._stop_requested else self._stop_code
-        self._stop_name = name if not self._stop_requested else self._stop_name
+        self._stop_signals.append(signum)
         self._stop_requested = True
         log.warning(f"{name}: stopping after step {self.step} and its checkpoint ({name} again "
                     f"stops at once)")
@@ -745,11 +748,12 @@ class PEPORecipe(FTRecipeInterface):
                 self.save_checkpoint(self.step)
             if self._stop_requested:
                 bar.close()
-                name = getattr(self, "_stop_name", "SIGTERM")  # another rank's signal: SIGTERM
+                # the first signal this process got (on a rank that got none: another rank's)
+                name, code = _stop_signal(self._stop_signals[0] if self._stop_signals else None)
                 raise TrainingStopped(
                     f"stopped by {name} at step {self.step}; its checkpoint is in "
                     f"{self.checkpointer.root} (resume with resume_from_checkpoint=True)",
-                    exit_code=getattr(self, "_stop_code", 143),
+                    exit_code=code,
                 )
         bar.close()
         summary = validation_summary(self.history, self.val_samples)
@@ -803,13 +807,12 @@ class PEPORecipe(FTRecipeInterface):
             except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a C++ error
                 if not _out_of_space(e, self.checkpointer.root):
                     raise
-                marker = self.checkpointer.root / "latest"
-                latest = marker.read_text(encoding="utf-8").strip() if marker.is_file() else None
+                latest = self.checkpointer.marked()
                 raise CheckpointFailed(
                     f"could not write the checkpoint of step {step} in {self.checkpointer.root}: "
                     f"no space left on device; "
-                    + (f"the last intact checkpoint is {self.checkpointer.root / latest}: free "
-                       f"some space and resume with resume_from_checkpoint=True" if latest else
+                    + (f"the last intact checkpoint is {latest}: free some space and resume with "
+                       f"resume_from_checkpoint=True" if latest else
                        "no checkpoint was written before it: free some space and start again")
                 ) from None
         self.dist.barrier()

@@ -519,11 +519,9 @@ def normalize_to_length(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tens
     Raises:
         ValueError: shapes that differ, or a mask that is not bool.
     """
-    if weights.shape != mask.shape or weights.dim() != 2:
-        raise ValueError(f"weights {list(weights.shape)} and mask {list(mask.shape)} must be the "
-                         f"same [B, T] shape")
-    if mask.dtype != torch.bool:
-        raise ValueError(f"mask must be bool, got {mask.dtype}")
+    if weights.dim() != 2:
+        raise ValueError(f"weights must be [B, T], got {list(weights.shape)}")
+    _checks.check_bool_mask("mask", mask, weights.shape)
     lengths = mask.sum(dim=1, keepdim=True).float()  # [B, 1]
     total = weights.sum(dim=1, keepdim=True)  # [B, 1]
     ok = total > 0
@@ -554,9 +552,7 @@ def weight_rows(advantages: torch.Tensor, c: torch.Tensor,
     weighted = c * a
     if positive is None:
         return weighted
-    if positive.shape != advantages.shape or positive.dtype != torch.bool:
-        raise ValueError(f"positive must be a bool [B]={list(advantages.shape)} tensor, got "
-                         f"{positive.dtype} {list(positive.shape)}")
+    positive = _checks.check_row_flags("positive", positive, advantages)
     return torch.where(positive[:, None], weighted, a)
 
 

@@ -118,4 +118,5 @@ def test_one_step_of_the_real_smollm2(tmp_path):
     before, after = load_file(str(Path(source) / "model.safetensors")), load_file(str(out / "model.safetensors"))
     assert set(before) == set(after)
     moved = [k for k in before if not torch.equal(before[k], after[k])]
-    assert (not any(r["reward"] != rows[0]["reward"] for r in rows)) or moved
+    if len({r["reward"] for r in rows}) > 1:  # a group with a non-zero advantage: an update
+        assert moved

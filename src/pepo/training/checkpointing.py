@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-__all__ = ["AtomicCheckpointer", "CheckpointWarning"]
+__all__ = ["AtomicCheckpointer", "CheckpointWarning", "follow_umask"]
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "training_state.pt"
@@ -42,10 +42,13 @@ class CheckpointWarning(UserWarning):
     """A checkpoint or the ``latest`` marker was found damaged or invalid and was skipped."""
 
 
-def _umask() -> int:
+def follow_umask(path: Union[str, Path]) -> None:
+    """Gives ``path`` the permissions a plain ``open``/``mkdir`` would (``0o666``/``0o777``
+    less the umask). ``mkdtemp`` makes directories 0700 and safetensors writes files 0600, which
+    a team on a shared file system cannot read or resume from."""
     mask = os.umask(0)
     os.umask(mask)
-    return mask
+    os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~mask)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -105,15 +108,13 @@ class AtomicCheckpointer:
         final = self.root / f"step_{step}"
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp_step_{step}_", dir=self.root))
         try:
-            # mkdtemp makes it 0700; a checkpoint is as readable as anything else the run writes
-            # (the umask decides), so a team on a shared file system can read and resume it
-            os.chmod(tmp, 0o777 & ~_umask())
+            follow_umask(tmp)  # as readable as anything else the run writes
             sd = model.state_dict() if isinstance(model, torch.nn.Module) else model
             weights = {k: v.detach().contiguous().cpu() for k, v in sd.items()}
             _write_file(tmp / MODEL_FILE, lambda p: save_file(weights, str(p)))
             _write_file(tmp / STATE_FILE, lambda p: torch.save(state, p))
-            for f in (tmp / MODEL_FILE, tmp / STATE_FILE):  # safetensors writes 0600
-                os.chmod(f, 0o666 & ~_umask())
+            for f in (tmp / MODEL_FILE, tmp / STATE_FILE):
+                follow_umask(f)
             _fsync_dir(tmp)
             if final.exists():  # a re-run of this step after a resume
                 shutil.rmtree(final)
@@ -148,8 +149,9 @@ class AtomicCheckpointer:
                  if _step(p) is not None and p.is_dir() and not p.is_symlink()]
         return sorted(found, key=_step, reverse=True)
 
-    def _marked(self) -> Optional[Path]:
-        """The directory the marker names, or None (with a warning if the marker is invalid)."""
+    def marked(self) -> Optional[Path]:
+        """The checkpoint directory the ``latest`` marker names: the last one written intact.
+        None when there is no marker, or (with a warning) when it is invalid."""
         marker = self.root / MARKER
         if not marker.exists() and not marker.is_symlink():
             return None
@@ -180,7 +182,7 @@ class AtomicCheckpointer:
         from a save that did not finish.
         """
         steps = self._step_dirs()
-        marked = self._marked()
+        marked = self.marked()
         if marked is None:
             return steps
         return [marked] + [p for p in steps if _step(p) < _step(marked)]

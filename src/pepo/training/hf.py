@@ -16,7 +16,6 @@ interleaved RoPE needs torchtune's q/k permutation (``torchtune.models.convert_w
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -30,13 +29,13 @@ from pepo import _checks
 
 __all__ = [
     "architecture_from_hf",
-    "read_safetensors",
     "from_hf",
     "hf_config_of",
     "hf_to_tune_state",
     "is_hf_state",
     "load_hf_config",
     "load_hf_state",
+    "read_safetensors",
     "read_tune_state",
     "save_hf",
     "tune_to_hf_state",
@@ -275,6 +274,8 @@ def save_hf(
     """
     import shutil
 
+    from pepo.training.checkpointing import follow_umask
+
     cfg = load_hf_config(source_dir)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -284,9 +285,7 @@ def save_hf(
     if cfg.get("tie_word_embeddings"):
         hf.pop("lm_head.weight", None)
     save_file(hf, str(out / "model.safetensors"), metadata={"format": "pt"})
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(out / "model.safetensors", 0o666 & ~mask)  # safetensors writes 0600
+    follow_umask(out / "model.safetensors")
     for name in ("config.json", "generation_config.json", "tokenizer.json",
                  "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                  "chat_template.jinja"):

@@ -20,8 +20,6 @@ In a config, ``${pepo_pretrained:smollm2}`` resolves to that directory.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import importlib.util
 import json
@@ -31,7 +29,9 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Union
+from typing import Optional, Union
+
+from pepo.training.run_lock import locked
 
 __all__ = ["GGUF_MODELS", "GgufModel", "cache_root", "convert_gguf", "gguf_file",
            "is_intact", "pretrained_dir"]
@@ -140,6 +140,8 @@ def convert_gguf(gguf: Union[str, Path], out_dir: Union[str, Path],
     import transformers
     from safetensors.torch import save_file
 
+    from pepo.training.checkpointing import follow_umask
+
     gguf = Path(gguf)
     out = Path(out_dir)
     out.mkdir(parents=True)
@@ -155,9 +157,7 @@ def convert_gguf(gguf: Union[str, Path], out_dir: Union[str, Path],
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(out / "model.safetensors", 0o666 & ~mask)  # safetensors writes 0600
+    follow_umask(out / "model.safetensors")
     config.save_pretrained(str(out))
     model.generation_config.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
@@ -167,17 +167,6 @@ def convert_gguf(gguf: Union[str, Path], out_dir: Union[str, Path],
                 "transformers": transformers.__version__, "files": files}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
     return out
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 _verified: dict[tuple[str, str], str] = {}  # (name, cache entry) -> checked once per process
@@ -198,7 +187,7 @@ def pretrained_dir(name: str) -> str:
     if key in _verified:
         return _verified[key]
     digest = _sha256(source)
-    with _locked(entry.parent / f"{entry.name}.lock"):
+    with locked(entry):  # entry + ".lock"
         if not is_intact(entry, digest):
             _rebuild(m, source, digest, entry)
     _verified[key] = str(entry)

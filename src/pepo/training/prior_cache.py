@@ -8,37 +8,23 @@ settings (:func:`pepo.training.config.prior_fingerprint`), and otherwise compute
 ``PATH`` atomically. Its rollouts are drawn from a generator of their own, so a run is the
 same, token for token, whether its prior was computed or read.
 
-Concurrent runs may share one ``PATH``: :func:`locked` makes the second wait for the first's
+Concurrent runs may share one ``PATH``: :func:`locked` (:mod:`pepo.training.run_lock`) makes the second wait for the first's
 file instead of computing the prior again (an advisory ``fcntl`` lock on ``PATH.lock``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
 from pathlib import Path
-from typing import Any, Hashable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Hashable, Mapping, Optional, Sequence
 
 from pepo.training.config import experiment_changes
+from pepo.training.run_lock import locked
 
 __all__ = ["locked", "read_prior", "write_prior"]
 
 VERSION = 1
-
-
-@contextlib.contextmanager
-def locked(path: str | os.PathLike) -> Iterator[None]:
-    """Holds an exclusive advisory lock on ``path + '.lock'`` (created) while in the block."""
-    lock = Path(f"{path}.lock")
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock, "a", encoding="utf-8") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def write_prior(path: str | os.PathLike, fingerprint: Mapping[str, Any],

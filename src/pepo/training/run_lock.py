@@ -1,4 +1,7 @@
-"""One run per output directory: an exclusive lock held for the run's whole life.
+"""File locks: one run per output directory (:class:`RunLock`), and :func:`locked`, the
+blocking lock that shared caches (the SPO prior, converted pretrained models) are written under.
+
+One run per output directory: an exclusive lock held for the run's whole life.
 
 Two runs started on one ``output_dir`` (a job submitted twice, a scheduler retry, two terminals)
 would both pass the "already holds checkpoints" check before either saves, then interleave their
@@ -11,6 +14,7 @@ run never blocks the next one, and what the lock file still says about a dead ho
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import fcntl
@@ -19,11 +23,25 @@ import os
 import socket
 import sys
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
-__all__ = ["LOCK_FILE", "RunLock"]
+__all__ = ["LOCK_FILE", "RunLock", "locked"]
 
 LOCK_FILE = ".pepo.lock"
+
+
+@contextlib.contextmanager
+def locked(path: Union[str, os.PathLike]) -> Iterator[None]:
+    """Holds an exclusive advisory lock on ``path + '.lock'`` (created) while in the block,
+    waiting for another holder to finish first."""
+    lock = Path(f"{path}.lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a", encoding="utf-8") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 class RunLock:
