@@ -25,7 +25,8 @@ _extras.require("pepo_eval")  # before torchtune: a missing extra gets the line 
 from omegaconf import DictConfig, OmegaConf
 from torchtune import config, training, utils
 
-from pepo.training.evaluation import avg_at_k, eval_generator, format_table, write_results
+from pepo.training.evaluation import (RewardError, avg_at_k, eval_generator, format_table,
+                                      write_results)
 from pepo.training.engines import build_engine
 from pepo.training.config import (
     check_checkpoint_dir,
@@ -183,7 +184,10 @@ def _main(cfg: DictConfig) -> None:
         setup = _setup(cfg)
     except ValueError as e:
         sys.exit(f"config error: {e}")
-    _evaluate(cfg, setup)
+    try:
+        _evaluate(cfg, setup)
+    except RewardError as e:  # the user's reward code: one line
+        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

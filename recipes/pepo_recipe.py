@@ -76,7 +76,8 @@ from pepo.training.checkpointing import MODEL_FILE, AtomicCheckpointer
 from pepo.training.distributed import Dist, minibatch_indices, shard_model, tile_rows
 from pepo.training.engines import build_engine
 from pepo.entropy import logprobs_and_entropy, logprobs_and_entropy_from_hidden
-from pepo.training.evaluation import avg_at_k, eval_generator, is_success, sample_and_score
+from pepo.training.evaluation import (RewardError, avg_at_k, eval_generator, is_success,
+                                      sample_and_score)
 from pepo.training.generation import Rollouts, draw_seeds, sequence_inputs
 from pepo.training.hf import save_hf
 from pepo.loss import clipped_policy_loss, policy_loss_metrics, truncated_is_weights
@@ -875,7 +876,7 @@ def _main(cfg: DictConfig) -> None:
     except TrainingStopped as e:
         log.warning(str(e))
         sys.exit(e.exit_code)  # 128 + the signal, as a process killed by it reports
-    except CheckpointFailed as e:
+    except (CheckpointFailed, RewardError) as e:  # the last checkpoint is intact
         sys.exit(f"error: {e}")
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from omegaconf import OmegaConf
@@ -27,6 +27,15 @@ class ConstantReward:
     def __call__(self, responses: Sequence[str], answers: Sequence[str]) -> list[float]:
         return [1.0] * len(responses)
 
+
+class BadReward:
+    """Returns ``value`` for the last response (a user's bug: None, a string, 1e300, NaN)."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __call__(self, responses: Sequence[str], answers: Sequence[str]) -> list:
+        return [0.5] * (len(responses) - 1) + [self.value]
 
 
 def random_checkpoint(path: Path, seed: int = 0, **model_overrides) -> Path:

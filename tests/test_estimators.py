@@ -34,6 +34,43 @@ def test_group_advantages_match_reference(g, unbiased, normalize_std):
     torch.testing.assert_close(got.double(), ref_group(r, g, unbiased=unbiased, normalize_std=normalize_std), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("normalize_std", [True, False])
+def test_group_advantages_keep_fp64_precision(normalize_std):
+    """float64 rewards were computed in float32: [1, 1 + 1e-7] gave [0, 0.107], not ±a."""
+    r = torch.tensor([1.0, 1.0 + 1e-7, 5.0, 5.0 + 3e-9], dtype=torch.float64)
+    got = est.group_advantages(r, 2, normalize_std=normalize_std)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, ref_group(r, 2, normalize_std=normalize_std), rtol=1e-9, atol=0)
+    assert got[0] < 0 and torch.isclose(got[0], -got[1], rtol=1e-6, atol=0)  # fp32 gave 0, 0.107
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_group_advantages_near_the_dtype_limit_are_not_a_silent_zero(dtype):
+    """Rewards near 3e38 overflowed the fp32 std to inf: every advantage came out 0."""
+    big = torch.finfo(dtype).max / 1.2
+    r = torch.tensor([big, -big, big, 1.0, 0.0, 1.0], dtype=dtype)
+    got = est.group_advantages(r, 3)
+    want = ref_group([1.0, -1.0, 1.0, 1.0, 0.0, 1.0], 3, eps=0.0)  # scale-free up to eps/|r|
+    torch.testing.assert_close(got[:3].double(), want[:3], rtol=1e-6, atol=0)
+    torch.testing.assert_close(got[3:].double(), ref_group(r[3:], 3), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"the advantages r - mean overflow torch.float(32|64) \(rewards "
+                                         r"from -.* to .*\); scale the rewards down"):
+        est.group_advantages(r, 3, normalize_std=False)  # r - mean itself is beyond the dtype
+
+
+def test_the_power_of_two_scaling_changes_no_bit():
+    """The scaling that prevents overflow is by powers of two: the same numbers as unscaled."""
+    gen = torch.Generator().manual_seed(0)
+    r = torch.randn(64, generator=gen) * 7
+    for normalize_std in (True, False):
+        got = est.group_advantages(r, 8, normalize_std=normalize_std)
+        x = r.view(-1, 8)
+        c = x - x.mean(1, keepdim=True)
+        if normalize_std:
+            c = c / (x.std(1, keepdim=True) + 1e-6)
+        assert torch.equal(got, c.reshape(-1))
+
+
 def test_group_advantages_hand_worked():
     # Group [1, 0, 0, 0]: mean 0.25, unbiased std sqrt(0.25) = 0.5 -> [1.5, -0.5, -0.5, -0.5].
     got = est.group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), 4, eps=0.0)

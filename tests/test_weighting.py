@@ -252,8 +252,10 @@ def test_linear_proximal_entropy_hand_worked_and_zero_windows():
 
 def test_linear_proximal_entropy_refuses_negative_entropies():
     mask = torch.ones(1, 3, dtype=torch.bool)
-    with pytest.raises(ValueError, match="entropies must be >= 0 .* minimum of -0.5"):
+    with pytest.raises(ValueError, match="entropies must be >= 0 .* value of -0.5"):
         pw.linear_proximal_entropy(torch.tensor([[0.2, -0.5, 0.1]]), mask, window=3)
+    with pytest.raises(ValueError, match="entropies must be >= 0 .* value of -0.5"):  # unchecked
+        pw.linear_proximal_entropy(torch.tensor([[0.2, -0.5, 0.1]]), mask, window=3, check_finite=False)
     # fp32 rounding just below 0 counts as 0
     r = pw.linear_proximal_entropy(torch.tensor([[0.2, -1e-7, 0.1]]), mask, window=3)
     assert r[0, 1] == 0.0
@@ -586,3 +588,37 @@ def test_an_unknown_strategy_name_suggests_the_closest():
     with pytest.raises(ValueError, match="registered strategies") as e:
         pw.get_strategy("zzz")
     assert "did you mean" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", pw.list_strategies())
+def test_every_strategy_has_one_rule_for_negative_entropies(name):
+    """entropy_bonus and global_topk took negative entropies that window_average refused; an
+    entropy is never negative, so every strategy refuses one below -1e-4 (fp32 rounding a few
+    ulps below 0 passes), and a negative value at a masked position is padding, not input."""
+    mask = torch.tensor([[True, True, True, False]])
+    adv = torch.tensor([1.0])
+    with pytest.raises(ValueError, match=r"entropies must be >= 0 \(an entropy is never negative\), "
+                                         r"got a valid value of -0.5$"):
+        pw.get_strategy(name)(adv, torch.tensor([[0.2, -0.5, 0.1, 0.0]]), mask)
+    out = pw.get_strategy(name)(adv, torch.tensor([[0.2, -1e-7, 0.1, -7.0]]), mask)
+    assert torch.isfinite(out).all() and out[0, 3] == 0
+
+
+def test_proximal_entropy_follows_the_same_rule():
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match="entropies must be >= 0"):
+        pw.proximal_entropy(torch.tensor([[0.2, -0.5, 0.1]]), mask, window=3)
+
+
+@pytest.mark.parametrize("name, a", [("proximal_softmax", 3e38), ("window_average", 3e38),
+                                     ("global_topk", 3e38)])
+def test_weighted_advantages_that_overflow_are_refused_not_inf(name, a):
+    """c·A with finite A near fp32's limit and weights c > 1 gave ±inf token advantages."""
+    ent = torch.tensor([[2.0, 0.01, 0.01, 0.01, 0.01]])
+    mask = torch.ones(1, 5, dtype=torch.bool)
+    params = {"global_topk": {"normalize": "selected_tokens"}}.get(name, {"window": 5})
+    with pytest.raises(ValueError, match=rf"strategy '{name}' turned finite inputs into \d+ non-finite "
+                                         r"token advantages \(\|A\| up to 3e\+38\)"):
+        pw.get_strategy(name, **params)(torch.tensor([a]), ent, mask)
+    out = pw.get_strategy(name, **params)(torch.tensor([a]), ent, mask, check_finite=False)
+    assert not torch.isfinite(out).all()  # what the check stops

@@ -35,6 +35,11 @@ EXP_SAFE_RANGE = 80.0
 NEGATIVE_TOLERANCE = 1e-4
 
 
+def negative_entropy_message(minimum: float) -> str:
+    return (f"entropies must be >= 0 (an entropy is never negative), got a valid value of "
+            f"{float(minimum):.6g}")
+
+
 def clean(entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """fp32 copy with 0 at masked positions: padding contents (NaN included) go no further."""
     return torch.where(mask, entropies.float(), 0.0)
@@ -215,10 +220,7 @@ def linear_proximal(clean: torch.Tensor, mask: torch.Tensor, window: int) -> tor
         return _empty(mask)
     s = scan(clean, mask)
     if s.minimum < -NEGATIVE_TOLERANCE:
-        raise ValueError(
-            f"entropies must be >= 0 for the window ratio H_t / sum of H over the window, got "
-            f"a minimum of {s.minimum}"
-        )
+        raise ValueError(negative_entropy_message(s.minimum))
     rows = Rows(clean.clamp_min(0.0), mask, s.is_prefix)
     t = rows.x.shape[1]
     total = window_sum(padded_buffer(rows.x, rows.lengths, window, 1.0), window, t)  # [B, T]

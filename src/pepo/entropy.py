@@ -47,10 +47,10 @@ def _chunk_stats(
     if temperature != 1.0:
         x = x / temperature
     lse = torch.logsumexp(x, dim=-1)  # [n]
-    # Only rows of all -inf get lse = 0 (finite outputs, zero gradient). A NaN or +inf logit
-    # makes lse NaN or +inf: such a row has no distribution, and its outputs must be NaN, not
-    # the finite numbers `x - 0` would give.
-    broken = torch.isnan(lse) | (lse == float("inf"))  # [n]
+    # A row with no distribution (all -inf, or any NaN or +inf logit: lse -inf, NaN or +inf)
+    # gives NaN outputs, never the finite numbers `x - lse` would give, so that a caller's
+    # finite check catches it; lse = 0 there keeps its gradient finite (zero).
+    broken = ~torch.isfinite(lse)  # [n]
     lse = torch.where(lse == float("-inf"), 0.0, lse)
     logp = x - lse[:, None]  # [n, V]
     lp = logp.gather(1, targets[:, None]).squeeze(1).clamp_min(_LOGPROB_FLOOR)
@@ -180,6 +180,8 @@ def logprobs_and_entropy(
     """Log-probs of ``targets`` and entropies of the distributions ``softmax(logits / τ)``.
 
     ``logprob_t = z_{t, y_t}/τ - logsumexp(z_t/τ)``, ``H_t = -Σ_v p_{t,v} log p_{t,v}`` (Eq. 3).
+    A row with no distribution (all logits -inf, or a NaN or +inf logit) gives NaN for both,
+    and zero gradient; ``-inf`` entries in a row that has others are masked vocabulary.
 
     Args:
         logits: next-token logits, any float dtype (fp32 inside each chunk).

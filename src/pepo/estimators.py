@@ -75,10 +75,11 @@ def group_advantages(
         eps: added to the std (verl: 1e-6, TRL: 1e-4).
 
     Shape:
-        rewards: ``[N]`` with ``N % G == 0``; returns ``[N]`` fp32.
+        rewards: ``[N]`` with ``N % G == 0``; returns ``[N]`` fp32 (fp64 for fp64 rewards).
 
     Raises:
-        ValueError: bad shape, ``G < 2``, ``N`` not a multiple of ``G``, non-finite rewards.
+        ValueError: bad shape, ``G < 2``, ``N`` not a multiple of ``G``, non-finite rewards,
+            advantages that overflow the output dtype (only without ``normalize_std``).
     """
     rewards = _checks.check_tensor("rewards", rewards)
     if rewards.dim() != 1:
@@ -95,16 +96,33 @@ def group_advantages(
         )
     if eps < 0 or not math.isfinite(eps):
         raise ValueError(f"eps must be a finite number >= 0, got {eps}")
-    r = rewards.detach().float().view(-1, group_size)  # [N/G, G]
+    out_dtype = torch.promote_types(rewards.dtype, torch.float32)  # fp64 stays fp64
+    r = rewards.detach().to(out_dtype).view(-1, group_size)  # [N/G, G]
     bad = int((~torch.isfinite(r)).sum())
     if bad:
         raise ValueError(_checks.nonfinite_message("rewards", bad).split(";")[0])
-    centred = r - r.mean(dim=1, keepdim=True)
+    # Scaled by a power of two per group (exact: the same numbers as unscaled wherever those do
+    # not overflow), so that rewards near the dtype's limit do not overflow the mean or the std
+    # (which gave a silent 0 advantage); fp64 is not used, as not every device has it.
+    amax = r.abs().amax(dim=1, keepdim=True)  # [N/G, 1]
+    scale = torch.ldexp(torch.ones_like(amax), torch.frexp(amax)[1] - 1)  # |r|/scale < 2
+    scale = torch.where(amax > 0, scale, 1.0)
+    rs = r / scale
+    centred = rs - rs.mean(dim=1, keepdim=True)
     if normalize_std:
-        std = r.std(dim=1, keepdim=True, unbiased=unbiased)
-        centred = centred / (std + eps)
+        std = rs.std(dim=1, keepdim=True, unbiased=unbiased)
+        centred = centred / (std + eps / scale)
+    else:
+        centred = centred * scale
     degenerate = (r.amax(dim=1) == r.amin(dim=1))[:, None]  # [N/G, 1]
-    return torch.where(degenerate, 0.0, centred).reshape(-1)
+    out = torch.where(degenerate, 0.0, centred).reshape(-1)
+    if not bool(torch.isfinite(out).all()):
+        raise ValueError(
+            f"the advantages r - mean overflow {out_dtype} (rewards from "
+            f"{float(r.min()):.4g} to {float(r.max()):.4g}); scale the rewards down or "
+            f"use normalize_std=True"
+        )
+    return out
 
 
 PromptIds = Union[Sequence[Hashable], torch.Tensor]

@@ -76,16 +76,39 @@ class StrategyFn(Protocol):
     ) -> torch.Tensor: ...
 
 
-def _check_finite_clean(**tensors: torch.Tensor) -> None:
-    """Raises if a tensor (already 0 at masked positions) holds NaN/inf. One host sync: a sum
-    per tensor is cheaper than an isfinite pass; the count is taken only on failure."""
-    sums = torch.stack([t.sum() for t in tensors.values()])
-    if bool(torch.isfinite(sums).all()):
+def _check_finite_clean(
+    *, output: Optional[tuple[str, torch.Tensor]] = None, **tensors: torch.Tensor
+) -> None:
+    """Raises if a tensor (already 0 at masked positions) holds NaN/inf, if ``entropies`` holds
+    a value below ``-NEGATIVE_TOLERANCE`` (an entropy is never negative: one rule for every
+    strategy), or if ``output`` (a strategy's name and its token advantages, computed from these
+    inputs) overflowed. One host sync: a sum per tensor is cheaper than an isfinite pass; the
+    counts are taken only on failure."""
+    stats = [t.sum() for t in tensors.values()]
+    ent = tensors.get("entropies")
+    if ent is not None:
+        stats.append(ent.amin() if ent.numel() else ent.new_zeros(()))
+    if output is not None:
+        stats.append(torch.isfinite(output[1]).all().float())
+    stats = torch.stack(stats).tolist()
+    if all(math.isfinite(x) for x in stats[: len(tensors)]) and (
+        ent is None or stats[len(tensors)] >= -_w.NEGATIVE_TOLERANCE
+    ) and (output is None or stats[-1] == 1.0):
         return
     for name, t in tensors.items():
         bad = int((~torch.isfinite(t)).sum())
         if bad:
             raise ValueError(_checks.nonfinite_message(name, bad))
+    if ent is not None and stats[len(tensors)] < -_w.NEGATIVE_TOLERANCE:
+        raise ValueError(_w.negative_entropy_message(stats[len(tensors)]))
+    if output is not None and stats[-1] != 1.0:
+        name, out = output
+        adv = tensors["advantages"]
+        raise ValueError(
+            f"strategy {name!r} turned finite inputs into {int((~torch.isfinite(out)).sum())} "
+            f"non-finite token advantages (|A| up to {float(adv.abs().max()):.4g}): the weighted "
+            f"advantages overflow float32; scale the rewards or advantages down"
+        )
 
 
 def proximal_entropy(
@@ -210,7 +233,8 @@ class Strategy:
             positive: the rollouts that count as successful (positive reward); strategies with
                 ``apply_to="positive"`` weight only these. Default: ``advantages > 0``.
             check_finite: raise ``ValueError`` if ``advantages`` or the valid entropies hold
-                NaN/inf (one host sync). With False nothing is checked, and a NaN/inf in an
+                NaN/inf, a valid entropy is negative, or the weighted advantages overflow
+                float32 (one host sync). With False nothing is checked, and a NaN/inf in an
                 input a strategy reads reaches its output as NaN, never as a finite value
                 (for ``global_topk``, whose threshold is over the batch, the whole output):
                 a loss built on it is NaN.
@@ -225,8 +249,6 @@ class Strategy:
         with torch.no_grad():
             adv = advantages.detach().float()
             ent = _w.clean(entropies.detach(), mask)
-            if check_finite:
-                _check_finite_clean(advantages=adv, entropies=ent)
             pos = adv > 0 if positive is None else positive
             out = self._fn(adv, ent, mask, positive=pos) if self._pass_positive else self._fn(adv, ent, mask)
             if not isinstance(out, torch.Tensor) or out.shape != mask.shape:
@@ -235,7 +257,10 @@ class Strategy:
                     f"strategy {self.name!r} returned {got}, expected "
                     f"{_checks._shape(mask)} (the shape of mask)"
                 )
-            return torch.where(mask, out.float(), 0.0)
+            out = torch.where(mask, out.float(), 0.0)
+            if check_finite:  # inputs and output in one host sync, after the strategy ran
+                _check_finite_clean(advantages=adv, entropies=ent, output=(self.name, out))
+            return out
 
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in self.params.items())

@@ -35,9 +35,10 @@ def losses(recipe):
     return [h["loss"] for h in recipe.history if "loss" in h]
 
 
-def cli(monkeypatch, capsys, cfg) -> str:
-    """Runs ``tune run pepo_recipe`` on ``cfg`` in this process; returns its exit message."""
-    path = Path(cfg.output_dir).parent / f"cfg_{time.monotonic_ns()}.yaml"
+def cli(monkeypatch, capsys, cfg, cfg_dir=None) -> str:
+    """Runs ``tune run pepo_recipe`` on ``cfg`` (written to ``cfg_dir``, by default beside its
+    output_dir) in this process; returns its exit message."""
+    path = Path(cfg_dir or Path(cfg.output_dir).parent) / f"cfg_{time.monotonic_ns()}.yaml"
     path.write_text(OmegaConf.to_yaml(cfg))
     monkeypatch.setattr(sys, "argv", ["pepo_recipe", "--config", str(path)])
     with pytest.raises(SystemExit) as e:
@@ -73,6 +74,40 @@ def test_output_dir_under_a_file_is_refused_before_anything_is_built(tmp_path):
     with pytest.raises(ValueError, match="output_dir=.* cannot be a directory: .*a_file is a file"):
         pepo_recipe.PEPORecipe(tiny_cfg(tmp_path, output_dir=str(tmp_path / "a_file" / "run")))
 
+
+
+@pytest.mark.parametrize("case", ["dangling", "loop", "proc"])
+def test_odd_output_paths_are_one_config_error_naming_the_link(tmp_path, monkeypatch, capsys, case):
+    """A link to a scratch mount that is not mounted, a link loop and a place nothing can be
+    created passed the old check (their parents exist and are writable) and crashed later."""
+    if case == "dangling":
+        (tmp_path / "scratch").symlink_to(tmp_path / "not_mounted" / "scratch")
+        out, expected = tmp_path / "scratch" / "run", (
+            f"{tmp_path / 'scratch'} is a symbolic link to {tmp_path / 'not_mounted' / 'scratch'}, "
+            f"which does not exist")
+    elif case == "loop":
+        (tmp_path / "a").symlink_to("b")
+        (tmp_path / "b").symlink_to("a")
+        out, expected = tmp_path / "a" / "run", f"{tmp_path / 'a'} is a symbolic link to b, which loops"
+    else:
+        if not Path("/proc/self").is_dir():
+            pytest.skip("no /proc here")
+        out, expected = Path("/proc/pepo_no_such_dir/run"), "is not a writable directory: /proc/"
+    msg = cli(monkeypatch, capsys, tiny_cfg(tmp_path / "w", output_dir=str(out)), cfg_dir=tmp_path)
+    assert msg.startswith("config error: output_dir=") and expected in msg and "\n" not in msg
+    assert not (tmp_path / "not_mounted").exists()  # nothing created through the link
+
+
+def test_the_output_dir_check_leaves_nothing_behind(tmp_path):
+    from pepo.training.config import check_output_dir
+
+    check_output_dir(tmp_path / "new" / "deep" / "run")
+    assert list(tmp_path.iterdir()) == []  # probed, then removed: the run creates it
+    (tmp_path / "ro").mkdir(mode=0o555)
+    if os.access(tmp_path / "ro", os.W_OK):  # root writes anywhere but a read-only mount
+        pytest.skip("running as root")
+    with pytest.raises(ValueError, match=r"output_dir=.*ro/run' is not a writable directory: .*ro"):
+        check_output_dir(tmp_path / "ro" / "run")
 
 @pytest.mark.parametrize("override, message", [
     ({"distributed": {"cpu_offload": True}}, "distributed.cpu_offload=true offloads from a GPU"),
@@ -509,3 +544,17 @@ def test_a_checkpoint_error_that_is_not_space_keeps_its_traceback(tmp_path, monk
     monkeypatch.setattr(ckpt_mod, "_write_file", broken)
     with pytest.raises(RuntimeError, match="a bug, not a full disk"):
         run(tiny_cfg(tmp_path, num_steps=1, save_every=1))
+
+
+@pytest.mark.parametrize("value, shown", [
+    (None, "returned None (NoneType) for response"),
+    ("x", "returned 'x' (str) for response"),
+    (1e300, "returned 1e+300 for response"),
+    (float("nan"), "returned nan for response"),
+])
+def test_a_bad_reward_return_is_one_line_naming_the_component(tmp_path, monkeypatch, capsys, value, shown):
+    cfg = tiny_cfg(tmp_path)
+    cfg.reward = OmegaConf.create({"_component_": "tests.recipe_helpers.BadReward", "value": value})
+    msg = cli(monkeypatch, capsys, cfg)
+    assert msg.startswith("error: reward tests.recipe_helpers.BadReward returned") and shown in msg
+    assert "\n" not in msg and "inf" not in msg.replace("1e+300", "")

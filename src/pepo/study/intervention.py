@@ -38,7 +38,7 @@ from torchtune.modules import local_kv_cache
 
 from pepo import weighting
 from pepo.entropy import logprobs_and_entropy
-from pepo.training.evaluation import eval_generator, is_success
+from pepo.training.evaluation import eval_generator, is_success, reward_tensor
 from pepo.training.generation import (
     Rollouts,
     _sample,
@@ -239,7 +239,7 @@ def intervene(
                 base, replacement if use_replacement else None, prompts[sl],
                 None if replace is None else replace[sl], seeds=seeds[sl], **kw))
         texts = [tokenizer.decode(t[m].tolist()) for r in parts for t, m in zip(r.tokens, r.mask)]
-        rewards = torch.tensor(reward_fn(texts, answers), dtype=torch.float32)
+        rewards = reward_tensor(reward_fn(texts, answers), len(texts), reward_fn)
         if progress is not None:
             progress()
         return float(is_success(reward_fn, rewards).sum()) / len(rows), parts

@@ -16,11 +16,13 @@
 from __future__ import annotations
 
 import difflib
+import errno
 import importlib
 import inspect
 import os
 import importlib.resources
 import re
+import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -220,15 +222,44 @@ def check_device(device: Any) -> None:
 
 
 def check_output_dir(path: Any, key: str = "output_dir") -> None:
-    """Raises ``ValueError`` unless ``path`` is, or can be created as, a writable directory."""
+    """Raises ``ValueError`` unless ``path`` is, or can be created as, a writable directory.
+
+    The check creates what is missing and writes a probe file (then removes both), so that what
+    only the attempt reveals, such as a symbolic link to a scratch mount that is not mounted, a
+    link loop, a read-only file system or a place nothing can be created (``/proc``), is one line
+    here instead of a traceback once the run has started."""
     if path is None:
         raise ValueError(f"config key {key!r} is required")
-    p = Path(str(path)).absolute()
-    existing = next(a for a in [p, *p.parents] if a.exists())
+    p = Path(os.path.abspath(str(path)))
+    for a in (p, *p.parents):
+        if a.is_symlink():
+            try:
+                a.resolve(strict=True)
+            except (OSError, RuntimeError) as e:  # 3.11 raises RuntimeError for a loop
+                loop = isinstance(e, RuntimeError) or getattr(e, "errno", None) == errno.ELOOP
+                raise ValueError(
+                    f"{key}={str(path)!r}: {a} is a symbolic link to {os.readlink(a)}, which "
+                    + ("loops back on itself" if loop else "does not exist (not mounted yet?)")
+                ) from None
+    existing = next(a for a in (p, *p.parents) if a.exists())
     if not existing.is_dir():
         raise ValueError(f"{key}={str(path)!r} cannot be a directory: {existing} is a file")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"{key}={str(path)!r} is not writable ({existing} denies it)")
+    missing = [a for a in (p, *p.parents) if not a.exists()]
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".pepo_probe_", dir=p)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        where = e.filename or existing
+        raise ValueError(f"{key}={str(path)!r} is not a writable directory: {where}: "
+                         f"{e.strerror or e}") from None
+    finally:
+        for a in missing:  # deepest first: leave nothing behind (the run creates it later)
+            try:
+                a.rmdir()
+            except OSError:
+                break
 
 
 # Keys a resume may change: where things go and how often, memory settings that do not change

@@ -9,6 +9,8 @@ recipe uses the same flags to choose the rollouts PEPO weights.
 from __future__ import annotations
 
 import json
+import math
+import numbers
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -19,6 +21,8 @@ from pepo.training.generation import Rollouts, draw_seeds
 
 __all__ = [
     "PAPER_COLUMNS",
+    "RewardError",
+    "reward_tensor",
     "avg_at_k",
     "is_success",
     "eval_generator",
@@ -28,6 +32,55 @@ __all__ = [
 ]
 
 PAPER_COLUMNS = ("AIME2024", "AIME2025", "AMC", "MATH500")
+
+
+class RewardError(ValueError):
+    """The reward component returned something other than one finite number per response."""
+
+
+_F32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _reward_name(reward_fn: Any) -> str:
+    """``module.Name`` of a reward function, or of a reward component's class."""
+    name = getattr(reward_fn, "__qualname__", None) or type(reward_fn).__qualname__
+    module = getattr(reward_fn, "__module__", None) or type(reward_fn).__module__
+    return f"{module}.{name}" if module and module != "builtins" else name
+
+
+def reward_tensor(values: Any, n: int, reward_fn: Any) -> torch.Tensor:
+    """``values``, as returned by ``reward_fn`` for ``n`` responses, as a float32 ``[n]`` tensor.
+
+    Raises:
+        RewardError: not ``n`` values, or a value that is not a finite real number within
+            float32's range (``None``, a string, NaN, inf, ``1e300``), named as returned, with
+            the reward component and the response's index.
+    """
+    name = _reward_name(reward_fn)
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+        raise RewardError(f"reward {name} must return a list of {n} numbers (one per response), "
+                          f"got {type(values).__name__} {_short(values)}")
+    if len(values) != n:
+        raise RewardError(f"reward {name} returned {len(values)} values for {n} responses")
+    out = []
+    for i, v in enumerate(values):
+        x = v.item() if getattr(v, "ndim", None) == 0 and hasattr(v, "item") else v  # 0-d tensors
+        # and numpy scalars
+        if not isinstance(x, numbers.Real):
+            raise RewardError(f"reward {name} returned {_short(v)} ({type(v).__name__}) for "
+                              f"response {i}; rewards must be finite numbers")
+        x = float(x)
+        if not math.isfinite(x) or abs(x) > _F32_MAX:
+            raise RewardError(
+                f"reward {name} returned {_short(v)} for response {i}; rewards must be finite "
+                + ("numbers" if not math.isfinite(x) else f"numbers within float32's range (|r| <= {_F32_MAX:.4g})"))
+        out.append(x)
+    return torch.tensor(out, dtype=torch.float32)
+
+
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 80 else r[:77] + "..."
 
 
 def is_success(reward_fn: Any, rewards: torch.Tensor) -> torch.Tensor:
@@ -81,7 +134,7 @@ def sample_and_score(
     they are drawn from ``generator`` (when given).
 
     Raises:
-        ValueError: the reward function does not return one finite float per response.
+        RewardError: the reward function does not return one finite number per response.
     """
     if seeds is None and generator is not None:
         seeds = draw_seeds(generator, len(problems))
@@ -91,13 +144,8 @@ def sample_and_score(
         **gen_kwargs,
     )
     texts = [tokenizer.decode(t[m].tolist()) for t, m in zip(ro.tokens, ro.mask)]
-    rewards = torch.tensor(
-        reward_fn(texts, [p.answer for p in problems]), dtype=torch.float32
-    ).to(ro.tokens.device)  # [B]
-    if rewards.shape != (len(problems),) or not bool(torch.isfinite(rewards).all()):
-        raise ValueError(
-            f"the reward function must return {len(problems)} finite floats, got {rewards}"
-        )
+    rewards = reward_tensor(reward_fn(texts, [p.answer for p in problems]), len(problems),
+                            reward_fn).to(ro.tokens.device)  # [B]
     return ro, rewards, texts
 
 
