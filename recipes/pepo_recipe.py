@@ -94,7 +94,7 @@ from pepo.training.config import (
     strategy_params,
     validate_config,
 )
-from pepo.training.reporting import plot_curves, write_rollouts
+from pepo.training.reporting import plot_curves, truncate_metrics_log, write_rollouts
 from pepo.training.run_lock import RunLock
 from pepo.sampling import PromptSampler
 from pepo.training.tokenizers import stop_token_ids
@@ -306,6 +306,8 @@ class PEPORecipe(FTRecipeInterface):
         self.rng = torch.Generator(device="cpu").manual_seed(self.seed)
         self.sample_rng = torch.Generator(device=self._device).manual_seed(self.seed + 1)
         # logs, plots, dumps and checkpoint files come from rank 0 only
+        if resume_state is not None and self.dist.is_main:
+            self._truncate_metrics(cfg, resume_state[1]["step"])
         self.metric_logger = build(cfg, "metric_logger") if self.dist.is_main else _NoLogger()
         self.metric_logger.log_config(cfg)
         self.config_name = cfg.get("name", "pepo")
@@ -313,6 +315,20 @@ class PEPORecipe(FTRecipeInterface):
             self._load_checkpoint(*resume_state)
         else:
             self._prepare_estimator()
+
+    @staticmethod
+    def _truncate_metrics(cfg: DictConfig, step: int) -> None:
+        """A resumed run logs the steps after its checkpoint again: the disk log's lines for
+        them (from the run that was stopped) go, so that the file has one line per step."""
+        lc = cfg.get("metric_logger")
+        if lc is None or not str(lc.get("_component_", "")).endswith("DiskLogger") or \
+                not lc.get("filename"):
+            return  # DiskLogger without a filename starts a new file per run
+        path = Path(str(lc.log_dir)) / str(lc.filename)
+        dropped = truncate_metrics_log(path, step)
+        if dropped:
+            log.info(f"{path}: dropped {dropped} line(s) logged after step {step}, which this "
+                     f"resumed run logs again")
 
     def _find_checkpoint(self) -> tuple[Path, dict[str, Any]]:
         """The newest intact checkpoint and its state, refused when resuming from it would

@@ -205,6 +205,42 @@ def test_bad_config_fails_before_model(tmp_path, override, message, monkeypatch)
     recipe.cleanup()
 
 
+def test_a_resumed_run_logs_each_step_once(tmp_path):
+    """A run killed after step 3 with its last checkpoint at step 2 logged step 3; the resume
+    logs step 3 again. metrics.txt must hold one line per step (and keep step 0's validation)."""
+    import shutil
+
+    cfg = tiny_cfg(tmp_path, num_steps=3, save_every=2, keep_checkpoints=3)
+    cfg.validation = {"every": 2, "samples": 1}
+    run(cfg)
+    ckpts = tmp_path / "run" / "checkpoints"
+    shutil.rmtree(ckpts / "step_3")  # as if killed before step 3's checkpoint
+    log = tmp_path / "run" / "logs" / "metrics.txt"
+    before = log.read_text(encoding="utf-8").splitlines()
+    assert sum(line.startswith("Step 3 ") for line in before) >= 1
+    resumed = run(tiny_cfg(tmp_path, num_steps=4, save_every=2, keep_checkpoints=3,
+                           resume_from_checkpoint=True, validation=cfg.validation))
+    assert resumed.step == 4
+    lines = log.read_text(encoding="utf-8").splitlines()
+    train_steps = [int(line.split()[1]) for line in lines if "loss:" in line]
+    val_steps = [int(line.split()[1]) for line in lines if "val_accuracy:" in line]
+    assert train_steps == [1, 2, 3, 4] and val_steps == [0, 2, 4]
+    assert lines[: len([x for x in before if not x.startswith("Step 3 ")])] == \
+        [x for x in before if not x.startswith("Step 3 ")]  # what came before is untouched
+
+
+def test_truncate_metrics_log_keeps_other_lines_and_is_a_no_op_without_later_steps(tmp_path):
+    from pepo.training.reporting import truncate_metrics_log
+
+    log = tmp_path / "m.txt"
+    assert truncate_metrics_log(log, 3) == 0 and not log.exists()
+    log.write_text("Step 0 | val_accuracy:0.5 \nnote\nStep 3 | loss:1 \nStep 4 | loss:2 \n"
+                   "Step 12 | loss:3 \n", encoding="utf-8")
+    assert truncate_metrics_log(log, 3) == 2
+    assert log.read_text(encoding="utf-8") == "Step 0 | val_accuracy:0.5 \nnote\nStep 3 | loss:1 \n"
+    assert truncate_metrics_log(log, 3) == 0 and not list(tmp_path.glob("*.tmp"))
+
+
 def test_resume_without_checkpoint_is_clear(tmp_path):
     cfg = tiny_cfg(tmp_path, resume_from_checkpoint=True)
     with pytest.raises(ValueError, match="holds no checkpoint"):

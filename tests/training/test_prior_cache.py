@@ -138,3 +138,39 @@ def test_prior_cache_needs_an_offline_prior(tmp_path):
     with pytest.raises(ValueError, match="prior_samples >= 1"):
         validate_config(tiny_cfg(tmp_path, "tiny_spo", prior_cache="p.json",
                                  estimator={"prior_samples": 0}))
+
+
+def test_a_dead_writers_temp_file_is_removed_and_a_live_ones_kept(tmp_path, monkeypatch):
+    """A writer killed between write and rename left cache.json.tmp<PID> forever."""
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "cache.json"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid that no longer runs
+    (tmp_path / f"cache.json.tmp{dead.pid}").write_text("{half", encoding="utf-8")
+    live = tmp_path / f"cache.json.tmp{os.getppid()}"  # a running process (pytest's parent)
+    live.write_text("{being written", encoding="utf-8")
+    other = tmp_path / "cache.json.tmpnotes"
+    other.write_text("x", encoding="utf-8")
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+    prior_cache.write_prior(path, {"seed": 0}, {"a": 0.5})
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["cache.json", live.name, other.name])
+    assert len(synced) >= 1  # the data was fsynced before the rename
+    assert prior_cache.read_prior(path, {"seed": 0}, ["a"]) == {"a": 0.5}
+
+
+def test_a_failed_write_leaves_no_temp_file(tmp_path, monkeypatch):
+    path = tmp_path / "cache.json"
+
+    def boom(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(prior_cache.json, "dump", boom)
+    with pytest.raises(OSError, match="No space"):
+        prior_cache.write_prior(path, {"seed": 0}, {"a": 0.5})
+    assert list(tmp_path.iterdir()) == []

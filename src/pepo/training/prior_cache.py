@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 from typing import Any, Hashable, Mapping, Optional, Sequence
 
+from pepo.training.checkpointing import _fsync_dir
 from pepo.training.config import experiment_changes
 from pepo.training.run_lock import locked
 
@@ -36,11 +37,35 @@ def write_prior(path: str | os.PathLike, fingerprint: Mapping[str, Any],
         raise ValueError(f"prior_cache stores str or int prompt ids only, got {bad[0]!r}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(path)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"version": VERSION, "fingerprint": dict(fingerprint),
-                               "pass_rates": [[k, float(v)] for k, v in rates.items()]}), encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"version": VERSION, "fingerprint": dict(fingerprint),
+                       "pass_rates": [[k, float(v)] for k, v in rates.items()]}, f)
+            f.flush()
+            os.fsync(f.fileno())  # the data is on disk before the name points at it
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
     return path
+
+
+def _remove_stale_temps(path: Path) -> None:
+    """Removes the ``PATH.tmp<PID>`` files of writers that died between write and rename (their
+    process is gone); a live writer's file is left alone."""
+    for tmp in path.parent.glob(path.name + ".tmp*"):
+        pid = tmp.name[len(path.name) + 4:]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+        except (PermissionError, OverflowError):  # alive (another user's), or not a pid
+            pass
 
 
 def read_prior(path: str | os.PathLike, fingerprint: Mapping[str, Any],

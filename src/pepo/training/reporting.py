@@ -34,6 +34,37 @@ def write_rollouts(path: Union[str, Path], records: Sequence[Mapping[str, Any]])
     return path
 
 
+def truncate_metrics_log(path: Union[str, Path], step: int) -> int:
+    """Drops the lines of a ``DiskLogger`` file (``Step N | key:value ...``) logged after
+    ``step``, atomically, so that a run resumed from the checkpoint of ``step`` logs each later
+    step once. Returns the number of lines dropped (0 when there is no file).
+
+    Lines that are not ``Step N | ...`` are kept."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+
+    def logged_after(line: str) -> bool:
+        head = line.split("|", 1)[0].split()
+        return len(head) == 2 and head[0] == "Step" and head[1].isdigit() and int(head[1]) > step
+
+    keep = [line for line in lines if not logged_after(line)]
+    if len(keep) == len(lines):
+        return 0
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(keep)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return len(lines) - len(keep)
+
+
 def plot_curves(
     history: Sequence[Mapping[str, Any]],
     path: Union[str, Path],
