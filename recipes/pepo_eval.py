@@ -27,7 +27,7 @@ from torchtune import config, training, utils
 
 from pepo.training.evaluation import (RewardError, avg_at_k, eval_generator, format_table,
                                       write_results)
-from pepo.training.engines import build_engine
+from pepo.training.engines import build_engine, sequence_limit
 from pepo.training.config import (
     check_checkpoint_dir,
     check_device,
@@ -125,6 +125,7 @@ def _setup(cfg: DictConfig) -> dict[str, Any]:
         load_model_weights(model, cfg.checkpoint_dir)
         model.eval()
         name, options = engine_options(cfg.generation)
+        sequence_limit(model, name, options)  # a bad max_model_len before vLLM starts
         src = Path(str(cfg.checkpoint_dir))
         engine = build_engine(name, model, **(
             {**options, "hf_dir": src if (src / "config.json").is_file() else None,

@@ -74,7 +74,7 @@ from pepo import _checks, estimators, weighting
 from pepo.training import prior_cache
 from pepo.training.checkpointing import MODEL_FILE, AtomicCheckpointer
 from pepo.training.distributed import Dist, minibatch_indices, shard_model, tile_rows
-from pepo.training.engines import build_engine
+from pepo.training.engines import build_engine, sequence_limit
 from pepo.entropy import logprobs_and_entropy, logprobs_and_entropy_from_hidden
 from pepo.training.evaluation import (RewardError, avg_at_k, eval_generator, is_success,
                                       sample_and_score)
@@ -295,11 +295,14 @@ class PEPORecipe(FTRecipeInterface):
         src = Path(str(cfg.checkpoint_dir))
         self.hf_source = src if (src / "config.json").is_file() else None
         engine, options = engine_options(cfg.generation)
+        # prompts that do not fit are dropped before the engine starts (vLLM's max_model_len
+        # is checked here too, not at the first generation)
+        self.seq_limit = sequence_limit(self.model, engine, options)
+        self.train_data = self._fitting(train_data, "dataset")
+        self.val_data = self._fitting(val_data, "val_dataset") if val_data else []
         self.engine = build_engine(engine, self.model, **(
             {**options, "hf_dir": self.hf_source, "seed": self.seed,
              "state_dict": self._full_state_dict} if engine == "vllm" else {}))
-        self.train_data = self._fitting(train_data, "dataset")
-        self.val_data = self._fitting(val_data, "val_dataset") if val_data else []
         self.sampler = PromptSampler(len(self.train_data), seed=self.seed)
         # host-side choices (prompt draws, mini-batch order) and token sampling on the model's
         # device use separate generators; both are checkpointed
@@ -385,20 +388,19 @@ class PEPORecipe(FTRecipeInterface):
 
     def _fitting(self, problems: list, key: str) -> list:
         """Drops prompts too long for the model with the response budget (with a warning)."""
-        limit = getattr(self.model, "max_seq_len", None)
-        if limit is None:
-            return problems
+        limit = self.seq_limit
+        what = ("generation.vllm.max_model_len" if limit != self.model.max_seq_len
+                else "the model's max_seq_len")
         budget = limit - self.gen_kwargs["max_new_tokens"]
         kept = [p for p in problems if len(self.tokenizer.encode_prompt(p.prompt)) <= budget]
         if not kept:
             raise ValueError(
-                f"no prompt of {key} fits the model's max_seq_len={limit} with "
-                f"generation.max_new_tokens={self.gen_kwargs['max_new_tokens']}"
+                f"no prompt of {key} fits {what}={limit} with generation.max_new_tokens={self.gen_kwargs['max_new_tokens']}"
             )
         if len(kept) < len(problems):
             log.warning(
                 f"{key}: dropped {len(problems) - len(kept)} of {len(problems)} prompts longer "
-                f"than {budget} tokens (max_seq_len - generation.max_new_tokens)"
+                f"than {budget} tokens ({what}={limit} - generation.max_new_tokens)"
             )
         return kept
 

@@ -214,3 +214,81 @@ def test_pepo_eval_with_vllm_equals_the_torchtune_engine_greedy(tmp_path):
         results[engine] = pepo_eval.eval_main(cfg)["modsum_val"]
     assert results["vllm"] == results["torchtune"]
     assert math.isfinite(results["vllm"])
+
+
+def test_a_failed_start_leaves_no_temp_dir_and_dead_runs_leftovers_are_swept(tmp_path, monkeypatch):
+    """Every engine that failed to start left /tmp/pepo_vllm_*/ behind, and so did every
+    SIGKILLed run."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from pepo.training import engines
+    from pepo.training.models import tiny_qwen3
+    from tests.recipe_helpers import MODEL_OVERRIDES
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / f"pepo_vllm_{dead.pid}_abc").mkdir()  # a killed run's
+    (tmp_path / f"pepo_vllm_{os.getppid()}_def").mkdir()  # a live run's
+    (tmp_path / "pepo_vllm_notes").mkdir()  # not ours to judge
+    model = tiny_qwen3(**MODEL_OVERRIDES)  # no hf_dir: its config goes to a temp directory
+    with pytest.raises(Exception) as e:
+        build_engine("vllm", model, dtype="float32", kv_cache_memory_bytes=32 * 2**20,
+                     max_num_seqs=0)  # vLLM refuses this
+    assert "max_num_seqs" in str(e.value) or "num_seqs" in repr(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"pepo_vllm_{os.getppid()}_def", "pepo_vllm_notes"])
+    assert engines._TMP_PREFIX == "pepo_vllm_"
+
+
+def test_max_model_len_is_checked_before_the_engine_starts(tmp_path):
+    from pepo.training.engines import sequence_limit
+    from pepo.training.models import tiny_qwen3
+    from tests.recipe_helpers import MODEL_OVERRIDES
+
+    model = tiny_qwen3(**{**MODEL_OVERRIDES, "max_seq_len": 64})
+    assert sequence_limit(model, "vllm", {}) == 64
+    assert sequence_limit(model, "vllm", {"max_model_len": 40}) == 40
+    assert sequence_limit(model, "torchtune", {"max_model_len": 40}) == 64
+    with pytest.raises(ValueError, match="max_model_len=65 exceeds the model's max_seq_len=64"):
+        sequence_limit(model, "vllm", {"max_model_len": 65})
+    with pytest.raises(ValueError, match=r"max_model_len must be an int >= 2, got '40'"):
+        sequence_limit(model, "vllm", {"max_model_len": "40"})
+
+
+def test_a_prompt_too_long_for_max_model_len_is_a_clear_error(pair):
+    model, engine = pair
+    with pytest.raises(ValueError, match=r"prompt length 150 \+ max_new_tokens 200 = 350 exceeds "
+                                         r"the vLLM engine's max_model_len=256"):
+        engine.generate(PROMPTS, max_new_tokens=200, pad_id=0, stop_tokens=[3])
+
+
+def test_the_recipe_drops_prompts_beyond_max_model_len_or_refuses_in_one_line(tmp_path, monkeypatch, capsys):
+    """max_model_len shorter than the prompts + max_new_tokens passed the config check and died
+    at the first generation with a 186-line traceback."""
+    import sys
+
+    from omegaconf import OmegaConf
+
+    import pepo_recipe
+    from tests.recipe_helpers import tiny_cfg
+
+    cfg = tiny_cfg(tmp_path, generation={"engine": "vllm", "max_new_tokens": 12,
+                                         "vllm": {"max_model_len": 13,
+                                                  "kv_cache_memory_bytes": 32 * 2**20}})
+    path = tmp_path / "cfg.yaml"
+    path.write_text(OmegaConf.to_yaml(cfg), encoding="utf-8")
+    monkeypatch.setattr(sys, "argv", ["pepo_recipe", "--config", str(path)])
+    with pytest.raises(SystemExit) as e:
+        pepo_recipe._main()
+    msg = str(e.value.code)
+    assert msg.startswith("config error: no prompt of dataset fits generation.vllm.max_model_len=13 "
+                          "with generation.max_new_tokens=12"), msg
+    cfg.generation.vllm.max_model_len = 100000
+    path.write_text(OmegaConf.to_yaml(cfg), encoding="utf-8")
+    with pytest.raises(SystemExit) as e:
+        pepo_recipe._main()
+    assert str(e.value.code).startswith("config error: generation.vllm.max_model_len=100000 exceeds "
+                                        "the model's max_seq_len=")

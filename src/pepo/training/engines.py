@@ -32,7 +32,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -46,6 +46,7 @@ __all__ = [
     "as_engine",
     "build_engine",
     "check_engine_available",
+    "sequence_limit",
     "vllm_available",
 ]
 
@@ -169,17 +170,19 @@ class VLLMEngine:
         self._state_dict = state_dict or model.state_dict
         self._cpu = current_platform.is_cpu()
         self._tmp: Optional[Path] = None
+        max_len = sequence_limit(model, "vllm", {"max_model_len": max_model_len})
         if hf_dir is not None and (Path(hf_dir) / "config.json").is_file():
             self._hf_cfg = hf.load_hf_config(hf_dir)
             config_dir = Path(hf_dir)
         else:
             self._hf_cfg = hf.hf_config_of(model)
-            self._tmp = Path(tempfile.mkdtemp(prefix="pepo_vllm_"))
+            _sweep_stale_temp_dirs()
+            self._tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}_"))
             (self._tmp / "config.json").write_text(json.dumps(self._hf_cfg, indent=2), encoding="utf-8")
             config_dir = self._tmp
         self._tied = bool(self._hf_cfg.get("tie_word_embeddings", False))
         self.sleep_level = sleep_level
-        max_len = int(max_model_len or getattr(model, "max_seq_len"))
+        self.max_len = max_len
         kwargs: dict[str, Any] = dict(
             model=str(config_dir), load_format="dummy", skip_tokenizer_init=True, dtype=dtype,
             max_model_len=max_len, max_num_batched_tokens=max(max_len, 2048),
@@ -204,6 +207,9 @@ class VLLMEngine:
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
         try:
             self.llm = LLM(**kwargs)
+        except BaseException:  # a bad option: nothing of this engine stays behind
+            self.close()
+            raise
         finally:
             torch.set_num_threads = set_threads
             torch.set_num_threads(threads)
@@ -264,6 +270,12 @@ class VLLMEngine:
 
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        longest = max((len(p) for p in prompts), default=0)
+        if longest + max_new_tokens > self.max_len:
+            raise ValueError(
+                f"prompt length {longest} + max_new_tokens {max_new_tokens} = "
+                f"{longest + max_new_tokens} exceeds the vLLM engine's max_model_len={self.max_len}"
+            )
         self._wake()
         if self._stale:
             self._sync()
@@ -334,6 +346,47 @@ def _rollouts(
         mask=mask.to(device), finished=torch.tensor(finished, device=device),
         logprobs=lp.to(device),
     )
+
+
+_TMP_PREFIX = "pepo_vllm_"
+
+
+def _sweep_stale_temp_dirs() -> None:
+    """Removes the temporary config directories of vLLM engines whose process is gone (a run
+    killed with SIGKILL cannot remove its own): ``pepo_vllm_<PID>_*`` of a dead PID."""
+    for d in Path(tempfile.gettempdir()).glob(f"{_TMP_PREFIX}*_*"):
+        pid = d.name[len(_TMP_PREFIX):].split("_", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except (PermissionError, OverflowError):
+            pass
+
+
+def sequence_limit(model: torch.nn.Module, engine: str, options: Mapping[str, Any]) -> int:
+    """The longest prompt + response that ``engine`` can sample for ``model``: the model's
+    ``max_seq_len``, or for vLLM its ``max_model_len`` option when given (up to that).
+
+    Raises:
+        ValueError: a ``max_model_len`` that is not an int >= 2 or exceeds ``max_seq_len``
+            (the trainer could not score what the engine samples).
+    """
+    limit = int(getattr(model, "max_seq_len"))
+    value = options.get("max_model_len") if engine == "vllm" else None
+    if value is None:
+        return limit
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+        raise ValueError(f"generation.vllm.max_model_len must be an int >= 2, got {value!r}")
+    if value > limit:
+        raise ValueError(
+            f"generation.vllm.max_model_len={value} exceeds the model's max_seq_len={limit}, "
+            f"beyond which the trainer cannot score what the engine samples; raise "
+            f"model.max_seq_len or lower max_model_len"
+        )
+    return value
 
 
 def build_engine(name: str, model: torch.nn.Module, **options: Any) -> Any:
