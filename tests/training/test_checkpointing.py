@@ -108,7 +108,7 @@ def test_a_state_file_damaged_inside_is_caught_at_load_time(tmp_path):
     raw[start + 2 : start + 40] = b"X" * 38
     state_file.write_bytes(bytes(raw))
     assert c.latest().name == "step_3"  # the cheap check cannot see inside
-    with pytest.warns(ck.CheckpointWarning, match="step_3 is damaged .*does not load"):
+    with pytest.warns(ck.CheckpointWarning, match="step_3 is damaged .*the CRC-32 of .*data.pkl"):
         path, state = c.load_latest()
     assert path.name == "step_2" and state["step"] == 2
 
@@ -214,3 +214,62 @@ def test_a_missing_checkpoint_dir_says_it_does_not_exist(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(ValueError, match="is a file"):
         check_checkpoint_dir(str(tmp_path / "f"))
+
+
+def _flip_a_bit(path, offset_from_end):
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) - offset_from_end] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+def _big_three_steps(root):
+    """As _three_steps, with a state that holds a tensor (bytes to flip inside the zip)."""
+    m = torch.nn.Linear(64, 64)
+    c = ck.AtomicCheckpointer(root, keep=3)
+    for step in (1, 2, 3):
+        c.save(step, m, {"step": step, "buf": torch.arange(4096, dtype=torch.float32) * step})
+    return c
+
+
+def test_one_flipped_bit_in_the_state_file_is_caught_and_the_previous_checkpoint_used(tmp_path):
+    """A flipped bit in training_state.pt resumed without a word (no CRC was checked)."""
+    c = _big_three_steps(tmp_path)
+    state_file = tmp_path / "step_3" / ck.STATE_FILE
+    raw = state_file.read_bytes()
+    data_at = raw.index((torch.arange(4096, dtype=torch.float32) * 3)[1000:1004].numpy().tobytes())
+    _flip_a_bit(state_file, len(raw) - data_at)  # inside the tensor's bytes, not the pickle
+    assert torch.load(state_file, weights_only=True)["step"] == 3  # torch itself loads it
+    assert c.latest().name == "step_3"  # and the cheap check passes
+    with pytest.warns(ck.CheckpointWarning, match=r"step_3 is damaged \(training_state.pt: the CRC-32 of "):
+        path, state = c.load_latest()
+    assert path.name == "step_2" and state["step"] == 2
+
+
+def test_one_flipped_bit_in_the_weights_is_caught_by_the_recorded_sha256(tmp_path):
+    """model.safetensors has no checksum of its own: one flipped bit loaded silently."""
+    c = _big_three_steps(tmp_path)
+    _flip_a_bit(tmp_path / "step_3" / ck.MODEL_FILE, 100)  # inside the last tensor's data
+    m = torch.nn.Linear(64, 64)
+    load_model_weights(m, tmp_path / "step_3")  # loads without complaint
+    with pytest.warns(ck.CheckpointWarning,
+                      match=r"step_3 is damaged \(the sha256 of model.safetensors differs"):
+        path, _ = c.load_latest()
+    assert path.name == "step_2"
+
+
+def test_checksums_are_recorded_and_older_checkpoints_without_them_still_load(tmp_path):
+    import hashlib
+    import json
+    import warnings
+
+    c = _big_three_steps(tmp_path)
+    sums = json.loads((tmp_path / "step_3" / ck.CHECKSUMS).read_text(encoding="utf-8"))
+    assert sums == {n: hashlib.sha256((tmp_path / "step_3" / n).read_bytes()).hexdigest()
+                    for n in (ck.MODEL_FILE, ck.STATE_FILE)}
+    (tmp_path / "step_3" / ck.CHECKSUMS).unlink()  # as written before checksums existed
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert c.load_latest()[0].name == "step_3"
+    (tmp_path / "step_3" / ck.CHECKSUMS).write_text("{not json", encoding="utf-8")
+    with pytest.warns(ck.CheckpointWarning, match=r"step_3 is damaged \(checksums.json is unreadable"):
+        assert c.load_latest()[0].name == "step_2"

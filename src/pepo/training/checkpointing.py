@@ -11,11 +11,15 @@ Finding the checkpoint to resume from does not trust the marker blindly: a marke
 or names anything but a ``step_<N>`` directory of ``root`` is ignored (with a warning) and the
 ``step_<N>`` directories are scanned instead; a checkpoint found damaged (a file missing or
 truncated, e.g. by a full disk or a copy interrupted outside this module) is skipped with a
-warning naming it, for the next older one.
+warning naming it, for the next older one. Before a resume loads one, silent damage is looked
+for too: the CRC-32 of every member of the state file's zip, and the sha256 of both files against
+``checksums.json``, written with them.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -34,6 +38,7 @@ __all__ = ["AtomicCheckpointer", "CheckpointWarning", "follow_umask"]
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "training_state.pt"
 MARKER = "latest"
+CHECKSUMS = "checksums.json"  # sha256 of MODEL_FILE and STATE_FILE, recorded at save time
 _STEP_NAME = re.compile(r"step_(0|[1-9][0-9]*)")  # exactly what save() writes
 _MARKER_MAX_BYTES = 64  # a valid marker is "step_<N>\n"; never read an arbitrary big file
 
@@ -66,6 +71,14 @@ def _write_file(path: Path, write) -> None:
     write(path)
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _step(path: Path) -> Optional[int]:
@@ -113,7 +126,10 @@ class AtomicCheckpointer:
             weights = {k: v.detach().contiguous().cpu() for k, v in sd.items()}
             _write_file(tmp / MODEL_FILE, lambda p: save_file(weights, str(p)))
             _write_file(tmp / STATE_FILE, lambda p: torch.save(state, p))
-            for f in (tmp / MODEL_FILE, tmp / STATE_FILE):
+            sums = {name: _sha256(tmp / name) for name in (MODEL_FILE, STATE_FILE)}
+            _write_file(tmp / CHECKSUMS, lambda p: p.write_text(json.dumps(sums, indent=1) + "\n",
+                                                                encoding="utf-8"))
+            for f in (tmp / MODEL_FILE, tmp / STATE_FILE, tmp / CHECKSUMS):
                 follow_umask(f)
             _fsync_dir(tmp)
             if final.exists():  # a re-run of this step after a resume
@@ -210,6 +226,34 @@ class AtomicCheckpointer:
             return f"{STATE_FILE} is unreadable ({e})"
         return None
 
+    @staticmethod
+    def _corruption(path: Path) -> Optional[str]:
+        """What silent damage checkpoint ``path`` holds (a flipped bit), or None: every CRC-32 of
+        the state file's zip, and the sha256 of both files against those recorded at save time
+        (checkpoints written before pepo recorded them have only the CRCs checked). Reads both
+        files in full: what a resume does once."""
+        try:
+            with zipfile.ZipFile(path / STATE_FILE) as z:
+                bad = z.testzip()
+        except (zipfile.BadZipFile, OSError, EOFError) as e:
+            return f"{STATE_FILE} is unreadable ({e})"
+        except Exception as e:  # zlib.error and friends from a damaged member
+            return f"{STATE_FILE} does not decompress ({type(e).__name__}: {e})"
+        if bad is not None:
+            return f"{STATE_FILE}: the CRC-32 of {bad} does not match its data"
+        sums_file = path / CHECKSUMS
+        if not sums_file.is_file():
+            return None
+        try:
+            sums = json.loads(sums_file.read_text(encoding="utf-8"))
+            expected = {name: str(sums[name]) for name in (MODEL_FILE, STATE_FILE)}
+        except (ValueError, KeyError, TypeError, OSError) as e:
+            return f"{CHECKSUMS} is unreadable ({type(e).__name__}: {e})"
+        for name, digest in expected.items():
+            if _sha256(path / name) != digest:
+                return f"the sha256 of {name} differs from the one recorded when it was saved"
+        return None
+
     def _skip(self, path: Path, why: str) -> None:
         warnings.warn(
             f"checkpoint {path} is damaged ({why}): skipped, trying an older one",
@@ -252,7 +296,7 @@ class AtomicCheckpointer:
         :func:`pepo.training.weights.load_model_weights`.
         """
         for path in self._candidates():
-            why = self._damage(path)
+            why = self._damage(path) or self._corruption(path)
             if why is None:
                 try:
                     return path, self.load_state(path)
