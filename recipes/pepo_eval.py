@@ -30,6 +30,7 @@ from pepo.training.evaluation import (RewardError, avg_at_k, eval_generator, for
 from pepo.training.engines import build_engine, sequence_limit
 from pepo.training.config import (
     check_checkpoint_dir,
+    config_error_exit,
     check_device,
     check_engine,
     check_keys,
@@ -184,7 +185,7 @@ def _main(cfg: DictConfig) -> None:
     try:  # a bad config, file or field is the user's to fix: one line, no traceback
         setup = _setup(cfg)
     except ValueError as e:
-        sys.exit(f"config error: {e}")
+        config_error_exit(e)
     try:
         _evaluate(cfg, setup)
     except RewardError as e:  # the user's reward code: one line

@@ -83,6 +83,7 @@ from pepo.training.hf import save_hf
 from pepo.loss import clipped_policy_loss, policy_loss_metrics, truncated_is_weights
 from pepo.training.config import (
     build,
+    config_error_exit,
     check_world_size,
     engine_options,
     estimator_kwargs,
@@ -885,7 +886,7 @@ def _main(cfg: DictConfig) -> None:
     try:
         recipe = _built(cfg, log_config=True)
     except ValueError as e:
-        sys.exit(f"config error: {e}")
+        config_error_exit(e)
     except KeyboardInterrupt:  # Ctrl-C before training began: nothing to save
         print("interrupted (Ctrl-C) while setting up; nothing was trained", file=sys.stderr)
         sys.exit(130)

@@ -165,3 +165,20 @@ def test_a_failing_rank_stops_the_job_with_its_error(tmp_path):
     assert proc.returncode != 0
     assert "injected failure on rank 1 at step 2" in err
     assert time.monotonic() - t0 < 200  # well below the 600 s collective timeout
+
+
+def test_a_config_error_under_torchrun_is_printed_once(tmp_path):
+    """Each process printed the same `config error:` line (then torchrun's summary)."""
+    cfg = tiny_cfg(tmp_path, num_steps=1)
+    cfg.optimizer.lr = -1.0
+    path = tmp_path / "bad.yaml"
+    path.write_text(OmegaConf.to_yaml(cfg, resolve=True), encoding="utf-8")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "pepo_recipe", "--config", str(path)],
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err = finish(proc, timeout=180)
+    assert proc.returncode != 0
+    lines = [x for x in err.splitlines() if x.startswith("config error:")]
+    assert lines == ["config error: optimizer.lr must be a finite number > 0, got -1.0"], err[-3000:]

@@ -39,6 +39,7 @@ __all__ = [
     "check_engine",
     "check_keys",
     "check_output_dir",
+    "config_error_exit",
     "check_world_size",
     "engine_options",
     "estimator_kwargs",
@@ -106,6 +107,17 @@ def find_config(name_or_path: str) -> str:
         f"--config {name_or_path!r} is neither a file nor a bundled config; "
         f"bundled configs: {list_configs()}"
     )
+
+
+def config_error_exit(error: Exception) -> None:
+    """Exits with one ``config error:`` line, printed once: under torchrun every process
+    checks the same config and finds the same error, so only rank 0 prints it (the others exit
+    with status 1 in silence; torchrun then adds its own summary of the failed processes)."""
+    import sys
+
+    if os.environ.get("RANK", "0") != "0":
+        sys.exit(1)
+    sys.exit(f"config error: {error}")
 
 
 def resolve_config_arg(argv: list[str]) -> list[str]:
