@@ -11,6 +11,7 @@ from deep inside.
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 __all__: list[str] = []
 
@@ -53,6 +54,7 @@ def require(package: str, extra: str = "recipe", modules: tuple[str, ...] = RECI
         extra: the pyproject extra that installs ``modules``.
         modules: import names the package needs.
     """
+    quiet_torchao()
     absent = missing(modules)
     if absent:
         raise ImportError(
@@ -61,3 +63,24 @@ def require(package: str, extra: str = "recipe", modules: tuple[str, ...] = RECI
             f"(pepo.weighting, pepo.estimators, pepo.loss, pepo.entropy) needs torch alone.",
             name=absent[0],
         )
+
+
+class _TorchaoAbiNotice(logging.Filter):
+    """Drops the one line torchao 0.15.0 logs when imported with torch 2.13 ("Skipping import of
+    cpp extensions due to incompatible torch version ..."). torchao 0.15.0 is the newest
+    release torchtune 0.6.1 works with (0.16 breaks ``torchtune.training``), and it ships C++
+    kernels built for torch 2.9, which it then rightly does not load; neither the recipe nor
+    torchtune's code paths it runs use them. Every other torchao message passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(
+            "Skipping import of cpp extensions due to incompatible torch version")
+
+
+def quiet_torchao() -> None:
+    """Installs :class:`_TorchaoAbiNotice` on the ``torchao`` logger (once, before torchao is
+    imported by a recipe-layer module). ``tune run`` imports torchao (through torchtune)
+    before any pepo code runs, so there the line is printed once, before the run's own output."""
+    logger = logging.getLogger("torchao")
+    if not any(isinstance(f, _TorchaoAbiNotice) for f in logger.filters):
+        logger.addFilter(_TorchaoAbiNotice())
