@@ -559,3 +559,21 @@ def test_a_bad_reward_return_is_one_line_naming_the_component(tmp_path, monkeypa
     msg = cli(monkeypatch, capsys, cfg)
     assert msg.startswith("error: reward tests.recipe_helpers.BadReward returned") and shown in msg
     assert "\n" not in msg and "inf" not in msg.replace("1e+300", "")
+
+
+def test_a_metric_logger_whose_package_is_missing_is_one_config_error(tmp_path, monkeypatch, capsys):
+    """TensorBoardLogger without tensorboard was a ModuleNotFoundError traceback, then a second
+    one from the logger's __del__."""
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is not None:
+        pytest.skip("tensorboard is installed here")
+    cfg = tiny_cfg(tmp_path)
+    cfg.metric_logger = OmegaConf.create({
+        "_component_": "torchtune.training.metric_logging.TensorBoardLogger",
+        "log_dir": str(tmp_path / "tb")})
+    msg = cli(monkeypatch, capsys, cfg)
+    assert msg == ("config error: metric_logger: torchtune.training.metric_logging.TensorBoardLogger "
+                   "needs the 'tensorboard' package, which is not installed: pip install tensorboard")
+    assert "Exception ignored" not in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # refused before anything was written

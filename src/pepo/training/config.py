@@ -21,6 +21,7 @@ import importlib
 import inspect
 import os
 import importlib.resources
+import importlib.util
 import re
 import tempfile
 from pathlib import Path
@@ -38,6 +39,7 @@ __all__ = [
     "check_device",
     "check_engine",
     "check_keys",
+    "check_metric_logger",
     "check_output_dir",
     "config_error_exit",
     "check_world_size",
@@ -171,6 +173,35 @@ def build(cfg: DictConfig, key: str, *args: Any, **kwargs: Any) -> Any:
         return tune_config.instantiate(cfg[key], *args, **kwargs)
     except TypeError as e:
         raise ValueError(f"{key}: {cfg[key].get('_component_')} {e}") from None
+
+
+# torchtune's metric loggers and the package each imports when it is built (they fail with a
+# traceback, and a second one from their __del__, when it is missing)
+METRIC_LOGGER_PACKAGES = {
+    "TensorBoardLogger": ("tensorboard", "tensorboard"),
+    "WandBLogger": ("wandb", "wandb"),
+    "CometLogger": ("comet_ml", "comet_ml"),
+    "MLFlowLogger": ("mlflow", "mlflow"),
+}
+
+
+def check_metric_logger(section: Any) -> None:
+    """Raises ``ValueError`` naming the package to install when ``metric_logger`` is one of
+    torchtune's loggers whose package is not installed (checked before anything is built)."""
+    if section is None:
+        return
+    component = str(section.get("_component_", ""))
+    need = METRIC_LOGGER_PACKAGES.get(component.rsplit(".", 1)[-1])
+    if need is None:
+        return
+    module, package = need
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ValueError(f"metric_logger: {component} needs the {package!r} package, which is not "
+                         f"installed: pip install {package}")
 
 
 def engine_options(generation: Any) -> tuple[str, dict[str, Any]]:
@@ -535,6 +566,7 @@ def validate_config(cfg: DictConfig) -> None:
     except ValueError as e:
         raise ValueError(f"loss.{e}") from None
     check_engine(cfg.generation)
+    check_metric_logger(cfg.get("metric_logger"))
     if cfg.loss.get("tis_cap") is not None:
         _float(cfg, "loss.tis_cap", 0.0)
     _int(cfg, "max_nonfinite_steps", 1)
