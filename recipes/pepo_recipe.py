@@ -262,8 +262,11 @@ class PEPORecipe(FTRecipeInterface):
         if self.dist.enabled and "process_group" in (weighting.strategy_parameters(name) or ()):
             params = {**params, "process_group": self.dist.group}  # batch-global statistics
         self.strategy = weighting.get_strategy(name, **params)
+        # the newest keep_checkpoints, and (keep_best) the one of the best validation accuracy
+        self.keep_best = bool(cfg.get("keep_best", True)) and bool(self.val_every)
         self.checkpointer = AtomicCheckpointer(
-            self.output_dir / "checkpoints", keep=cfg.get("keep_checkpoints", 2)
+            self.output_dir / "checkpoints", keep=cfg.get("keep_checkpoints", 2),
+            best_metric="val_accuracy" if self.keep_best else None,
         )
         resume_state = self._find_checkpoint() if self.resume else None
 
@@ -750,8 +753,12 @@ class PEPORecipe(FTRecipeInterface):
         while self.step < self.num_steps:
             self.step += 1
             m = self.train_step()
+            new_best = False
             if self.val_every and (self.step % self.val_every == 0 or self.step == self.num_steps):
                 m["val_accuracy"] = self.validate()
+                new_best = self.keep_best and m["val_accuracy"] > max(
+                    (h["val_accuracy"] for h in self.history
+                     if h["step"] >= 1 and "val_accuracy" in h), default=-math.inf)
             self.history.append({"step": self.step, **m})
             self.metric_logger.log_dict(m, step=self.step)
             bar.update(1)
@@ -764,8 +771,10 @@ class PEPORecipe(FTRecipeInterface):
             if (
                 (self.save_every and self.step % self.save_every == 0)
                 or self.step == self.num_steps or self._stop_requested
+                or new_best  # the best validation so far: its weights are kept
             ):
-                self.save_checkpoint(self.step)
+                self.save_checkpoint(self.step, {"val_accuracy": m["val_accuracy"]}
+                                     if "val_accuracy" in m else None)
             if self._stop_requested:
                 bar.close()
                 # the first signal this process got (on a rank that got none: another rank's)
@@ -779,6 +788,12 @@ class PEPORecipe(FTRecipeInterface):
         summary = validation_summary(self.history, self.val_samples)
         if summary is not None and self.dist.is_main:
             log.info(summary)
+            best = self.checkpointer.best() if self.keep_best else None
+            if best is not None:
+                meta = self.checkpointer.metadata(best)
+                log.info(f"Best validation checkpoint (kept with the newest "
+                         f"{self.checkpointer.keep}): {best} (avg@{self.val_samples} "
+                         f"{meta['val_accuracy']:.3f} at step {meta['step']})")
         if self.hf_source is not None:
             weights = self._full_state_dict(cpu_offload=True)
             if self.dist.is_main:
@@ -798,9 +813,9 @@ class PEPORecipe(FTRecipeInterface):
         opts = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload and self.dist.enabled)
         return get_model_state_dict(self.model, options=opts)
 
-    def save_checkpoint(self, step: int) -> None:
+    def save_checkpoint(self, step: int, metrics: Optional[dict[str, float]] = None) -> None:
         """An atomic checkpoint of the whole (unsharded) state, written by rank 0, so that it
-        resumes with any number of processes."""
+        resumes with any number of processes; ``metrics`` go into its metadata."""
         weights = self._full_state_dict(cpu_offload=True)
         optimizer = get_optimizer_state_dict(
             self.model, self.optimizer,
@@ -823,7 +838,7 @@ class PEPORecipe(FTRecipeInterface):
         state["experiment"] = self.experiment
         if self.dist.is_main:
             try:
-                self.checkpointer.save(step, weights, state)
+                self.checkpointer.save(step, weights, state, metrics)
             except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a C++ error
                 if not _out_of_space(e, self.checkpointer.root):
                     raise

@@ -514,7 +514,7 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_naming_the_last_intact_one(tmp_
 
     real_write = ckpt_mod._write_file
     calls = [0]
-    per_checkpoint = 3  # model.safetensors, training_state.pt, checksums.json
+    per_checkpoint = 4  # model.safetensors, training_state.pt, checksums.json, metadata.json
 
     def filling(path, write):
         calls[0] += 1

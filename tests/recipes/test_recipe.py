@@ -311,3 +311,23 @@ def test_memory_options_give_the_same_losses(tmp_path):
     torch.testing.assert_close(torch.tensor(lean), torch.tensor(plain), rtol=1e-4, atol=1e-6)
     batched = run(tiny_cfg(tmp_path / "c", num_steps=2, generation={"batch_size": 3}))
     assert all(math.isfinite(v) for v in losses(batched))
+
+
+@pytest.mark.parametrize("keep_best", [True, False])
+def test_the_best_validation_checkpoint_is_saved_and_kept(tmp_path, monkeypatch, keep_best):
+    """keep_checkpoints=1 kept only the newest: the peak's weights were gone by the end."""
+    accs = iter([0.5, 0.7, 0.9, 0.6, 0.8])  # steps 0..4
+    monkeypatch.setattr(pepo_recipe.PEPORecipe, "validate", lambda self: next(accs))
+    cfg = tiny_cfg(tmp_path, num_steps=4, save_every=0, keep_checkpoints=1, keep_best=keep_best)
+    cfg.validation = {"every": 1, "samples": 1}
+    run(cfg)
+    ckpts = tmp_path / "run" / "checkpoints"
+    kept = sorted(p.name for p in ckpts.glob("step_*"))
+    if keep_best:
+        assert kept == ["step_2", "step_4"]  # step 2 saved only because it was a new best
+        assert (ckpts / "best").read_text(encoding="utf-8").strip() == "step_2"
+        from pepo.training.checkpointing import AtomicCheckpointer
+
+        assert AtomicCheckpointer.metadata(ckpts / "step_2") == {"step": 2, "val_accuracy": 0.9}
+    else:
+        assert kept == ["step_4"] and not (ckpts / "best").exists()

@@ -273,3 +273,30 @@ def test_checksums_are_recorded_and_older_checkpoints_without_them_still_load(tm
     (tmp_path / "step_3" / ck.CHECKSUMS).write_text("{not json", encoding="utf-8")
     with pytest.warns(ck.CheckpointWarning, match=r"step_3 is damaged \(checksums.json is unreadable"):
         assert c.load_latest()[0].name == "step_2"
+
+
+def test_the_best_checkpoint_is_kept_beside_the_newest_and_named_by_a_marker(tmp_path):
+    import json
+
+    m = torch.nn.Linear(3, 2)
+    c = ck.AtomicCheckpointer(tmp_path, keep=1, best_metric="val_accuracy")
+    for step, acc in [(1, 0.5), (2, 0.9), (3, 0.7), (4, 0.9), (5, None)]:
+        c.save(step, m, {"step": step}, None if acc is None else {"val_accuracy": acc})
+    # newest (5) and the best (2: the earliest of the two 0.9s), nothing else
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_2", "step_5"]
+    assert (tmp_path / "best").read_text(encoding="utf-8").strip() == "step_2"
+    assert c.best().name == "step_2" and c.latest().name == "step_5"
+    assert json.loads((tmp_path / "step_2" / ck.METADATA).read_text()) == {"step": 2, "val_accuracy": 0.9}
+    assert ck.AtomicCheckpointer.metadata(tmp_path / "step_5") == {"step": 5}
+    c.save(6, m, {"step": 6}, {"val_accuracy": 0.95})  # a new best replaces the old one
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_6"]
+    assert (tmp_path / "best").read_text(encoding="utf-8").strip() == "step_6"
+
+
+def test_without_a_best_metric_only_the_newest_are_kept(tmp_path):
+    m = torch.nn.Linear(3, 2)
+    c = ck.AtomicCheckpointer(tmp_path, keep=1)
+    for step, acc in [(1, 0.9), (2, 0.1)]:
+        c.save(step, m, {"step": step}, {"val_accuracy": acc})
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_2"]
+    assert c.best() is None and not (tmp_path / "best").exists()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -39,6 +40,8 @@ MODEL_FILE = "model.safetensors"
 STATE_FILE = "training_state.pt"
 MARKER = "latest"
 CHECKSUMS = "checksums.json"  # sha256 of MODEL_FILE and STATE_FILE, recorded at save time
+METADATA = "metadata.json"  # {"step": N, and the metric a checkpoint was kept for, if any}
+BEST_MARKER = "best"  # names the checkpoint with the best metric (when ``best_metric`` is set)
 _STEP_NAME = re.compile(r"step_(0|[1-9][0-9]*)")  # exactly what save() writes
 _MARKER_MAX_BYTES = 64  # a valid marker is "step_<N>\n"; never read an arbitrary big file
 
@@ -93,22 +96,28 @@ class AtomicCheckpointer:
     Args:
         root: the directory of the ``step_<N>`` checkpoints and the ``latest`` marker.
         keep: how many checkpoints to keep (int >= 1); older ones are deleted after a save.
+        best_metric: also keep the checkpoint whose ``metadata.json`` holds the highest value of
+            this metric (e.g. ``"val_accuracy"``; the earliest of equal ones), whatever its age,
+            and name it in the ``best`` marker. None: keep the newest ``keep`` only.
 
     Raises:
         ValueError: ``keep`` is not an int >= 1.
     """
 
-    def __init__(self, root: Union[str, Path], keep: int = 2) -> None:
+    def __init__(self, root: Union[str, Path], keep: int = 2,
+                 best_metric: Optional[str] = None) -> None:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be an int >= 1, got {keep!r}")
         self.root = Path(root)
         self.keep = keep
+        self.best_metric = best_metric
 
     def save(self, step: int, model: Union[torch.nn.Module, Mapping[str, torch.Tensor]],
-             state: dict[str, Any]) -> Path:
+             state: dict[str, Any], metrics: Optional[Mapping[str, float]] = None) -> Path:
         """Writes checkpoint ``step`` atomically and points ``latest`` at it.
 
-        ``model`` is a module or its (full) state dict.
+        ``model`` is a module or its (full) state dict; ``metrics`` (e.g. the step's validation
+        accuracy) go into the checkpoint's ``metadata.json`` with the step.
 
         Raises:
             ValueError: ``step`` is not an int >= 0.
@@ -127,9 +136,11 @@ class AtomicCheckpointer:
             _write_file(tmp / MODEL_FILE, lambda p: save_file(weights, str(p)))
             _write_file(tmp / STATE_FILE, lambda p: torch.save(state, p))
             sums = {name: _sha256(tmp / name) for name in (MODEL_FILE, STATE_FILE)}
-            _write_file(tmp / CHECKSUMS, lambda p: p.write_text(json.dumps(sums, indent=1) + "\n",
-                                                                encoding="utf-8"))
-            for f in (tmp / MODEL_FILE, tmp / STATE_FILE, tmp / CHECKSUMS):
+            meta = {"step": step, **{k: float(v) for k, v in (metrics or {}).items()}}
+            for name, data in ((CHECKSUMS, sums), (METADATA, meta)):
+                _write_file(tmp / name, lambda p, d=data: p.write_text(
+                    json.dumps(d, indent=1) + "\n", encoding="utf-8"))
+            for f in (tmp / MODEL_FILE, tmp / STATE_FILE, tmp / CHECKSUMS, tmp / METADATA):
                 follow_umask(f)
             _fsync_dir(tmp)
             if final.exists():  # a re-run of this step after a resume
@@ -149,9 +160,47 @@ class AtomicCheckpointer:
         return final
 
     def _prune(self, keep_name: str) -> None:
+        best = self.best()
         for p in self._step_dirs()[self.keep :]:
-            if p.name != keep_name:
+            if p.name != keep_name and (best is None or p.name != best.name):
                 shutil.rmtree(p, ignore_errors=True)
+        if self.best_metric is not None:
+            self._write_marker(BEST_MARKER, best.name if best is not None else None)
+
+    def _write_marker(self, name: str, target: Optional[str]) -> None:
+        """Points marker ``name`` at checkpoint ``target`` atomically (None: removes it)."""
+        path = self.root / name
+        if target is None:
+            path.unlink(missing_ok=True)
+            return
+        tmp = self.root / f".{name}.tmp"
+        tmp.write_text(target + "\n", encoding="utf-8")
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(self.root)
+
+    @staticmethod
+    def metadata(path: Union[str, Path]) -> dict[str, Any]:
+        """The ``metadata.json`` of checkpoint ``path`` (``{}`` when it has none or it is
+        unreadable)."""
+        try:
+            data = json.loads((Path(path) / METADATA).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def best(self) -> Optional[Path]:
+        """The checkpoint with the highest ``best_metric`` (the earliest of equal ones), or
+        None when no checkpoint records it (or ``best_metric`` is None)."""
+        if self.best_metric is None:
+            return None
+        scored = []
+        for p in self._step_dirs():
+            value = self.metadata(p).get(self.best_metric)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                scored.append((value, -_step(p), p))
+        return max(scored)[2] if scored else None
 
     def _step_dirs(self) -> list[Path]:
         """The ``step_<N>`` directories of ``root``, newest first.

@@ -311,7 +311,7 @@ def check_output_dir(path: Any, key: str = "output_dir") -> None:
 RESUME_MAY_CHANGE = (
     "name", "output_dir", "resume_from_checkpoint", "imports", "checkpoint_dir",
     "tokenizer.path", "model.model_dir", "num_steps", "validation", "val_dataset",
-    "save_every", "keep_checkpoints", "dump_rollouts_every", "plot", "metric_logger",
+    "save_every", "keep_checkpoints", "keep_best", "dump_rollouts_every", "plot", "metric_logger",
     "generation.batch_size", "micro_batch_size", "prior_cache", "logprob_chunk_size",
     "logprobs_from_hidden", "enable_activation_checkpointing", "max_nonfinite_steps",
     "reward.workers",
@@ -409,8 +409,8 @@ RECIPE_SCHEMA: dict[str, Any] = {
     "optimizer": None, "lr_scheduler": None, "clip_grad_norm": "value",
     "max_nonfinite_steps": "value",
     "validation": {"every", "samples"},
-    "save_every": "value", "keep_checkpoints": "value", "dump_rollouts_every": "value",
-    "plot": "value", "metric_logger": None, "prior_cache": "value",
+    "save_every": "value", "keep_checkpoints": "value", "keep_best": "value",
+    "dump_rollouts_every": "value", "plot": "value", "metric_logger": None, "prior_cache": "value",
     "distributed": {"timeout_s", "cpu_offload", "mixed_precision"},
 }
 
@@ -582,6 +582,8 @@ def validate_config(cfg: DictConfig) -> None:
     for key in ("keep_checkpoints", "logprob_chunk_size"):
         if cfg.get(key) is not None:
             _int(cfg, key, 1)
+    if not isinstance(cfg.get("keep_best", True), bool):
+        raise ValueError(f"keep_best must be true or false, got {cfg.get('keep_best')!r}")
 
     check_checkpoint_dir(_require(cfg, "checkpoint_dir"))
     check_output_dir(cfg.get("output_dir"))
