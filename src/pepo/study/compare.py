@@ -146,7 +146,7 @@ def _run(task: str, mode: str, label: str, strategy: dict, seed: int, out: Path,
     result = {
         "task": task, "mode": mode, "method": label, "seed": seed, "val_curve": val,
         "val_before": val[0][1], "val_after": val[-1][1], "val_k": int(cfg.validation.samples),
-        "val_problems": int(cfg.val_dataset.size), "num_steps": int(cfg.num_steps),
+        "val_problems": len(recipe.val_data), "num_steps": int(cfg.num_steps),
         "step_time_median": statistics.median(steps), "wall_s": time.perf_counter() - t0,
         "checkpoint": str(d / "checkpoints" / f"step_{int(cfg.num_steps)}"),
     }
