@@ -54,6 +54,7 @@ def test_two_step_one_seed_study(study, tmp_path, monkeypatch):
                             / "result.json").read_text())
         assert saved == r and r["val_curve"][-1] == [2, r["val_after"]]
         assert r["val_curve"][0][0] == 0 and r["val_k"] == 1 and r["num_steps"] == 2
+        assert r["val_problems"] == 4  # the prompts validated (not a config key every task has)
         assert Path(r["checkpoint"]).name == "step_2" and Path(r["checkpoint"]).is_dir()
     text = (docs / "results.md").read_text()
     grpo, pepo = results
