@@ -9,6 +9,7 @@ memory with the inputs alone. CPU figures need Linux's ``/proc``.
     python benchmarks/bench_weighting.py                # everything, CPU
     python benchmarks/bench_weighting.py --only weighting --repeats 5
     python benchmarks/bench_weighting.py --device cuda  # on a GPU
+    python benchmarks/bench_weighting.py --quick        # seconds: that it runs, no figures
 
 Direct formulations (the baselines):
 * windowed strategies: compact the valid tokens, reflect-pad by gathering, ``unfold`` into
@@ -335,8 +336,15 @@ def main() -> None:
     p.add_argument("--entropy-tokens", type=int, default=4096)
     p.add_argument("--hidden-dim", type=int, default=256, help="D of the hidden-state workload")
     p.add_argument("--chunk-size", type=int, default=1024)
+    p.add_argument("--quick", action="store_true",
+                   help="a few seconds' check that everything runs: small workloads, 1 repeat, "
+                        "no memory runs (the full run takes about 5 minutes and 12.5 GB of RAM "
+                        "on a 2-core CPU)")
     p.add_argument("--memory-child", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.quick:
+        args.repeats, args.no_memory = 1, True
+        args.vocab, args.entropy_tokens = 4096, 512
     if args.memory_child:
         memory_child(json.loads(args.memory_child))
         return
@@ -344,9 +352,13 @@ def main() -> None:
     if args.device.startswith("cuda"):
         print(f"device: {torch.cuda.get_device_name()}")
     memory = not args.no_memory
+    if not args.quick and args.device == "cpu":
+        print("(the full run takes about 5 minutes and 12.5 GB of RAM on a 2-core CPU; "
+              "--quick checks that it runs in seconds)\n", flush=True)
     if args.only in (None, "weighting"):
-        bench_weighting(args.device, args.repeats, [(256, 4096), (32, 32768)], memory)
-    if args.only in (None, "topk"):
+        shapes = [(16, 512)] if args.quick else [(256, 4096), (32, 32768)]
+        bench_weighting(args.device, args.repeats, shapes, memory)
+    if args.only in (None, "topk") and not args.quick:
         bench_topk_large(args.device)
     if args.only in (None, "entropy"):
         bench_entropy(

@@ -416,14 +416,25 @@ class PEPORecipe(FTRecipeInterface):
         data, t0, count = self.train_data, time.perf_counter(), [0, 0.0]
         prior_rng = torch.Generator(device=self._device).manual_seed(self.seed + 2)
         ids = [p.id for p in data]
+        # SPO's offline prior can take minutes before the first step: say so, and how far it is
+        total = int(getattr(self.estimator, "prior_samples", 0) or 0) * len(data)
+        shown = [0]
 
         def score(indices: list[int]) -> torch.Tensor:
+            if count[0] == 0 and total and self.dist.is_main:
+                log.info(f"Estimator {self.estimator.name!r}: sampling its offline prior, "
+                         f"{total} rollouts ({total // len(data)} per prompt) before step 1")
             seeds = draw_seeds(prior_rng, len(indices))
             part = self.dist.shard(len(indices))
             problems = [data[i] for i in indices]
             rewards = self.dist.gather(self._rollout(problems[part], seeds[part])[1])
             count[0] += len(indices)
             count[1] += float(rewards.sum())
+            if total and self.dist.is_main and count[0] < total and \
+                    10 * count[0] // total > shown[0]:  # every tenth
+                shown[0] = 10 * count[0] // total
+                log.info(f"  prior: {count[0]}/{total} rollouts "
+                         f"({time.perf_counter() - t0:.0f}s)")
             return rewards
 
         if self.prior_path is None:
