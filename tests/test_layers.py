@@ -197,21 +197,3 @@ def test_extras_list_matches_pyproject():
     dists = [line.split('"')[1] for line in block.splitlines() if line.strip().startswith('"')]
     names = [d.split("=")[0].split(">")[0].split("<")[0].replace("-", "_") for d in dists]
     assert sorted(n for n in names if n != "torch") == sorted(_extras.RECIPE_MODULES)
-
-
-@pytest.mark.skipif(bool(_extras.missing(("torchao",))), reason="needs the recipe extra")
-def test_the_torchao_abi_notice_is_kept_out_of_the_study_tools_output_and_nothing_else():
-    """torchao 0.15.0 (the newest torchtune 0.6.1 works with) logs one line on every import
-    with torch 2.13; the recipe-layer packages filter that line, and only it."""
-    import logging
-
-    code = ("import logging, pepo.study, torchao; "
-            "logging.getLogger('torchao').warning('another torchao warning')")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "Skipping import of cpp extensions" not in out.stderr
-    assert "another torchao warning" in out.stderr
-    notice = logging.LogRecord("torchao", logging.WARNING, __file__, 1,
-                               "Skipping import of cpp extensions due to incompatible torch "
-                               "version 2.13.0+cpu for torchao version 0.15.0", None, None)
-    assert not _extras._TorchaoAbiNotice().filter(notice)
