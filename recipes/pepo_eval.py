@@ -27,6 +27,7 @@ from torchtune import config, training, utils
 
 from pepo.training.evaluation import (RewardError, avg_at_k, eval_generator, format_table,
                                       write_results)
+from pepo.training.checkpointing import resolve_marker
 from pepo.training.engines import build_engine, sequence_limit
 from pepo.training.config import (
     check_checkpoint_dir,
@@ -111,6 +112,7 @@ def _check_previous_results(cfg: DictConfig) -> None:
 def _setup(cfg: DictConfig) -> dict[str, Any]:
     """Everything an evaluation needs, cheapest checks first: config, output directory, data,
     tokenizer, reward, then the model. Raises ``ValueError`` for what the user must fix."""
+    cfg.checkpoint_dir = resolve_marker(cfg.get("checkpoint_dir"))  # RUN/checkpoints/best works
     validate_eval_config(cfg)
     lock = _check_results_dir(cfg)
     reward = None

@@ -72,7 +72,7 @@ from tqdm import tqdm
 
 from pepo import _checks, estimators, weighting
 from pepo.training import prior_cache
-from pepo.training.checkpointing import MODEL_FILE, AtomicCheckpointer
+from pepo.training.checkpointing import MODEL_FILE, AtomicCheckpointer, resolve_marker
 from pepo.training.distributed import Dist, minibatch_indices, shard_model, tile_rows
 from pepo.training.engines import build_engine, sequence_limit
 from pepo.entropy import logprobs_and_entropy, logprobs_and_entropy_from_hidden
@@ -179,6 +179,8 @@ class PEPORecipe(FTRecipeInterface):
     """The RLVR training loop. ``cfg`` is read in ``__init__`` and :meth:`setup` only."""
 
     def __init__(self, cfg: DictConfig) -> None:
+        if cfg.get("checkpoint_dir") is not None:  # RUN/checkpoints/best or .../latest works
+            cfg.checkpoint_dir = resolve_marker(cfg.checkpoint_dir)
         validate_config(cfg)
         dcfg = cfg.get("distributed") or {}
         device_type = str(cfg.get("device", "cpu")).split(":")[0]

@@ -300,3 +300,15 @@ def test_without_a_best_metric_only_the_newest_are_kept(tmp_path):
         c.save(step, m, {"step": step}, {"val_accuracy": acc})
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_2"]
     assert c.best() is None and not (tmp_path / "best").exists()
+
+
+def test_a_marker_path_names_its_checkpoint_directory(tmp_path):
+    c = _three_steps(tmp_path)
+    assert ck.resolve_marker(str(tmp_path / "latest")) == str(tmp_path / "step_3")
+    assert ck.resolve_marker(tmp_path / "step_2") == tmp_path / "step_2"  # a directory: as is
+    assert ck.resolve_marker(None) is None
+    (tmp_path / "best").write_text("step_9\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"best is a checkpoint marker, but it names 'step_9', not a "
+                                         r"step_<N> checkpoint directory"):
+        ck.resolve_marker(str(tmp_path / "best"))
+    assert c.latest().name == "step_3"

@@ -352,6 +352,7 @@ def _main(args: argparse.Namespace) -> dict[str, dict[float, float]]:
     from omegaconf import OmegaConf
     from torchtune import config as tt_config
 
+    from pepo.training.checkpointing import resolve_marker
     from pepo.training.config import (check_checkpoint_dir, check_output_dir, find_config,
                                       register_resolvers)
     from pepo.training.tokenizers import stop_token_ids
@@ -360,7 +361,8 @@ def _main(args: argparse.Namespace) -> dict[str, dict[float, float]]:
     check_output_dir(args.out, "--out")  # before hours of sampling
     register_resolvers()
     cfg = OmegaConf.load(find_config(args.config))
-    base_dir = args.base or str(cfg.checkpoint_dir)
+    args.replacement = resolve_marker(args.replacement)  # RUN/checkpoints/best works
+    base_dir = resolve_marker(args.base) or str(cfg.checkpoint_dir)
     check_checkpoint_dir(base_dir, "--base")
     check_checkpoint_dir(args.replacement, "--replacement")
     budgets = [b / 100 for b in args.budgets]

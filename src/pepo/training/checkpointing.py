@@ -34,7 +34,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-__all__ = ["AtomicCheckpointer", "CheckpointWarning", "follow_umask"]
+__all__ = ["AtomicCheckpointer", "CheckpointWarning", "follow_umask", "resolve_marker"]
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "training_state.pt"
@@ -74,6 +74,28 @@ def _write_file(path: Path, write) -> None:
     write(path)
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
+
+
+def resolve_marker(path: Any) -> Any:
+    """The checkpoint directory that ``path`` names when it is a run's ``checkpoints/latest`` or
+    ``checkpoints/best`` marker file (so ``checkpoint_dir=RUN/checkpoints/best`` works wherever
+    a checkpoint directory is asked for); anything else is returned unchanged.
+
+    Raises:
+        ValueError: a marker that does not name a ``step_<N>`` directory beside it.
+    """
+    if path is None:
+        return path
+    p = Path(str(path))
+    if p.name not in (MARKER, BEST_MARKER) or not p.is_file():
+        return path
+    with open(p, "rb") as fh:
+        text = fh.read(_MARKER_MAX_BYTES + 1).decode("utf-8", errors="replace").strip()
+    target = p.parent / text
+    if not _STEP_NAME.fullmatch(text) or not target.is_dir() or target.is_symlink():
+        raise ValueError(f"{p} is a checkpoint marker, but it names {text[:_MARKER_MAX_BYTES]!r}, "
+                         f"not a step_<N> checkpoint directory beside it")
+    return str(target)
 
 
 def _sha256(path: Path) -> str:
