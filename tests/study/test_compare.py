@@ -83,6 +83,34 @@ def test_shards_split_the_runs(study, tmp_path, monkeypatch):
     assert len(set(ran)) == len(ran)
 
 
+def test_max_runs_trains_that_many_per_call_and_the_last_call_reports(study, tmp_path, monkeypatch):
+    """A fresh process per run (what a study with vLLM needs: its engine's memory adds up in one
+    process): each call trains --max-runs runs, later calls read them back and go on."""
+    ran = []
+
+    def fake(task, mode, label, strategy, seed, out, overrides):
+        ran.append(label)
+        r = {"task": task, "mode": mode, "method": label, "seed": seed}
+        d = study.run_dir(out, task, mode, label, seed)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "result.json").write_text(json.dumps(r), encoding="utf-8")
+        return r
+
+    reported = []
+    monkeypatch.setattr(study, "run_one", fake)
+    monkeypatch.setattr(study, "run_diagnostics", lambda *a: reported.append("diag") or None)
+    monkeypatch.setattr(study, "plot", lambda *a: None)
+    monkeypatch.setattr(study, "report", lambda *a: "report")
+    argv = ["--tasks", "tiny", "--seeds", "0", "--only", "single_stream", "--out", str(tmp_path),
+            "--max-runs", "1", "--no-intervention"]
+    n = len(study.METHODS["single_stream"])
+    for call in range(1, n + 1):
+        study.main(argv)
+        assert len(ran) == call and len(set(ran)) == call  # one new run per call
+        assert (tmp_path / "results.md").is_file() == (call == n) == bool(reported)
+    assert sorted(ran) == sorted(label for label, _ in study.METHODS["single_stream"])
+
+
 class _FakeRecipe:
     history = [{"step": 0, "val_accuracy": 0.5}, {"step": 1, "step_time": 1.0},
                {"step": 2, "step_time": 3.0, "val_accuracy": 0.75}]

@@ -346,6 +346,11 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="config overrides for every run (e.g. validation.every=10)")
     ap.add_argument("--shard", default="0/1", help="I/N: run every N-th run, starting at I")
+    ap.add_argument("--max-runs", type=int, default=None,
+                    help="train at most this many runs, then exit (finished runs are read back "
+                         "by the next call, which goes on; the call that finds nothing left to "
+                         "train writes the report): a fresh process per run, so that memory a "
+                         "run's rollout engine does not give back cannot add up")
     ap.add_argument("--report-only", action="store_true",
                     help="write the report from finished runs; run nothing")
     ap.add_argument("--no-intervention", action="store_true")
@@ -381,12 +386,17 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
                     if args.methods and label not in args.methods and label != METHODS[mode][0][0]:
                         continue
                     plan.append((task, mode, label, strategy, seed))
-    results, elsewhere = [], 0
+    results, elsewhere, trained = [], 0, 0
     for i, (task, mode, label, strategy, seed) in enumerate(plan):
-        if args.report_only or i % n_shards != shard:
-            if (saved := saved_result(run_dir(out, task, mode, label, seed))) is not None:
+        saved = saved_result(run_dir(out, task, mode, label, seed))
+        if args.report_only or i % n_shards != shard or saved is not None:
+            if saved is not None:
                 results.append(saved)
             continue
+        if args.max_runs is not None and trained >= args.max_runs:
+            print(f"trained {trained} run(s) (--max-runs); call again to go on", flush=True)
+            return results
+        trained += 1
         result = run_one(task, mode, label, strategy, seed, out, overrides)
         if result is not None:
             results.append(result)
