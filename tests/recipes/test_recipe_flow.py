@@ -7,7 +7,6 @@ value read from the wrong place. The recipe runs in-process on a random 1-layer 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
