@@ -105,7 +105,9 @@ def group_advantages(
     # not overflow), so that rewards near the dtype's limit do not overflow the mean or the std
     # (which gave a silent 0 advantage); fp64 is not used, as not every device has it.
     amax = r.abs().amax(dim=1, keepdim=True)  # [N/G, 1]
-    scale = torch.ldexp(torch.ones_like(amax), torch.frexp(amax)[1] - 1)  # |r|/scale < 2
+    # 2^(e-1) for |r|max = m 2^e, m in [0.5, 1): |r|/scale < 2 (a power in the rewards' dtype;
+    # torch.ldexp overflowed for float64 exponents above 127 before torch 2)
+    scale = torch.full_like(amax, 2.0).pow((torch.frexp(amax)[1] - 1).to(amax.dtype))
     scale = torch.where(amax > 0, scale, 1.0)
     rs = r / scale
     centred = rs - rs.mean(dim=1, keepdim=True)
