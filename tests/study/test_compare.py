@@ -112,6 +112,7 @@ def test_max_runs_trains_that_many_per_call_and_the_last_call_reports(study, tmp
 
 
 class _FakeRecipe:
+    val_data = [None] * 4  # the validation prompts the run used
     history = [{"step": 0, "val_accuracy": 0.5}, {"step": 1, "step_time": 1.0},
                {"step": 2, "step_time": 3.0, "val_accuracy": 0.75}]
 
