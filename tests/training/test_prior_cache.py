@@ -170,7 +170,9 @@ def test_a_failed_write_leaves_no_temp_file(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(prior_cache.json, "dump", boom)
+    import os
+
+    monkeypatch.setattr(os, "fsync", boom)  # the temp file exists when the disk fills
     with pytest.raises(OSError, match="No space"):
         prior_cache.write_prior(path, {"seed": 0}, {"a": 0.5})
     assert list(tmp_path.iterdir()) == []

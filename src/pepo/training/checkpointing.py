@@ -18,7 +18,6 @@ for too: the CRC-32 of every member of the state file's zip, and the sha256 of b
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -33,6 +32,8 @@ from typing import Any, Mapping, Optional, Union
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from pepo.training.pretrained import _sha256
 
 __all__ = ["AtomicCheckpointer", "CheckpointWarning", "follow_umask", "resolve_marker"]
 
@@ -70,6 +71,23 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def atomic_write_text(path: Path, text: str, tmp: Optional[Path] = None) -> None:
+    """Writes ``text`` to ``path`` atomically and durably: into ``tmp`` (default
+    ``PATH.tmp``), fsynced, renamed over ``path``, the directory fsynced; ``tmp`` is removed
+    when the write fails."""
+    tmp = tmp or path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())  # the data is on disk before the name points at it
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
 def _write_file(path: Path, write) -> None:
     write(path)
     with open(path, "rb+") as f:
@@ -96,14 +114,6 @@ def resolve_marker(path: Any) -> Any:
         raise ValueError(f"{p} is a checkpoint marker, but it names {text[:_MARKER_MAX_BYTES]!r}, "
                          f"not a step_<N> checkpoint directory beside it")
     return str(target)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _step(path: Path) -> Optional[int]:
@@ -172,12 +182,7 @@ class AtomicCheckpointer:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        marker_tmp = self.root / ".latest.tmp"
-        marker_tmp.write_text(final.name + "\n", encoding="utf-8")
-        with open(marker_tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(marker_tmp, self.root / MARKER)
-        _fsync_dir(self.root)
+        self._write_marker(MARKER, final.name)
         self._prune(keep_name=final.name)
         return final
 
@@ -195,12 +200,7 @@ class AtomicCheckpointer:
         if target is None:
             path.unlink(missing_ok=True)
             return
-        tmp = self.root / f".{name}.tmp"
-        tmp.write_text(target + "\n", encoding="utf-8")
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(self.root)
+        atomic_write_text(path, target + "\n", tmp=self.root / f".{name}.tmp")
 
     @staticmethod
     def metadata(path: Union[str, Path]) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 
 from pepo.training import hf
+from pepo.training.run_lock import process_gone
 from pepo.training.generation import Rollouts, draw_seeds, generate, pad_prompts
 
 __all__ = [
@@ -358,12 +359,8 @@ def _sweep_stale_temp_dirs() -> None:
         pid = d.name[len(_TMP_PREFIX):].split("_", 1)[0]
         if not pid.isdigit() or int(pid) == os.getpid():
             continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
+        if process_gone(int(pid)):
             shutil.rmtree(d, ignore_errors=True)
-        except (PermissionError, OverflowError):
-            pass
 
 
 def sequence_limit(model: torch.nn.Module, engine: str, options: Mapping[str, Any]) -> int:

@@ -19,9 +19,9 @@ import os
 from pathlib import Path
 from typing import Any, Hashable, Mapping, Optional, Sequence
 
-from pepo.training.checkpointing import _fsync_dir
+from pepo.training.checkpointing import atomic_write_text
 from pepo.training.config import experiment_changes
-from pepo.training.run_lock import locked
+from pepo.training.run_lock import locked, process_gone
 
 __all__ = ["locked", "read_prior", "write_prior"]
 
@@ -38,18 +38,9 @@ def write_prior(path: str | os.PathLike, fingerprint: Mapping[str, Any],
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(path)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"version": VERSION, "fingerprint": dict(fingerprint),
-                       "pass_rates": [[k, float(v)] for k, v in rates.items()]}, f)
-            f.flush()
-            os.fsync(f.fileno())  # the data is on disk before the name points at it
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+    text = json.dumps({"version": VERSION, "fingerprint": dict(fingerprint),
+                       "pass_rates": [[k, float(v)] for k, v in rates.items()]})
+    atomic_write_text(path, text, tmp=path.with_name(path.name + f".tmp{os.getpid()}"))
     return path
 
 
@@ -60,12 +51,8 @@ def _remove_stale_temps(path: Path) -> None:
         pid = tmp.name[len(path.name) + 4:]
         if not pid.isdigit():
             continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
+        if process_gone(int(pid)):
             tmp.unlink(missing_ok=True)
-        except (PermissionError, OverflowError):  # alive (another user's), or not a pid
-            pass
 
 
 def read_prior(path: str | os.PathLike, fingerprint: Mapping[str, Any],

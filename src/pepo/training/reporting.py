@@ -52,16 +52,9 @@ def truncate_metrics_log(path: Union[str, Path], step: int) -> int:
     keep = [line for line in lines if not logged_after(line)]
     if len(keep) == len(lines):
         return 0
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(keep)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    from pepo.training.checkpointing import atomic_write_text
+
+    atomic_write_text(path, "".join(keep))
     return len(lines) - len(keep)
 
 

@@ -25,9 +25,21 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
-__all__ = ["LOCK_FILE", "RunLock", "locked"]
+__all__ = ["LOCK_FILE", "RunLock", "locked", "process_gone"]
 
 LOCK_FILE = ".pepo.lock"
+
+
+def process_gone(pid: int) -> bool:
+    """Whether no process ``pid`` runs on this machine (another user's counts as running; a
+    number that cannot be a pid counts as gone): what removing a dead writer's leftovers asks."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return True
+    except PermissionError:
+        return False
+    return False
 
 
 @contextlib.contextmanager
