@@ -130,7 +130,7 @@ def _setup(cfg: DictConfig) -> dict[str, Any]:
         name, options = engine_options(cfg.generation)
         sequence_limit(model, name, options)  # a bad max_model_len before vLLM starts
         src = Path(str(cfg.checkpoint_dir))
-        engine = build_engine(name, model, **(
+        engine = build_engine(name, model, compile=cfg.generation.get("compile", False), **(
             {**options, "hf_dir": src if (src / "config.json").is_file() else None,
              "seed": cfg.seed} if name == "vllm" else {}))
     except BaseException:

@@ -27,8 +27,8 @@ Deviations from the paper's setup, all deliberate:
 
 * Log-probs and entropies ignore top-k/top-p truncation (as verl and TRL do): they are those of
   the temperature-scaled softmax.
-* Rollouts come from ``generation.engine``: torchtune's KV-cached decoder in the training
-  process (the default; the whole batch decodes in lock-step) or a colocated vLLM engine that
+* Rollouts come from ``generation.engine``: pepo's KV-cached decoder on the torchtune model
+  in the training process (the default) or a colocated vLLM engine that
   receives the trainer's weights after every optimizer step (``pepo.training.engines``). Either way the
   trainer recomputes the old log-probs itself; the engine's own log-probs only measure the
   mismatch (``rollout_logprob_gap``) and, with ``loss.tis_cap``, weight the loss by the capped
@@ -306,7 +306,8 @@ class PEPORecipe(FTRecipeInterface):
         self.seq_limit = sequence_limit(self.model, engine, options)
         self.train_data = self._fitting(train_data, "dataset")
         self.val_data = self._fitting(val_data, "val_dataset") if val_data else []
-        self.engine = build_engine(engine, self.model, **(
+        self.engine = build_engine(engine, self.model,
+                                   compile=cfg.generation.get("compile", False), **(
             {**options, "hf_dir": self.hf_source, "seed": self.seed,
              "state_dict": self._full_state_dict} if engine == "vllm" else {}))
         self.sampler = PromptSampler(len(self.train_data), seed=self.seed)

@@ -312,7 +312,7 @@ RESUME_MAY_CHANGE = (
     "name", "output_dir", "resume_from_checkpoint", "imports", "checkpoint_dir",
     "tokenizer.path", "model.model_dir", "num_steps", "validation", "val_dataset",
     "save_every", "keep_checkpoints", "keep_best", "dump_rollouts_every", "plot", "metric_logger",
-    "generation.batch_size", "micro_batch_size", "prior_cache", "logprob_chunk_size",
+    "generation.batch_size", "generation.compile", "micro_batch_size", "prior_cache", "logprob_chunk_size",
     "logprobs_from_hidden", "enable_activation_checkpointing", "max_nonfinite_steps",
     "reward.workers",
 )
@@ -349,7 +349,7 @@ def experiment_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[s
 # policy) depends on: a ``prior_cache`` file made under other values is refused.
 PRIOR_KEYS = ("seed", "dtype", "tokenizer", "model", "checkpoint_dir", "dataset", "reward",
               "generation", "estimator.name", "estimator.prior_samples")
-PRIOR_IGNORES = ("generation.batch_size", "reward.workers")
+PRIOR_IGNORES = ("generation.batch_size", "generation.compile", "reward.workers")
 
 
 def prior_fingerprint(cfg: DictConfig) -> dict[str, Any]:
@@ -400,7 +400,7 @@ RECIPE_SCHEMA: dict[str, Any] = {
     "tokenizer": None, "model": None, "checkpoint_dir": "value", "dataset": None,
     "val_dataset": None, "reward": None, "estimator": "estimator", "strategy": "strategy",
     "generation": {"max_new_tokens", "temperature", "top_k", "top_p", "stop_tokens", "batch_size",
-                   "engine", "vllm"},
+                   "engine", "vllm", "compile"},
     "num_steps": "value", "prompts_per_step": "value", "ppo_epochs": "value",
     "ppo_mini_batches": "value", "micro_batch_size": "value",
     "logprobs_from_hidden": "value", "logprob_chunk_size": "value",
@@ -558,6 +558,12 @@ def validate_config(cfg: DictConfig) -> None:
     gen_bs = cfg.generation.get("batch_size")
     if gen_bs is not None and (isinstance(gen_bs, bool) or not isinstance(gen_bs, int) or gen_bs < 1):
         raise ValueError(f"generation.batch_size must be an int >= 1 or null, got {gen_bs!r}")
+    compile_ = cfg.generation.get("compile", False)
+    if not isinstance(compile_, bool):
+        raise ValueError(f"generation.compile must be true or false, got {compile_!r}")
+    if compile_ and (cfg.generation.get("engine") or "torchtune") != "torchtune":
+        raise ValueError("generation.compile applies to the in-process decoder "
+                         "(generation.engine=torchtune); vLLM compiles its own model")
     top_k = cfg.generation.get("top_k")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"generation.top_k must be an int >= 1 or null, got {top_k!r}")

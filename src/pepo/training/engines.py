@@ -8,7 +8,7 @@ One interface, two implementations (``generation.engine`` in the recipe's config
     engine.close()
 
 * :class:`TorchtuneEngine` (``torchtune``, the default): :func:`pepo.training.generation.generate` on the
-  trainer's own module, a KV-cached lock-step decoder in the training process. Nothing to sync.
+  trainer's own module, a KV-cached decoder in the training process. Nothing to sync.
 * :class:`VLLMEngine` (``vllm``): a colocated ``vllm.LLM`` in the training process, as TRL's
   colocate mode runs it: paged attention, continuous batching. It starts from dummy weights and
   receives the trainer's parameters in place, under their Hugging Face names
@@ -60,12 +60,14 @@ class TorchtuneEngine:
 
     name = "torchtune"
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, compile: bool = False) -> None:
         self.model = model
+        self.compile = compile
 
     def generate(self, prompts: Sequence[Sequence[int]], **kwargs: Any) -> Rollouts:
         from pepo.training.distributed import unsharded
 
+        kwargs.setdefault("compile", self.compile)
         with unsharded(self.model):  # FSDP2: gathered once for the whole rollout phase
             return generate(self.model, prompts, **kwargs)
 
@@ -386,14 +388,24 @@ def sequence_limit(model: torch.nn.Module, engine: str, options: Mapping[str, An
     return value
 
 
-def build_engine(name: str, model: torch.nn.Module, **options: Any) -> Any:
+def build_engine(name: str, model: torch.nn.Module, *, compile: bool = False,
+                 **options: Any) -> Any:
     """The engine ``name`` (``torchtune`` or ``vllm``) for ``model``; ``options`` go to
-    :class:`VLLMEngine` (the torchtune engine takes none).
+    :class:`VLLMEngine` (the torchtune engine takes none); ``compile``
+    (``generation.compile``) compiles the in-process decoder's step.
 
     Raises:
-        ValueError: unknown name, vLLM not installed, or options for the torchtune engine.
+        ValueError: unknown name, vLLM not installed, options for the torchtune engine, or
+            ``compile`` for vLLM.
     """
     check_engine_available(name)
+    if not isinstance(compile, bool):
+        raise ValueError(f"generation.compile must be true or false, got {compile!r}")
     if name == "torchtune":
-        return TorchtuneEngine(model)
+        if options:
+            raise ValueError(f"the torchtune engine takes no options, got {sorted(options)}")
+        return TorchtuneEngine(model, compile=compile)
+    if compile:
+        raise ValueError("generation.compile applies to the in-process decoder "
+                         "(generation.engine=torchtune); vLLM compiles its own model")
     return VLLMEngine(model, **options)

@@ -2,9 +2,14 @@
 
 torchtune 0.6.1's ``generate`` has top-k but no top-p and returns raw logits; RL rollouts need
 nucleus sampling (the paper samples at temperature 0.6, top-p 0.6) and a per-row stop. Prompts
-are left-padded so every row decodes in lock-step through torchtune's KV cache; positions and
-the attention mask come from the padding (torchtune's own helpers), so a row's tokens are what
-the same prompt alone would give.
+are left-padded; positions and the attention mask come from the padding (torchtune's own
+helpers), so a row's tokens are what the same prompt alone would give.
+
+Two decoders sample the same tokens for the same per-row seeds: the fast one (the default) runs
+the model's own modules with its own KV cache, attending over the filled part of the cache only
+and dropping finished rows from the batch; the reference one runs the model's forward through
+torchtune's KV cache with every row in lock-step to the end (what the fast one is tested and
+benchmarked against, ``benchmarks/bench_decoder.py``).
 
 The layout ``[left-padded prompt | response]`` is also what :func:`sequence_inputs` builds for
 the training forward, so old and new log-probs see exactly the positions the sampler saw.
@@ -13,7 +18,7 @@ the training forward, so old and new log-probs see exactly the positions the sam
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torchtune.generation import (
@@ -22,8 +27,8 @@ from torchtune.generation import (
 )
 from torchtune.modules.common_utils import local_kv_cache
 
-__all__ = ["Rollouts", "draw_seeds", "filter_logits", "generate", "pad_prompts", "row_uniforms",
-           "sequence_inputs"]
+__all__ = ["DECODERS", "Rollouts", "draw_seeds", "filter_logits", "generate", "pad_prompts",
+           "row_uniforms", "row_uniforms_table", "sequence_inputs"]
 
 
 @dataclass
@@ -125,9 +130,21 @@ def row_uniforms(seeds: torch.Tensor, step: int) -> torch.Tensor:
 
     Shape: seeds ``[B]`` int64 in ``[0, 2^31)``; returns ``[B]`` float64.
     """
-    key = _mix32(seeds.long())
-    hi = _mix32(key ^ _mix32(torch.full_like(key, 2 * step)))
-    lo = _mix32(key ^ _mix32(torch.full_like(key, 2 * step + 1)))
+    return _uniforms(seeds.long()[:, None], torch.tensor([step]))[:, 0]
+
+
+def row_uniforms_table(seeds: torch.Tensor, steps: int) -> torch.Tensor:
+    """:func:`row_uniforms` for steps ``0 .. steps-1`` at once: ``[B, steps]`` float64, column
+    ``t`` equal to ``row_uniforms(seeds, t)``."""
+    return _uniforms(seeds.long()[:, None], torch.arange(steps))
+
+
+def _uniforms(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """``[B, 1]`` seeds and ``[T]`` steps to ``[B, T]`` uniforms (:func:`row_uniforms`)."""
+    key = _mix32(seeds)
+    steps = steps.to(seeds.device, torch.long)[None, :]
+    hi = _mix32(key ^ _mix32(2 * steps))
+    lo = _mix32(key ^ _mix32(2 * steps + 1))
     return ((hi >> 5) * 2**26 + (lo >> 6)).double() / 2.0**53
 
 
@@ -157,6 +174,9 @@ def sequence_inputs(
     return get_causal_mask_from_padding_mask(full), get_position_ids_from_padding_mask(full)
 
 
+DECODERS = ("fast", "reference")
+
+
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -171,6 +191,8 @@ def generate(
     generator: Optional[torch.Generator] = None,
     batch_size: Optional[int] = None,
     seeds: Optional[torch.Tensor] = None,
+    decoder: str = "fast",
+    compile: bool = False,
 ) -> Rollouts:
     """Samples one response per prompt (repeat prompts for several samples).
 
@@ -185,31 +207,51 @@ def generate(
         stop_tokens: ids that end a response.
         temperature, top_k, top_p: sampling filters (:func:`filter_logits`).
         generator: RNG for the draws (seed it for reproducible rollouts), when no ``seeds``.
+            The fast decoder draws each row's seed from it (:func:`draw_seeds`); the reference
+            decoder draws the tokens from it with ``torch.multinomial``.
         batch_size: decode at most this many rows at once (the KV cache grows with it); the
             pieces are merged into one :class:`Rollouts`.
         seeds: one seed per prompt (``[B]`` int64, :func:`draw_seeds`): each row's tokens are
             drawn with its own counter-based uniforms (:func:`row_uniforms`), so a row samples
             the same response whatever batch it is decoded in. The recipe always passes them.
+        decoder: ``"fast"`` (the default: :func:`_generate_fast`, its own KV cache that attends
+            over the filled part only, finished rows dropped from the batch) or ``"reference"``
+            (torchtune's KV cache, every row in lock-step to the end: the decoder the fast one is
+            tested against). With the same ``seeds`` both sample the same tokens, up to float
+            rounding where a row's probabilities sit on a draw's boundary. A model the fast
+            decoder cannot read (not a plain torchtune decoder of self-attention layers, or
+            FSDP-sharded parameters outside :class:`pepo.training.distributed.unsharded`)
+            decodes with the reference one.
+        compile: run the fast decoder's step (:func:`_decode_step`) through ``torch.compile``
+            (compiled once per process, for any batch and cache length). It fuses the step's
+            small element-wise ops; the first call pays the compilation (tens of seconds on a
+            CPU), so it pays off on long runs only. ``docs/performance.md`` has the figures.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if decoder not in DECODERS:
+        raise ValueError(f"decoder must be one of {list(DECODERS)}, got {decoder!r}")
     if seeds is not None and (seeds.dim() != 1 or seeds.shape[0] != len(prompts)):
         raise ValueError(f"seeds must be [B]=[{len(prompts)}] (one per prompt), got "
                          f"{list(seeds.shape)}")
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    plan = _FastPlan.of(model) if decoder == "fast" else None
+    if plan is not None and seeds is None:
+        seeds = (draw_seeds(generator, len(prompts)) if generator is not None
+                 else torch.randint(0, 2**31 - 1, (len(prompts),)))
     if batch_size is not None and len(prompts) > batch_size:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         parts = [
             generate(model, prompts[i : i + batch_size], max_new_tokens=max_new_tokens,
                      pad_id=pad_id, stop_tokens=stop_tokens, temperature=temperature,
-                     top_k=top_k, top_p=top_p, generator=generator,
-                     seeds=None if seeds is None else seeds[i : i + batch_size])
+                     top_k=top_k, top_p=top_p, generator=generator, decoder=decoder,
+                     compile=compile, seeds=None if seeds is None else seeds[i : i + batch_size])
             for i in range(0, len(prompts), batch_size)
         ]
         return _cat(parts, pad_id)
     device = next(model.parameters()).device
     prompt_tokens, prompt_mask = pad_prompts(prompts, pad_id, device)
-    bsz, plen = prompt_tokens.shape
+    plen = prompt_tokens.shape[1]
     total = plen + max_new_tokens
     max_seq_len = getattr(model, "max_seq_len", None)
     if max_seq_len is not None and total > max_seq_len:
@@ -217,41 +259,19 @@ def generate(
             f"prompt length {plen} + max_new_tokens {max_new_tokens} = {total} exceeds the "
             f"model's max_seq_len={max_seq_len}"
         )
-    attn_mask, positions = sequence_inputs(prompt_mask, max_new_tokens)  # [B,S,S], [B,S]
     stops = torch.as_tensor(list(stop_tokens), dtype=torch.long, device=device)
-    out = torch.full((bsz, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    out_lp = torch.zeros((bsz, max_new_tokens), dtype=torch.float32, device=device)
-    valid = torch.zeros((bsz, max_new_tokens), dtype=torch.bool, device=device)
-    done = torch.zeros(bsz, dtype=torch.bool, device=device)
-    dtype = next(model.parameters()).dtype
+    sample = dict(temperature=temperature, top_k=top_k, top_p=top_p)
     was_training = model.training
     model.eval()
     try:
-        with local_kv_cache(
-            model, batch_size=bsz, device=device, dtype=dtype, decoder_max_seq_len=total
-        ):
-            logits = model(
-                prompt_tokens, input_pos=positions[:, :plen], mask=attn_mask[:, :plen]
-            )[:, -1]  # [B, V]
-            for t in range(max_new_tokens):
-                probs = filter_logits(logits, temperature, top_k, top_p).softmax(-1)
-                if seeds is None:
-                    tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [B]
-                else:
-                    tok = _sample(probs, row_uniforms(seeds, t)).to(device)  # [B]
-                out_lp[:, t] = torch.where(done, 0.0, probs.gather(1, tok[:, None]).squeeze(1).log())
-                tok = torch.where(done, pad_id, tok)
-                out[:, t] = tok
-                valid[:, t] = ~done
-                done = done | torch.isin(tok, stops)
-                if t + 1 == max_new_tokens or bool(done.all()):
-                    break
-                pos = plen + t
-                logits = model(
-                    tok[:, None],
-                    input_pos=positions[:, pos : pos + 1],
-                    mask=attn_mask[:, pos : pos + 1],
-                )[:, -1]
+        if plan is not None:
+            out, out_lp, valid, done = _generate_fast(
+                plan, prompt_tokens, prompt_mask, max_new_tokens, pad_id, stops, seeds,
+                step=_compiled_step() if compile else _decode_step, **sample)
+        else:
+            out, out_lp, valid, done = _generate_reference(
+                model, prompt_tokens, prompt_mask, max_new_tokens, pad_id, stops, seeds,
+                generator, **sample)
     finally:
         model.train(was_training)
     width = int(valid.sum(-1).max())
@@ -263,6 +283,252 @@ def generate(
         finished=done,
         logprobs=out_lp[:, :width],
     )
+
+
+def _draw(logits: torch.Tensor, u: Optional[torch.Tensor], generator: Optional[torch.Generator],
+          temperature: float, top_k: Optional[int], top_p: float
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from ``logits`` ``[b, V]`` after the filters, and its log-probability
+    under the filtered distribution: inverse-CDF with the uniforms ``u`` ``[b]``, or
+    ``torch.multinomial`` with ``generator`` when ``u`` is None."""
+    probs = filter_logits(logits, temperature, top_k, top_p).softmax(-1)
+    if u is None:
+        tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [b]
+    else:
+        tok = _sample(probs, u).to(logits.device)  # [b]
+    return tok, probs.gather(1, tok[:, None]).squeeze(1).log()
+
+
+def _generate_reference(model, prompt_tokens, prompt_mask, max_new_tokens, pad_id, stops, seeds,
+                        generator, *, temperature, top_k, top_p):
+    """The decoder through torchtune's KV cache (``local_kv_cache``): every row decodes in
+    lock-step until all have stopped, attending over the whole preallocated cache. Returns
+    tokens, log-probs, valid mask ``[B, T]`` and finished ``[B]``."""
+    bsz, plen = prompt_tokens.shape
+    device = prompt_tokens.device
+    attn_mask, positions = sequence_inputs(prompt_mask, max_new_tokens)  # [B,S,S], [B,S]
+    out = torch.full((bsz, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    out_lp = torch.zeros((bsz, max_new_tokens), dtype=torch.float32, device=device)
+    valid = torch.zeros((bsz, max_new_tokens), dtype=torch.bool, device=device)
+    done = torch.zeros(bsz, dtype=torch.bool, device=device)
+    dtype = next(model.parameters()).dtype
+    with local_kv_cache(model, batch_size=bsz, device=device, dtype=dtype,
+                        decoder_max_seq_len=plen + max_new_tokens):
+        logits = model(
+            prompt_tokens, input_pos=positions[:, :plen], mask=attn_mask[:, :plen]
+        )[:, -1]  # [B, V]
+        for t in range(max_new_tokens):
+            u = None if seeds is None else row_uniforms(seeds, t)
+            tok, lp = _draw(logits, u, generator, temperature, top_k, top_p)
+            out_lp[:, t] = torch.where(done, 0.0, lp)
+            tok = torch.where(done, pad_id, tok)
+            out[:, t] = tok
+            valid[:, t] = ~done
+            done = done | torch.isin(tok, stops)
+            if t + 1 == max_new_tokens or bool(done.all()):
+                break
+            pos = plen + t
+            logits = model(
+                tok[:, None],
+                input_pos=positions[:, pos : pos + 1],
+                mask=attn_mask[:, pos : pos + 1],
+            )[:, -1]
+    return out, out_lp, valid, done
+
+
+@dataclass
+class _Layer:
+    """The parts of one torchtune ``TransformerSelfAttentionLayer`` the fast decoder calls."""
+
+    sa_norm: torch.nn.Module
+    attn: torch.nn.Module
+    sa_scale: torch.nn.Module
+    mlp_norm: torch.nn.Module
+    mlp: torch.nn.Module
+    mlp_scale: torch.nn.Module
+
+
+@dataclass
+class _FastPlan:
+    """A torchtune decoder read as the modules :func:`_generate_fast` calls in its own order."""
+
+    embed: torch.nn.Module
+    layers: list
+    norm: torch.nn.Module
+    output: Callable
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> Optional["_FastPlan"]:
+        """The plan, or None for a model whose forward the fast decoder cannot reproduce."""
+        from torchtune.modules import (MultiHeadAttention, TransformerDecoder,
+                                       TransformerSelfAttentionLayer)
+
+        if type(model) is not TransformerDecoder or model.output_hidden_states:
+            return None
+        if model.caches_are_setup() or _has_sharded_parameters(model):
+            return None
+        layers = []
+        for layer in model.layers:
+            layer = getattr(layer, "_checkpoint_wrapped_module", layer)  # activation checkpointing
+            attn = getattr(layer, "attn", None)
+            if type(layer) is not TransformerSelfAttentionLayer or type(attn) is not MultiHeadAttention:
+                return None
+            if (attn.num_heads % attn.num_kv_heads or attn.kv_cache is not None
+                    or (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+                    != (model.layers[0].attn.num_heads, model.layers[0].attn.num_kv_heads,
+                        model.layers[0].attn.head_dim)):
+                return None
+            layers.append(_Layer(layer.sa_norm, attn, layer.sa_scale, layer.mlp_norm, layer.mlp,
+                                 layer.mlp_scale))
+        first = layers[0].attn
+        return cls(model.tok_embeddings, layers, model.norm, model.output, first.num_heads,
+                   first.num_kv_heads, first.head_dim)
+
+
+def _has_sharded_parameters(model: torch.nn.Module) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without distributed tensors
+        return False
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _project(attn, h: torch.Tensor, pos: torch.Tensor):
+    """q ``[b, n_h, s, h_d]``, k and v ``[b, n_kv, s, h_d]`` of ``h`` ``[b, s, d]``, as
+    torchtune's ``MultiHeadAttention.forward`` computes them (RoPE, then the optional norms)."""
+    b, s, _ = h.shape
+    q = attn.q_proj(h).view(b, s, attn.num_heads, attn.head_dim)
+    k = attn.k_proj(h).view(b, s, -1, attn.head_dim)
+    v = attn.v_proj(h).view(b, s, -1, attn.head_dim)
+    if attn.pos_embeddings is not None:
+        q = attn.pos_embeddings(q, input_pos=pos)
+        k = attn.pos_embeddings(k, input_pos=pos)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if attn.q_norm is not None:
+        q = attn.q_norm(q)
+    if attn.k_norm is not None:
+        k = attn.k_norm(k)
+    return q, k, v
+
+
+def _decode_step(plan: _FastPlan, tok: torch.Tensor, pos: torch.Tensor, cache_k: list,
+                 cache_v: list, bias: torch.Tensor) -> torch.Tensor:
+    """One decoding step of ``b`` rows: the new tokens ``tok`` ``[b]`` at positions ``pos``
+    ``[b, 1]`` go into column ``n - 1`` of every layer's cache (``[b, n_kv, S, h_d]``), each
+    attending over columns ``0 .. n-1``, with ``bias`` ``[b * n_kv, 1, n]`` (0, or -inf on left
+    padding). Returns the next logits ``[b, V]`` fp32.
+
+    The heads that share a key/value head form one query block, so every (row, key/value
+    head) is one small matrix product over the filled columns: softmax(q·kᵀ/√h_d + bias)·v, as
+    ``scaled_dot_product_attention`` computes it, with no copy of the cache.
+    """
+    b, n = tok.shape[0], bias.shape[-1]
+    n_kv, hd = plan.num_kv_heads, plan.head_dim
+    group = plan.num_heads // n_kv
+    x = plan.embed(tok[:, None])  # [b, 1, d]
+    for layer, ck, cv in zip(plan.layers, cache_k, cache_v):
+        q, k, v = _project(layer.attn, layer.sa_norm(x), pos)
+        ck[:, :, n - 1 : n] = k
+        cv[:, :, n - 1 : n] = v
+        scores = torch.baddbmm(bias, q.reshape(b * n_kv, group, hd),
+                               ck[:, :, :n].transpose(-1, -2).reshape(b * n_kv, hd, n),
+                               alpha=hd ** -0.5)  # [b * n_kv, group, n]
+        a = torch.bmm(scores.softmax(-1), cv[:, :, :n].reshape(b * n_kv, n, hd))
+        x = x + layer.sa_scale(layer.attn.output_proj(a.reshape(b, 1, -1)))
+        x = x + layer.mlp_scale(layer.mlp(layer.mlp_norm(x)))
+    return plan.output(plan.norm(x)).float()[:, 0]
+
+
+_COMPILED: dict = {}
+
+
+def _compiled_step() -> Callable:
+    """:func:`_decode_step` through ``torch.compile`` (dynamic shapes: the batch shrinks and the
+    cache fills as decoding goes on), built on first use."""
+    if "step" not in _COMPILED:
+        _COMPILED["step"] = torch.compile(_decode_step, dynamic=True)
+    return _COMPILED["step"]
+
+
+# Compact the batch (drop finished rows from it and from the KV cache) once at most this share
+# of its rows is still decoding: each compaction copies the cache once, about what one decoding
+# step reads, so it pays back within a few steps.
+_COMPACT_BELOW = 0.875
+
+
+def _generate_fast(plan: _FastPlan, prompt_tokens, prompt_mask, max_new_tokens, pad_id, stops,
+                   seeds, *, step, temperature, top_k, top_p):
+    """The fast decoder: the model's own modules in torchtune's order, with a KV cache of
+    ``[b, n_kv, S, h_d]`` per layer that each step attends over up to its filled length only
+    (grouped-query heads read their shared key/value head in place, never expanded), and
+    finished rows dropped from the batch (:data:`_COMPACT_BELOW`). ``step`` is
+    :func:`_decode_step` or its compiled form. Row ``i``'s uniforms are
+    ``row_uniforms(seeds[i], t)`` as in the reference decoder, so it draws the same tokens.
+    Returns tokens, log-probs, valid mask ``[B, T]`` and finished ``[B]``."""
+    bsz, plen = prompt_tokens.shape
+    device = prompt_tokens.device
+    n_kv, hd = plan.num_kv_heads, plan.head_dim
+    group = plan.num_heads // n_kv
+    total = plen + max_new_tokens
+    dtype = next(plan.embed.parameters()).dtype
+    keys = torch.nn.functional.pad(prompt_mask, (0, max_new_tokens), value=True)  # [B, S]
+    positions = get_position_ids_from_padding_mask(keys)  # [B, S]
+    uniforms = row_uniforms_table(seeds, max_new_tokens).to(device)  # [B, T] float64
+    out = torch.full((bsz, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    out_lp = torch.zeros((bsz, max_new_tokens), dtype=torch.float32, device=device)
+    steps = torch.zeros(bsz, dtype=torch.long, device=device)  # tokens decoded per row
+    done = torch.zeros(bsz, dtype=torch.bool, device=device)
+    cache_k = [torch.empty((bsz, n_kv, total, hd), dtype=dtype, device=device)
+               for _ in plan.layers]
+    cache_v = [torch.empty_like(c) for c in cache_k]
+
+    # prefill: the prompts under their causal, padding-aware mask
+    mask = get_causal_mask_from_padding_mask(prompt_mask)[:, None]  # [B, 1, P, P]
+    x = plan.embed(prompt_tokens)
+    for i, layer in enumerate(plan.layers):
+        h = layer.sa_norm(x)
+        q, k, v = _project(layer.attn, h, positions[:, :plen])
+        cache_k[i][:, :, :plen] = k
+        cache_v[i][:, :, :plen] = v
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + layer.sa_scale(layer.attn.output_proj(a.transpose(1, 2).reshape(bsz, plen, -1)))
+        x = x + layer.mlp_scale(layer.mlp(layer.mlp_norm(x)))
+    logits = plan.output(plan.norm(x[:, -1:])).float()[:, 0]  # [B, V]
+
+    rows = torch.arange(bsz, device=device)  # the original row of each row of the batch
+    live = torch.ones(bsz, dtype=torch.bool, device=device)  # not yet stopped, per batch row
+    n_live = bsz
+    # the left padding as an additive bias on the scores, [B, 1, S]
+    key_bias = torch.zeros(keys.shape, dtype=dtype, device=device).masked_fill(~keys, float("-inf"))
+    key_bias = key_bias[:, None, :]
+    for t in range(max_new_tokens):
+        tok, lp = _draw(logits, uniforms[rows, t], None, temperature, top_k, top_p)
+        tok = torch.where(live, tok, pad_id)
+        out[rows, t] = tok
+        out_lp[rows, t] = torch.where(live, lp, 0.0)
+        steps[rows] += live.long()
+        stopped = live & torch.isin(tok, stops)
+        done[rows] |= stopped
+        live = live & ~stopped
+        n_live = int(live.sum())
+        if n_live == 0 or t + 1 == max_new_tokens:
+            break
+        if n_live <= _COMPACT_BELOW * live.shape[0]:
+            keep = live.nonzero().squeeze(-1)
+            rows, live, tok, key_bias = rows[keep], live[keep], tok[keep], key_bias[keep]
+            cache_k = [c[keep] for c in cache_k]
+            cache_v = [c[keep] for c in cache_v]
+        col = plen + t  # the new token's column in the cache
+        logits = step(plan, tok, positions[rows, col : col + 1], cache_k, cache_v,
+                              key_bias[:, :, : col + 1].repeat_interleave(n_kv, 0))
+    valid = torch.arange(max_new_tokens, device=device) < steps[:, None]
+    return out, out_lp, valid, done
 
 
 def _cat(parts: Sequence[Rollouts], pad_id: int) -> Rollouts:

@@ -1,0 +1,161 @@
+"""The in-process decoder against the machine's bounds, on the embedded tasks' shipped models.
+
+    python benchmarks/bench_decoder.py [--configs tiny tiny_drift] [--rows 64 256]
+        [--repeats 3] [--compile] [--no-reference]
+
+For each config and batch of ``--rows`` rollouts (the config's prompts, 8 rollouts each, the
+config's sampling settings and response limit, one seed per rollout) it decodes with
+``pepo.training.generation.generate``: the reference decoder (torchtune's KV cache, every row in
+lock-step to the end), the fast decoder (the default), and with ``--compile`` the fast decoder's
+step through ``torch.compile`` (its compilation time is printed apart). They run back to back,
+``--repeats`` rounds in turn after a warm-up, so a change of load hits all of them; the table
+gives median generated tokens/s.
+
+Two bounds, measured in the same run:
+
+* **matmul bound**: 2 x parameters FLOP per generated token at the FLOP/s this machine's GEMMs
+  reach on the decode step's shapes (every linear layer of the model applied to ``[rows, d_in]``
+  inputs, timed alone). It leaves out attention.
+* **roofline**: the matmul bound's time plus reading the KV cache once per decoding step (what
+  attention cannot avoid: ``2 x layers x kv_heads x head_dim`` values per cached position of
+  each row still decoding, at the read bandwidth measured here on a 200 MB tensor).
+
+Ratios are within this one run; the machine line says where it ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from torchtune import config as tt_config
+
+import pepo.training.generation as G
+from pepo.training.config import find_config, register_resolvers
+from pepo.training.weights import load_model_weights
+
+
+def load(config: str, rows: int):
+    """Model, prompts (8 rollouts of each) and generate() keywords of ``config``."""
+    register_resolvers()
+    cfg = OmegaConf.load(find_config(config))
+    model = tt_config.instantiate(cfg.model)
+    load_model_weights(model, cfg.checkpoint_dir)
+    model.eval()
+    tok = tt_config.instantiate(cfg.tokenizer)
+    data = tt_config.instantiate(cfg.dataset)
+    prompts = [tok.encode_prompt(data[i // 8].prompt) for i in range(rows)]
+    g = cfg.generation
+    kw = dict(max_new_tokens=int(g.max_new_tokens), pad_id=tok.pad_id,
+              stop_tokens=list(tok.stop_tokens), temperature=float(g.temperature),
+              top_k=g.get("top_k"), top_p=float(g.top_p), seeds=torch.arange(rows) * 7919 + 1)
+    return model, prompts, kw
+
+
+def gemm_rate(model: torch.nn.Module, rows: int, seconds: float = 1.0) -> float:
+    """FLOP/s of the decode step's GEMMs: every linear weight (and a tied output head) applied
+    to ``[rows, d_in]``, timed back to back."""
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    head = model.output
+    if not isinstance(head, torch.nn.Linear):  # tied: the embedding is the head's weight
+        weights.append(model.tok_embeddings.weight)
+    xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
+    flop = 2 * rows * sum(w.numel() for w in weights)
+
+    def step() -> None:
+        for w in weights:
+            F.linear(xs[w.shape[1]], w)
+
+    with torch.no_grad():
+        for _ in range(10):
+            step()
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            step()
+            n += 1
+    return flop * n / (time.perf_counter() - t0)
+
+
+def read_bandwidth(nbytes: int = 200_000_000) -> float:
+    """Bytes/s of a sum over a tensor far larger than the caches."""
+    x = torch.ones(nbytes // 4)
+    x.sum()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        x.sum()
+    return 5 * nbytes / (time.perf_counter() - t0)
+
+
+def kv_bytes(model: torch.nn.Module, ro: G.Rollouts) -> int:
+    """Bytes of K and V each decoding step reads: for each row still decoding, every cached
+    position (prompt columns included, as the decoder attends over the padded prompt)."""
+    attn = model.layers[0].attn
+    per_position = 2 * len(model.layers) * attn.num_kv_heads * attn.head_dim * \
+        next(model.parameters()).element_size()
+    plen = ro.prompt_tokens.shape[1]
+    lengths = ro.mask.sum(-1)  # tokens per row; step t reads plen + t positions
+    positions = (lengths * plen + lengths * (lengths - 1) // 2).sum()
+    return int(positions) * per_position
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", nargs="+", default=["tiny", "tiny_drift"])
+    ap.add_argument("--rows", nargs="+", type=int, default=[64, 256])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--compile", action="store_true", help="also the compiled decode step")
+    ap.add_argument("--no-reference", action="store_true",
+                    help="skip the reference decoder (no speed-up column)")
+    args = ap.parse_args()
+    bw = read_bandwidth()
+    print(f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+          f"torch {torch.__version__}; read bandwidth {bw / 1e9:.0f} GB/s; medians of "
+          f"{args.repeats} rounds")
+    decoders = ([] if args.no_reference else ["reference"]) + ["fast"] + \
+        (["compiled"] if args.compile else [])
+    print("| config | rows | decoder | generated tokens/s | vs reference | matmul bound tok/s | "
+          "of matmul bound | roofline tok/s | of roofline |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    for name in args.configs:
+        for rows in args.rows:
+            model, prompts, kw = load(name, rows)
+            params = sum(p.numel() for p in model.parameters())
+            rate = gemm_rate(model, rows)
+            bound = rate / (2 * params)
+
+            def run(decoder: str) -> G.Rollouts:
+                return G.generate(model, prompts, decoder="reference" if decoder == "reference"
+                                  else "fast", compile=decoder == "compiled", **kw)
+
+            compile_s = None
+            for d in decoders:  # warm-up (and the compilation)
+                t0 = time.perf_counter()
+                run(d)
+                if d == "compiled" and compile_s is None:
+                    compile_s = time.perf_counter() - t0
+            rates: dict[str, list[float]] = {d: [] for d in decoders}
+            ro = None
+            for _ in range(args.repeats):
+                for d in decoders:
+                    t0 = time.perf_counter()
+                    ro = run(d)
+                    rates[d].append(int(ro.mask.sum()) / (time.perf_counter() - t0))
+            tokens = int(ro.mask.sum())
+            roof = tokens / (tokens / bound + kv_bytes(model, ro) / bw)
+            base = statistics.median(rates["reference"]) if "reference" in rates else None
+            for d in decoders:
+                med = statistics.median(rates[d])
+                vs = f"{med / base:.2f}x" if base else "-"
+                label = d + (f" (compiled in {compile_s:.0f} s)" if d == "compiled" else "")
+                print(f"| {name} ({params / 1e6:.2f}M, {tokens / rows:.0f} tokens/row) | {rows} | "
+                      f"{label} | {med:.0f} | {vs} | {bound:.0f} ({rate / 1e9:.0f} GFLOP/s) | "
+                      f"{med / bound:.0%} | {roof:.0f} | {med / roof:.0%} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""The fast decoder against the reference decoder (torchtune's KV cache, lock-step rows).
+
+Which wrong fast decoder would pass? One that ignores the left padding (the prompt-length mix
+below), mixes up the grouped-query heads (models with 1, 2 and 4 query heads per key/value
+head), reads a stale or misplaced cache column (every token after the first would differ), or
+mishandles dropped rows (stop tokens that end most rows early, with the batch sizes the step
+saw recorded), or draws a row's uniforms from the wrong step or row (tokens differ at once).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pepo.training.generation as G
+from pepo.entropy import logprobs_and_entropy
+from pepo.tasks.problems import drift_dataset, modsum_dataset
+from pepo.training.config import asset_dir
+from pepo.training.models import tiny_qwen3
+from pepo.training.tokenizers import load_tokenizer
+from pepo.training.weights import load_model_weights
+
+
+def assert_same_rollouts(fast, ref, *, min_rows=1.0, lp_tol=1e-4):
+    """Row-wise identical tokens and masks on at least ``min_rows`` of the rows (a float
+    reordering can flip a draw that sits on a boundary), log-probs within ``lp_tol`` there."""
+    assert fast.tokens.shape[0] == ref.tokens.shape[0]
+    w = max(fast.tokens.shape[1], ref.tokens.shape[1])
+    pad = torch.nn.functional.pad
+
+    def widen(x, value):
+        return pad(x, (0, w - x.shape[1]), value=value)
+
+    same = ((widen(fast.tokens, -1) == widen(ref.tokens, -1)).all(-1)
+            & (widen(fast.mask, False) == widen(ref.mask, False)).all(-1))
+    assert same.float().mean().item() >= min_rows, f"{int(same.sum())}/{len(same)} rows identical"
+    m = widen(fast.mask, False)[same]
+    gap = (widen(fast.logprobs, 0.0)[same] - widen(ref.logprobs, 0.0)[same])[m].abs().max()
+    assert gap.item() <= lp_tol, gap.item()
+    assert torch.equal(fast.finished[same], ref.finished[same])
+    assert torch.equal(fast.prompt_tokens, ref.prompt_tokens)
+
+
+def random_model(num_heads, num_kv_heads, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    m = tiny_qwen3(embed_dim=64, num_layers=2, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                   head_dim=16, intermediate_dim=96, max_seq_len=96).to(dtype)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.15)
+    return m
+
+
+def ragged_prompts(n, seed=0, vocab=32):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 12, (n,), generator=g).tolist()
+    return [torch.randint(2, vocab, (k,), generator=g).tolist() for k in lengths]
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(2, 2), (4, 2), (4, 1)])
+@pytest.mark.parametrize("sampling", [dict(), dict(temperature=0.7, top_k=5),
+                                      dict(temperature=1.3, top_p=0.8)])
+def test_fast_matches_reference_on_random_models(num_heads, num_kv_heads, sampling):
+    model = random_model(num_heads, num_kv_heads)
+    prompts = ragged_prompts(24)
+    seeds = torch.arange(100, 124)
+    kw = dict(max_new_tokens=40, pad_id=0, stop_tokens=[1, 2], seeds=seeds, **sampling)
+    fast = G.generate(model, prompts, decoder="fast", **kw)
+    ref = G.generate(model, prompts, decoder="reference", **kw)
+    assert_same_rollouts(fast, ref, lp_tol=2e-5)
+    assert 0 < int(fast.finished.sum()) < len(prompts)  # some rows stopped early, some did not
+
+
+def test_fast_matches_reference_in_float64():
+    model = random_model(4, 2, dtype=torch.float64)
+    prompts = ragged_prompts(16, seed=1)
+    kw = dict(max_new_tokens=30, pad_id=0, stop_tokens=[1], seeds=torch.arange(16))
+    assert_same_rollouts(G.generate(model, prompts, **kw),
+                         G.generate(model, prompts, decoder="reference", **kw), lp_tol=1e-12)
+
+
+def test_finished_rows_leave_the_batch(monkeypatch):
+    """Most rows stop within a few tokens: the step must see a shrinking batch, and the rows
+    still decoding must come out as the reference's."""
+    model = random_model(4, 2)
+    prompts = ragged_prompts(32, seed=2)
+    sizes = []
+    real = G._decode_step
+    monkeypatch.setattr(G, "_decode_step", lambda plan, tok, *a: sizes.append(len(tok)) or
+                        real(plan, tok, *a))
+    kw = dict(max_new_tokens=40, pad_id=0, stop_tokens=list(range(2, 14)),
+              seeds=torch.arange(32) + 7)
+    fast = G.generate(model, prompts, **kw)
+    ref = G.generate(model, prompts, decoder="reference", **kw)
+    assert_same_rollouts(fast, ref, lp_tol=2e-5)
+    assert sizes[0] < 32 and sizes[-1] < sizes[0], sizes  # compacted, more than once
+    assert sizes == sorted(sizes, reverse=True)
+    # the batch never holds many stopped rows: at most 1/8 of it beyond the live ones
+    live = (fast.mask.sum(-1)[:, None] > torch.arange(1, len(sizes) + 1)).sum(0).tolist()
+    assert all(n <= s and s <= max(n / G._COMPACT_BELOW, n + 1) for n, s in zip(live, sizes))
+
+
+def test_a_row_samples_the_same_alone_and_in_any_batch():
+    model = random_model(4, 2)
+    prompts = ragged_prompts(12, seed=3)
+    seeds = torch.arange(12) * 31 + 5
+    kw = dict(max_new_tokens=30, pad_id=0, stop_tokens=[1, 2, 3])
+    whole = G.generate(model, prompts, seeds=seeds, **kw)
+    split = G.generate(model, prompts, seeds=seeds, batch_size=5, **kw)
+    perm = torch.randperm(12, generator=torch.Generator().manual_seed(0))
+    shuffled = G.generate(model, [prompts[i] for i in perm], seeds=seeds[perm], **kw)
+    for i in range(12):
+        alone = G.generate(model, [prompts[i]], seeds=seeds[i : i + 1], **kw)
+        n = int(alone.mask.sum())
+        for batch, row in ((whole, i), (split, i), (shuffled, int((perm == i).nonzero()))):
+            assert int(batch.mask[row].sum()) == n
+            assert torch.equal(batch.tokens[row, :n], alone.tokens[0, :n])
+            torch.testing.assert_close(batch.logprobs[row, :n], alone.logprobs[0, :n],
+                                       rtol=0, atol=2e-5)
+
+
+def test_recorded_logprobs_match_a_fresh_forward():
+    model = random_model(4, 2)
+    prompts = ragged_prompts(20, seed=4)
+    ro = G.generate(model, prompts, max_new_tokens=30, pad_id=0, stop_tokens=[1, 2, 3, 4],
+                    temperature=0.8, seeds=torch.arange(20))
+    seq = torch.cat([ro.prompt_tokens, ro.tokens], 1)
+    attn, pos = G.sequence_inputs(ro.prompt_mask, ro.tokens.shape[1])
+    P = ro.prompt_tokens.shape[1]
+    with torch.no_grad():
+        logits = model(seq, mask=attn, input_pos=pos)[:, P - 1 : -1]
+    lp, _ = logprobs_and_entropy(logits / 0.8, ro.tokens)
+    torch.testing.assert_close(ro.logprobs[ro.mask], lp[ro.mask], rtol=0, atol=2e-5)
+    assert bool((ro.logprobs[~ro.mask] == 0).all())
+
+
+def _shipped(task):
+    path = asset_dir(task)
+    if task == "tiny_drift":
+        model = tiny_qwen3(num_layers=4, embed_dim=128, intermediate_dim=384, max_seq_len=320)
+        data, new = drift_dataset(size=64, split="train", seed=0), 232
+    else:
+        model = tiny_qwen3()
+        data, new = modsum_dataset(size=64, split="train", seed=0), 64
+    load_model_weights(model, path)
+    tok = load_tokenizer(path)
+    prompts = [tok.encode_prompt(data[i // 8].prompt) for i in range(64)]  # 8 prompts x 8
+    return model, prompts, dict(max_new_tokens=new, pad_id=tok.pad_id, stop_tokens=tok.stop_tokens)
+
+
+@pytest.mark.parametrize("task", ["tiny", "tiny_drift"])
+def test_fast_matches_reference_on_the_shipped_models(task):
+    model, prompts, kw = _shipped(task)
+    seeds = torch.arange(64) * 7919 + 13
+    fast = G.generate(model, prompts, seeds=seeds, **kw)
+    ref = G.generate(model, prompts, seeds=seeds, decoder="reference", **kw)
+    assert_same_rollouts(fast, ref, min_rows=0.99, lp_tol=1e-4)
+    assert int(fast.mask.sum()) > 64 * 20  # real responses, not a row of stop tokens
+
+
+def test_uniform_table_is_row_uniforms_column_by_column():
+    seeds = torch.tensor([0, 1, 2**31 - 2, 123456789])
+    table = G.row_uniforms_table(seeds, 50)
+    for t in (0, 1, 17, 49):
+        assert torch.equal(table[:, t], G.row_uniforms(seeds, t))
+    assert table.dtype == torch.float64 and bool(((table >= 0) & (table < 1)).all())
+
+
+def test_a_model_the_fast_decoder_cannot_read_uses_the_reference():
+    class Wrapped(torch.nn.Module):  # not a torchtune TransformerDecoder itself
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+            self.max_seq_len = inner.max_seq_len
+
+        def forward(self, *a, **k):
+            return self.inner(*a, **k)
+
+        def setup_caches(self, *a, **k):
+            return self.inner.setup_caches(*a, **k)
+
+        def caches_are_enabled(self):
+            return self.inner.caches_are_enabled()
+
+        def caches_are_setup(self):
+            return self.inner.caches_are_setup()
+
+        def reset_caches(self):
+            return self.inner.reset_caches()
+
+    model = random_model(4, 2)
+    assert G._FastPlan.of(Wrapped(model)) is None and G._FastPlan.of(model) is not None
+    prompts = ragged_prompts(6, seed=5)
+    kw = dict(max_new_tokens=12, pad_id=0, stop_tokens=[1], seeds=torch.arange(6))
+    wrapped = G.generate(Wrapped(model), prompts, **kw)
+    assert_same_rollouts(wrapped, G.generate(model, prompts, decoder="reference", **kw),
+                         lp_tol=0.0)  # the reference path itself: bit for bit
+
+
+def test_bad_decoder_name_is_refused():
+    with pytest.raises(ValueError, match="decoder must be one of"):
+        G.generate(random_model(2, 2), [[3]], max_new_tokens=2, pad_id=0, stop_tokens=[],
+                   decoder="fastest")
+
+
+def test_compiled_step_samples_what_the_eager_step_samples():
+    model = random_model(4, 2)
+    prompts = ragged_prompts(12, seed=6)
+    kw = dict(max_new_tokens=20, pad_id=0, stop_tokens=[1, 2, 3], seeds=torch.arange(12))
+    assert_same_rollouts(G.generate(model, prompts, compile=True, **kw),
+                         G.generate(model, prompts, **kw), lp_tol=2e-5)
