@@ -210,3 +210,21 @@ def test_compiled_step_samples_what_the_eager_step_samples():
     kw = dict(max_new_tokens=20, pad_id=0, stop_tokens=[1, 2, 3], seeds=torch.arange(12))
     assert_same_rollouts(G.generate(model, prompts, compile=True, **kw),
                          G.generate(model, prompts, **kw), lp_tol=2e-5)
+
+
+def test_generation_compile_reaches_the_decoder(monkeypatch):
+    """``generation.compile`` travels config -> build_engine -> TorchtuneEngine -> generate;
+    a per-call value wins over the engine's."""
+    import pepo.training.engines as E
+
+    seen = []
+    monkeypatch.setattr(E, "generate", lambda model, prompts, **kw: seen.append(kw["compile"]))
+    model = random_model(2, 2)
+    E.build_engine("torchtune", model, compile=True).generate([[3]], max_new_tokens=1)
+    E.build_engine("torchtune", model).generate([[3]], max_new_tokens=1)
+    E.build_engine("torchtune", model, compile=True).generate([[3]], compile=False)
+    assert seen == [True, False, False]
+    with pytest.raises(ValueError, match="generation.compile must be true or false"):
+        E.build_engine("torchtune", model, compile="yes")
+    with pytest.raises(ValueError, match="takes no options"):
+        E.build_engine("torchtune", model, dtype="float32")
