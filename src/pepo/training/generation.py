@@ -27,6 +27,8 @@ from torchtune.generation import (
 )
 from torchtune.modules.common_utils import local_kv_cache
 
+from pepo.entropy import logprobs_and_entropy
+
 __all__ = ["DECODERS", "Rollouts", "draw_seeds", "filter_logits", "generate", "pad_prompts",
            "row_uniforms", "row_uniforms_table", "sequence_inputs"]
 
@@ -265,8 +267,8 @@ def generate(
     model.eval()
     try:
         if plan is not None:
-            out, out_lp, valid, done = _generate_fast(
-                plan, prompt_tokens, prompt_mask, max_new_tokens, pad_id, stops, seeds,
+            out, out_lp, valid, done, _ = _generate_fast(
+                [plan], prompt_tokens, prompt_mask, max_new_tokens, pad_id, stops, seeds,
                 step=_compiled_step() if compile else _decode_step, **sample)
         else:
             out, out_lp, valid, done = _generate_reference(
@@ -459,56 +461,93 @@ def _compiled_step() -> Callable:
 _COMPACT_BELOW = 0.875
 
 
-def _generate_fast(plan: _FastPlan, prompt_tokens, prompt_mask, max_new_tokens, pad_id, stops,
-                   seeds, *, step, temperature, top_k, top_p):
-    """The fast decoder: the model's own modules in torchtune's order, with a KV cache of
-    ``[b, n_kv, S, h_d]`` per layer that each step attends over up to its filled length only
-    (grouped-query heads read their shared key/value head in place, never expanded), and
-    finished rows dropped from the batch (:data:`_COMPACT_BELOW`). ``step`` is
-    :func:`_decode_step` or its compiled form. Row ``i``'s uniforms are
-    ``row_uniforms(seeds[i], t)`` as in the reference decoder, so it draws the same tokens.
-    Returns tokens, log-probs, valid mask ``[B, T]`` and finished ``[B]``."""
-    bsz, plen = prompt_tokens.shape
+class _FastCache:
+    """One model's KV cache for the fast decoder: ``[b, n_kv, S, h_d]`` per layer, filled by
+    the prefill of the left-padded prompts, then one column per decoding step. The rows can be
+    narrowed to a subset (:meth:`keep`) as rows finish."""
+
+    def __init__(self, plan: _FastPlan, prompt_tokens: torch.Tensor, prompt_mask: torch.Tensor,
+                 max_new_tokens: int, step: Callable) -> None:
+        bsz, plen = prompt_tokens.shape
+        device = prompt_tokens.device
+        n_kv, hd = plan.num_kv_heads, plan.head_dim
+        group = plan.num_heads // n_kv
+        dtype = next(plan.embed.parameters()).dtype
+        keys = torch.nn.functional.pad(prompt_mask, (0, max_new_tokens), value=True)  # [B, S]
+        self.plan, self.step, self.plen = plan, step, plen
+        self.positions = get_position_ids_from_padding_mask(keys)  # [B, S]
+        # the left padding as an additive bias on the scores, [B, 1, S]
+        self.key_bias = torch.zeros(keys.shape, dtype=dtype, device=device).masked_fill(
+            ~keys, float("-inf"))[:, None, :]
+        self.cache_k = [torch.empty((bsz, n_kv, plen + max_new_tokens, hd), dtype=dtype,
+                                    device=device) for _ in plan.layers]
+        self.cache_v = [torch.empty_like(c) for c in self.cache_k]
+        # prefill: the prompts under their causal, padding-aware mask
+        mask = get_causal_mask_from_padding_mask(prompt_mask)[:, None]  # [B, 1, P, P]
+        x = plan.embed(prompt_tokens)
+        for layer, ck, cv in zip(plan.layers, self.cache_k, self.cache_v):
+            q, k, v = _project(layer.attn, layer.sa_norm(x), self.positions[:, :plen])
+            ck[:, :, :plen] = k
+            cv[:, :, :plen] = v
+            if group > 1:
+                k = k.repeat_interleave(group, dim=1)
+                v = v.repeat_interleave(group, dim=1)
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            x = x + layer.sa_scale(layer.attn.output_proj(a.transpose(1, 2).reshape(bsz, plen, -1)))
+            x = x + layer.mlp_scale(layer.mlp(layer.mlp_norm(x)))
+        self.logits = plan.output(plan.norm(x[:, -1:])).float()[:, 0]  # [B, V]
+
+    def keep(self, idx: torch.Tensor) -> None:
+        """Narrows the cache to the rows ``idx`` (in that order)."""
+        self.positions, self.key_bias = self.positions[idx], self.key_bias[idx]
+        self.cache_k = [c[idx] for c in self.cache_k]
+        self.cache_v = [c[idx] for c in self.cache_v]
+
+    def advance(self, tok: torch.Tensor, t: int) -> torch.Tensor:
+        """Feeds response token ``t`` of each row (``[b]``); returns the next logits ``[b, V]``."""
+        col = self.plen + t  # the new token's column in the cache
+        self.logits = self.step(
+            self.plan, tok, self.positions[:, col : col + 1], self.cache_k, self.cache_v,
+            self.key_bias[:, :, : col + 1].repeat_interleave(self.plan.num_kv_heads, 0))
+        return self.logits
+
+
+def _generate_fast(plans: Sequence[_FastPlan], prompt_tokens, prompt_mask, max_new_tokens,
+                   pad_id, stops, seeds, *, step, temperature, top_k, top_p,
+                   replace: Optional[torch.Tensor] = None, entropies: bool = False):
+    """The fast decoder: the model's own modules in torchtune's order (:class:`_FastCache`, a
+    cache each step attends over up to its filled length only; grouped-query heads read their
+    shared key/value head in place, never expanded), with finished rows dropped from the batch
+    (:data:`_COMPACT_BELOW`). ``step`` is :func:`_decode_step` or its compiled form. Row ``i``'s
+    uniforms are ``row_uniforms(seeds[i], t)`` as in the reference decoder, so it draws the
+    same tokens.
+
+    With two plans (the token intervention's base and replacement models), position ``t`` of
+    row ``i`` is drawn from the second model's logits where ``replace[i, t]`` (``[B, T]``
+    bool) and from the first's elsewhere; ``entropies`` also returns the first model's entropy
+    at every drawn position. Returns tokens, log-probs, valid mask ``[B, T]``, finished ``[B]``
+    and the entropies ``[B, T]`` (None unless asked).
+    """
+    bsz = prompt_tokens.shape[0]
     device = prompt_tokens.device
-    n_kv, hd = plan.num_kv_heads, plan.head_dim
-    group = plan.num_heads // n_kv
-    total = plen + max_new_tokens
-    dtype = next(plan.embed.parameters()).dtype
-    keys = torch.nn.functional.pad(prompt_mask, (0, max_new_tokens), value=True)  # [B, S]
-    positions = get_position_ids_from_padding_mask(keys)  # [B, S]
+    caches = [_FastCache(p, prompt_tokens, prompt_mask, max_new_tokens, step) for p in plans]
     uniforms = row_uniforms_table(seeds, max_new_tokens).to(device)  # [B, T] float64
     out = torch.full((bsz, max_new_tokens), pad_id, dtype=torch.long, device=device)
     out_lp = torch.zeros((bsz, max_new_tokens), dtype=torch.float32, device=device)
+    ent = torch.zeros((bsz, max_new_tokens), dtype=torch.float32, device=device) if entropies \
+        else None
     steps = torch.zeros(bsz, dtype=torch.long, device=device)  # tokens decoded per row
     done = torch.zeros(bsz, dtype=torch.bool, device=device)
-    cache_k = [torch.empty((bsz, n_kv, total, hd), dtype=dtype, device=device)
-               for _ in plan.layers]
-    cache_v = [torch.empty_like(c) for c in cache_k]
-
-    # prefill: the prompts under their causal, padding-aware mask
-    mask = get_causal_mask_from_padding_mask(prompt_mask)[:, None]  # [B, 1, P, P]
-    x = plan.embed(prompt_tokens)
-    for i, layer in enumerate(plan.layers):
-        h = layer.sa_norm(x)
-        q, k, v = _project(layer.attn, h, positions[:, :plen])
-        cache_k[i][:, :, :plen] = k
-        cache_v[i][:, :, :plen] = v
-        if group > 1:
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
-        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        x = x + layer.sa_scale(layer.attn.output_proj(a.transpose(1, 2).reshape(bsz, plen, -1)))
-        x = x + layer.mlp_scale(layer.mlp(layer.mlp_norm(x)))
-    logits = plan.output(plan.norm(x[:, -1:])).float()[:, 0]  # [B, V]
-
     rows = torch.arange(bsz, device=device)  # the original row of each row of the batch
     live = torch.ones(bsz, dtype=torch.bool, device=device)  # not yet stopped, per batch row
-    n_live = bsz
-    # the left padding as an additive bias on the scores, [B, 1, S]
-    key_bias = torch.zeros(keys.shape, dtype=dtype, device=device).masked_fill(~keys, float("-inf"))
-    key_bias = key_bias[:, None, :]
     for t in range(max_new_tokens):
+        logits = caches[0].logits
+        if len(caches) > 1:
+            logits = torch.where(replace[rows, t, None], caches[1].logits.to(logits.dtype), logits)
         tok, lp = _draw(logits, uniforms[rows, t], None, temperature, top_k, top_p)
+        if ent is not None:
+            _, h = logprobs_and_entropy(caches[0].logits, tok, temperature=temperature)
+            ent[rows, t] = torch.where(live, h, 0.0)
         tok = torch.where(live, tok, pad_id)
         out[rows, t] = tok
         out_lp[rows, t] = torch.where(live, lp, 0.0)
@@ -521,14 +560,13 @@ def _generate_fast(plan: _FastPlan, prompt_tokens, prompt_mask, max_new_tokens, 
             break
         if n_live <= _COMPACT_BELOW * live.shape[0]:
             keep = live.nonzero().squeeze(-1)
-            rows, live, tok, key_bias = rows[keep], live[keep], tok[keep], key_bias[keep]
-            cache_k = [c[keep] for c in cache_k]
-            cache_v = [c[keep] for c in cache_v]
-        col = plen + t  # the new token's column in the cache
-        logits = step(plan, tok, positions[rows, col : col + 1], cache_k, cache_v,
-                              key_bias[:, :, : col + 1].repeat_interleave(n_kv, 0))
+            rows, live, tok = rows[keep], live[keep], tok[keep]
+            for c in caches:
+                c.keep(keep)
+        for c in caches:
+            c.advance(tok, t)
     valid = torch.arange(max_new_tokens, device=device) < steps[:, None]
-    return out, out_lp, valid, done
+    return out, out_lp, valid, done, ent
 
 
 def _cat(parts: Sequence[Rollouts], pad_id: int) -> Rollouts:
