@@ -12,8 +12,7 @@ import torch
 
 from pepo.study import analysis
 from pepo.training.evaluation import avg_at_k, eval_generator
-from pepo.training.generation import (_sample, draw_seeds, filter_logits, generate, pad_prompts,
-                                      row_uniforms)
+from pepo.training.generation import _sample, draw_seeds, filter_logits, generate, row_uniforms
 from pepo.study.intervention import intervene, mixed_generate, select_positions, token_metric
 from pepo.training.models import tiny_qwen3
 from pepo.tasks import modsum_dataset
@@ -93,21 +92,21 @@ def test_mixed_generation_matches_a_token_by_token_reference(models, temperature
 def test_fast_mixed_decoder_matches_the_lock_step_one(models):
     """Both models decoded by pepo's fast decoder (finished rows dropped from both caches) give
     what torchtune's lock-step caches give, entropies included."""
-    from pepo.study.intervention import _mixed_reference
+    from pepo.training.generation import _decode, _FastPlan
 
     base, repl = models
+    assert _FastPlan.of(base) is not None and _FastPlan.of(repl) is not None  # fast path taken
     prompts = _prompts(24, seed=5)
     max_new = 30
     seeds = draw_seeds(torch.Generator().manual_seed(6), len(prompts))
     replace = torch.rand((len(prompts), max_new), generator=torch.Generator().manual_seed(7)) < 0.3
     ro = mixed_generate(base, repl, prompts, replace, seeds=seeds, max_new_tokens=max_new,
                         pad_id=PAD, stop_tokens=STOP + [2, 3, 4], temperature=0.8)
-    pt, pm = pad_prompts(prompts, PAD)
-    for m in (base, repl):
-        m.eval()
-    out, lp, valid, done, ent = _mixed_reference(
-        [base, repl], pt, pm, replace, seeds, max_new, PAD, torch.tensor(STOP + [2, 3, 4]),
-        temperature=0.8, top_k=None, top_p=1.0)
+    pt, _, out, lp, valid, done, ent = _decode(  # plans None: the reference decoder
+        [base, repl], None, prompts, max_new_tokens=max_new, pad_id=PAD,
+        stop_tokens=STOP + [2, 3, 4], seeds=seeds, generator=None, step=None, temperature=0.8,
+        top_k=None, top_p=1.0, replace=replace, entropies=True)
+    assert torch.equal(ro.prompt_tokens, pt)
     w = ro.tokens.shape[1]
     assert int(valid.sum(-1).max()) == w and 0 < int(done.sum()) < len(prompts)
     assert torch.equal(ro.tokens, out[:, :w]) and torch.equal(ro.mask, valid[:, :w])

@@ -204,12 +204,18 @@ def test_bad_decoder_name_is_refused():
                    decoder="fastest")
 
 
-def test_compiled_step_samples_what_the_eager_step_samples():
+def test_compiled_step_samples_what_the_eager_step_samples(monkeypatch):
+    """``compile=True`` must decode through the compiled step (counted: a flag that is ignored
+    would pass the comparison alone) and sample what the eager step samples."""
     model = random_model(4, 2)
     prompts = ragged_prompts(12, seed=6)
     kw = dict(max_new_tokens=20, pad_id=0, stop_tokens=[1, 2, 3], seeds=torch.arange(12))
+    compiled, calls = G._compiled_step(), []
+    monkeypatch.setattr(G, "_compiled_step",
+                        lambda: lambda *a: calls.append(1) or compiled(*a))
     assert_same_rollouts(G.generate(model, prompts, compile=True, **kw),
                          G.generate(model, prompts, **kw), lp_tol=2e-5)
+    assert len(calls) >= 5  # one call per decoding step after the first token
 
 
 def test_generation_compile_reaches_the_decoder(monkeypatch):

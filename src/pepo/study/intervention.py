@@ -29,27 +29,19 @@ import csv
 import math
 import time
 from pathlib import Path
-from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
 import torch
-from torchtune.modules import local_kv_cache
 
 from pepo import weighting
-from pepo.entropy import logprobs_and_entropy
 from pepo.training.evaluation import eval_generator, is_success, reward_tensor
 from pepo.training.generation import (
     Rollouts,
+    _decode,
     _decode_step,
     _FastPlan,
-    _generate_fast,
-    _sample,
     draw_seeds,
-    filter_logits,
-    pad_prompts,
-    row_uniforms,
-    sequence_inputs,
 )
 
 __all__ = ["METRICS", "MixedRollouts", "intervene", "main", "mixed_generate", "select_positions",
@@ -105,80 +97,17 @@ def mixed_generate(
                          f"mask, got {replace.dtype} {list(replace.shape)}")
     replace = replace.to(device)
     models = [base] if replacement is None else [base, replacement]
-    prompt_tokens, prompt_mask = pad_prompts(prompts, pad_id, device)
-    plen = prompt_tokens.shape[1]
-    total = plen + max_new_tokens
-    for m in models:
-        limit = getattr(m, "max_seq_len", None)
-        if limit is not None and total > limit:
-            raise ValueError(f"prompt length {plen} + max_new_tokens {max_new_tokens} = {total} "
-                             f"exceeds a model's max_seq_len={limit}")
-    stops = torch.as_tensor(list(stop_tokens), dtype=torch.long, device=device)
-    modes = [m.training for m in models]
     plans = [_FastPlan.of(m) for m in models]
-    try:
-        for m in models:
-            m.eval()
-        if all(p is not None for p in plans):  # pepo's fast decoder, both models in step
-            out, out_lp, valid, done, ent = _generate_fast(
-                plans, prompt_tokens, prompt_mask, max_new_tokens, pad_id, stops, seeds,
-                step=_decode_step, temperature=temperature, top_k=top_k, top_p=top_p,
-                replace=replace, entropies=True)
-        else:
-            out, out_lp, valid, done, ent = _mixed_reference(
-                models, prompt_tokens, prompt_mask, replace, seeds, max_new_tokens, pad_id,
-                stops, temperature=temperature, top_k=top_k, top_p=top_p)
-    finally:
-        for m, mode in zip(models, modes):
-            m.train(mode)
-    width = int(valid.sum(-1).max())
+    prompt_tokens, prompt_mask, out, out_lp, valid, done, ent = _decode(
+        models, plans if all(p is not None for p in plans) else None, prompts,
+        max_new_tokens=max_new_tokens, pad_id=pad_id, stop_tokens=stop_tokens, seeds=seeds,
+        generator=None, step=_decode_step, temperature=temperature, top_k=top_k, top_p=top_p,
+        replace=replace, entropies=True)
     return MixedRollouts(
-        prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, tokens=out[:, :width],
-        mask=valid[:, :width], finished=done, logprobs=out_lp[:, :width],
-        entropies=ent[:, :width], replaced=(replace[:, :width] & valid[:, :width]),
+        prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, tokens=out, mask=valid,
+        finished=done, logprobs=out_lp, entropies=ent,
+        replaced=replace[:, : out.shape[1]] & valid,
     )
-
-
-def _mixed_reference(models, prompt_tokens, prompt_mask, replace, seeds, max_new_tokens, pad_id,
-                     stops, *, temperature, top_k, top_p):
-    """:func:`mixed_generate` through torchtune's KV caches, every row in lock-step (for
-    models the fast decoder cannot read). Returns tokens, log-probs, valid mask, finished and
-    the base model's entropies."""
-    bsz, plen = prompt_tokens.shape
-    device = prompt_tokens.device
-    total = plen + max_new_tokens
-    attn_mask, positions = sequence_inputs(prompt_mask, max_new_tokens)
-    out = torch.full((bsz, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    out_lp = torch.zeros((bsz, max_new_tokens), dtype=torch.float32, device=device)
-    ent = torch.zeros((bsz, max_new_tokens), dtype=torch.float32, device=device)
-    valid = torch.zeros((bsz, max_new_tokens), dtype=torch.bool, device=device)
-    done = torch.zeros(bsz, dtype=torch.bool, device=device)
-    with ExitStack() as stack:
-        for m in models:
-            stack.enter_context(local_kv_cache(
-                m, batch_size=bsz, device=device, dtype=next(m.parameters()).dtype,
-                decoder_max_seq_len=total))
-        logits = [m(prompt_tokens, input_pos=positions[:, :plen],
-                    mask=attn_mask[:, :plen])[:, -1] for m in models]  # each [B, V]
-        for t in range(max_new_tokens):
-            z = logits[0] if len(models) == 1 else torch.where(
-                replace[:, t, None], logits[1].to(logits[0].dtype), logits[0])
-            probs = filter_logits(z, temperature, top_k, top_p).softmax(-1)
-            tok = _sample(probs, row_uniforms(seeds, t)).to(device)  # [B]
-            _, h = logprobs_and_entropy(logits[0].float(), tok, temperature=temperature)
-            lp = probs.gather(1, tok[:, None]).squeeze(1).log()
-            out_lp[:, t] = torch.where(done, 0.0, lp)
-            ent[:, t] = torch.where(done, 0.0, h)
-            tok = torch.where(done, pad_id, tok)
-            out[:, t] = tok
-            valid[:, t] = ~done
-            done = done | torch.isin(tok, stops)
-            if t + 1 == max_new_tokens or bool(done.all()):
-                break
-            pos = plen + t
-            logits = [m(tok[:, None], input_pos=positions[:, pos : pos + 1],
-                        mask=attn_mask[:, pos : pos + 1])[:, -1] for m in models]
-    return out, out_lp, valid, done, ent
 
 
 def token_metric(name: str, entropies: torch.Tensor, mask: torch.Tensor,

@@ -312,8 +312,8 @@ RESUME_MAY_CHANGE = (
     "name", "output_dir", "resume_from_checkpoint", "imports", "checkpoint_dir",
     "tokenizer.path", "model.model_dir", "num_steps", "validation", "val_dataset",
     "save_every", "keep_checkpoints", "keep_best", "dump_rollouts_every", "plot", "metric_logger",
-    "generation.batch_size", "generation.compile", "micro_batch_size", "prior_cache", "logprob_chunk_size",
-    "logprobs_from_hidden", "enable_activation_checkpointing", "max_nonfinite_steps",
+    "generation.batch_size", "generation.compile", "micro_batch_size", "prior_cache",
+    "logprob_chunk_size", "logprobs_from_hidden", "enable_activation_checkpointing", "max_nonfinite_steps",
     "reward.workers",
 )
 
@@ -558,12 +558,9 @@ def validate_config(cfg: DictConfig) -> None:
     gen_bs = cfg.generation.get("batch_size")
     if gen_bs is not None and (isinstance(gen_bs, bool) or not isinstance(gen_bs, int) or gen_bs < 1):
         raise ValueError(f"generation.batch_size must be an int >= 1 or null, got {gen_bs!r}")
-    compile_ = cfg.generation.get("compile", False)
-    if not isinstance(compile_, bool):
-        raise ValueError(f"generation.compile must be true or false, got {compile_!r}")
-    if compile_ and (cfg.generation.get("engine") or "torchtune") != "torchtune":
-        raise ValueError("generation.compile applies to the in-process decoder "
-                         "(generation.engine=torchtune); vLLM compiles its own model")
+    from pepo.training.engines import check_compile
+
+    check_compile(engine_options(cfg.generation)[0], cfg.generation.get("compile", False))
     top_k = cfg.generation.get("top_k")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"generation.top_k must be an int >= 1 or null, got {top_k!r}")

@@ -46,6 +46,7 @@ __all__ = [
     "VLLMEngine",
     "as_engine",
     "build_engine",
+    "check_compile",
     "check_engine_available",
     "sequence_limit",
     "vllm_available",
@@ -399,13 +400,19 @@ def build_engine(name: str, model: torch.nn.Module, *, compile: bool = False,
             ``compile`` for vLLM.
     """
     check_engine_available(name)
-    if not isinstance(compile, bool):
-        raise ValueError(f"generation.compile must be true or false, got {compile!r}")
+    check_compile(name, compile)
     if name == "torchtune":
         if options:
             raise ValueError(f"the torchtune engine takes no options, got {sorted(options)}")
         return TorchtuneEngine(model, compile=compile)
-    if compile:
+    return VLLMEngine(model, **options)
+
+
+def check_compile(name: str, compile: Any) -> None:
+    """Raises ``ValueError`` unless ``generation.compile`` is a bool, true only for the
+    in-process decoder (engine ``torchtune``)."""
+    if not isinstance(compile, bool):
+        raise ValueError(f"generation.compile must be true or false, got {compile!r}")
+    if compile and name != "torchtune":
         raise ValueError("generation.compile applies to the in-process decoder "
                          "(generation.engine=torchtune); vLLM compiles its own model")
-    return VLLMEngine(model, **options)

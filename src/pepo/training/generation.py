@@ -17,6 +17,8 @@ the training forward, so old and new log-probs see exactly the positions the sam
 
 from __future__ import annotations
 
+import functools
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -251,40 +253,55 @@ def generate(
             for i in range(0, len(prompts), batch_size)
         ]
         return _cat(parts, pad_id)
-    device = next(model.parameters()).device
+    prompt_tokens, prompt_mask, out, out_lp, valid, done, _ = _decode(
+        [model], None if plan is None else [plan], prompts, max_new_tokens=max_new_tokens,
+        pad_id=pad_id, stop_tokens=stop_tokens, seeds=seeds, generator=generator,
+        step=_compiled_step() if compile else _decode_step, temperature=temperature,
+        top_k=top_k, top_p=top_p)
+    return Rollouts(prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, tokens=out,
+                    mask=valid, finished=done, logprobs=out_lp)
+
+
+def _decode(models, plans, prompts, *, max_new_tokens, pad_id, stop_tokens, seeds, generator,
+            step, temperature, top_k, top_p, replace=None, entropies=False):
+    """What :func:`generate` and the token intervention's ``mixed_generate`` share: left-pads
+    the prompts, checks every model's ``max_seq_len``, decodes with the models in eval mode
+    (the fast decoder with ``plans``, one per model; the reference decoder when ``plans`` is
+    None) and trims the outputs to the longest response. ``replace`` and ``entropies`` as in
+    :func:`_generate_fast`. Returns prompt tokens and mask ``[B, P]``, tokens, log-probs and
+    valid mask ``[B, T]``, finished ``[B]`` and the entropies (None unless asked)."""
+    device = next(models[0].parameters()).device
     prompt_tokens, prompt_mask = pad_prompts(prompts, pad_id, device)
     plen = prompt_tokens.shape[1]
     total = plen + max_new_tokens
-    max_seq_len = getattr(model, "max_seq_len", None)
-    if max_seq_len is not None and total > max_seq_len:
-        raise ValueError(
-            f"prompt length {plen} + max_new_tokens {max_new_tokens} = {total} exceeds the "
-            f"model's max_seq_len={max_seq_len}"
-        )
+    for m in models:
+        max_seq_len = getattr(m, "max_seq_len", None)
+        if max_seq_len is not None and total > max_seq_len:
+            raise ValueError(
+                f"prompt length {plen} + max_new_tokens {max_new_tokens} = {total} exceeds the "
+                f"model's max_seq_len={max_seq_len}"
+            )
     stops = torch.as_tensor(list(stop_tokens), dtype=torch.long, device=device)
-    sample = dict(temperature=temperature, top_k=top_k, top_p=top_p)
-    was_training = model.training
-    model.eval()
+    sample = dict(temperature=temperature, top_k=top_k, top_p=top_p, replace=replace,
+                  entropies=entropies)
+    modes = [m.training for m in models]
     try:
-        if plan is not None:
-            out, out_lp, valid, done, _ = _generate_fast(
-                [plan], prompt_tokens, prompt_mask, max_new_tokens, pad_id, stops, seeds,
-                step=_compiled_step() if compile else _decode_step, **sample)
+        for m in models:
+            m.eval()
+        if plans is not None:
+            out, out_lp, valid, done, ent = _generate_fast(
+                plans, prompt_tokens, prompt_mask, max_new_tokens, pad_id, stops, seeds,
+                step=step, **sample)
         else:
-            out, out_lp, valid, done = _generate_reference(
-                model, prompt_tokens, prompt_mask, max_new_tokens, pad_id, stops, seeds,
+            out, out_lp, valid, done, ent = _generate_reference(
+                models, prompt_tokens, prompt_mask, max_new_tokens, pad_id, stops, seeds,
                 generator, **sample)
     finally:
-        model.train(was_training)
+        for m, mode in zip(models, modes):
+            m.train(mode)
     width = int(valid.sum(-1).max())
-    return Rollouts(
-        prompt_tokens=prompt_tokens,
-        prompt_mask=prompt_mask,
-        tokens=out[:, :width],
-        mask=valid[:, :width],
-        finished=done,
-        logprobs=out_lp[:, :width],
-    )
+    return (prompt_tokens, prompt_mask, out[:, :width], out_lp[:, :width], valid[:, :width],
+            done, None if ent is None else ent[:, :width])
 
 
 def _draw(logits: torch.Tensor, u: Optional[torch.Tensor], generator: Optional[torch.Generator],
@@ -301,27 +318,37 @@ def _draw(logits: torch.Tensor, u: Optional[torch.Tensor], generator: Optional[t
     return tok, probs.gather(1, tok[:, None]).squeeze(1).log()
 
 
-def _generate_reference(model, prompt_tokens, prompt_mask, max_new_tokens, pad_id, stops, seeds,
-                        generator, *, temperature, top_k, top_p):
-    """The decoder through torchtune's KV cache (``local_kv_cache``): every row decodes in
-    lock-step until all have stopped, attending over the whole preallocated cache. Returns
-    tokens, log-probs, valid mask ``[B, T]`` and finished ``[B]``."""
+def _generate_reference(models, prompt_tokens, prompt_mask, max_new_tokens, pad_id, stops,
+                        seeds, generator, *, temperature, top_k, top_p, replace=None,
+                        entropies=False):
+    """The decoder through torchtune's KV caches (``local_kv_cache``): every row decodes in
+    lock-step until all have stopped, attending over the whole preallocated cache. One or two
+    models, ``replace`` and ``entropies`` as in :func:`_generate_fast`. Returns tokens,
+    log-probs, valid mask ``[B, T]``, finished ``[B]`` and the entropies (or None)."""
     bsz, plen = prompt_tokens.shape
     device = prompt_tokens.device
     attn_mask, positions = sequence_inputs(prompt_mask, max_new_tokens)  # [B,S,S], [B,S]
     out = torch.full((bsz, max_new_tokens), pad_id, dtype=torch.long, device=device)
     out_lp = torch.zeros((bsz, max_new_tokens), dtype=torch.float32, device=device)
+    ent = torch.zeros((bsz, max_new_tokens), dtype=torch.float32, device=device) if entropies \
+        else None
     valid = torch.zeros((bsz, max_new_tokens), dtype=torch.bool, device=device)
     done = torch.zeros(bsz, dtype=torch.bool, device=device)
-    dtype = next(model.parameters()).dtype
-    with local_kv_cache(model, batch_size=bsz, device=device, dtype=dtype,
-                        decoder_max_seq_len=plen + max_new_tokens):
-        logits = model(
-            prompt_tokens, input_pos=positions[:, :plen], mask=attn_mask[:, :plen]
-        )[:, -1]  # [B, V]
+    with ExitStack() as stack:
+        for m in models:
+            stack.enter_context(local_kv_cache(
+                m, batch_size=bsz, device=device, dtype=next(m.parameters()).dtype,
+                decoder_max_seq_len=plen + max_new_tokens))
+        logits = [m(prompt_tokens, input_pos=positions[:, :plen],
+                    mask=attn_mask[:, :plen])[:, -1] for m in models]  # each [B, V]
         for t in range(max_new_tokens):
+            z = logits[0] if len(models) == 1 else torch.where(
+                replace[:, t, None], logits[1].to(logits[0].dtype), logits[0])
             u = None if seeds is None else row_uniforms(seeds, t)
-            tok, lp = _draw(logits, u, generator, temperature, top_k, top_p)
+            tok, lp = _draw(z, u, generator, temperature, top_k, top_p)
+            if ent is not None:
+                _, h = logprobs_and_entropy(logits[0].float(), tok, temperature=temperature)
+                ent[:, t] = torch.where(done, 0.0, h)
             out_lp[:, t] = torch.where(done, 0.0, lp)
             tok = torch.where(done, pad_id, tok)
             out[:, t] = tok
@@ -330,29 +357,16 @@ def _generate_reference(model, prompt_tokens, prompt_mask, max_new_tokens, pad_i
             if t + 1 == max_new_tokens or bool(done.all()):
                 break
             pos = plen + t
-            logits = model(
-                tok[:, None],
-                input_pos=positions[:, pos : pos + 1],
-                mask=attn_mask[:, pos : pos + 1],
-            )[:, -1]
-    return out, out_lp, valid, done
-
-
-@dataclass
-class _Layer:
-    """The parts of one torchtune ``TransformerSelfAttentionLayer`` the fast decoder calls."""
-
-    sa_norm: torch.nn.Module
-    attn: torch.nn.Module
-    sa_scale: torch.nn.Module
-    mlp_norm: torch.nn.Module
-    mlp: torch.nn.Module
-    mlp_scale: torch.nn.Module
+            logits = [m(tok[:, None], input_pos=positions[:, pos : pos + 1],
+                        mask=attn_mask[:, pos : pos + 1])[:, -1] for m in models]
+    return out, out_lp, valid, done, ent
 
 
 @dataclass
 class _FastPlan:
-    """A torchtune decoder read as the modules :func:`_generate_fast` calls in its own order."""
+    """A torchtune decoder read as the modules :func:`_generate_fast` calls in its own order:
+    ``layers`` are its ``TransformerSelfAttentionLayer``s (unwrapped from activation
+    checkpointing), whose norms, attention projections and MLP the decoder calls one by one."""
 
     embed: torch.nn.Module
     layers: list
@@ -372,22 +386,16 @@ class _FastPlan:
             return None
         if model.caches_are_setup() or _has_sharded_parameters(model):
             return None
-        layers = []
-        for layer in model.layers:
-            layer = getattr(layer, "_checkpoint_wrapped_module", layer)  # activation checkpointing
+        layers = [getattr(layer, "_checkpoint_wrapped_module", layer) for layer in model.layers]
+        shape = None
+        for layer in layers:
             attn = getattr(layer, "attn", None)
             if type(layer) is not TransformerSelfAttentionLayer or type(attn) is not MultiHeadAttention:
                 return None
-            if (attn.num_heads % attn.num_kv_heads or attn.kv_cache is not None
-                    or (attn.num_heads, attn.num_kv_heads, attn.head_dim)
-                    != (model.layers[0].attn.num_heads, model.layers[0].attn.num_kv_heads,
-                        model.layers[0].attn.head_dim)):
+            if shape not in (None, (attn.num_heads, attn.num_kv_heads, attn.head_dim)):
                 return None
-            layers.append(_Layer(layer.sa_norm, attn, layer.sa_scale, layer.mlp_norm, layer.mlp,
-                                 layer.mlp_scale))
-        first = layers[0].attn
-        return cls(model.tok_embeddings, layers, model.norm, model.output, first.num_heads,
-                   first.num_kv_heads, first.head_dim)
+            shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        return cls(model.tok_embeddings, layers, model.norm, model.output, *shape)
 
 
 def _has_sharded_parameters(model: torch.nn.Module) -> bool:
@@ -444,15 +452,11 @@ def _decode_step(plan: _FastPlan, tok: torch.Tensor, pos: torch.Tensor, cache_k:
     return plan.output(plan.norm(x)).float()[:, 0]
 
 
-_COMPILED: dict = {}
-
-
+@functools.cache
 def _compiled_step() -> Callable:
     """:func:`_decode_step` through ``torch.compile`` (dynamic shapes: the batch shrinks and the
     cache fills as decoding goes on), built on first use."""
-    if "step" not in _COMPILED:
-        _COMPILED["step"] = torch.compile(_decode_step, dynamic=True)
-    return _COMPILED["step"]
+    return torch.compile(_decode_step, dynamic=True)
 
 
 # Compact the batch (drop finished rows from it and from the KV cache) once at most this share

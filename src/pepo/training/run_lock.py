@@ -37,8 +37,8 @@ def process_gone(pid: int) -> bool:
         os.kill(pid, 0)
     except (ProcessLookupError, OverflowError):
         return True
-    except PermissionError:
-        return False
+    except PermissionError:  # alive, another user's
+        pass
     return False
 
 
