@@ -151,3 +151,100 @@ def test_proximal_entropy_bounds(batch, window, tau):
     assert (e[mask] > 0).all() and (e[mask] <= 1 + 1e-6).all()
     const = pw.proximal_entropy(torch.full_like(ent, 0.3), mask, window, tau)
     torch.testing.assert_close(const[mask], torch.full_like(const[mask], 1 / window), rtol=1e-5, atol=0)
+
+
+# ---------------------------------------------------------------------------------------- GTPO
+
+
+@st.composite
+def grouped_batches(draw, max_b=8, max_t=24):
+    """A batch with group ids (a few groups, rows in any order) and success flags."""
+    adv, ent, mask = draw(batches(max_b=max_b, max_t=max_t))
+    b = len(adv)
+    groups = torch.tensor(draw(st.lists(st.integers(-3, 3), min_size=b, max_size=b)))
+    positive = torch.tensor(draw(st.lists(st.booleans(), min_size=b, max_size=b)))
+    return adv, ent, mask, positive, groups
+
+
+gtpo_specs = st.sampled_from([{}, {"normalize": "side"}, {"alpha1": 0.9, "alpha2": 0.1},
+                              {"alpha1": 0.0, "alpha2": 1.0, "eps": 1e-3}])
+
+
+@given(grouped_batches(), gtpo_specs, st.integers(0, 6), st.data())
+def test_gtpo_padding_and_holes_never_matter(batch, params, extra, data):
+    """Padding contents, extra padding columns and holes in the mask leave every valid token's
+    advantage as in the compacted batch (positions count valid tokens)."""
+    adv, ent, mask, positive, groups = batch
+    s = pw.get_strategy("gtpo", **params)
+    base = s(adv, ent, mask, positive=positive, groups=groups)
+    # spread each row's valid tokens over a wider row with junk in the holes
+    t = mask.shape[1] + extra
+    wide_ent = torch.full((len(adv), t), float("nan"))
+    wide_mask = torch.zeros(len(adv), t, dtype=torch.bool)
+    for i in range(len(adv)):
+        vals = ent[i][mask[i]]
+        cols = sorted(data.draw(st.permutations(range(t)))[: len(vals)])
+        wide_ent[i, cols] = vals
+        wide_mask[i, cols] = True
+    wide = s(adv, wide_ent, wide_mask, positive=positive, groups=groups)
+    for i in range(len(adv)):
+        torch.testing.assert_close(wide[i][wide_mask[i]], base[i][mask[i]], rtol=1e-6, atol=1e-6)
+        assert (wide[i][~wide_mask[i]] == 0).all()
+
+
+@given(grouped_batches(), gtpo_specs, st.randoms(use_true_random=False))
+def test_gtpo_row_order_and_group_labels_do_not_matter(batch, params, rnd):
+    adv, ent, mask, positive, groups = batch
+    s = pw.get_strategy("gtpo", **params)
+    base = s(adv, ent, mask, positive=positive, groups=groups)
+    perm = list(range(len(adv)))
+    rnd.shuffle(perm)
+    perm = torch.tensor(perm)
+    relabel = groups * 1000 - 7  # any one-to-one renaming of the groups
+    out = s(adv[perm], ent[perm], mask[perm], positive=positive[perm], groups=relabel[perm])
+    torch.testing.assert_close(out, base[perm], rtol=1e-6, atol=1e-6)
+
+
+@given(grouped_batches(), st.floats(0.0, 1.0), st.sampled_from([1e-8, 1e-3]))
+def test_gtpo_rewards_conserve_each_side_at_each_position(batch, alpha2, eps):
+    """Prop. 2.2: at every position the shaped rewards of a group's active successes sum to
+    (α1 + α2)·d_t, its failures' to -(α1 + α2)·h_t; with α1 + α2 = 1, the outcome rewards."""
+    _, ent, mask, positive, groups = batch
+    alpha1 = 1.0 - alpha2
+    r = pw.gtpo_rewards(ent, mask, positive, groups, alpha1, alpha2, eps).double()
+    index = mask.long().cumsum(1) - 1
+    for g in groups.unique().tolist():
+        for success in (True, False):
+            rows = (groups == g) & (positive == success)
+            for t in range(mask.shape[1]):
+                at_t = mask & (index == t) & rows[:, None]
+                n = int(at_t.sum())
+                if n:
+                    expected = n if success else -n
+                    assert abs(float(r[at_t].sum()) - expected) < 1e-5 * n
+
+
+@given(grouped_batches(), gtpo_specs)
+def test_gtpo_standardises_what_it_promises(batch, params):
+    """Over each group with both outcomes ("group") or each side of it ("side"), the valid
+    token advantages have mean 0 and population std 1 (up to the 1e-6 added to the std);
+    groups with one outcome get 0."""
+    adv, ent, mask, positive, groups = batch
+    s = pw.get_strategy("gtpo", **params)
+    out = s(adv, ent, mask, positive=positive, groups=groups).double()
+    r = pw.gtpo_rewards(ent, mask, positive, groups, params.get("alpha1", 1.0),
+                        params.get("alpha2", 0.1), params.get("eps", 1e-8)).double()
+    for g in groups.unique().tolist():
+        rows = groups == g
+        if positive[rows].all() or not positive[rows].any():
+            assert (out[rows] == 0).all()
+            continue
+        units = [rows] if params.get("normalize", "group") == "group" else [rows & positive, rows & ~positive]
+        for unit in units:
+            sel = mask & unit[:, None]
+            if not sel.any():
+                continue
+            a, x = out[sel], r[sel]
+            std = float(x.std(unbiased=False))
+            assert abs(float(a.mean())) < 1e-5
+            assert abs(float(a.std(unbiased=False)) - std / (std + 1e-6)) < 1e-4

@@ -551,7 +551,9 @@ class PEPORecipe(FTRecipeInterface):
                       if self.tis_cap is not None else None)
         # non-finite log-probs (a NaN logit) give NaN token advantages, so the loss guard
         # below skips the optimizer steps they reach instead of the strategy raising
-        token_adv = self.strategy(adv, entropies, mask, positive=success, check_finite=False)
+        groups = torch.arange(len(problems), device=adv.device)[part] // self.estimator.rollouts_per_prompt
+        token_adv = self.strategy(adv, entropies, mask, positive=success, groups=groups,
+                                  check_finite=False)
         t_update = time.perf_counter()
         losses, sums, grad_norms = self._update(ro, old_lp, token_adv, is_weights, part,
                                                 len(problems))

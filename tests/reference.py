@@ -126,3 +126,51 @@ def global_topk(advantages, scores, mask, fraction) -> np.ndarray:
             if mask[i, t] and float(scores[i, t]) >= thr:
                 out[i, t] = float(advantages[i])
     return out
+
+
+def gtpo_rewards(entropies, mask, positive, groups, alpha1, alpha2, eps) -> np.ndarray:
+    """GTPO, Eqs. 3 and 5, literally: for each group, each side and each valid-token index t,
+    the side's rollouts that have a t-th valid token share ``α2 · count`` in proportion to H
+    (successes) or 1/(H + eps) (failures); plus ``α1``, signed by the outcome."""
+    b = mask.shape[0]
+    rows = [valid_values(entropies[i], mask[i]) for i in range(b)]
+    shaped = [np.zeros(len(r)) for r in rows]
+    for g in set(int(x) for x in groups):
+        for success in (True, False):
+            members = [i for i in range(b) if int(groups[i]) == g and bool(positive[i]) == success]
+            longest = max((len(rows[i]) for i in members), default=0)
+            for t in range(longest):
+                active = [i for i in members if len(rows[i]) > t]
+                score = {i: rows[i][t] if success else 1.0 / (rows[i][t] + eps) for i in active}
+                total = sum(score.values())
+                for i in active:
+                    share = score[i] / total if total > 0 else 1.0 / len(active)
+                    term = alpha1 + alpha2 * share * len(active)
+                    shaped[i][t] = term if success else -term
+    return np.stack([scatter_back(shaped[i], mask[i]) for i in range(b)]) if b else np.zeros(tuple(mask.shape))
+
+
+def gtpo(entropies, mask, positive, groups, alpha1, alpha2, eps, normalize) -> np.ndarray:
+    """GTPO's token advantages: the shaped rewards standardised (population std + 1e-6) over
+    the group's valid tokens ("group") or over each side's ("side"); 0 for groups whose
+    rollouts all succeeded or all failed."""
+    r = gtpo_rewards(entropies, mask, positive, groups, alpha1, alpha2, eps)
+    out = np.zeros(r.shape)
+    b = mask.shape[0]
+    for g in set(int(x) for x in groups):
+        members = [i for i in range(b) if int(groups[i]) == g]
+        if len({bool(positive[i]) for i in members}) < 2:
+            continue
+        units = [members] if normalize == "group" else [
+            [i for i in members if bool(positive[i])], [i for i in members if not bool(positive[i])]]
+        for unit in units:
+            values = [r[i, t] for i in unit for t in range(mask.shape[1]) if mask[i, t]]
+            if not values:
+                continue
+            mean = sum(values) / len(values)
+            std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+            for i in unit:
+                for t in range(mask.shape[1]):
+                    if mask[i, t]:
+                        out[i, t] = (r[i, t] - mean) / (std + 1e-6)
+    return out

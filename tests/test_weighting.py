@@ -400,7 +400,8 @@ def test_contract_detached_fp32_zero_on_padding_no_mutation(name):
     ent = torch.where(mask, ent, float("nan")).bfloat16().requires_grad_(True)
     adv = adv.requires_grad_(True)
     before = (adv.detach().clone(), ent.detach().clone(), mask.clone())
-    out = pw.get_strategy(name)(adv, ent, mask)
+    groups = torch.tensor([0, 0, 0])  # ignored by all strategies but gtpo
+    out = pw.get_strategy(name)(adv, ent, mask, positive=torch.tensor([True, False, True]), groups=groups)
     assert out.shape == mask.shape and out.dtype == torch.float32
     assert not out.requires_grad
     assert torch.isfinite(out).all()
@@ -499,7 +500,8 @@ def test_strategy_repr_shows_parameters():
 def test_empty_batches_and_fully_masked_rows(name, shape):
     ent = torch.rand(shape)
     mask = torch.zeros(shape, dtype=torch.bool)
-    out = pw.get_strategy(name)(torch.ones(shape[0]), ent, mask)
+    groups = torch.arange(shape[0]) // 2
+    out = pw.get_strategy(name)(torch.ones(shape[0]), ent, mask, groups=groups)
     assert out.shape == shape and out.eq(0).all()
 
 
@@ -599,8 +601,8 @@ def test_every_strategy_has_one_rule_for_negative_entropies(name):
     adv = torch.tensor([1.0])
     with pytest.raises(ValueError, match=r"entropies must be >= 0 \(an entropy is never negative\), "
                                          r"got a valid value of -0.5$"):
-        pw.get_strategy(name)(adv, torch.tensor([[0.2, -0.5, 0.1, 0.0]]), mask)
-    out = pw.get_strategy(name)(adv, torch.tensor([[0.2, -1e-7, 0.1, -7.0]]), mask)
+        pw.get_strategy(name)(adv, torch.tensor([[0.2, -0.5, 0.1, 0.0]]), mask, groups=torch.zeros(1, dtype=torch.long))
+    out = pw.get_strategy(name)(adv, torch.tensor([[0.2, -1e-7, 0.1, -7.0]]), mask, groups=torch.zeros(1, dtype=torch.long))
     assert torch.isfinite(out).all() and out[0, 3] == 0
 
 
@@ -622,3 +624,118 @@ def test_weighted_advantages_that_overflow_are_refused_not_inf(name, a):
         pw.get_strategy(name, **params)(torch.tensor([a]), ent, mask)
     out = pw.get_strategy(name, **params)(torch.tensor([a]), ent, mask, check_finite=False)
     assert not torch.isfinite(out).all()  # what the check stops
+
+
+# ---------------------------------------------------------------------------------------- GTPO
+
+GTPO_LENGTHS = [1, 5, 30, 7, 0, 12, 3, 9, 30, 2, 4, 6]
+# 4 groups of 3 rows, deliberately not contiguous, with ids that are not 0..n-1
+GTPO_GROUPS = torch.tensor([7, 3, 7, -2, 3, 11, 7, -2, 3, 11, -2, 11])
+# group 7: 2 successes + 1 failure; 3: 1 + 2; -2: all failed; 11: 2 + 1
+GTPO_POSITIVE = torch.tensor([True, True, True, False, False, True, False, False, False, False,
+                              False, True])
+
+
+@pytest.mark.parametrize("holes", [False, True])
+@pytest.mark.parametrize("alpha1, alpha2, eps", [(1.0, 0.1, 1e-8), (0.9, 0.1, 1e-8), (0.5, 2.0, 1e-3)])
+def test_gtpo_rewards_match_reference(holes, alpha1, alpha2, eps):
+    _, ent, mask = ragged_batch(GTPO_LENGTHS, 36, holes=holes, seed=41)
+    ent[0, 0] = 0.0 if mask[0, 0] else ent[0, 0]  # a zero entropy (1/(H + eps) on a failure)
+    got = pw.gtpo_rewards(ent, mask, GTPO_POSITIVE, GTPO_GROUPS, alpha1, alpha2, eps)
+    assert got.dtype == torch.float32 and (got[~mask] == 0).all()
+    close(got, ref.gtpo_rewards(ent, mask, GTPO_POSITIVE, GTPO_GROUPS, alpha1, alpha2, eps),
+          rtol=1e-6, atol=1e-6)
+
+
+def test_gtpo_rewards_hand_worked():
+    """Two successes of lengths 3 and 2, two failures of lengths 3 and 2 (α1 = 1, α2 = 0.1).
+    t = 0: successes' H 2 and 3 share 0.1·2 as 2:3, failures' 1/H (1/4, 2) as 1:8."""
+    ent = torch.tensor([[2.0, 4.0, 1.0], [3.0, 1.0, 0.0], [4.0, 0.5, 3.0], [0.5, 4.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    got = pw.gtpo_rewards(ent, mask, torch.tensor([True, True, False, False]),
+                          torch.zeros(4, dtype=torch.long), eps=0.0 + 1e-12)
+    expected = torch.tensor([[1.08, 1.16, 1.1], [1.12, 1.04, 0.0],
+                             [-1 - 0.2 / 9, -1 - 1.6 / 9, -1.1], [-1 - 1.6 / 9, -1 - 0.2 / 9, 0.0]])
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("normalize", ["group", "side"])
+@pytest.mark.parametrize("holes", [False, True])
+def test_gtpo_matches_reference(normalize, holes):
+    adv, ent, mask = ragged_batch(GTPO_LENGTHS, 36, holes=holes, seed=43)
+    s = pw.get_strategy("gtpo", normalize=normalize)
+    got = s(adv, ent, mask, positive=GTPO_POSITIVE, groups=GTPO_GROUPS)
+    expected = ref.gtpo(ent, mask, GTPO_POSITIVE, GTPO_GROUPS, 1.0, 0.1, 1e-8, normalize)
+    close(got, expected, rtol=1e-5, atol=1e-5)
+    # the all-failed group (-2) gets 0; the mixed groups do not, except group 3 by side: each
+    # of its sides has one non-empty row, whose shaped rewards are constant
+    assert (got[GTPO_GROUPS == -2] == 0).all()
+    for g in (7, 3, 11):
+        rows = GTPO_GROUPS == g
+        total = got[rows][mask[rows]].abs().sum()
+        assert total < 1e-6 if (g, normalize) == (3, "side") else total > 1
+
+
+def test_gtpo_reads_neither_advantages_nor_other_groups():
+    adv, ent, mask = ragged_batch(GTPO_LENGTHS, 36, seed=45)
+    s = pw.get_strategy("gtpo")
+    base = s(adv, ent, mask, positive=GTPO_POSITIVE, groups=GTPO_GROUPS)
+    torch.testing.assert_close(s(adv * -3 + 1, ent, mask, positive=GTPO_POSITIVE, groups=GTPO_GROUPS), base)
+    other = ent.clone()
+    other[GTPO_GROUPS == 7] = other[GTPO_GROUPS == 7] * 2 + 0.5  # another group's entropies
+    out = s(adv, other, mask, positive=GTPO_POSITIVE, groups=GTPO_GROUPS)
+    keep = GTPO_GROUPS != 7
+    torch.testing.assert_close(out[keep], base[keep])
+    assert not torch.allclose(out[~keep], base[~keep])
+
+
+def test_gtpo_side_normalisation_cancels_the_outcome():
+    """What the default's deviation is about: with normalize="side" a failed rollout's token
+    can get a positive advantage and a successful one's a negative, by entropy alone."""
+    ent = torch.tensor([[2.0, 0.1], [0.1, 2.0], [2.0, 0.1], [0.1, 2.0]])
+    mask = torch.ones(4, 2, dtype=torch.bool)
+    positive = torch.tensor([True, True, False, False])
+    groups = torch.zeros(4, dtype=torch.long)
+    side = pw.get_strategy("gtpo", normalize="side")(torch.zeros(4), ent, mask, positive=positive, groups=groups)
+    group = pw.get_strategy("gtpo")(torch.zeros(4), ent, mask, positive=positive, groups=groups)
+    assert (side[2:] > 0).any() and (side[:2] < 0).any()
+    assert (group[:2] > 0).all() and (group[2:] < 0).all()
+    # within each side the higher-entropy success / the lower-entropy failure is pushed harder
+    assert group[0, 0] > group[0, 1] and group[2, 1] < group[2, 0]
+
+
+def test_gtpo_needs_groups_and_checks_them():
+    adv, ent, mask = ragged_batch([3, 4], 4, seed=1)
+    s = pw.get_strategy("gtpo")
+    assert s.needs_groups and not pw.get_strategy("proximal_softmax").needs_groups
+    with pytest.raises(ValueError, match=r"strategy 'gtpo' compares the rollouts of each prompt's group: pass groups="):
+        s(adv, ent, mask)
+    with pytest.raises(ValueError, match=r"groups must have an integer dtype \(one group id per rollout\), got torch.float32"):
+        s(adv, ent, mask, groups=torch.zeros(2))
+    with pytest.raises(ValueError, match=r"groups must be \[B\]=\[2\] \(one group id per rollout\), got \[3\]"):
+        s(adv, ent, mask, groups=torch.zeros(3, dtype=torch.long))
+    # strategies that do not compare rollouts ignore groups
+    torch.testing.assert_close(pw.get_strategy("uniform")(adv, ent, mask, groups=torch.tensor([0, 1])),
+                               pw.get_strategy("uniform")(adv, ent, mask))
+
+
+@pytest.mark.parametrize("params, match", [
+    ({"alpha1": -1.0}, r"alpha1 must be a finite number >= 0, got -1.0"),
+    ({"alpha2": float("inf")}, r"alpha2 must be a finite number >= 0, got inf"),
+    ({"alpha1": 0, "alpha2": 0}, r"alpha1 and alpha2 are both 0"),
+    ({"eps": 0.0}, r"eps must be"),
+    ({"normalize": "batch"}, r"normalize must be one of \['group', 'side'\], got 'batch'"),
+])
+def test_gtpo_bad_parameters(params, match):
+    with pytest.raises(ValueError, match=match):
+        pw.get_strategy("gtpo", **params)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_gtpo_propagates_a_bad_entropy_to_its_group_as_nan(bad):
+    adv, ent, mask = ragged_batch([5, 7, 6, 4], 7, seed=3)
+    positive = torch.tensor([True, False, True, False])
+    groups = torch.tensor([0, 0, 1, 1])
+    ent[1, 2] = bad  # a failure's token: 1/inf would be a finite 0
+    out = pw.get_strategy("gtpo")(adv, ent, mask, positive=positive, groups=groups, check_finite=False)
+    assert torch.isnan(out[:2][mask[:2]]).all() and torch.isfinite(out[2:]).all()

@@ -135,6 +135,19 @@ def check_row_flags(name: str, flags: Any, rows: torch.Tensor) -> torch.Tensor:
     return flags
 
 
+def check_row_ids(name: str, ids: Any, rows: torch.Tensor) -> torch.Tensor:
+    """An integer ``[B]`` tensor with one id per row of ``rows`` (``[B]``), on its device."""
+    ids = check_tensor(name, ids)
+    b = rows.shape[0]
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"{name} must have an integer dtype (one group id per rollout), got {ids.dtype}")
+    if ids.dim() != 1 or ids.shape[0] != b:
+        raise ValueError(f"{name} must be [B]=[{b}] (one group id per rollout), got {_shape(ids)}")
+    if ids.device != rows.device:
+        raise ValueError(f"{name} ({ids.device}) must be on the advantages' device ({rows.device})")
+    return ids
+
+
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")

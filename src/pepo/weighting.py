@@ -51,6 +51,8 @@ __all__ = [
     "entropy_bonus",
     "get_strategy",
     "global_topk",
+    "gtpo",
+    "gtpo_rewards",
     "linear_proximal_entropy",
     "list_strategies",
     "normalize_to_length",
@@ -193,12 +195,13 @@ def linear_proximal_entropy(
 _REGISTRY: dict[str, Callable[..., StrategyFn]] = {}
 
 
-def _takes_positive(fn: Callable[..., Any]) -> bool:
+def _declares(fn: Callable[..., Any], name: str) -> bool:
+    """Whether ``fn`` takes an argument called ``name`` (or any keyword)."""
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # builtins without a signature
         return False
-    return any(p.name == "positive" or p.kind is p.VAR_KEYWORD for p in params)
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
 
 
 class Strategy:
@@ -213,7 +216,8 @@ class Strategy:
         self.name = name
         self.params = dict(params)
         self._fn = fn
-        self._pass_positive = _takes_positive(fn)
+        self._pass_positive = _declares(fn, "positive")
+        self._pass_groups = _declares(fn, "groups")
 
     def __call__(
         self,
@@ -222,6 +226,7 @@ class Strategy:
         mask: torch.Tensor,
         *,
         positive: Optional[torch.Tensor] = None,
+        groups: Optional[torch.Tensor] = None,
         check_finite: bool = True,
     ) -> torch.Tensor:
         """Token advantages for one batch.
@@ -232,6 +237,9 @@ class Strategy:
             mask: True at valid (generated) tokens.
             positive: the rollouts that count as successful (positive reward); strategies with
                 ``apply_to="positive"`` weight only these. Default: ``advantages > 0``.
+            groups: one integer id per rollout, equal for the rollouts of one prompt. Only
+                strategies that compare rollouts within their group read it (``gtpo``, which
+                refuses to run without it); the others ignore it, so a loop may always pass it.
             check_finite: raise ``ValueError`` if ``advantages`` or the valid entropies hold
                 NaN/inf, a valid entropy is negative, or the weighted advantages overflow
                 float32 (one host sync). With False nothing is checked, and a NaN/inf in an
@@ -240,17 +248,29 @@ class Strategy:
                 a loss built on it is NaN.
 
         Shape:
-            advantages: ``[B]``; entropies, mask: ``[B, T]``; positive: ``[B]`` bool;
-            returns ``[B, T]`` fp32.
+            advantages: ``[B]``; entropies, mask: ``[B, T]``; positive: ``[B]`` bool; groups:
+            ``[B]`` integer; returns ``[B, T]`` fp32.
         """
         advantages, entropies, mask = _checks.check_batch(advantages, entropies, mask)
         if positive is not None:
             positive = _checks.check_row_flags("positive", positive, advantages)
+        if groups is not None:
+            groups = _checks.check_row_ids("groups", groups, advantages)
+        elif self._pass_groups:
+            raise ValueError(
+                f"strategy {self.name!r} compares the rollouts of each prompt's group: pass "
+                f"groups= (a [B] integer tensor, equal ids for the rollouts of one prompt)"
+            )
         with torch.no_grad():
             adv = advantages.detach().float()
             ent = _w.clean(entropies.detach(), mask)
             pos = adv > 0 if positive is None else positive
-            out = self._fn(adv, ent, mask, positive=pos) if self._pass_positive else self._fn(adv, ent, mask)
+            kwargs: dict[str, torch.Tensor] = {}
+            if self._pass_positive:
+                kwargs["positive"] = pos
+            if self._pass_groups:
+                kwargs["groups"] = groups
+            out = self._fn(adv, ent, mask, **kwargs)
             if not isinstance(out, torch.Tensor) or out.shape != mask.shape:
                 got = _checks._shape(out) if isinstance(out, torch.Tensor) else type(out).__name__
                 raise ValueError(
@@ -261,6 +281,11 @@ class Strategy:
             if check_finite:  # inputs and output in one host sync, after the strategy ran
                 _check_finite_clean(advantages=adv, entropies=ent, output=(self.name, out))
             return out
+
+    @property
+    def needs_groups(self) -> bool:
+        """Whether the strategy compares the rollouts of a group (it must get ``groups=``)."""
+        return self._pass_groups
 
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
@@ -274,8 +299,9 @@ def register_strategy(
 
     The factory takes the strategy's hyper-parameters as keyword arguments, validates them,
     and returns ``fn(advantages [B] fp32, entropies [B, T] fp32 (0 where mask is False),
-    mask [B, T] bool) -> [B, T]``. A ``fn`` that declares a fourth parameter named
-    ``positive`` also receives the bool ``[B]`` success flags (see :class:`Strategy`).
+    mask [B, T] bool) -> [B, T]``. A ``fn`` that declares a parameter named ``positive`` also
+    receives the bool ``[B]`` success flags, one named ``groups`` the ``[B]`` prompt-group ids
+    (see :class:`Strategy`).
     :func:`get_strategy` wraps it in a :class:`Strategy` that validates inputs and zeroes
     masked positions, so a factory needs neither.
 
@@ -524,6 +550,153 @@ def _global_count(flags: torch.Tensor, process_group: Optional[Any]) -> int:
 
         dist.all_reduce(total, group=process_group)
     return int(total)
+
+
+_GTPO_NORMALIZE = ("group", "side")
+
+
+def gtpo_rewards(
+    entropies: torch.Tensor,
+    mask: torch.Tensor,
+    positive: torch.Tensor,
+    groups: torch.Tensor,
+    alpha1: float = 1.0,
+    alpha2: float = 0.1,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """GTPO's entropy-shaped token rewards (Tan et al. 2025, arXiv 2508.04349, Eqs. 3 and 5).
+
+    Within each prompt group, at each response position ``t``:
+
+    * a successful rollout ``i`` (``positive``, the set ``O+``) gets
+      ``r̃_{i,t} = α1 + α2 · H_{i,t} / Σ_{k ∈ O+_t} H_{k,t} · d_t``;
+    * a failed rollout ``j`` (``O-``) gets
+      ``r̃_{j,t} = -α1 - α2 · (1/H_{j,t}) / Σ_{k ∈ O-_t} (1/H_{k,t}) · h_t``,
+
+    where ``O+_t`` / ``O-_t`` are the group's successful / failed rollouts that have a token at
+    ``t`` and ``d_t`` / ``h_t`` their numbers. ``1/H`` is ``1/(H + eps)`` (the paper's Remark
+    2.1). The outcome reward is binary: ``r = 1`` for success, ``-1`` for failure. So each side's
+    shaped rewards at ``t`` sum to ``±(α1 + α2) · d_t`` (``h_t``): with ``α1 + α2 = 1`` the total
+    reward is conserved (the paper's Prop. 2.2). Where every active ``O+`` entropy at ``t`` is 0
+    the entropy term is split evenly (``1/d_t`` each), which keeps that sum.
+
+    Position ``t`` counts a row's *valid* tokens, as the windows of the other strategies do: a
+    row with holes in its mask gets the rewards of the compacted row.
+
+    Args:
+        entropies: ``[B, T]`` token entropies (anything at masked positions).
+        mask: ``[B, T]`` bool, True on valid tokens.
+        positive: ``[B]`` bool, the successful rollouts.
+        groups: ``[B]`` integer, equal for the rollouts of one prompt.
+
+    Returns:
+        ``[B, T]`` fp32, 0 where ``mask`` is False.
+
+    Raises:
+        ValueError: bad shapes or dtypes, or a bad ``alpha1``, ``alpha2`` or ``eps``.
+    """
+    entropies, mask = _checks.check_entropies_mask(entropies, mask)
+    b = torch.empty(mask.shape[0], device=mask.device)
+    positive = _checks.check_row_flags("positive", positive, b)
+    groups = _checks.check_row_ids("groups", groups, b)
+    alpha1, alpha2, eps = _gtpo_params(alpha1, alpha2, eps)
+    ent = _w.clean(entropies.detach(), mask)
+    with torch.no_grad():
+        return _gtpo_shaped(ent, mask, positive, groups, alpha1, alpha2, eps).float()
+
+
+def _gtpo_params(alpha1: Any, alpha2: Any, eps: Any) -> tuple[float, float, float]:
+    for name, v in (("alpha1", alpha1), ("alpha2", alpha2)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+    if alpha1 == 0 and alpha2 == 0:
+        raise ValueError("alpha1 and alpha2 are both 0: every shaped reward would be 0")
+    return float(alpha1), float(alpha2), _checks.check_positive("eps", eps)
+
+
+def _dense_ids(groups: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``groups`` renumbered 0..n-1, and n."""
+    if groups.numel() == 0:
+        return groups.long(), 0
+    uniq, inverse = torch.unique(groups, return_inverse=True)
+    return inverse, int(uniq.numel())
+
+
+def _gtpo_shaped(ent: torch.Tensor, mask: torch.Tensor, positive: torch.Tensor,
+                 groups: torch.Tensor, alpha1: float, alpha2: float, eps: float) -> torch.Tensor:
+    """Eqs. 3 and 5 in float64: ``[B, T]``, 0 where ``mask`` is False."""
+    t_max = mask.shape[1]
+    gid, n = _dense_ids(groups)
+    h = ent.double()
+    # what each token contributes to its side's share: H on O+, 1/(H + eps) on O-; an inf
+    # entropy must reach the output as NaN (1/inf would be a finite 0)
+    val = torch.where(positive[:, None], h, 1.0 / (h + eps))
+    val = torch.where(torch.isinf(h), math.nan, val)
+    # one bucket per (group, side, valid-token index)
+    side = (~positive).long()  # 0: O+, 1: O-
+    index = mask.long().cumsum(1) - 1  # [B, T]
+    bucket = torch.where(mask, (gid * 2 + side)[:, None] * t_max + index, 0)
+    keys, vals = bucket[mask], val[mask]
+    total = vals.new_zeros(max(n * 2 * t_max, 1)).index_add_(0, keys, vals)
+    count = vals.new_zeros(total.shape).index_add_(0, keys, torch.ones_like(vals))
+    s, c = total[bucket], count[bucket]  # [B, T]: the token's side at its position
+    uniform = torch.where(torch.isnan(s), math.nan, 1.0)  # NaN stays NaN, never uniform
+    share_x_count = torch.where(s > 0, val / torch.where(s > 0, s, 1.0) * c, uniform)
+    sign = torch.where(positive, 1.0, -1.0).double()[:, None]
+    return torch.where(mask, sign * (alpha1 + alpha2 * share_x_count), 0.0)
+
+
+@register_strategy("gtpo")
+def gtpo(alpha1: float = 1.0, alpha2: float = 0.1, normalize: str = "group",
+         eps: float = 1e-8) -> StrategyFn:
+    """GTPO (Tan et al. 2025, arXiv 2508.04349): entropy-shaped token rewards, standardised.
+
+    The shaped rewards ``r̃`` are :func:`gtpo_rewards` (Eqs. 3 and 5: a successful rollout's
+    token weighted by its entropy relative to the group's successful rollouts active at the
+    same position, a failed rollout's by its inverse entropy relative to the failed ones).
+    The token advantages standardise them (Eq. 6), with population std and ``1e-6`` added to
+    it as in :func:`pepo.estimators.group_advantages`:
+
+    * ``normalize="group"`` (default): ``Â = (r̃ - mean) / (std + 1e-6)`` over all valid tokens
+      of the prompt's group;
+    * ``normalize="side"``: over the group's ``O+`` tokens and its ``O-`` tokens separately.
+
+    Deviations and readings, since we could not consult the paper's text and follow the
+    equations as independent public re-implementations state them:
+
+    * ``"side"`` is Eq. 6 as written there. With a binary outcome it subtracts ``α1·r`` exactly
+      (each side's mean is ``±(α1 + α2)``), so no outcome signal is left: on both sides the
+      higher-entropy tokens get the positive advantages. The default therefore standardises
+      over the whole group, which keeps the success/failure sign (GRPO's) and the entropy
+      shaping within each side.
+    * The outcome is the success flag (``positive``), not the raw reward: ``r = ±1``.
+    * A group whose rollouts all succeeded or all failed gets advantage 0 on every token, as
+      GRPO's do (the paper builds on DAPO, whose dynamic sampling drops such groups).
+    * ``advantages`` is not read: GTPO builds its own from the rewards.
+
+    Needs ``groups=`` (the prompt group of each rollout) when called, and group mode in the
+    recipe (a single-stream "group" of one rollout is always all-success or all-failure).
+    """
+    alpha1, alpha2, eps = _gtpo_params(alpha1, alpha2, eps)
+    normalize = _checks.check_choice("normalize", normalize, _GTPO_NORMALIZE)
+
+    def fn(advantages, entropies, mask, positive, groups):
+        r = _gtpo_shaped(entropies, mask, positive, groups, alpha1, alpha2, eps)  # [B, T] f64
+        gid, n = _dense_ids(groups)
+        rows = torch.ones_like(gid, dtype=torch.float64)
+        n_rows = rows.new_zeros(n).index_add_(0, gid, rows)
+        n_pos = rows.new_zeros(n).index_add_(0, gid, positive.double())
+        mixed = ((n_pos > 0) & (n_pos < n_rows))[gid]  # [B]: the group has both outcomes
+        unit = gid if normalize == "group" else gid * 2 + (~positive).long()
+        units = n if normalize == "group" else 2 * n
+        tokens = rows.new_zeros(units).index_add_(0, unit, mask.sum(1).double()).clamp_min(1.0)
+        mean = rows.new_zeros(units).index_add_(0, unit, r.sum(1)) / tokens
+        dev = torch.where(mask, r - mean[unit][:, None], 0.0)
+        std = (rows.new_zeros(units).index_add_(0, unit, (dev * dev).sum(1)) / tokens).sqrt()
+        out = dev / (std[unit][:, None] + 1e-6)
+        return torch.where(mixed[:, None], out, 0.0).float()
+
+    return fn
 
 
 def normalize_to_length(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -505,6 +505,12 @@ def validate_config(cfg: DictConfig) -> None:
                 weighting.get_strategy(str(section), **params)
             except ValueError as e:
                 raise ValueError(f"strategy.{section}: {e}") from None
+    name, params = strategy_params(cfg)
+    if weighting.get_strategy(str(name), **params).needs_groups and est != "group":
+        raise ValueError(
+            f"strategy.name={name!r} compares the rollouts of each prompt's group, "
+            f"so it needs estimator.name=group, got estimator.name={est!r}"
+        )
     try:
         estimator = estimators.build_estimator(est, **est_kwargs)
     except ValueError as e:  # "estimator.group_size must be ..." or "estimator: need ..."
