@@ -642,7 +642,7 @@ def _gtpo_shaped(ent: torch.Tensor, mask: torch.Tensor, positive: torch.Tensor,
     s, c = total[bucket], count[bucket]  # [B, T]: the token's side at its position
     uniform = torch.where(torch.isnan(s), math.nan, 1.0)  # NaN stays NaN, never uniform
     share_x_count = torch.where(s > 0, val / torch.where(s > 0, s, 1.0) * c, uniform)
-    sign = torch.where(positive, 1.0, -1.0).double()[:, None]
+    sign = (positive.double() * 2 - 1)[:, None]  # +1 on O+, -1 on O-
     return torch.where(mask, sign * (alpha1 + alpha2 * share_x_count), 0.0)
 
 

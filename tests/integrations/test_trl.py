@@ -221,6 +221,10 @@ def test_bad_strategy_or_params_fail_before_training(model_dir, tmp_path):
         PepoGRPOTrainer(model=str(model_dir), reward_funcs=reward_has_seven,
                         args=config(tmp_path), train_dataset=dataset(),
                         pepo_strategy="global_topk", pepo_params={"process_group": None})
+    with pytest.raises(ValueError, match=r"pepo_strategy='gtpo' compares the completions of each "
+                                         r"prompt's group, which PepoGRPOTrainer does not pass"):
+        PepoGRPOTrainer(model=str(model_dir), reward_funcs=reward_has_seven,
+                        args=config(tmp_path), train_dataset=dataset(), pepo_strategy="gtpo")
 
 
 def test_the_docs_example_runs(tmp_path, monkeypatch):

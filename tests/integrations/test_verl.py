@@ -147,6 +147,9 @@ def test_config_errors_name_the_fix():
         pv.strategy_from_config(None)
     with pytest.raises(ValueError, match="no_such"):
         pv.strategy_from_config(OmegaConf.create({"strategy": "no_such"}))
+    with pytest.raises(ValueError, match=r"pepo.strategy='gtpo' compares the rollouts of each "
+                                         r"prompt's group, which the verl adapter does not pass"):
+        pv.strategy_from_config(OmegaConf.create({"strategy": "gtpo"}))
 
 
 def test_the_trainer_checks_its_pepo_section_before_verl_builds_anything(monkeypatch):

@@ -98,6 +98,11 @@ class PepoGRPOTrainer(GRPOTrainer):
         self.pepo_strategy_name = pepo_strategy
         self.pepo_params = params
         self._pepo_strategy = pw.get_strategy(pepo_strategy, **params)  # fails fast on bad input
+        if self._pepo_strategy.needs_groups:
+            raise ValueError(
+                f"pepo_strategy={pepo_strategy!r} compares the completions of each prompt's group, "
+                f"which PepoGRPOTrainer does not pass to strategies yet; train it with pepo's recipe"
+            )
         self._pepo_success = pepo_success
         self._pepo_uses_entropy = pepo_strategy != "uniform"
         self._pepo_capture = False

@@ -51,7 +51,13 @@ def strategy_from_config(cfg: Optional[Mapping[str, Any]]) -> tuple[pw.Strategy,
             f"{', '.join(pw.list_strategies())}) and its parameters as +pepo.params.KEY=VALUE"
         )
     params = dict(cfg.get("params") or {})
-    return pw.get_strategy(str(cfg["strategy"]), **params), float(cfg.get("success_threshold", 0.0))
+    strategy = pw.get_strategy(str(cfg["strategy"]), **params)
+    if strategy.needs_groups:
+        raise ValueError(
+            f"pepo.strategy={cfg['strategy']!r} compares the rollouts of each prompt's group, which "
+            f"the verl adapter does not pass to strategies yet; train it with pepo's recipe"
+        )
+    return strategy, float(cfg.get("success_threshold", 0.0))
 
 
 def token_advantages(

@@ -58,6 +58,7 @@ METHODS = {
         ("Entropy Adv.", {"name": "entropy_bonus"}),
         ("PEPO", {"name": "proximal_softmax"}),
         ("windowed average", {"name": "window_average"}),
+        ("GTPO", {"name": "gtpo"}),
         # App. F.3's temperature sweep of PEPO (the paper's grid: 0.5, 1, 2)
         ("PEPO, τ = 0.5", {"name": "proximal_softmax", "proximal_softmax": {"temperature": 0.5}}),
         ("PEPO, τ = 2", {"name": "proximal_softmax", "proximal_softmax": {"temperature": 2.0}}),
