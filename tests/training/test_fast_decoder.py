@@ -101,6 +101,41 @@ def test_finished_rows_leave_the_batch(monkeypatch):
     assert all(n <= s and s <= max(n / G._COMPACT_BELOW, n + 1) for n, s in zip(live, sizes))
 
 
+def shared_prompts(n, seed):
+    """``n`` prompts, each repeated 1-5 times, in shuffled order (the rollouts of a group)."""
+    g = torch.Generator().manual_seed(seed)
+    reps = torch.randint(1, 6, (n,), generator=g).tolist()
+    rows = [p for p, r in zip(ragged_prompts(n, seed=seed), reps) for _ in range(r)]
+    return [rows[i] for i in torch.randperm(len(rows), generator=g)]
+
+
+@pytest.mark.parametrize("dtype, lp_tol", [(torch.float32, 2e-5), (torch.float64, 1e-12)])
+def test_rows_of_one_prompt_share_its_cache(monkeypatch, dtype, lp_tol):
+    """The prompt's keys and values are held once per distinct prompt, rows are placed among
+    their prompt's rows in any order, and a prompt leaves the cache with its last row; the
+    tokens are still the reference's. Catches a row reading another prompt's columns or
+    another row's slot (the tokens would differ at once)."""
+    model = random_model(4, 2, dtype=dtype)
+    prompts = shared_prompts(9, seed=8)
+    distinct = len({tuple(p) for p in prompts})
+    seen = []
+    real = G._decode_step
+
+    def spy(plan, tok, pos, prompt_k, *a):
+        seen.append((len(tok), prompt_k[0].shape[0]))
+        return real(plan, tok, pos, prompt_k, *a)
+
+    monkeypatch.setattr(G, "_decode_step", spy)
+    kw = dict(max_new_tokens=40, pad_id=0, stop_tokens=list(range(2, 8)),
+              seeds=torch.arange(len(prompts)) + 3)
+    fast = G.generate(model, prompts, **kw)
+    ref = G.generate(model, prompts, decoder="reference", **kw)
+    assert_same_rollouts(fast, ref, lp_tol=lp_tol)
+    assert len(prompts) > distinct + 5 and seen[0][1] == distinct
+    assert seen[-1][1] < distinct and seen[-1][0] < seen[0][0]  # prompts left with their rows
+    assert all(u <= b for b, u in seen)
+
+
 def test_a_row_samples_the_same_alone_and_in_any_batch():
     model = random_model(4, 2)
     prompts = ragged_prompts(12, seed=3)

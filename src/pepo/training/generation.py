@@ -424,29 +424,57 @@ def _project(attn, h: torch.Tensor, pos: torch.Tensor):
     return q, k, v
 
 
-def _decode_step(plan: _FastPlan, tok: torch.Tensor, pos: torch.Tensor, cache_k: list,
-                 cache_v: list, bias: torch.Tensor) -> torch.Tensor:
+def _decode_step(plan: _FastPlan, tok: torch.Tensor, pos: torch.Tensor, prompt_k: list,
+                 prompt_v: list, cache_k: list, cache_v: list, prompt_bias: torch.Tensor,
+                 slot_u: torch.Tensor, slot_r: torch.Tensor, r_max: int, n: int) -> torch.Tensor:
     """One decoding step of ``b`` rows: the new tokens ``tok`` ``[b]`` at positions ``pos``
-    ``[b, 1]`` go into column ``n - 1`` of every layer's cache (``[b, n_kv, S, h_d]``), each
-    attending over columns ``0 .. n-1``, with ``bias`` ``[b * n_kv, 1, n]`` (0, or -inf on left
-    padding). Returns the next logits ``[b, V]`` fp32.
+    ``[b, 1]`` go into response column ``n - 1`` of every layer's response cache (``cache_k``,
+    ``[b, n_kv, T, h_d]``), each row attending over its prompt's columns and its response
+    columns ``0 .. n-1``. Returns the next logits ``[b, V]`` fp32.
 
-    The heads that share a key/value head form one query block, so every (row, key/value
-    head) is one small matrix product over the filled columns: softmax(q·kᵀ/√h_d + bias)·v, as
-    ``scaled_dot_product_attention`` computes it, with no copy of the cache.
+    The prompts' keys and values are held once per distinct prompt (``prompt_k``,
+    ``[U, n_kv, P, h_d]``), not once per row: row ``i`` reads prompt ``slot_u[i]``, where it is
+    the ``slot_r[i]``-th of at most ``r_max`` rows. The queries of one prompt's rows, and the
+    heads that share a key/value head, form one query block, so each (prompt, key/value head)
+    is one matrix product over the prompt's columns and each (row, key/value head) one over its
+    response columns; ``prompt_bias`` ``[U * n_kv, 1, P]`` is 0, or -inf on left padding. The
+    two parts share one softmax: softmax(q·kᵀ/√h_d + bias)·v over ``[prompt | response]``, as
+    ``scaled_dot_product_attention`` computes it, with no copy of either cache. With
+    ``r_max == 1`` (no prompt shared) the prompt cache is in row order and read directly.
     """
-    b, n = tok.shape[0], bias.shape[-1]
+    b = tok.shape[0]
     n_kv, hd = plan.num_kv_heads, plan.head_dim
     group = plan.num_heads // n_kv
+    u, plen = prompt_k[0].shape[0], prompt_k[0].shape[2]
+    shared = r_max > 1  # else the prompt cache is in row order (slot_u = 0..b-1, slot_r = 0)
     x = plan.embed(tok[:, None])  # [b, 1, d]
-    for layer, ck, cv in zip(plan.layers, cache_k, cache_v):
+    for layer, pk, pv, ck, cv in zip(plan.layers, prompt_k, prompt_v, cache_k, cache_v):
         q, k, v = _project(layer.attn, layer.sa_norm(x), pos)
         ck[:, :, n - 1 : n] = k
         cv[:, :, n - 1 : n] = v
-        scores = torch.baddbmm(bias, q.reshape(b * n_kv, group, hd),
-                               ck[:, :, :n].transpose(-1, -2).reshape(b * n_kv, hd, n),
-                               alpha=hd ** -0.5)  # [b * n_kv, group, n]
-        a = torch.bmm(scores.softmax(-1), cv[:, :, :n].reshape(b * n_kv, n, hd))
+        q = q.reshape(b, n_kv, group, hd)
+        if shared:
+            blocks = q.new_zeros(u, n_kv, r_max, group, hd)  # each prompt's rows side by side
+            blocks[slot_u, :, slot_r] = q
+        else:
+            blocks = q
+        s_prompt = torch.baddbmm(prompt_bias, blocks.view(u * n_kv, r_max * group, hd),
+                                 pk.transpose(-1, -2).reshape(u * n_kv, hd, plen),
+                                 alpha=hd ** -0.5)  # [u * n_kv, r_max * group, P]
+        if shared:
+            s_prompt = s_prompt.view(u, n_kv, r_max, group, plen)[slot_u, :, slot_r]
+        s_resp = torch.bmm(q.reshape(b * n_kv, group, hd),
+                           ck[:, :, :n].transpose(-1, -2).reshape(b * n_kv, hd, n)) * hd ** -0.5
+        w = torch.cat([s_prompt.reshape(b * n_kv, group, plen), s_resp], -1).softmax(-1)
+        if shared:
+            w_blocks = w.new_zeros(u, n_kv, r_max, group, plen)
+            w_blocks[slot_u, :, slot_r] = w[..., :plen].reshape(b, n_kv, group, plen)
+            a = torch.bmm(w_blocks.view(u * n_kv, r_max * group, plen),
+                          pv.reshape(u * n_kv, plen, hd))
+            a = a.view(u, n_kv, r_max, group, hd)[slot_u, :, slot_r].reshape(b * n_kv, group, hd)
+        else:
+            a = torch.bmm(w[..., :plen], pv.reshape(b * n_kv, plen, hd))
+        a = a + torch.bmm(w[..., plen:], cv[:, :, :n].reshape(b * n_kv, n, hd))
         x = x + layer.sa_scale(layer.attn.output_proj(a.reshape(b, 1, -1)))
         x = x + layer.mlp_scale(layer.mlp(layer.mlp_norm(x)))
     return plan.output(plan.norm(x)).float()[:, 0]
@@ -466,9 +494,11 @@ _COMPACT_BELOW = 0.875
 
 
 class _FastCache:
-    """One model's KV cache for the fast decoder: ``[b, n_kv, S, h_d]`` per layer, filled by
-    the prefill of the left-padded prompts, then one column per decoding step. The rows can be
-    narrowed to a subset (:meth:`keep`) as rows finish."""
+    """One model's KV cache for the fast decoder. The prompts' keys and values are computed and
+    held once per distinct prompt (``[U, n_kv, P, h_d]`` per layer: the rollouts of one prompt
+    share them), the responses' per row (``[b, n_kv, T, h_d]``), one column per decoding step.
+    The rows can be narrowed to a subset (:meth:`keep`) as rows finish; prompts with no row left
+    are dropped with them."""
 
     def __init__(self, plan: _FastPlan, prompt_tokens: torch.Tensor, prompt_mask: torch.Tensor,
                  max_new_tokens: int, step: Callable) -> None:
@@ -477,42 +507,75 @@ class _FastCache:
         n_kv, hd = plan.num_kv_heads, plan.head_dim
         group = plan.num_heads // n_kv
         dtype = next(plan.embed.parameters()).dtype
-        keys = torch.nn.functional.pad(prompt_mask, (0, max_new_tokens), value=True)  # [B, S]
-        self.plan, self.step, self.plen = plan, step, plen
-        self.positions = get_position_ids_from_padding_mask(keys)  # [B, S]
-        # the left padding as an additive bias on the scores, [B, 1, S]
-        self.key_bias = torch.zeros(keys.shape, dtype=dtype, device=device).masked_fill(
-            ~keys, float("-inf"))[:, None, :]
-        self.cache_k = [torch.empty((bsz, n_kv, plen + max_new_tokens, hd), dtype=dtype,
-                                    device=device) for _ in plan.layers]
-        self.cache_v = [torch.empty_like(c) for c in self.cache_k]
-        # prefill: the prompts under their causal, padding-aware mask
-        mask = get_causal_mask_from_padding_mask(prompt_mask)[:, None]  # [B, 1, P, P]
-        x = plan.embed(prompt_tokens)
-        for layer, ck, cv in zip(plan.layers, self.cache_k, self.cache_v):
-            q, k, v = _project(layer.attn, layer.sa_norm(x), self.positions[:, :plen])
-            ck[:, :, :plen] = k
-            cv[:, :, :plen] = v
+        self.plan, self.step = plan, step
+        # the distinct prompts (padding included in the comparison), and each row's
+        key = prompt_tokens.masked_fill(~prompt_mask, -1)
+        distinct, self.prompt_of = torch.unique(key, dim=0, return_inverse=True)  # [U, P], [B]
+        u = distinct.shape[0]
+        first = torch.full((u,), bsz, dtype=torch.long, device=device).scatter_reduce(
+            0, self.prompt_of, torch.arange(bsz, device=device), "amin")
+        tokens, mask = prompt_tokens[first], prompt_mask[first]  # [U, P]
+        # a response token's position continues its prompt's (as get_position_ids_from_padding_mask)
+        self.start = prompt_mask.sum(1).to(torch.int)  # [B]
+        # the left padding as an additive bias on the scores, [U, 1, P]
+        self.prompt_bias = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(
+            ~mask, float("-inf"))[:, None, :]
+        self.prompt_k, self.prompt_v = [], []
+        # prefill: each distinct prompt once, under its causal, padding-aware mask
+        positions = get_position_ids_from_padding_mask(mask)  # [U, P]
+        causal = get_causal_mask_from_padding_mask(mask)[:, None]  # [U, 1, P, P]
+        x = plan.embed(tokens)
+        for layer in plan.layers:
+            q, k, v = _project(layer.attn, layer.sa_norm(x), positions)
+            self.prompt_k.append(k.contiguous())
+            self.prompt_v.append(v.contiguous())
             if group > 1:
                 k = k.repeat_interleave(group, dim=1)
                 v = v.repeat_interleave(group, dim=1)
-            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-            x = x + layer.sa_scale(layer.attn.output_proj(a.transpose(1, 2).reshape(bsz, plen, -1)))
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal)
+            x = x + layer.sa_scale(layer.attn.output_proj(a.transpose(1, 2).reshape(u, plen, -1)))
             x = x + layer.mlp_scale(layer.mlp(layer.mlp_norm(x)))
-        self.logits = plan.output(plan.norm(x[:, -1:])).float()[:, 0]  # [B, V]
+        self.logits = plan.output(plan.norm(x[:, -1:])).float()[:, 0][self.prompt_of]  # [B, V]
+        self.cache_k = [torch.empty((bsz, n_kv, max_new_tokens, hd), dtype=dtype, device=device)
+                        for _ in plan.layers]
+        self.cache_v = [torch.empty_like(c) for c in self.cache_k]
+        self._layout()
+
+    def _layout(self) -> None:
+        """Drops the prompts no row reads any more and places each row among its prompt's rows
+        (``slot_r``, ``r_max``). One host sync, at the start and per compaction."""
+        active, self.prompt_of = torch.unique(self.prompt_of, return_inverse=True)
+        if active.numel() < self.prompt_bias.shape[0]:
+            self.prompt_k = [c[active] for c in self.prompt_k]
+            self.prompt_v = [c[active] for c in self.prompt_v]
+            self.prompt_bias = self.prompt_bias[active]
+        counts = torch.bincount(self.prompt_of, minlength=active.numel())
+        order = torch.argsort(self.prompt_of, stable=True)
+        first_of = counts.cumsum(0) - counts  # [U]: where each prompt's rows start in `order`
+        self.slot_r = torch.empty_like(self.prompt_of)
+        self.slot_r[order] = (torch.arange(order.numel(), device=order.device)
+                              - first_of[self.prompt_of[order]])  # 0 everywhere when r_max == 1
+        self.r_max = int(counts.max())
+        rows = torch.arange(order.numel(), device=order.device)
+        if self.r_max == 1 and not torch.equal(self.prompt_of, rows):  # row order: read directly
+            self.prompt_k = [c[self.prompt_of] for c in self.prompt_k]
+            self.prompt_v = [c[self.prompt_of] for c in self.prompt_v]
+            self.prompt_bias = self.prompt_bias[self.prompt_of]
+            self.prompt_of = rows
+        self.bias = self.prompt_bias.repeat_interleave(self.plan.num_kv_heads, 0)  # [U * n_kv, 1, P]
 
     def keep(self, idx: torch.Tensor) -> None:
         """Narrows the cache to the rows ``idx`` (in that order)."""
-        self.positions, self.key_bias = self.positions[idx], self.key_bias[idx]
+        self.start, self.prompt_of = self.start[idx], self.prompt_of[idx]
         self.cache_k = [c[idx] for c in self.cache_k]
         self.cache_v = [c[idx] for c in self.cache_v]
+        self._layout()
 
     def advance(self, tok: torch.Tensor, t: int) -> torch.Tensor:
         """Feeds response token ``t`` of each row (``[b]``); returns the next logits ``[b, V]``."""
-        col = self.plen + t  # the new token's column in the cache
         self.logits = self.step(
-            self.plan, tok, self.positions[:, col : col + 1], self.cache_k, self.cache_v,
-            self.key_bias[:, :, : col + 1].repeat_interleave(self.plan.num_kv_heads, 0))
+            self.plan, tok, (self.start + t)[:, None], self.prompt_k, self.prompt_v,
+            self.cache_k, self.cache_v, self.bias, self.prompt_of, self.slot_r, self.r_max, t + 1)
         return self.logits
 
 
