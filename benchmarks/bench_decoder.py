@@ -17,8 +17,9 @@ Two bounds, measured in the same run:
   reach on the decode step's shapes (every linear layer of the model applied to ``[rows, d_in]``
   inputs, timed alone). It leaves out attention.
 * **roofline**: the matmul bound's time plus reading the KV cache once per decoding step (what
-  attention cannot avoid: ``2 x layers x kv_heads x head_dim`` values per cached position of
-  each row still decoding, at the read bandwidth measured here on a 200 MB tensor).
+  attention cannot avoid: ``2 x layers x kv_heads x head_dim`` values per cached position, the
+  prompt's positions once per prompt with a row still decoding and each row's response
+  positions, at the read bandwidth measured here on a 200 MB tensor).
 
 Ratios are within this one run; the machine line says where it ran.
 """
@@ -92,14 +93,18 @@ def read_bandwidth(nbytes: int = 200_000_000) -> float:
 
 
 def kv_bytes(model: torch.nn.Module, ro: G.Rollouts) -> int:
-    """Bytes of K and V each decoding step reads: for each row still decoding, every cached
-    position (prompt columns included, as the decoder attends over the padded prompt)."""
+    """Bytes of K and V the decoding steps must read: at each step, the (padded) prompt columns
+    once per prompt that still has a row decoding (its rollouts share them), and each decoding
+    row's own response columns."""
     attn = model.layers[0].attn
     per_position = 2 * len(model.layers) * attn.num_kv_heads * attn.head_dim * \
         next(model.parameters()).element_size()
     plen = ro.prompt_tokens.shape[1]
-    lengths = ro.mask.sum(-1)  # tokens per row; step t reads plen + t positions
-    positions = (lengths * plen + lengths * (lengths - 1) // 2).sum()
+    lengths = ro.mask.sum(-1)  # tokens per row; step t reads t response positions
+    _, prompt_of = torch.unique(ro.prompt_tokens, dim=0, return_inverse=True)
+    longest = torch.zeros(int(prompt_of.max()) + 1, dtype=lengths.dtype).scatter_reduce(
+        0, prompt_of, lengths, "amax")  # steps during which the prompt is read
+    positions = longest.sum() * plen + (lengths * (lengths - 1) // 2).sum()
     return int(positions) * per_position
 
 

@@ -6,8 +6,9 @@ are left-padded; positions and the attention mask come from the padding (torchtu
 helpers), so a row's tokens are what the same prompt alone would give.
 
 Two decoders sample the same tokens for the same per-row seeds: the fast one (the default) runs
-the model's own modules with its own KV cache, attending over the filled part of the cache only
-and dropping finished rows from the batch; the reference one runs the model's forward through
+the model's own modules with its own KV cache, attending over the filled part of the cache only,
+holding and reading each distinct prompt's keys and values once for all its rollouts (prefix
+sharing) and dropping finished rows from the batch; the reference one runs the model's forward through
 torchtune's KV cache with every row in lock-step to the end (what the fast one is tested and
 benchmarked against, ``benchmarks/bench_decoder.py``).
 
@@ -219,7 +220,8 @@ def generate(
             drawn with its own counter-based uniforms (:func:`row_uniforms`), so a row samples
             the same response whatever batch it is decoded in. The recipe always passes them.
         decoder: ``"fast"`` (the default: :func:`_generate_fast`, its own KV cache that attends
-            over the filled part only, finished rows dropped from the batch) or ``"reference"``
+            over the filled part only, one copy of each distinct prompt's keys and values for
+            all its rows, finished rows dropped from the batch) or ``"reference"``
             (torchtune's KV cache, every row in lock-step to the end: the decoder the fast one is
             tested against). With the same ``seeds`` both sample the same tokens, up to float
             rounding where a row's probabilities sit on a draw's boundary. A model the fast
