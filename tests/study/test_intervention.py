@@ -89,14 +89,16 @@ def test_mixed_generation_matches_a_token_by_token_reference(models, temperature
     assert n_replaced_differs > 0  # the replacement model was used
 
 
-def test_fast_mixed_decoder_matches_the_lock_step_one(models):
+@pytest.mark.parametrize("shared", [False, True])
+def test_fast_mixed_decoder_matches_the_lock_step_one(models, shared):
     """Both models decoded by pepo's fast decoder (finished rows dropped from both caches) give
-    what torchtune's lock-step caches give, entropies included."""
+    what torchtune's lock-step caches give, entropies included; with ``shared`` each prompt
+    is sampled 3 times (avg@k), so both caches share each prompt's columns among its rows."""
     from pepo.training.generation import _decode, _FastPlan
 
     base, repl = models
     assert _FastPlan.of(base) is not None and _FastPlan.of(repl) is not None  # fast path taken
-    prompts = _prompts(24, seed=5)
+    prompts = [p for p in _prompts(8, seed=5) for _ in range(3)] if shared else _prompts(24, seed=5)
     max_new = 30
     seeds = draw_seeds(torch.Generator().manual_seed(6), len(prompts))
     replace = torch.rand((len(prompts), max_new), generator=torch.Generator().manual_seed(7)) < 0.3
