@@ -2,7 +2,7 @@
 
 Every strategy has one signature::
 
-    strategy(advantages [B], entropies [B, T], mask bool [B, T], *, positive=None)
+    strategy(advantages [B], entropies [B, T], mask bool [B, T], *, positive=None, groups=None)
         -> token_advantages [B, T]
 
 The output is fp32, detached, and exactly 0 wherever ``mask`` is False. ``positive`` (bool
@@ -10,9 +10,10 @@ The output is fp32, detached, and exactly 0 wherever ``mask`` is False. ``positi
 weight those rows only and leave the others at the uniform advantage (paper Sec. 3: weighting
 applies to *positive-reward* rollouts). Without it, ``advantages > 0`` stands in, which is the
 same thing for GRPO with binary rewards but not for SPO's batch-normalised advantages; the
-recipe passes its reward's success flags. Strategies are built by name from a registry
-(:func:`get_strategy`), listed by :func:`list_strategies`, and extended with
-:func:`register_strategy`.
+recipe passes its reward's success flags. ``groups`` (integer ``[B]``, equal for the rollouts of
+one prompt) is read only by strategies that compare the rollouts of a group (``gtpo``).
+Strategies are built by name from a registry (:func:`get_strategy`), listed by
+:func:`list_strategies`, and extended with :func:`register_strategy`.
 
 Windows (``proximal_softmax``, ``window_average``, ``global_topk(score="proximal")``) run over
 each row's *valid* tokens in order: positions where ``mask`` is False are dropped before the
