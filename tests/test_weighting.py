@@ -640,7 +640,11 @@ GTPO_POSITIVE = torch.tensor([True, True, True, False, False, True, False, False
 @pytest.mark.parametrize("alpha1, alpha2, eps", [(1.0, 0.1, 1e-8), (0.9, 0.1, 1e-8), (0.5, 2.0, 1e-3)])
 def test_gtpo_rewards_match_reference(holes, alpha1, alpha2, eps):
     _, ent, mask = ragged_batch(GTPO_LENGTHS, 36, holes=holes, seed=41)
-    ent[0, 0] = 0.0 if mask[0, 0] else ent[0, 0]  # a zero entropy (1/(H + eps) on a failure)
+    first = mask.long().argmax(1)  # each row's first valid token
+    # group 11 at t = 0: both successes (rows 5, 11) at entropy 0, so their entropy term is split
+    # evenly; its failure (row 9) at entropy 0, so 1/(H + eps) = 1/eps takes the failures' share
+    for i in (5, 11, 9):
+        ent[i, first[i]] = 0.0
     got = pw.gtpo_rewards(ent, mask, GTPO_POSITIVE, GTPO_GROUPS, alpha1, alpha2, eps)
     assert got.dtype == torch.float32 and (got[~mask] == 0).all()
     close(got, ref.gtpo_rewards(ent, mask, GTPO_POSITIVE, GTPO_GROUPS, alpha1, alpha2, eps),
@@ -653,7 +657,7 @@ def test_gtpo_rewards_hand_worked():
     ent = torch.tensor([[2.0, 4.0, 1.0], [3.0, 1.0, 0.0], [4.0, 0.5, 3.0], [0.5, 4.0, 0.0]])
     mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 1, 0]], dtype=torch.bool)
     got = pw.gtpo_rewards(ent, mask, torch.tensor([True, True, False, False]),
-                          torch.zeros(4, dtype=torch.long), eps=0.0 + 1e-12)
+                          torch.zeros(4, dtype=torch.long), eps=1e-12)
     expected = torch.tensor([[1.08, 1.16, 1.1], [1.12, 1.04, 0.0],
                              [-1 - 0.2 / 9, -1 - 1.6 / 9, -1.1], [-1 - 1.6 / 9, -1 - 0.2 / 9, 0.0]])
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)

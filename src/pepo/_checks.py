@@ -122,30 +122,30 @@ def check_temperature(value: Any, name: str = "temperature") -> float:
     return value
 
 
+def _check_per_row(name: str, t: Any, rows: torch.Tensor, integer: bool, what: str) -> torch.Tensor:
+    """A ``[B]`` tensor with one ``what`` per row of ``rows`` (``[B]``), on its device: bool, or
+    (``integer``) of an integer dtype."""
+    t = check_tensor(name, t)
+    b = rows.shape[0]
+    if integer and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
+        raise ValueError(f"{name} must have an integer dtype (one {what} per rollout), got {t.dtype}")
+    if not integer and t.dtype != torch.bool:
+        raise ValueError(f"{name} must have dtype torch.bool (one {what} per rollout), got {t.dtype}")
+    if t.dim() != 1 or t.shape[0] != b:
+        raise ValueError(f"{name} must be [B]=[{b}] (one {what} per rollout), got {_shape(t)}")
+    if t.device != rows.device:
+        raise ValueError(f"{name} ({t.device}) must be on the advantages' device ({rows.device})")
+    return t
+
+
 def check_row_flags(name: str, flags: Any, rows: torch.Tensor) -> torch.Tensor:
     """A bool ``[B]`` tensor with one flag per row of ``rows`` (``[B]``), on its device."""
-    flags = check_tensor(name, flags)
-    b = rows.shape[0]
-    if flags.dtype != torch.bool:
-        raise ValueError(f"{name} must have dtype torch.bool (one flag per rollout), got {flags.dtype}")
-    if flags.dim() != 1 or flags.shape[0] != b:
-        raise ValueError(f"{name} must be [B]=[{b}] (one flag per rollout), got {_shape(flags)}")
-    if flags.device != rows.device:
-        raise ValueError(f"{name} ({flags.device}) must be on the advantages' device ({rows.device})")
-    return flags
+    return _check_per_row(name, flags, rows, integer=False, what="flag")
 
 
 def check_row_ids(name: str, ids: Any, rows: torch.Tensor) -> torch.Tensor:
     """An integer ``[B]`` tensor with one id per row of ``rows`` (``[B]``), on its device."""
-    ids = check_tensor(name, ids)
-    b = rows.shape[0]
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        raise ValueError(f"{name} must have an integer dtype (one group id per rollout), got {ids.dtype}")
-    if ids.dim() != 1 or ids.shape[0] != b:
-        raise ValueError(f"{name} must be [B]=[{b}] (one group id per rollout), got {_shape(ids)}")
-    if ids.device != rows.device:
-        raise ValueError(f"{name} ({ids.device}) must be on the advantages' device ({rows.device})")
-    return ids
+    return _check_per_row(name, ids, rows, integer=True, what="group id")
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:

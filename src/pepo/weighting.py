@@ -603,7 +603,8 @@ def gtpo_rewards(
     alpha1, alpha2, eps = _gtpo_params(alpha1, alpha2, eps)
     ent = _w.clean(entropies.detach(), mask)
     with torch.no_grad():
-        return _gtpo_shaped(ent, mask, positive, groups, alpha1, alpha2, eps).float()
+        gid, n = _dense_ids(groups)
+        return _gtpo_shaped(ent, mask, positive, gid, n, alpha1, alpha2, eps).float()
 
 
 def _gtpo_params(alpha1: Any, alpha2: Any, eps: Any) -> tuple[float, float, float]:
@@ -623,11 +624,11 @@ def _dense_ids(groups: torch.Tensor) -> tuple[torch.Tensor, int]:
     return inverse, int(uniq.numel())
 
 
-def _gtpo_shaped(ent: torch.Tensor, mask: torch.Tensor, positive: torch.Tensor,
-                 groups: torch.Tensor, alpha1: float, alpha2: float, eps: float) -> torch.Tensor:
-    """Eqs. 3 and 5 in float64: ``[B, T]``, 0 where ``mask`` is False."""
+def _gtpo_shaped(ent: torch.Tensor, mask: torch.Tensor, positive: torch.Tensor, gid: torch.Tensor,
+                 n: int, alpha1: float, alpha2: float, eps: float) -> torch.Tensor:
+    """Eqs. 3 and 5 in float64: ``[B, T]``, 0 where ``mask`` is False. ``gid`` are the rows'
+    groups numbered ``0 .. n-1`` (:func:`_dense_ids`)."""
     t_max = mask.shape[1]
-    gid, n = _dense_ids(groups)
     h = ent.double()
     # what each token contributes to its side's share: H on O+, 1/(H + eps) on O-; an inf
     # entropy must reach the output as NaN (1/inf would be a finite 0)
@@ -682,18 +683,18 @@ def gtpo(alpha1: float = 1.0, alpha2: float = 0.1, normalize: str = "group",
     normalize = _checks.check_choice("normalize", normalize, _GTPO_NORMALIZE)
 
     def fn(advantages, entropies, mask, positive, groups):
-        r = _gtpo_shaped(entropies, mask, positive, groups, alpha1, alpha2, eps)  # [B, T] f64
         gid, n = _dense_ids(groups)
-        rows = torch.ones_like(gid, dtype=torch.float64)
-        n_rows = rows.new_zeros(n).index_add_(0, gid, rows)
-        n_pos = rows.new_zeros(n).index_add_(0, gid, positive.double())
+        r = _gtpo_shaped(entropies, mask, positive, gid, n, alpha1, alpha2, eps)  # [B, T] f64
+        ones = torch.ones_like(gid, dtype=torch.float64)
+        n_rows = ones.new_zeros(n).index_add_(0, gid, ones)
+        n_pos = ones.new_zeros(n).index_add_(0, gid, positive.double())
         mixed = ((n_pos > 0) & (n_pos < n_rows))[gid]  # [B]: the group has both outcomes
         unit = gid if normalize == "group" else gid * 2 + (~positive).long()
         units = n if normalize == "group" else 2 * n
-        tokens = rows.new_zeros(units).index_add_(0, unit, mask.sum(1).double()).clamp_min(1.0)
-        mean = rows.new_zeros(units).index_add_(0, unit, r.sum(1)) / tokens
+        tokens = ones.new_zeros(units).index_add_(0, unit, mask.sum(1).double()).clamp_min(1.0)
+        mean = ones.new_zeros(units).index_add_(0, unit, r.sum(1)) / tokens
         dev = torch.where(mask, r - mean[unit][:, None], 0.0)
-        std = (rows.new_zeros(units).index_add_(0, unit, (dev * dev).sum(1)) / tokens).sqrt()
+        std = (ones.new_zeros(units).index_add_(0, unit, (dev * dev).sum(1)) / tokens).sqrt()
         out = dev / (std[unit][:, None] + 1e-6)
         return torch.where(mixed[:, None], out, 0.0).float()
 

@@ -545,7 +545,8 @@ class _FastCache:
 
     def _layout(self) -> None:
         """Drops the prompts no row reads any more and places each row among its prompt's rows
-        (``slot_r``, ``r_max``). One host sync, at the start and per compaction."""
+        (``slot_r``, ``r_max``). A few host syncs (the counts), at the start and per compaction
+        only."""
         active, self.prompt_of = torch.unique(self.prompt_of, return_inverse=True)
         if active.numel() < self.prompt_bias.shape[0]:
             self.prompt_k = [c[active] for c in self.prompt_k]
