@@ -1,6 +1,6 @@
 """Builds an embedded task's tokenizer and warm-start checkpoint (``src/pepo/assets/<task>``).
 
-    python scripts/make_tiny_assets.py [--task tiny|tiny_drift] [--steps N] [--noise P] [--out DIR]
+    python scripts/make_tiny_assets.py [--task tiny|tiny_drift|tiny_reason] [--steps N] [--noise P] [--out DIR]
 
 1. A character-level ``tokenizer.json`` (Hugging Face ``tokenizers``, WordLevel over the task's
    alphabet) and its ``tokenizer_config.json``.
@@ -21,6 +21,14 @@ with 0.01, a ``+`` step's with 0.003, and every operand and operator is misread 
 0.002 (the step then follows from what was read). The ``*`` steps sit early in the chain, so
 entropy decays along a response and is higher on problems with many of them. About 25 minutes
 on 2 cores.
+
+``--task tiny_reason`` builds the reasoning-scale task's assets (``pepo.tasks.problems.reason_dataset``,
+the drift model's size): a ``*`` result is wrong with probability 0.3 and a ``-`` result with
+0.01 (the decision points), ``+`` results and operands are never wrong, and the first 90 % of
+the steps carry two meaningless forks (``noisy_solution``'s ``forks``): the order of a
+commutative step's operands and the separator after the step. Most tokens are then certain, a
+fifth sit near ln 2 nats (the forks) and the early ``*`` results are the most uncertain, the
+scale of a reasoning model's chain of thought. About 25 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from pepo.training.generation import generate
 from pepo.training.models import tiny_qwen3
 from pepo.tasks.rewards import boxed_match
-from pepo.tasks import apply_op, drift_dataset, modsum_dataset
+from pepo.tasks import apply_op, drift_dataset, modsum_dataset, reason_dataset
 from pepo.training.tokenizers import load_tokenizer
 
 ALPHABET = "0123456789+-= \nmodbxe\\{}"
@@ -54,6 +62,12 @@ TASKS = {
         model=dict(num_layers=4, embed_dim=128, intermediate_dim=384, max_seq_len=320),
         data=drift_dataset, steps=2500,
         noise={"*": 0.12, "-": 0.01, "+": 0.003}, read=0.002, max_new_tokens=232,
+    ),
+    "tiny_reason": dict(
+        alphabet=ALPHABET + "*;",  # the drift task's ids unchanged, one more token
+        model=dict(num_layers=4, embed_dim=128, intermediate_dim=384, max_seq_len=320),
+        data=reason_dataset, steps=2500,
+        noise={"*": 0.3, "-": 0.01, "+": 0.0}, read=0.0, forks=0.9, max_new_tokens=232,
     ),
 }
 SPECIALS = ["<|endoftext|>", "<|im_end|>", "<unk>"]
@@ -71,18 +85,24 @@ def build_tokenizer(out: Path, alphabet: str = ALPHABET) -> None:
     )
 
 
-def noisy_solution(solution: str, rng: random.Random, noise, read: float = 0.0) -> str:
+def noisy_solution(solution: str, rng: random.Random, noise, read: float = 0.0,
+                   forks: float = 0.0) -> str:
     """Replaces each step's result digit with a random digit with probability ``noise`` (a
     float, or a dict operator -> probability); with probability ``read`` each operator and
     operand of a step is misread first (replaced at random) and the step follows from it.
 
     Later steps keep using the corrupted value, so a noisy solution stays self-consistent
     from the error on (as a model's own mistakes are) and its boxed answer is the final value.
+
+    ``forks``: the fraction of the steps, from the start, that are written with two
+    meaningless coin flips (``--task tiny_reason``): a ``+`` or ``*`` step's operands in either
+    order (``4*7=8`` or ``7*4=8``), and the separator after the step (newline or ``;``). They
+    change no value and no length.
     """
     lines = solution.split("\n")[:-1]
     acc = int(lines[0][0])
     out = []
-    for line in lines:
+    for i, line in enumerate(lines):
         op, d = line[1], int(line[2])
         if read > 0:
             if rng.random() < read:
@@ -93,9 +113,12 @@ def noisy_solution(solution: str, rng: random.Random, noise, read: float = 0.0) 
         p = noise[op] if isinstance(noise, dict) else noise
         if rng.random() < p:
             new = rng.randrange(10)
-        out.append(f"{acc}{op}{d}={new}")
+        forked = i < forks * len(lines)
+        a, b = (d, acc) if forked and op in "+*" and rng.random() < 0.5 else (acc, d)
+        sep = ";" if forked and i < len(lines) - 1 and rng.random() < 0.5 else "\n"
+        out.append(f"{a}{op}{b}={new}{sep}")
         acc = new
-    return "\n".join(out) + f"\n\\boxed{{{acc}}}"
+    return "".join(out) + f"\\boxed{{{acc}}}"
 
 
 def pass_rate(model, tok, problems, temperature, samples=1, seed=0, max_new_tokens=64) -> float:
@@ -141,7 +164,8 @@ def main() -> None:
         seqs, plens = [], []
         for p in batch:
             pi = tok.encode(p.prompt)
-            ri = tok.encode(noisy_solution(p.solution, rng, noise, task["read"])) + [tok.eos_id]
+            ri = tok.encode(noisy_solution(p.solution, rng, noise, task["read"],
+                                          task.get("forks", 0.0))) + [tok.eos_id]
             seqs.append(pi + ri)
             plens.append(len(pi))
         width = max(map(len, seqs))
@@ -171,6 +195,7 @@ def main() -> None:
               metadata={"builder": "pepo.training.models.tiny_qwen3", "task": args.task,
                         "model": json.dumps(task["model"]), "steps": str(steps),
                         "noise": json.dumps(noise), "read": str(task["read"]),
+                        "forks": str(task.get("forks", 0.0)),
                         "seed": str(args.seed)})
     print(f"wrote {out}")
 

@@ -271,7 +271,7 @@ def test_find_config_by_name_and_path(tmp_path):
     path.write_text("name: mine\n")
     assert find_config(str(path)) == str(path)
     assert find_config("tiny").endswith("tiny.yaml")
-    with pytest.raises(ValueError, match="bundled configs: \\[.*'tiny', 'tiny_drift', 'tiny_drift_spo', 'tiny_spo'"):
+    with pytest.raises(ValueError, match="bundled configs: \\[.*'tiny', 'tiny_drift', 'tiny_drift_spo', 'tiny_reason', 'tiny_reason_spo', 'tiny_spo'"):
         find_config("tinyy")
 
 

@@ -7,7 +7,15 @@ import random
 import pytest
 
 from pepo.tasks.rewards import BoxedMatch, boxed_match, last_boxed
-from pepo.tasks.problems import MULTIPLIERS, apply_op, drift_dataset, drift_problem, modsum_dataset, modsum_problem
+from pepo.tasks.problems import (
+    MULTIPLIERS,
+    apply_op,
+    drift_dataset,
+    drift_problem,
+    modsum_dataset,
+    modsum_problem,
+    reason_dataset,
+)
 from pepo.training.config import asset_dir
 from pepo.training.tokenizers import load_tokenizer
 
@@ -71,6 +79,24 @@ def test_drift_splits_are_disjoint_and_reproducible():
     assert drift_dataset(20, seed=0, split="val") == val[:20]
     with pytest.raises(ValueError, match="operands"):
         drift_dataset(3, min_operands=9, max_operands=8)
+
+
+def test_reason_dataset_is_the_drift_task_with_more_easy_problems():
+    """Hardness u ** 1.5: the mean hardness is 0.4 against the drift task's 0.5, so the mean
+    number of * steps is 0.8 of the drift task's; its own seeds and splits."""
+    train = reason_dataset(2000, seed=0, split="train")
+    val = reason_dataset(64, seed=0, split="val")
+    assert not {p.id for p in train} & {p.id for p in val}
+    assert reason_dataset(20, seed=0, split="val") == val[:20]
+    assert {p.id for p in val}.isdisjoint(p.id for p in drift_dataset(64, seed=0, split="val"))
+    for p in train[:200]:
+        assert int(p.answer) == _evaluate_chain(p.id)
+        assert boxed_match([p.solution], [p.answer]) == [1.0]
+    drift = drift_dataset(2000, seed=0, split="train")
+    stars = [sum(p.id[1::2].count("*") for p in ds) / len(ds) for ds in (train, drift)]
+    assert 0.7 < stars[0] / stars[1] < 0.9, stars
+    with pytest.raises(ValueError, match="operands"):
+        reason_dataset(3, min_operands=9, max_operands=8)
 
 
 @pytest.mark.parametrize("kw, msg", [({"size": 0}, "size"), ({"size": 3, "split": "test"}, "split"),

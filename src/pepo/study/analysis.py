@@ -17,9 +17,13 @@ The first form reads one dump file (``rollouts/step_N.jsonl``) or a directory of
 * ``heatmap.html`` — a few rollouts with each token coloured by ``H / mean H`` and by its PEPO
   weight ``c = e / mean e`` (Eq. 7), side by side (Fig. 4); self-contained, text escaped;
 * ``profile.md`` / ``.json`` — the numbers that say whether a task has the paper's entropy
-  structure: response lengths, the share of near-deterministic tokens (``H < 0.01``), the share of
-  all entropy held by the top 20% of tokens, the span (max - min over the 20 bins) of global
-  entropy's positional deviation and the largest |deviation| of proximal entropy per window;
+  structure: response lengths, the mean token entropy, the share of near-deterministic tokens
+  (``H < 0.01``), the 80th percentile of token entropy, the share of all entropy held by the top
+  20% of tokens, the mean entropy of the tokens in the first and the last tenth of their
+  responses and the ratio of the two, the span (max - min over the 20 bins) of global entropy's
+  positional deviation, the largest |deviation| of proximal entropy per window, and (group-mode
+  dumps) each difficulty group's share of the rollouts and the hard / easy ratio of mean global
+  entropy;
 * ``weight_mass.csv`` / ``.md`` — the share of each strategy's token weight (computed from the
   dumped entropies with every advantage set to +1) by position decile and by difficulty group,
   and the share held by its 20% highest-weighted tokens (how far it is from uniform).
@@ -210,6 +214,7 @@ def entropy_profile(r: RolloutDump, windows: Sequence[int] = (31, 51, 101),
     lengths = r.mask.sum(-1).float()
     h = r.entropies[r.mask]
     curves = positional_bias(r, windows, n_bins)
+    tenths = _binned_mean(r.entropies, r.mask, 10)  # pooled over the tokens of each tenth
     out = {
         "rollouts": float(len(r)),
         "length_min": float(lengths.min()),
@@ -217,12 +222,32 @@ def entropy_profile(r: RolloutDump, windows: Sequence[int] = (31, 51, 101),
         "length_max": float(lengths.max()),
         "mean_entropy": float(h.mean()),
         "near_deterministic_share": float((h < NEAR_DETERMINISTIC).float().mean()),
+        "entropy_p80": _quantile(h, 0.8),
         "top20_entropy_share": _top20_share(h),
+        "first_tenth_entropy": float(tenths[0]),
+        "last_tenth_entropy": float(tenths[-1]),
+        "first_over_last_tenth": float(tenths[0] / tenths[-1]) if tenths[-1] > 0 else float("inf"),
         "global_span": float(curves["global"].max() - curves["global"].min()),
     }
     for w in windows:
         out[f"proximal_{w}_max_abs"] = float(curves[f"proximal_{w}"].abs().max())
+    diff = difficulty_bias(r, max(windows))
+    if diff:  # group-mode dumps: each group's share of the rollouts and hard / easy entropy
+        for g in GROUPS:
+            out[f"{g}_share"] = diff[g]["rollouts"] / len(r) if g in diff else 0.0
+        if "hard" in diff and "easy" in diff and diff["easy"]["global"] > 0:
+            out["hard_over_easy_entropy"] = diff["hard"]["global"] / diff["easy"]["global"]
     return out
+
+
+def _quantile(x: torch.Tensor, q: float) -> float:
+    """The ``q`` quantile of ``x`` with linear interpolation (``numpy.quantile``'s default);
+    by sorting, since ``torch.quantile`` refuses more than 2^24 values."""
+    v = x.double().sort().values
+    pos = q * (v.numel() - 1)
+    lo = int(pos)
+    hi = min(lo + 1, v.numel() - 1)
+    return float(v[lo] + (pos - lo) * (v[hi] - v[lo]))
 
 
 STRATEGIES = {

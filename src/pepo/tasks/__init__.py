@@ -14,6 +14,7 @@ from pepo.tasks.problems import (
     modsum_dataset,
     modsum_problem,
     modsum_solution,
+    reason_dataset,
     small_sums_dataset,
 )
 from pepo.tasks.rewards import BoxedMatch, MathVerify, boxed_match, last_boxed
@@ -32,5 +33,6 @@ __all__ = [
     "modsum_dataset",
     "modsum_problem",
     "modsum_solution",
+    "reason_dataset",
     "small_sums_dataset",
 ]

@@ -17,6 +17,14 @@ steps, which the warm-start model gets wrong far more often than ``+``/``-`` ste
 mostly early in the chain (the uncertain set-up of a derivation) and more of them in harder
 problems, so entropy decays along a response and is higher on hard prompts. A correct
 response is 159-231 characters (one token each) plus the end token.
+
+The third, :func:`reason_dataset` (``--config tiny_reason``), asks the drift task's questions
+(with more easy problems); what differs is its warm-start model, which writes them the way a
+reasoning model writes a chain of thought: besides the decision points (the results, wrong
+most often at the early ``*`` steps) it hesitates at forks that do not matter: the order of a
+commutative step's operands (``4*7=8`` or ``7*4=8``) and the separator between steps
+(newline or ``;``), each a coin flip. Its token entropies have a reasoning model's scale (most
+tokens near 0 nats, a fifth near ln 2); docs/results.md has the measured profile.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ __all__ = [
     "modsum_dataset",
     "modsum_problem",
     "modsum_solution",
+    "reason_dataset",
 ]
 
 VAL_FRACTION_DENOM = 8  # one prompt in 8 belongs to the validation split
@@ -175,6 +184,27 @@ def drift_dataset(
     rng = random.Random(f"drift-{seed}")
     return _distinct(size, split, lambda: drift_problem(
         rng, rng.randint(min_operands, max_operands), rng.random()))
+
+
+def reason_dataset(
+    size: int,
+    seed: int = 0,
+    split: str = "train",
+    min_operands: int = 26,
+    max_operands: int = 38,
+) -> list[Problem]:
+    """``size`` distinct problems of the reasoning-scale task: the drift task's chains with
+    hardness ``u ** 1.5`` (``u`` uniform in [0, 1]), so that easy, moderate and hard prompts
+    each hold a tenth or more of a batch for its warm-start model. The splits use the same
+    prompt hash as the other tasks.
+
+    Raises:
+        ValueError: bad size, split or operand range.
+    """
+    _check_dataset_args(size, split, min_operands, max_operands)
+    rng = random.Random(f"reason-{seed}")
+    return _distinct(size, split, lambda: drift_problem(
+        rng, rng.randint(min_operands, max_operands), rng.random() ** 1.5))
 
 
 SUMS_PROMPT = "What is {a} + {b}? Explain briefly, then give the answer."
