@@ -29,6 +29,7 @@ TINY = dict(strategy=("proximal_softmax", {"window": 11, "temperature": 1.0, "ap
 DRIFT = dict(TINY, strategy=("proximal_softmax", {"window": 21, "temperature": 1.0,
                                                   "apply_to": "positive"}),
              max_new_tokens=232, lr=DRIFT_LR)
+REASON = dict(DRIFT, lr=3e-5)
 # the real-model showcase: SmolLM2-135M-Instruct on small sums (its own tokenizer and template)
 SMOLLM2 = dict(strategy=("proximal_softmax", {"window": 101, "temperature": 1.0,
                                               "apply_to": "positive"}),
@@ -41,8 +42,8 @@ EXPECTED = {
     "tiny_drift_spo": dict(DRIFT, estimator=("single_stream", {"candidate_pool": 4,
                                                                "prior_samples": 4,
                                                                "adaptive_forgetting": True})),
-    "tiny_reason": dict(DRIFT, estimator=("group", {"group_size": 8})),
-    "tiny_reason_spo": dict(DRIFT, estimator=("single_stream", {"candidate_pool": 4,
+    "tiny_reason": dict(REASON, estimator=("group", {"group_size": 8})),
+    "tiny_reason_spo": dict(REASON, estimator=("single_stream", {"candidate_pool": 4,
                                                                 "prior_samples": 4,
                                                                 "adaptive_forgetting": True})),
     "tiny_spo": dict(TINY, estimator=("single_stream", {"candidate_pool": 4, "prior_samples": 4,

@@ -128,6 +128,36 @@ def test_entropy_profile_matches_its_definitions(tmp_path):
     curves = A.positional_bias(r, (3,))
     assert prof["global_span"] == pytest.approx(float(curves["global"].max() - curves["global"].min()))
     assert prof["proximal_3_max_abs"] == pytest.approx(float(curves["proximal_3"].abs().max()))
+    # 80th percentile, linear interpolation between sorted values (numpy's default): position
+    # 0.8 * 13 = 10.4 in the ascending order
+    asc = flat[::-1]
+    assert prof["entropy_p80"] == pytest.approx(asc[10] + 0.4 * (asc[11] - asc[10]))
+    # first / last tenth: the tokens with floor(10 t / T) = 0 or 9, pooled over the rollouts
+    g = torch.Generator().manual_seed(1)
+    long_rows = [torch.rand(T, generator=g).tolist() for T in (10, 23, 37)]
+    prof2 = A.entropy_profile(A.load_dump(write_dump(tmp_path / "e.jsonl", long_rows)), windows=(3,))
+    first = [x for row in long_rows for t, x in enumerate(row) if 10 * t // len(row) == 0]
+    last = [x for row in long_rows for t, x in enumerate(row) if 10 * t // len(row) == 9]
+    assert len(first) == 1 + 3 + 4 and len(last) == 1 + 2 + 3
+    assert prof2["first_tenth_entropy"] == pytest.approx(sum(first) / len(first))
+    assert prof2["last_tenth_entropy"] == pytest.approx(sum(last) / len(last))
+    assert prof2["first_over_last_tenth"] == pytest.approx(
+        sum(first) / len(first) / (sum(last) / len(last)))
+    assert "hard_share" not in prof  # one rollout per prompt: no difficulty groups
+
+
+def test_entropy_profile_difficulty_numbers(tmp_path):
+    """Group-mode dumps: each group's share of the rollouts and the hard / easy ratio of mean
+    token entropy (over the group's tokens), from the definitions."""
+    h = trend_and_shift(n=40, T=50, seed=3)
+    passes = [0, 1, 4, 7, 8]  # 5 prompts x 8: hard, hard, moderate, easy, easy
+    rewards = [1.0 if i % 8 < passes[i // 8] else 0.0 for i in range(40)]
+    prompts = [f"p{i // 8}" for i in range(40)]
+    r = A.load_dump(write_dump(tmp_path / "d.jsonl", h.tolist(), rewards, prompts))
+    prof = A.entropy_profile(r, windows=(5,))
+    assert (prof["hard_share"], prof["moderate_share"], prof["easy_share"]) == (0.4, 0.2, 0.4)
+    hard, easy = h[:16].mean(), h[24:].mean()
+    assert prof["hard_over_easy_entropy"] == pytest.approx(float(hard / easy), rel=1e-5)
 
 
 def test_command_writes_every_output(tmp_path):
