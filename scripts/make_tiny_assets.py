@@ -22,14 +22,14 @@ with 0.01, a ``+`` step's with 0.003, and every operand and operator is misread 
 entropy decays along a response and is higher on problems with many of them. About 25 minutes
 on 2 cores.
 
-``--task tiny_reason`` builds the reasoning-scale task's assets (``pepo.tasks.problems.reason_dataset``,
-the drift model's size): a ``*`` result is redrawn at random with probability 0.3 and a ``-``
-result with 0.01 (the decision points), ``+`` results and operands are never wrong, and the first 90 % of
-the steps carry two meaningless forks (``noisy_solution``'s ``forks``): the order of a
-commutative step's operands and the separator after the step. Most tokens are then certain, a
-fifth sit near ln 2 nats (the forks) and the early ``*`` results are the most uncertain, the
-scale of a reasoning model's chain of thought. About an hour on 2 cores (58 minutes for the
-shipped assets).
+``--task tiny_reason`` builds the reasoning-scale task's assets
+(``pepo.tasks.problems.reason_dataset``, the drift model's size): a ``*`` result is redrawn at
+random with probability 0.3 and a ``-`` result with 0.01 (the decision points), ``+`` results
+and operands are never wrong, and the first 90 % of the steps carry two meaningless forks
+(``noisy_solution``'s ``forks``): the order of a commutative step's operands and the separator
+after the step. Most tokens are then certain, a fifth sit near ln 2 nats (the forks) and the
+early ``*`` results are the most uncertain, the scale of a reasoning model's chain of thought.
+About an hour on 2 cores (58 minutes for the shipped assets).
 """
 
 from __future__ import annotations
@@ -136,7 +136,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--task", choices=sorted(TASKS), default="tiny")
     ap.add_argument("--out", default=None, help="default: src/pepo/assets/<task>")
-    ap.add_argument("--steps", type=int, default=None, help="default: 1500 (tiny), 2500 (tiny_drift, tiny_reason)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="default: 1500 (tiny), 2500 (tiny_drift, tiny_reason)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--noise", type=float, default=None,
