@@ -136,6 +136,94 @@ def test_rows_of_one_prompt_share_its_cache(monkeypatch, dtype, lp_tol):
     assert all(u <= b for b, u in seen)
 
 
+def grouped_prompts(n, r, seed):
+    """``n`` prompts, each repeated ``r`` times side by side (a group's rollouts, in order)."""
+    return [p for p in ragged_prompts(n, seed=seed) for _ in range(r)]
+
+
+def _llama(**extra):
+    from torchtune.models.llama3_2 import llama3_2
+
+    return llama3_2(vocab_size=32, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=64,
+                    max_seq_len=96, intermediate_dim=96, **extra)
+
+
+def _qwen2():
+    from torchtune.models.qwen2._component_builders import qwen2
+
+    return qwen2(vocab_size=32, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=64,
+                 intermediate_dim=96, max_seq_len=96)
+
+
+def _llama_with_qk_norm():
+    """torchtune's own ``q_norm``/``k_norm`` (applied after the rotary embedding)."""
+    from torchtune.modules import RMSNorm
+
+    m = _llama()
+    for layer in m.layers:
+        layer.attn.q_norm, layer.attn.k_norm = RMSNorm(16), RMSNorm(16)
+    return m
+
+
+ARCHITECTURES = {
+    # name: (builder, RoPE form, fused q/k/v, head norms before RoPE, q/k norms after RoPE)
+    "qwen3": (lambda: random_model(4, 2), "half", True, True, False),
+    "llama3_2": (_llama, "pairs", True, False, False),
+    "qwen2 (q/k/v biases)": (_qwen2, "half", True, False, False),
+    "llama with q/k norms": (_llama_with_qk_norm, "pairs", True, False, True),
+}
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_every_architecture_decodes_as_the_reference(arch, fuse, monkeypatch):
+    """The decode step's fused products, rotary tables and head norms (:class:`G._Fused`) on
+    each form torchtune decoders take, and with fusion off (the modules one by one): the plan
+    must take the path named (a fusion that silently never applies would pass the comparison
+    alone), and the tokens must be the reference's."""
+    build, rope, qkv, head_norm, qk_norm = ARCHITECTURES[arch]
+    if not fuse:
+        monkeypatch.setattr(G, "_FUSE_MAX_BYTES", 0)
+    torch.manual_seed(1)
+    model = build()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("scale"):  # norm scales away from 1, so a scale mixed up shows
+                p.uniform_(0.5, 1.5)
+            elif p.dim() >= 2:
+                p.normal_(0, 0.15)
+            else:  # biases
+                p.normal_(0, 0.1)
+    plan = G._FastPlan.of(model)
+    assert plan.rope == rope
+    assert all((f.qkv is not None) == (qkv and fuse) for f in plan.fused)
+    assert all((f.up is not None) == fuse for f in plan.fused)
+    assert all((f.head_norm is not None) == (head_norm and fuse) for f in plan.fused)
+    assert all((f.qk_norm is not None) == qk_norm for f in plan.fused)
+    if arch.startswith("qwen2"):
+        assert plan.fused[0].qkv_bias is not None or not fuse
+    prompts = grouped_prompts(5, 3, seed=10)
+    kw = dict(max_new_tokens=30, pad_id=0, stop_tokens=[1, 2], temperature=0.9,
+              seeds=torch.arange(len(prompts)) * 3 + 1)
+    fast = G.generate(model, prompts, **kw)
+    ref = G.generate(model, prompts, decoder="reference", **kw)
+    assert_same_rollouts(fast, ref, lp_tol=2e-5)
+    assert int(fast.mask.sum()) > 3 * len(prompts)
+
+
+def test_rotary_tables_rotate_as_the_modules_do():
+    """The step's rotary embedding from per-step tables equals each module's forward, bit for
+    bit, on query and key heads side by side (every head is rotated alike)."""
+    for model in (random_model(4, 2), _llama()):
+        plan = G._FastPlan.of(model)
+        rope = plan.layers[0].attn.pos_embeddings
+        x = torch.randn(7, 6, 16)
+        pos = torch.randint(0, 90, (7, 1))
+        tables = G._rope_tables(plan, pos, x.dtype)
+        want = rope(x[:, None], input_pos=pos)[:, 0]
+        assert torch.equal(G._rope(plan, plan.layers[0].attn, x, tables), want)
+
+
 def test_a_row_samples_the_same_alone_and_in_any_batch():
     model = random_model(4, 2)
     prompts = ragged_prompts(12, seed=3)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -368,7 +368,13 @@ def _generate_reference(models, prompt_tokens, prompt_mask, max_new_tokens, pad_
 class _FastPlan:
     """A torchtune decoder read as the modules :func:`_generate_fast` calls in its own order:
     ``layers`` are its ``TransformerSelfAttentionLayer``s (unwrapped from activation
-    checkpointing), whose norms, attention projections and MLP the decoder calls one by one."""
+    checkpointing), whose norms, attention projections and MLP the decoder calls one by one.
+
+    ``fused`` holds, per layer, the projections the decode step runs as one matrix product
+    (:class:`_Fused`), and ``rope`` how it applies the rotary embedding (:func:`_rope_tables`).
+    Fused weights are copies: a plan is a snapshot of the model's weights, built per
+    :func:`generate` call.
+    """
 
     embed: torch.nn.Module
     layers: list
@@ -377,6 +383,8 @@ class _FastPlan:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    fused: list = field(default_factory=list)
+    rope: Optional[str] = None
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> Optional["_FastPlan"]:
@@ -397,7 +405,107 @@ class _FastPlan:
             if shape not in (None, (attn.num_heads, attn.num_kv_heads, attn.head_dim)):
                 return None
             shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
-        return cls(model.tok_embeddings, layers, model.norm, model.output, *shape)
+        plan = cls(model.tok_embeddings, layers, model.norm, model.output, *shape)
+        plan.rope = _rope_kind([layer.attn.pos_embeddings for layer in layers])
+        fuse = sum(p.numel() * p.element_size() for p in model.parameters()) <= _FUSE_MAX_BYTES
+        plan.fused = [_Fused.of(layer, fuse) for layer in layers]
+        return plan
+
+
+# The decode step runs the q/k/v projections, and the MLP's gate and up projections, as one
+# matrix product each when the model's parameters take at most this many bytes: the copies of
+# the weights this needs are then small, and the small products' per-call cost is what is saved.
+_FUSE_MAX_BYTES = 256 * 2**20
+
+
+@dataclass
+class _Fused:
+    """One layer's products as the decode step runs them: ``qkv`` (``[(n_h + 2 n_kv) h_d, d]``
+    and its bias) the three attention projections in one, ``up`` (``[2 I, d]``, bias) the
+    MLP's gate and up projections in one, and the per-head RMSNorms of queries and keys as one
+    norm over the ``n_h + n_kv`` heads side by side with their scales ``[n_h + n_kv, h_d]``:
+    ``head_norm`` where they come before the rotary embedding (inside the projections,
+    :class:`pepo.training.models.HeadNormProjection`, Qwen3), ``qk_norm`` where after it
+    (torchtune's ``q_norm``/``k_norm``). None where the layer's modules are called one by one
+    instead. Each gives the values the modules give (the same dot products, the same
+    element-wise ops on the same elements)."""
+
+    qkv: Optional[torch.Tensor] = None
+    qkv_bias: Optional[torch.Tensor] = None
+    head_norm: Optional[torch.Tensor] = None
+    head_norm_eps: float = 0.0
+    qk_norm: Optional[torch.Tensor] = None
+    qk_norm_eps: float = 0.0
+    up: Optional[torch.Tensor] = None
+    up_bias: Optional[torch.Tensor] = None
+
+    @classmethod
+    def of(cls, layer, fuse: bool) -> "_Fused":
+        from torchtune.modules import FeedForward
+
+        from pepo.training.models import HeadNormProjection
+
+        f, attn, mlp = cls(), layer.attn, layer.mlp
+        q, k = attn.q_proj, attn.k_proj
+        with torch.no_grad():
+            if fuse and type(q) is type(k) is HeadNormProjection:
+                f.head_norm, f.head_norm_eps = _cat_norms(q.norm, k.norm, attn)
+                if f.head_norm is not None:
+                    f.qkv, f.qkv_bias = _cat_linear([q.linear, k.linear, attn.v_proj])
+            elif fuse:
+                f.qkv, f.qkv_bias = _cat_linear([q, k, attn.v_proj])
+            if fuse and type(mlp) is FeedForward and mlp.w3 is not None:
+                f.up, f.up_bias = _cat_linear([mlp.w1, mlp.w3])
+            if attn.q_norm is not None and attn.k_norm is not None:
+                f.qk_norm, f.qk_norm_eps = _cat_norms(attn.q_norm, attn.k_norm, attn)
+        return f
+
+
+def _cat_norms(qn, kn, attn) -> tuple[Optional[torch.Tensor], float]:
+    """The scales of two per-head RMSNorms of equal epsilon, one row per query head then per
+    key/value head (``[n_h + n_kv, h_d]``), and the epsilon; ``(None, 0.0)`` otherwise."""
+    from torchtune.modules import RMSNorm
+
+    if (type(qn) is not RMSNorm or type(kn) is not RMSNorm or qn.eps != kn.eps
+            or qn.scale.shape != (attn.head_dim,) or kn.scale.shape != (attn.head_dim,)):
+        return None, 0.0
+    return torch.cat([qn.scale.expand(attn.num_heads, -1),
+                      kn.scale.expand(attn.num_kv_heads, -1)]), qn.eps
+
+
+def _cat_linear(modules) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The weights (and biases) of plain ``nn.Linear`` modules stacked along their outputs, or
+    ``(None, None)`` when one is not a plain linear layer or only some have a bias."""
+    if any(type(m) is not torch.nn.Linear for m in modules):
+        return None, None
+    biases = [m.bias for m in modules]
+    if any(b is None for b in biases) and any(b is not None for b in biases):
+        return None, None
+    w = torch.cat([m.weight for m in modules])
+    return w, None if biases[0] is None else torch.cat(biases)
+
+
+def _rope_kind(ropes: list) -> Optional[str]:
+    """How the decode step applies the layers' rotary embedding: ``"half"`` (Qwen2's
+    rotate-half form), ``"pairs"`` (Llama's interleaved pairs) from the module's cache once per
+    step for all layers, ``"module"`` (the module's forward, queries and keys in one call) or
+    None (no rotary embedding)."""
+    from torchtune.models.llama3_1._position_embeddings import Llama3ScaledRoPE
+    from torchtune.models.qwen2._positional_embeddings import Qwen2RotaryPositionalEmbeddings
+    from torchtune.modules import RotaryPositionalEmbeddings
+
+    if all(r is None for r in ropes):
+        return None
+    first = ropes[0]
+    if any(r is not first for r in ropes) and any(
+            type(r) is not type(first) or r is None or not torch.equal(r.cache, first.cache)
+            for r in ropes):
+        return "module"
+    if type(first) is Qwen2RotaryPositionalEmbeddings:
+        return "half"
+    if type(first) in (RotaryPositionalEmbeddings, Llama3ScaledRoPE):
+        return "pairs"
+    return "module"
 
 
 def _has_sharded_parameters(model: torch.nn.Module) -> bool:
@@ -426,6 +534,79 @@ def _project(attn, h: torch.Tensor, pos: torch.Tensor):
     return q, k, v
 
 
+def _rope_tables(plan: _FastPlan, pos: torch.Tensor, dtype: torch.dtype):
+    """What the rotary embedding needs at positions ``pos`` ``[b, 1]``, read from the module's
+    cache once per step for every layer: ``(cos, sin)`` ``[b, 1, h_d]`` for ``"half"``, the
+    ``[b, 1, h_d / 2, 2]`` cache rows for ``"pairs"``, ``pos`` itself otherwise."""
+    if plan.rope == "half":
+        rows = plan.layers[0].attn.pos_embeddings.cache[pos[:, 0]][:, None]  # [b, 1, 2 h_d]
+        return rows[..., : plan.head_dim].to(dtype), rows[..., plan.head_dim :].to(dtype)
+    if plan.rope == "pairs":
+        rows = plan.layers[0].attn.pos_embeddings.cache[pos[:, 0]]  # [b, h_d / 2, 2]
+        return rows[:, None]
+    return pos
+
+
+def _rope(plan: _FastPlan, attn, x: torch.Tensor, tables) -> torch.Tensor:
+    """The rotary embedding of ``x`` ``[b, H, h_d]`` (query and key heads side by side: every
+    head is rotated alike), with the element-wise ops of the module's forward."""
+    if plan.rope == "half":
+        cos, sin = tables
+        half = x.shape[-1] // 2
+        return (x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin).type_as(x)
+    if plan.rope == "pairs":
+        xs = x.float().reshape(*x.shape[:-1], -1, 2)
+        x0, x1 = xs[..., 0], xs[..., 1]
+        c, s = tables[..., 0], tables[..., 1]
+        return torch.stack([x0 * c - x1 * s, x1 * c + x0 * s], -1).flatten(2).type_as(x)
+    if attn.pos_embeddings is None:
+        return x
+    return attn.pos_embeddings(x[:, None], input_pos=tables)[:, 0]
+
+
+def _head_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """torchtune's ``RMSNorm`` over the last dim of ``x`` ``[b, H, h_d]`` with one scale row
+    per head (``scale`` ``[H, h_d]``): fp32 inside, ``x``'s dtype out."""
+    y = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=eps) * scale
+    return y.to(x.dtype)
+
+
+def _qkv(plan: _FastPlan, attn, f: _Fused, h: torch.Tensor, tables):
+    """q ``[b, n_h, h_d]``, k and v ``[b, n_kv, h_d]`` of one token per row (``h`` ``[b, d]``),
+    as torchtune's ``MultiHeadAttention.forward`` computes them (RoPE, then the optional
+    norms), with the fused products of ``f`` where there are."""
+    b = h.shape[0]
+    n_h, n_kv, hd = plan.num_heads, plan.num_kv_heads, plan.head_dim
+    if f.qkv is not None:
+        qkv = torch.nn.functional.linear(h, f.qkv, f.qkv_bias)
+        qk, v = qkv[:, : (n_h + n_kv) * hd], qkv[:, (n_h + n_kv) * hd :]
+        qk = qk.reshape(b, n_h + n_kv, hd)
+        if f.head_norm is not None:
+            qk = _head_rms_norm(qk, f.head_norm, f.head_norm_eps)
+    else:
+        qk = torch.cat([attn.q_proj(h), attn.k_proj(h)], -1).view(b, n_h + n_kv, hd)
+        v = attn.v_proj(h)
+    qk = _rope(plan, attn, qk, tables)
+    if f.qk_norm is not None:
+        qk = _head_rms_norm(qk, f.qk_norm, f.qk_norm_eps)
+    q, k = qk[:, :n_h], qk[:, n_h:]
+    if f.qk_norm is None and attn.q_norm is not None:
+        q = attn.q_norm(q)
+    if f.qk_norm is None and attn.k_norm is not None:
+        k = attn.k_norm(k)
+    return q, k, v.reshape(b, n_kv, hd)
+
+
+def _mlp(mlp, f: _Fused, h: torch.Tensor) -> torch.Tensor:
+    """The layer's MLP on ``h`` ``[b, d]``: ``w2(act(w1 h) * w3 h)`` with ``w1`` and ``w3`` as
+    one product where fused."""
+    if f.up is None:
+        return mlp(h)
+    gu = torch.nn.functional.linear(h, f.up, f.up_bias)
+    i = gu.shape[-1] // 2
+    return mlp.w2(mlp.activation(gu[:, :i]) * gu[:, i:])
+
+
 def _decode_step(plan: _FastPlan, tok: torch.Tensor, pos: torch.Tensor, prompt_k: list,
                  prompt_v: list, cache_k: list, cache_v: list, prompt_bias: torch.Tensor,
                  slot_u: torch.Tensor, slot_r: torch.Tensor, r_max: int, n: int) -> torch.Tensor:
@@ -443,24 +624,29 @@ def _decode_step(plan: _FastPlan, tok: torch.Tensor, pos: torch.Tensor, prompt_k
     two parts share one softmax: softmax(q·kᵀ/√h_d + bias)·v over ``[prompt | response]``, as
     ``scaled_dot_product_attention`` computes it, with no copy of either cache. With
     ``r_max == 1`` (no prompt shared) the prompt cache is in row order and read directly.
+
+    The rows are ``[b, d]`` throughout (one token each); the projections run fused where the
+    plan has them (:class:`_Fused`) and the rotary tables are read once for all layers.
     """
     b = tok.shape[0]
     n_kv, hd = plan.num_kv_heads, plan.head_dim
     group = plan.num_heads // n_kv
     u, plen = prompt_k[0].shape[0], prompt_k[0].shape[2]
     shared = r_max > 1  # else the prompt cache is in row order (slot_u = 0..b-1, slot_r = 0)
-    x = plan.embed(tok[:, None])  # [b, 1, d]
-    for layer, pk, pv, ck, cv in zip(plan.layers, prompt_k, prompt_v, cache_k, cache_v):
-        q, k, v = _project(layer.attn, layer.sa_norm(x), pos)
-        ck[:, :, n - 1 : n] = k
-        cv[:, :, n - 1 : n] = v
+    x = plan.embed(tok)  # [b, d]
+    tables = _rope_tables(plan, pos, x.dtype)
+    for layer, f, pk, pv, ck, cv in zip(plan.layers, plan.fused, prompt_k, prompt_v, cache_k,
+                                        cache_v):
+        q, k, v = _qkv(plan, layer.attn, f, layer.sa_norm(x), tables)
+        ck[:, :, n - 1 : n] = k[:, :, None]
+        cv[:, :, n - 1 : n] = v[:, :, None]
         q = q.reshape(b, n_kv, group, hd)
         if shared:
             blocks = q.new_zeros(u, n_kv, r_max, group, hd)  # each prompt's rows side by side
             blocks[slot_u, :, slot_r] = q
         else:
             blocks = q
-        s_prompt = torch.baddbmm(prompt_bias, blocks.view(u * n_kv, r_max * group, hd),
+        s_prompt = torch.baddbmm(prompt_bias, blocks.reshape(u * n_kv, r_max * group, hd),
                                  pk.transpose(-1, -2).reshape(u * n_kv, hd, plen),
                                  alpha=hd ** -0.5)  # [u * n_kv, r_max * group, P]
         if shared:
@@ -477,16 +663,26 @@ def _decode_step(plan: _FastPlan, tok: torch.Tensor, pos: torch.Tensor, prompt_k
         else:
             a = torch.bmm(w[..., :plen], pv.reshape(b * n_kv, plen, hd))
         a = a + torch.bmm(w[..., plen:], cv[:, :, :n].reshape(b * n_kv, n, hd))
-        x = x + layer.sa_scale(layer.attn.output_proj(a.reshape(b, 1, -1)))
-        x = x + layer.mlp_scale(layer.mlp(layer.mlp_norm(x)))
-    return plan.output(plan.norm(x)).float()[:, 0]
+        x = x + layer.sa_scale(layer.attn.output_proj(a.reshape(b, -1)))
+        x = x + layer.mlp_scale(_mlp(layer.mlp, f, layer.mlp_norm(x)))
+    return plan.output(plan.norm(x)).float()
 
 
 @functools.cache
 def _compiled_step() -> Callable:
     """:func:`_decode_step` through ``torch.compile`` (dynamic shapes: the batch shrinks and the
-    cache fills as decoding goes on), built on first use."""
-    return torch.compile(_decode_step, dynamic=True)
+    cache fills as decoding goes on), built on first use. The first two steps, and steps with
+    at most two rows or one prompt left, run eagerly: a size of 0 or 1 would make the compiler
+    specialise on it and compile the step again for each such value."""
+    compiled = torch.compile(_decode_step, dynamic=True)
+
+    def step(plan, tok, pos, prompt_k, *rest):
+        n = rest[-1]
+        if n <= 2 or tok.shape[0] <= 2 or prompt_k[0].shape[0] <= 1:
+            return _decode_step(plan, tok, pos, prompt_k, *rest)
+        return compiled(plan, tok, pos, prompt_k, *rest)
+
+    return step
 
 
 # Compact the batch (drop finished rows from it and from the KV cache) once at most this share
