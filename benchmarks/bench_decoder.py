@@ -14,8 +14,10 @@ gives median generated tokens/s.
 Two bounds, measured in the same run:
 
 * **matmul bound**: 2 x parameters FLOP per generated token at the FLOP/s this machine's GEMMs
-  reach on the decode step's shapes (every linear layer of the model applied to ``[rows, d_in]``
-  inputs, timed alone). It leaves out attention.
+  reach on the decode step's shapes, timed alone: every linear layer of the model applied to
+  ``[rows, d_in]`` inputs, and the products as the fast decoder runs them (q/k/v and the MLP's
+  gate and up projections stacked into one each); the faster of the two sets gives the bound.
+  It leaves out attention.
 * **roofline**: the matmul bound's time plus reading the KV cache once per decoding step (what
   attention cannot avoid: ``2 x layers x kv_heads x head_dim`` values per cached position, the
   prompt's positions once per prompt with a row still decoding and each row's response
@@ -58,13 +60,35 @@ def load(config: str, rows: int):
     return model, prompts, kw
 
 
-def gemm_rate(model: torch.nn.Module, rows: int, seconds: float = 1.0) -> float:
-    """FLOP/s of the decode step's GEMMs: every linear weight (and a tied output head) applied
-    to ``[rows, d_in]``, timed back to back."""
+def linear_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every linear weight of the model, and a tied output head's (the embedding)."""
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    head = model.output
-    if not isinstance(head, torch.nn.Linear):  # tied: the embedding is the head's weight
+    if not isinstance(model.output, torch.nn.Linear):  # tied: the embedding is the head's weight
         weights.append(model.tok_embeddings.weight)
+    return weights
+
+
+def step_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The weights of the products the fast decoder's step runs: the fused q/k/v and gate/up
+    stacks where its plan has them, the other linear layers as they are."""
+    plan = G._FastPlan.of(model)
+    fused = {id(w) for f in plan.fused for w in (f.qkv, f.up) if w is not None}
+    if not fused:
+        return linear_weights(model)
+    parts = set()
+    for layer, f in zip(plan.layers, plan.fused):
+        attn, mlp = layer.attn, layer.mlp
+        if f.qkv is not None:
+            for m in (attn.q_proj, attn.k_proj, attn.v_proj):
+                parts.add(id(getattr(m, "linear", m).weight))
+        if f.up is not None:
+            parts.update({id(mlp.w1.weight), id(mlp.w3.weight)})
+    rest = [w for w in linear_weights(model) if id(w) not in parts]
+    return rest + [w for f in plan.fused for w in (f.qkv, f.up) if w is not None]
+
+
+def gemm_rate(weights: list[torch.Tensor], rows: int, seconds: float = 1.0) -> float:
+    """FLOP/s of ``weights`` each applied to ``[rows, d_in]``, timed back to back."""
     xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
     flop = 2 * rows * sum(w.numel() for w in weights)
 
@@ -130,7 +154,8 @@ def main() -> None:
         for rows in args.rows:
             model, prompts, kw = load(name, rows)
             params = sum(p.numel() for p in model.parameters())
-            rate = gemm_rate(model, rows)
+            rate = max(gemm_rate(linear_weights(model), rows),
+                       gemm_rate(step_weights(model), rows))
             bound = rate / (2 * params)
 
             def run(decoder: str) -> G.Rollouts:

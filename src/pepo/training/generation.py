@@ -8,7 +8,8 @@ helpers), so a row's tokens are what the same prompt alone would give.
 Two decoders sample the same tokens for the same per-row seeds: the fast one (the default) runs
 the model's own modules with its own KV cache, attending over the filled part of the cache only,
 holding and reading each distinct prompt's keys and values once for all its rollouts (prefix
-sharing) and dropping finished rows from the batch; the reference one runs the model's forward through
+sharing), dropping finished rows from the batch and running the q/k/v and the MLP's gate/up
+projections as one product each; the reference one runs the model's forward through
 torchtune's KV cache with every row in lock-step to the end (what the fast one is tested and
 benchmarked against, ``benchmarks/bench_decoder.py``).
 
@@ -673,14 +674,19 @@ def _compiled_step() -> Callable:
     """:func:`_decode_step` through ``torch.compile`` (dynamic shapes: the batch shrinks and the
     cache fills as decoding goes on), built on first use. The first two steps, and steps with
     at most two rows or one prompt left, run eagerly: a size of 0 or 1 would make the compiler
-    specialise on it and compile the step again for each such value."""
+    specialise on it and compile the step again for each such value. Sizes that happen to be
+    equal (64 rows and a 64-token limit) are not taken to be one symbol ("duck sizing"), which
+    would compile the step again once they differ."""
+    from torch.fx.experimental import _config as shape_config
+
     compiled = torch.compile(_decode_step, dynamic=True)
 
     def step(plan, tok, pos, prompt_k, *rest):
         n = rest[-1]
         if n <= 2 or tok.shape[0] <= 2 or prompt_k[0].shape[0] <= 1:
             return _decode_step(plan, tok, pos, prompt_k, *rest)
-        return compiled(plan, tok, pos, prompt_k, *rest)
+        with shape_config.patch(use_duck_shape=False):
+            return compiled(plan, tok, pos, prompt_k, *rest)
 
     return step
 
