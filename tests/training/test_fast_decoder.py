@@ -165,12 +165,31 @@ def _llama_with_qk_norm():
     return m
 
 
+class _OwnRotary(torch.nn.Module):
+    """A rotary module the decoder does not know (no cache it can read): it must be called."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x, input_pos=None):
+        return self.inner(x, input_pos=input_pos)
+
+
+def _qwen3_with_own_rotary():
+    m = random_model(4, 2)
+    for layer in m.layers:  # one instance per layer
+        layer.attn.pos_embeddings = _OwnRotary(layer.attn.pos_embeddings)
+    return m
+
+
 ARCHITECTURES = {
     # name: (builder, RoPE form, fused q/k/v, head norms before RoPE, q/k norms after RoPE)
     "qwen3": (lambda: random_model(4, 2), "half", True, True, False),
     "llama3_2": (_llama, "pairs", True, False, False),
     "qwen2 (q/k/v biases)": (_qwen2, "half", True, False, False),
     "llama with q/k norms": (_llama_with_qk_norm, "pairs", True, False, True),
+    "qwen3 with its own rotary module": (_qwen3_with_own_rotary, "module", True, True, False),
 }
 
 

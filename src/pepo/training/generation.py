@@ -499,9 +499,9 @@ def _rope_kind(ropes: list) -> Optional[str]:
         return None
     first = ropes[0]
     if any(r is not first for r in ropes) and any(
-            type(r) is not type(first) or r is None or not torch.equal(r.cache, first.cache)
-            for r in ropes):
-        return "module"
+            type(r) is not type(first) or not isinstance(getattr(r, "cache", None), torch.Tensor)
+            or not torch.equal(r.cache, first.cache) for r in ropes):
+        return "module"  # the layers' modules differ: each layer calls its own
     if type(first) is Qwen2RotaryPositionalEmbeddings:
         return "half"
     if type(first) in (RotaryPositionalEmbeddings, Llama3ScaledRoPE):
