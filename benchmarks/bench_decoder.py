@@ -72,19 +72,16 @@ def step_weights(model: torch.nn.Module) -> list[torch.Tensor]:
     """The weights of the products the fast decoder's step runs: the fused q/k/v and gate/up
     stacks where its plan has them, the other linear layers as they are."""
     plan = G._FastPlan.of(model)
-    fused = {id(w) for f in plan.fused for w in (f.qkv, f.up) if w is not None}
-    if not fused:
-        return linear_weights(model)
-    parts = set()
+    parts = set()  # the weights inside a stack
     for layer, f in zip(plan.layers, plan.fused):
         attn, mlp = layer.attn, layer.mlp
         if f.qkv is not None:
             for m in (attn.q_proj, attn.k_proj, attn.v_proj):
-                parts.add(id(getattr(m, "linear", m).weight))
+                parts.add(id(getattr(m, "linear", m).weight))  # Qwen3: inside a HeadNormProjection
         if f.up is not None:
             parts.update({id(mlp.w1.weight), id(mlp.w3.weight)})
-    rest = [w for w in linear_weights(model) if id(w) not in parts]
-    return rest + [w for f in plan.fused for w in (f.qkv, f.up) if w is not None]
+    stacks = [w for f in plan.fused for w in (f.qkv, f.up) if w is not None]
+    return [w for w in linear_weights(model) if id(w) not in parts] + stacks
 
 
 def gemm_rate(weights: list[torch.Tensor], rows: int, seconds: float = 1.0) -> float:

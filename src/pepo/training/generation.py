@@ -406,11 +406,10 @@ class _FastPlan:
             if shape not in (None, (attn.num_heads, attn.num_kv_heads, attn.head_dim)):
                 return None
             shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
-        plan = cls(model.tok_embeddings, layers, model.norm, model.output, *shape)
-        plan.rope = _rope_kind([layer.attn.pos_embeddings for layer in layers])
         fuse = sum(p.numel() * p.element_size() for p in model.parameters()) <= _FUSE_MAX_BYTES
-        plan.fused = [_Fused.of(layer, fuse) for layer in layers]
-        return plan
+        return cls(model.tok_embeddings, layers, model.norm, model.output, *shape,
+                   fused=[_Fused.of(layer, fuse) for layer in layers],
+                   rope=_rope_kind([layer.attn.pos_embeddings for layer in layers]))
 
 
 # The decode step runs the q/k/v projections, and the MLP's gate and up projections, as one
@@ -487,21 +486,20 @@ def _cat_linear(modules) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]
 
 
 def _rope_kind(ropes: list) -> Optional[str]:
-    """How the decode step applies the layers' rotary embedding: ``"half"`` (Qwen2's
-    rotate-half form), ``"pairs"`` (Llama's interleaved pairs) from the module's cache once per
-    step for all layers, ``"module"`` (the module's forward, queries and keys in one call) or
-    None (no rotary embedding)."""
+    """How the decode step applies the layers' rotary embedding: from the module's cache once
+    per step for all layers when every layer holds the same module (as torchtune's builders
+    make them), in ``"half"`` (Qwen2's rotate-half) or ``"pairs"`` form (Llama's interleaved
+    pairs); otherwise ``"module"`` (each layer's module, queries and keys in one call), or None
+    when no layer has one."""
     from torchtune.models.llama3_1._position_embeddings import Llama3ScaledRoPE
     from torchtune.models.qwen2._positional_embeddings import Qwen2RotaryPositionalEmbeddings
     from torchtune.modules import RotaryPositionalEmbeddings
 
-    if all(r is None for r in ropes):
-        return None
     first = ropes[0]
-    if any(r is not first for r in ropes) and any(
-            type(r) is not type(first) or not isinstance(getattr(r, "cache", None), torch.Tensor)
-            or not torch.equal(r.cache, first.cache) for r in ropes):
-        return "module"  # the layers' modules differ: each layer calls its own
+    if any(r is not first for r in ropes):
+        return "module"
+    if first is None:
+        return None
     if type(first) is Qwen2RotaryPositionalEmbeddings:
         return "half"
     if type(first) in (RotaryPositionalEmbeddings, Llama3ScaledRoPE):
@@ -537,14 +535,14 @@ def _project(attn, h: torch.Tensor, pos: torch.Tensor):
 
 def _rope_tables(plan: _FastPlan, pos: torch.Tensor, dtype: torch.dtype):
     """What the rotary embedding needs at positions ``pos`` ``[b, 1]``, read from the module's
-    cache once per step for every layer: ``(cos, sin)`` ``[b, 1, h_d]`` for ``"half"``, the
-    ``[b, 1, h_d / 2, 2]`` cache rows for ``"pairs"``, ``pos`` itself otherwise."""
+    cache once per step for every layer: ``(cos, sin)``, ``[b, 1, h_d]`` for ``"half"`` and
+    ``[b, 1, h_d / 2]`` for ``"pairs"``; ``pos`` itself otherwise."""
     if plan.rope == "half":
         rows = plan.layers[0].attn.pos_embeddings.cache[pos[:, 0]][:, None]  # [b, 1, 2 h_d]
         return rows[..., : plan.head_dim].to(dtype), rows[..., plan.head_dim :].to(dtype)
     if plan.rope == "pairs":
-        rows = plan.layers[0].attn.pos_embeddings.cache[pos[:, 0]]  # [b, h_d / 2, 2]
-        return rows[:, None]
+        rows = plan.layers[0].attn.pos_embeddings.cache[pos[:, 0]][:, None]  # [b, 1, h_d/2, 2]
+        return rows[..., 0], rows[..., 1]
     return pos
 
 
@@ -558,7 +556,7 @@ def _rope(plan: _FastPlan, attn, x: torch.Tensor, tables) -> torch.Tensor:
     if plan.rope == "pairs":
         xs = x.float().reshape(*x.shape[:-1], -1, 2)
         x0, x1 = xs[..., 0], xs[..., 1]
-        c, s = tables[..., 0], tables[..., 1]
+        c, s = tables
         return torch.stack([x0 * c - x1 * s, x1 * c + x0 * s], -1).flatten(2).type_as(x)
     if attn.pos_embeddings is None:
         return x
@@ -591,10 +589,9 @@ def _qkv(plan: _FastPlan, attn, f: _Fused, h: torch.Tensor, tables):
     if f.qk_norm is not None:
         qk = _head_rms_norm(qk, f.qk_norm, f.qk_norm_eps)
     q, k = qk[:, :n_h], qk[:, n_h:]
-    if f.qk_norm is None and attn.q_norm is not None:
-        q = attn.q_norm(q)
-    if f.qk_norm is None and attn.k_norm is not None:
-        k = attn.k_norm(k)
+    if f.qk_norm is None:  # torchtune's own norms, if any, one by one
+        q = q if attn.q_norm is None else attn.q_norm(q)
+        k = k if attn.k_norm is None else attn.k_norm(k)
     return q, k, v.reshape(b, n_kv, hd)
 
 
