@@ -109,6 +109,29 @@ def test_the_output_dir_check_leaves_nothing_behind(tmp_path):
     with pytest.raises(ValueError, match=r"output_dir=.*ro/run' is not a writable directory: .*ro"):
         check_output_dir(tmp_path / "ro" / "run")
 
+def test_the_output_dir_check_survives_another_process_removing_the_directory(tmp_path,
+                                                                              monkeypatch):
+    """Two processes of one launch check the same new output_dir: the first's clean-up can
+    remove the directory between the second's mkdir and its probe. The second must try again,
+    not report an unwritable directory (a check without the retry raises here)."""
+    import tempfile
+
+    from pepo.training.config import check_output_dir
+
+    real, calls = tempfile.mkstemp, []
+
+    def racing(*a, dir, **k):
+        calls.append(dir)
+        if len(calls) == 1:  # the other process's clean-up happens now
+            Path(dir).rmdir()
+            Path(dir).parent.rmdir()
+        return real(*a, dir=dir, **k)
+
+    monkeypatch.setattr(tempfile, "mkstemp", racing)
+    check_output_dir(tmp_path / "new" / "run")
+    assert len(calls) == 2 and list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("override, message", [
     ({"distributed": {"cpu_offload": True}}, "distributed.cpu_offload=true offloads from a GPU"),
     ({"distributed": {"timeout_s": 0}}, "distributed.timeout_s must be a number > 0"),

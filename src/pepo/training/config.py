@@ -289,8 +289,16 @@ def check_output_dir(path: Any, key: str = "output_dir") -> None:
         raise ValueError(f"{key}={str(path)!r} cannot be a directory: {existing} is a file")
     missing = [a for a in (p, *p.parents) if not a.exists()]
     try:
-        p.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".pepo_probe_", dir=p)
+        for attempt in range(3):
+            p.mkdir(parents=True, exist_ok=True)
+            try:
+                fd, probe = tempfile.mkstemp(prefix=".pepo_probe_", dir=p)
+                break
+            except FileNotFoundError:
+                # the processes of one torchrun launch check the same path at once, and one's
+                # clean-up below can remove the directory between another's mkdir and its probe
+                if attempt == 2 or p.exists():
+                    raise
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
