@@ -21,7 +21,10 @@ Two bounds, measured in the same run:
 * **roofline**: the matmul bound's time plus reading the KV cache once per decoding step (what
   attention cannot avoid: ``2 x layers x kv_heads x head_dim`` values per cached position, the
   prompt's positions once per prompt with a row still decoding and each row's response
-  positions, at the read bandwidth measured here on a 200 MB tensor).
+  positions). Each step's read is timed at the read bandwidth this machine shows for a tensor of
+  that step's working set (its KV read plus the model's weights), interpolated between sizes
+  measured in this run (4-256 MB): a cache that fits the processor's caches is read faster than
+  one that streams from memory, and the bound takes the faster rate where it applies.
 
 Ratios are within this one run; the machine line says where it ran.
 """
@@ -29,6 +32,7 @@ Ratios are within this one run; the machine line says where it ran.
 from __future__ import annotations
 
 import argparse
+import math
 import platform
 import statistics
 import time
@@ -103,30 +107,64 @@ def gemm_rate(weights: list[torch.Tensor], rows: int, seconds: float = 1.0) -> f
     return flop * n / (time.perf_counter() - t0)
 
 
-def read_bandwidth(nbytes: int = 200_000_000) -> float:
-    """Bytes/s of a sum over a tensor far larger than the caches."""
-    x = torch.ones(nbytes // 4)
-    x.sum()
-    t0 = time.perf_counter()
-    for _ in range(5):
+BANDWIDTH_SIZES_MB = (4, 8, 16, 32, 64, 128, 256)
+
+
+def read_bandwidths(sizes_mb=BANDWIDTH_SIZES_MB) -> list[tuple[int, float]]:
+    """``(bytes, bytes/s)`` of a sum over a float32 tensor of each size, at least 2 GB read per
+    size after a warm-up (the tensor is then as warm in the caches as it will get)."""
+    curve = []
+    for mb in sizes_mb:
+        x = torch.ones(mb * 250_000)
+        nbytes = x.numel() * 4
         x.sum()
-    return 5 * nbytes / (time.perf_counter() - t0)
+        x.sum()
+        k = max(5, 2_000_000_000 // nbytes)
+        t0 = time.perf_counter()
+        for _ in range(k):
+            x.sum()
+        curve.append((nbytes, k * nbytes / (time.perf_counter() - t0)))
+    return curve
 
 
-def kv_bytes(model: torch.nn.Module, ro: G.Rollouts) -> int:
-    """Bytes of K and V the decoding steps must read: at each step, the (padded) prompt columns
-    once per prompt that still has a row decoding (its rollouts share them), and each decoding
-    row's own response columns."""
+def bandwidth_at(curve: list[tuple[int, float]], nbytes: float) -> float:
+    """The read bandwidth for a working set of ``nbytes``: linear in log(size) between the two
+    measured sizes around it, the nearest measured one outside them."""
+    sizes = [math.log(n) for n, _ in curve]
+    rates = [r for _, r in curve]
+    x = math.log(max(nbytes, 1.0))
+    if x <= sizes[0]:
+        return rates[0]
+    for (x0, r0), (x1, r1) in zip(zip(sizes, rates), zip(sizes[1:], rates[1:])):
+        if x <= x1:
+            return r0 + (r1 - r0) * (x - x0) / (x1 - x0)
+    return rates[-1]
+
+
+def kv_step_bytes(model: torch.nn.Module, ro: G.Rollouts) -> torch.Tensor:
+    """Bytes of K and V each decoding step must read (``[T]``, step ``t`` feeding response
+    token ``t``): the (padded) prompt columns once per prompt that still has a row decoding (its
+    rollouts share them), and the ``t`` response columns of each row still decoding."""
     attn = model.layers[0].attn
     per_position = 2 * len(model.layers) * attn.num_kv_heads * attn.head_dim * \
         next(model.parameters()).element_size()
     plen = ro.prompt_tokens.shape[1]
-    lengths = ro.mask.sum(-1)  # tokens per row; step t reads t response positions
+    lengths = ro.mask.sum(-1)  # tokens per row: the row decodes at steps 0 .. length - 1
     _, prompt_of = torch.unique(ro.prompt_tokens, dim=0, return_inverse=True)
     longest = torch.zeros(int(prompt_of.max()) + 1, dtype=lengths.dtype).scatter_reduce(
         0, prompt_of, lengths, "amax")  # steps during which the prompt is read
-    positions = longest.sum() * plen + (lengths * (lengths - 1) // 2).sum()
-    return int(positions) * per_position
+    t = torch.arange(ro.mask.shape[1])
+    rows = (lengths[None, :] > t[:, None]).sum(-1)  # rows decoding at step t
+    prompts = (longest[None, :] > t[:, None]).sum(-1)
+    return (prompts * plen + rows * t) * per_position
+
+
+def kv_seconds(model: torch.nn.Module, ro: G.Rollouts, curve) -> float:
+    """The time to read :func:`kv_step_bytes`, each step at the bandwidth of its working set
+    (its KV read plus the model's weights, which every step reads too)."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return sum(b / bandwidth_at(curve, b + weights) for b in kv_step_bytes(model, ro).tolist()
+               if b > 0)
 
 
 def main() -> None:
@@ -138,9 +176,10 @@ def main() -> None:
     ap.add_argument("--no-reference", action="store_true",
                     help="skip the reference decoder (no speed-up column)")
     args = ap.parse_args()
-    bw = read_bandwidth()
+    curve = read_bandwidths()
+    bws = ", ".join(f"{n / 1e6:.0f} MB {r / 1e9:.0f}" for n, r in curve)
     print(f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}; read bandwidth {bw / 1e9:.0f} GB/s; medians of "
+          f"torch {torch.__version__}; read bandwidth GB/s by size: {bws}; medians of "
           f"{args.repeats} rounds")
     decoders = ([] if args.no_reference else ["reference"]) + ["fast"] + \
         (["compiled"] if args.compile else [])
@@ -173,7 +212,7 @@ def main() -> None:
                     ro = run(d)
                     rates[d].append(int(ro.mask.sum()) / (time.perf_counter() - t0))
             tokens = int(ro.mask.sum())
-            roof = tokens / (tokens / bound + kv_bytes(model, ro) / bw)
+            roof = tokens / (tokens / bound + kv_seconds(model, ro, curve))
             base = statistics.median(rates["reference"]) if "reference" in rates else None
             for d in decoders:
                 med = statistics.median(rates[d])
