@@ -33,12 +33,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import platform
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
+from machine import cpu_name
 from omegaconf import OmegaConf
 from torchtune import config as tt_config
 
@@ -178,7 +178,7 @@ def main() -> None:
     args = ap.parse_args()
     curve = read_bandwidths()
     bws = ", ".join(f"{n / 1e6:.0f} MB {r / 1e9:.0f}" for n, r in curve)
-    print(f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+    print(f"# {cpu_name()}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}; read bandwidth GB/s by size: {bws}; medians of "
           f"{args.repeats} rounds")
     decoders = ([] if args.no_reference else ["reference"]) + ["fast"] + \

@@ -15,11 +15,11 @@ colocated one (``generation.engine=vllm``; weights copied in from the trainer's 
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 
 import torch
+from machine import cpu_name
 
 
 def main() -> None:
@@ -101,7 +101,7 @@ def main() -> None:
         engine.close()
 
     params = sum(p.numel() for p in ours.parameters())
-    print(f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+    print(f"# {cpu_name()}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}, transformers {transformers.__version__}; "
           f"{params / 1e6:.1f}M parameters, {args.rows} rows x {n_new} new tokens (EOS ignored), "
           f"T = 1, prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens; "

@@ -15,16 +15,16 @@ the absolute numbers, across machines. Extra ``key=value`` arguments override th
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+import pepo_recipe
 import torch
+from machine import cpu_name
 from omegaconf import OmegaConf
 
-import pepo_recipe
 from pepo.training.config import find_config, register_resolvers
 
 
@@ -62,7 +62,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--engines", nargs="+", default=["torchtune", "vllm"])
     args, overrides = ap.parse_known_args()
-    print(f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+    print(f"# {cpu_name()}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}, config {args.config}, {args.steps} steps "
           f"(medians over steps 2..{args.steps})")
     with tempfile.TemporaryDirectory() as tmp:

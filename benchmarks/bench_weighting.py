@@ -27,7 +27,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -35,6 +34,7 @@ import time
 from typing import Callable
 
 import torch
+from machine import cpu_name
 
 import pepo.weighting as pw
 from pepo.entropy import logprobs_and_entropy, logprobs_and_entropy_from_hidden
@@ -243,15 +243,7 @@ def _mib(x: int) -> str:
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    cpu = cpu_name()
     return (
         f"{cpu}, {os.cpu_count()} logical cores, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads"
