@@ -1,7 +1,7 @@
 """The in-process decoder against the machine's bounds, on the embedded tasks' shipped models.
 
     python benchmarks/bench_decoder.py [--configs tiny tiny_drift] [--rows 64 256]
-        [--repeats 3] [--compile] [--no-reference]
+        [--repeats 3] [--compile] [--no-reference] [--device cpu]
 
 For each config and batch of ``--rows`` rollouts (the config's prompts, 8 rollouts each, the
 config's sampling settings and response limit, one seed per rollout) it decodes with
@@ -9,7 +9,9 @@ config's sampling settings and response limit, one seed per rollout) it decodes 
 lock-step to the end), the fast decoder (the default), and with ``--compile`` the fast decoder's
 step through ``torch.compile`` (its compilation time is printed apart). They run back to back,
 ``--repeats`` rounds in turn after a warm-up, so a change of load hits all of them; the table
-gives median generated tokens/s.
+gives median generated tokens/s, and the share of rows each decoder sampled exactly as the
+reference decoder did (same seeds: the same tokens are expected, but for the rare draw a float
+reordering flips).
 
 Two bounds, measured in the same run:
 
@@ -26,7 +28,9 @@ Two bounds, measured in the same run:
   measured in this run (4-256 MB): a cache that fits the processor's caches is read faster than
   one that streams from memory, and the bound takes the faster rate where it applies.
 
-Ratios are within this one run; the machine line says where it ran.
+Ratios are within this one run; the machine line says where it ran. With ``--device cuda``
+the decoders run on the GPU (timed between synchronisations) and the bounds, which are this
+CPU's, are left out.
 """
 
 from __future__ import annotations
@@ -47,13 +51,14 @@ from pepo.training.config import find_config, register_resolvers
 from pepo.training.weights import load_model_weights
 
 
-def load(config: str, rows: int):
-    """Model, prompts (8 rollouts of each) and generate() keywords of ``config``."""
+def load(config: str, rows: int, device: str = "cpu"):
+    """Model (on ``device``), prompts (8 rollouts of each) and generate() keywords of
+    ``config``."""
     register_resolvers()
     cfg = OmegaConf.load(find_config(config))
     model = tt_config.instantiate(cfg.model)
     load_model_weights(model, cfg.checkpoint_dir)
-    model.eval()
+    model.eval().to(device)
     tok = tt_config.instantiate(cfg.tokenizer)
     data = tt_config.instantiate(cfg.dataset)
     prompts = [tok.encode_prompt(data[i // 8].prompt) for i in range(rows)]
@@ -175,55 +180,85 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="also the compiled decode step")
     ap.add_argument("--no-reference", action="store_true",
                     help="skip the reference decoder (no speed-up column)")
+    ap.add_argument("--device", default="cpu", help="where the decoders run (cpu, cuda)")
     args = ap.parse_args()
-    curve = read_bandwidths()
-    bws = ", ".join(f"{n / 1e6:.0f} MB {r / 1e9:.0f}" for n, r in curve)
-    print(f"# {cpu_name()}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}; read bandwidth GB/s by size: {bws}; medians of "
-          f"{args.repeats} rounds")
+    device = torch.device(args.device)
+    on_cpu = device.type == "cpu"
+    if on_cpu:
+        curve = read_bandwidths()
+        bws = ", ".join(f"{n / 1e6:.0f} MB {r / 1e9:.0f}" for n, r in curve)
+        where = f"read bandwidth GB/s by size: {bws}"
+    else:
+        where = f"decoding on {torch.cuda.get_device_name(device)}; bounds left out"
+    print(f"# {cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
+          f"{where}; medians of {args.repeats} rounds")
     decoders = ([] if args.no_reference else ["reference"]) + ["fast"] + \
         (["compiled"] if args.compile else [])
-    print("| config | rows | decoder | generated tokens/s | vs reference | matmul bound tok/s | "
-          "of matmul bound | roofline tok/s | of roofline |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("| config | rows | decoder | generated tokens/s | vs reference | rows = reference | "
+          "matmul bound tok/s | of matmul bound | roofline tok/s | of roofline |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     for name in args.configs:
         for rows in args.rows:
-            model, prompts, kw = load(name, rows)
+            model, prompts, kw = load(name, rows, args.device)
             params = sum(p.numel() for p in model.parameters())
-            rate = max(gemm_rate(linear_weights(model), rows),
-                       gemm_rate(step_weights(model), rows))
-            bound = rate / (2 * params)
 
-            def run(decoder: str) -> G.Rollouts:
-                return G.generate(model, prompts, decoder="reference" if decoder == "reference"
-                                  else "fast", compile=decoder == "compiled", **kw)
+            def run(decoder: str) -> tuple[G.Rollouts, float]:
+                sync()
+                t0 = time.perf_counter()
+                ro = G.generate(model, prompts, decoder="reference" if decoder == "reference"
+                                else "fast", compile=decoder == "compiled", **kw)
+                sync()
+                return ro, time.perf_counter() - t0
 
             compile_s = None
             for d in decoders:  # warm-up (and the compilation)
-                t0 = time.perf_counter()
-                run(d)
+                _, seconds = run(d)
                 if d == "compiled" and compile_s is None:
-                    compile_s = time.perf_counter() - t0
+                    compile_s = seconds
             rates: dict[str, list[float]] = {d: [] for d in decoders}
-            ro = None
+            last: dict[str, G.Rollouts] = {}
             for _ in range(args.repeats):
                 for d in decoders:
-                    t0 = time.perf_counter()
-                    ro = run(d)
-                    rates[d].append(int(ro.mask.sum()) / (time.perf_counter() - t0))
+                    last[d], seconds = run(d)
+                    rates[d].append(int(last[d].mask.sum()) / seconds)
+            ro = last[decoders[-1]]
             tokens = int(ro.mask.sum())
-            roof = tokens / (tokens / bound + kv_seconds(model, ro, curve))
+            bound = roof = None
+            if on_cpu:
+                rate = max(gemm_rate(linear_weights(model), rows),
+                           gemm_rate(step_weights(model), rows))
+                bound = rate / (2 * params)
+                roof = tokens / (tokens / bound + kv_seconds(model, ro, curve))
             base = statistics.median(rates["reference"]) if "reference" in rates else None
             for d in decoders:
                 med = statistics.median(rates[d])
                 vs = f"{med / base:.2f}x" if base else "-"
+                same = f"{same_rows(last[d], last['reference']):.1%}" if base else "-"
                 label = d
                 if d == "compiled":  # compiled once per process, for every shape
                     label += (f" (compiled in {compile_s:.0f} s)" if compile_s >= 1 else
                               " (compiled above)")
+                bounds = (f"{bound:.0f} ({rate / 1e9:.0f} GFLOP/s) | {med / bound:.0%} | "
+                          f"{roof:.0f} | {med / roof:.0%}" if on_cpu else "- | - | - | -")
                 print(f"| {name} ({params / 1e6:.2f}M, {tokens / rows:.0f} tokens/row) | {rows} | "
-                      f"{label} | {med:.0f} | {vs} | {bound:.0f} ({rate / 1e9:.0f} GFLOP/s) | "
-                      f"{med / bound:.0%} | {roof:.0f} | {med / roof:.0%} |", flush=True)
+                      f"{label} | {med:.0f} | {vs} | {same} | {bounds} |", flush=True)
+
+
+def same_rows(a: G.Rollouts, b: G.Rollouts) -> float:
+    """The share of rows whose tokens and mask are the same in ``a`` and ``b``."""
+    w = max(a.tokens.shape[1], b.tokens.shape[1])
+
+    def widen(x: torch.Tensor, value) -> torch.Tensor:
+        return F.pad(x, (0, w - x.shape[1]), value=value)
+
+    same = ((widen(a.tokens, -1) == widen(b.tokens, -1)).all(-1)
+            & (widen(a.mask, False) == widen(b.mask, False)).all(-1))
+    return same.float().mean().item()
 
 
 if __name__ == "__main__":

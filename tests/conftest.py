@@ -22,6 +22,13 @@ FRAMEWORKS_MISSING = [
 collect_ignore += [f"integrations/test_{name}.py" for name in FRAMEWORKS_MISSING]
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--generate-device", default=None,
+        help="run the decoders of tests/training/test_fast_decoder.py on this device (e.g. "
+             "cuda): each generate() call moves its model there and back")
+
+
 def pytest_report_header(config):
     lines = []
     if RECIPE_MISSING:

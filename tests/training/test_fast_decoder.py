@@ -9,6 +9,8 @@ saw recorded), or draws a row's uniforms from the wrong step or row (tokens diff
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -19,6 +21,40 @@ from pepo.training.config import asset_dir
 from pepo.training.models import tiny_qwen3
 from pepo.training.tokenizers import load_tokenizer
 from pepo.training.weights import load_model_weights
+
+
+@pytest.fixture(autouse=True)
+def generate_device(request, monkeypatch):
+    """With ``pytest --generate-device cuda`` every ``G.generate`` call of these tests runs with
+    its model moved to that device (and back), the rollouts returned where the model was, so the
+    tests below check the decoders on a GPU. None, the default: they run on the CPU."""
+    device = request.config.getoption("--generate-device")
+    if device is None:
+        return None
+    real = G.generate
+
+    def generate(model, prompts, *args, **kwargs):
+        home = next(model.parameters()).device
+        model.to(device)
+        try:
+            ro = real(model, prompts, *args, **kwargs)
+        finally:
+            model.to(home)
+        assert ro.tokens.device.type == torch.device(device).type  # it did decode there
+        return dataclasses.replace(ro, **{f.name: getattr(ro, f.name).to(home)
+                                          for f in dataclasses.fields(ro)
+                                          if isinstance(getattr(ro, f.name), torch.Tensor)})
+
+    monkeypatch.setattr(G, "generate", generate)
+    return device
+
+
+def f64_tol(device) -> float:
+    """The log-prob tolerance between decoders of a float64 model: 1e-12 on the CPU. Elsewhere
+    float32's rounding: torchtune's RMSNorm computes in float32 whatever the model's dtype, and
+    a GPU's reductions may round a row differently in a tensor of another shape (the decoders
+    differed by 2^-20 = 9.5e-7 on an H200, with every token the same)."""
+    return 1e-12 if device in (None, "cpu") else 2e-6
 
 
 def assert_same_rollouts(fast, ref, *, min_rows=1.0, lp_tol=1e-4):
@@ -72,12 +108,13 @@ def test_fast_matches_reference_on_random_models(num_heads, num_kv_heads, sampli
     assert 0 < int(fast.finished.sum()) < len(prompts)  # some rows stopped early, some did not
 
 
-def test_fast_matches_reference_in_float64():
+def test_fast_matches_reference_in_float64(generate_device):
     model = random_model(4, 2, dtype=torch.float64)
     prompts = ragged_prompts(16, seed=1)
     kw = dict(max_new_tokens=30, pad_id=0, stop_tokens=[1], seeds=torch.arange(16))
     assert_same_rollouts(G.generate(model, prompts, **kw),
-                         G.generate(model, prompts, decoder="reference", **kw), lp_tol=1e-12)
+                         G.generate(model, prompts, decoder="reference", **kw),
+                         lp_tol=f64_tol(generate_device))
 
 
 def test_finished_rows_leave_the_batch(monkeypatch):
@@ -110,7 +147,7 @@ def shared_prompts(n, seed):
 
 
 @pytest.mark.parametrize("dtype, lp_tol", [(torch.float32, 2e-5), (torch.float64, 1e-12)])
-def test_rows_of_one_prompt_share_its_cache(monkeypatch, dtype, lp_tol):
+def test_rows_of_one_prompt_share_its_cache(monkeypatch, dtype, lp_tol, generate_device):
     """The prompt's keys and values are held once per distinct prompt, rows are placed among
     their prompt's rows in any order, and a prompt leaves the cache with its last row; the
     tokens are still the reference's. Catches a row reading another prompt's columns or
@@ -130,6 +167,8 @@ def test_rows_of_one_prompt_share_its_cache(monkeypatch, dtype, lp_tol):
               seeds=torch.arange(len(prompts)) + 3)
     fast = G.generate(model, prompts, **kw)
     ref = G.generate(model, prompts, decoder="reference", **kw)
+    if dtype is torch.float64:
+        lp_tol = f64_tol(generate_device)
     assert_same_rollouts(fast, ref, lp_tol=lp_tol)
     assert len(prompts) > distinct + 5 and seen[0][1] == distinct
     assert seen[-1][1] < distinct and seen[-1][0] < seen[0][0]  # prompts left with their rows
