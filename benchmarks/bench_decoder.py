@@ -40,6 +40,7 @@ import math
 import statistics
 import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from machine import cpu_name
@@ -135,15 +136,8 @@ def read_bandwidths(sizes_mb=BANDWIDTH_SIZES_MB) -> list[tuple[int, float]]:
 def bandwidth_at(curve: list[tuple[int, float]], nbytes: float) -> float:
     """The read bandwidth for a working set of ``nbytes``: linear in log(size) between the two
     measured sizes around it, the nearest measured one outside them."""
-    sizes = [math.log(n) for n, _ in curve]
-    rates = [r for _, r in curve]
-    x = math.log(max(nbytes, 1.0))
-    if x <= sizes[0]:
-        return rates[0]
-    for (x0, r0), (x1, r1) in zip(zip(sizes, rates), zip(sizes[1:], rates[1:])):
-        if x <= x1:
-            return r0 + (r1 - r0) * (x - x0) / (x1 - x0)
-    return rates[-1]
+    return float(np.interp(math.log(max(nbytes, 1.0)), [math.log(n) for n, _ in curve],
+                           [r for _, r in curve]))
 
 
 def kv_step_bytes(model: torch.nn.Module, ro: G.Rollouts) -> torch.Tensor:
@@ -183,6 +177,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="where the decoders run (cpu, cuda)")
     args = ap.parse_args()
     device = torch.device(args.device)
+    if device.type not in ("cpu", "cuda"):
+        ap.error(f"--device {args.device}: cpu or cuda")
     on_cpu = device.type == "cpu"
     if on_cpu:
         curve = read_bandwidths()
@@ -228,7 +224,6 @@ def main() -> None:
                     rates[d].append(int(last[d].mask.sum()) / seconds)
             ro = last[decoders[-1]]
             tokens = int(ro.mask.sum())
-            bound = roof = None
             if on_cpu:
                 rate = max(gemm_rate(linear_weights(model), rows),
                            gemm_rate(step_weights(model), rows))

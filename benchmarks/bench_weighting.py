@@ -243,9 +243,8 @@ def _mib(x: int) -> str:
 
 
 def machine() -> str:
-    cpu = cpu_name()
     return (
-        f"{cpu}, {os.cpu_count()} logical cores, torch {torch.__version__}, "
+        f"{cpu_name()}, {os.cpu_count()} logical cores, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads"
     )
 
