@@ -228,6 +228,51 @@ def test_custom_strategy_receives_positive_flags_when_it_asks():
         pw._REGISTRY.pop("test_flags", None)
 
 
+def test_custom_strategy_with_var_keywords_receives_positive_and_groups():
+    """A ``fn(advantages, entropies, mask, **kwargs)`` gets ``positive`` and ``groups`` as
+    keywords. Catches a registry that passes only the keywords a fn names (a ``**kwargs`` fn then
+    sees neither), and one that takes ``**kwargs`` for a demand for groups: such a strategy used
+    to refuse to run without ``groups=`` and reported ``needs_groups``, so the recipe's
+    single-stream mode and the TRL/verl adapters refused it."""
+    seen = []
+
+    @pw.register_strategy("test_var_keywords", overwrite=True)
+    def var_keywords():
+        def fn(advantages, entropies, mask, **kwargs):
+            seen.append(dict(kwargs))
+            return advantages[:, None].expand(mask.shape)
+        return fn
+
+    @pw.register_strategy("test_optional_groups", overwrite=True)
+    def optional_groups():
+        def fn(advantages, entropies, mask, groups=None):
+            seen.append({"groups": groups})
+            return advantages[:, None].expand(mask.shape)
+        return fn
+
+    try:
+        adv, ent, mask = ragged_batch([2, 3, 1], 3)
+        s = pw.get_strategy("test_var_keywords")
+        assert not s.needs_groups
+        flags, ids = torch.tensor([False, True, True]), torch.tensor([4, 4, -1])
+        out = s(adv, ent, mask, positive=flags, groups=ids)
+        assert set(seen[-1]) == {"positive", "groups"}
+        assert torch.equal(seen[-1]["positive"], flags) and torch.equal(seen[-1]["groups"], ids)
+        torch.testing.assert_close(out, torch.where(mask, adv[:, None], 0.0))
+        s(torch.tensor([1.0, -1.0, 0.0]), ent, mask)  # no groups: still runs
+        assert seen[-1]["positive"].tolist() == [True, False, False]  # default: A > 0
+        assert seen[-1]["groups"] is None
+        opt = pw.get_strategy("test_optional_groups")
+        assert not opt.needs_groups
+        opt(adv, ent, mask, groups=ids)
+        assert torch.equal(seen[-1]["groups"], ids)
+        opt(adv, ent, mask)
+        assert seen[-1]["groups"] is None
+    finally:
+        pw._REGISTRY.pop("test_var_keywords", None)
+        pw._REGISTRY.pop("test_optional_groups", None)
+
+
 @pytest.mark.parametrize("window,lengths", [(1, [1, 2, 7]), (3, [1, 2, 3, 4, 9]), (W_SMALL, LENGTHS_SMALL), (101, LENGTHS_101)])
 @pytest.mark.parametrize("holes", [False, True])
 def test_linear_proximal_entropy_matches_reference(window, lengths, holes):

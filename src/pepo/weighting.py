@@ -196,13 +196,16 @@ def linear_proximal_entropy(
 _REGISTRY: dict[str, Callable[..., StrategyFn]] = {}
 
 
-def _declares(fn: Callable[..., Any], name: str) -> bool:
-    """Whether ``fn`` takes an argument called ``name`` (or any keyword)."""
+def _declares(fn: Callable[..., Any], name: str) -> tuple[bool, bool]:
+    """Whether ``fn`` takes a keyword ``name`` (by that name, or through ``**kwargs``), and
+    whether it requires it (a parameter of that name with no default)."""
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # builtins without a signature
-        return False
-    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
+        return False, False
+    named = [p for p in params if p.name == name and p.kind is not p.VAR_POSITIONAL]
+    takes = bool(named) or any(p.kind is p.VAR_KEYWORD for p in params)
+    return takes, any(p.default is p.empty for p in named)
 
 
 class Strategy:
@@ -217,8 +220,10 @@ class Strategy:
         self.name = name
         self.params = dict(params)
         self._fn = fn
-        self._pass_positive = _declares(fn, "positive")
-        self._pass_groups = _declares(fn, "groups")
+        self._pass_positive = _declares(fn, "positive")[0]
+        # a fn that names ``groups`` without a default needs them; one that takes them through
+        # ``**kwargs`` (or ``groups=None``) gets them when the caller has them, else None
+        self._pass_groups, self._needs_groups = _declares(fn, "groups")
 
     def __call__(
         self,
@@ -240,7 +245,9 @@ class Strategy:
                 ``apply_to="positive"`` weight only these. Default: ``advantages > 0``.
             groups: one integer id per rollout, equal for the rollouts of one prompt. Only
                 strategies that compare rollouts within their group read it (``gtpo``, which
-                refuses to run without it); the others ignore it, so a loop may always pass it.
+                refuses to run without it, as does any strategy whose ``fn`` has a ``groups``
+                parameter without a default); the others ignore it, so a loop may always pass
+                it.
             check_finite: raise ``ValueError`` if ``advantages`` or the valid entropies hold
                 NaN/inf, a valid entropy is negative, or the weighted advantages overflow
                 float32 (one host sync). With False nothing is checked, and a NaN/inf in an
@@ -257,7 +264,7 @@ class Strategy:
             positive = _checks.check_row_flags("positive", positive, advantages)
         if groups is not None:
             groups = _checks.check_row_ids("groups", groups, advantages)
-        elif self._pass_groups:
+        elif self._needs_groups:
             raise ValueError(
                 f"strategy {self.name!r} compares the rollouts of each prompt's group: pass "
                 f"groups= (a [B] integer tensor, equal ids for the rollouts of one prompt)"
@@ -286,7 +293,7 @@ class Strategy:
     @property
     def needs_groups(self) -> bool:
         """Whether the strategy compares the rollouts of a group (it must get ``groups=``)."""
-        return self._pass_groups
+        return self._needs_groups
 
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
@@ -302,7 +309,9 @@ def register_strategy(
     and returns ``fn(advantages [B] fp32, entropies [B, T] fp32 (0 where mask is False),
     mask [B, T] bool) -> [B, T]``. A ``fn`` that declares a parameter named ``positive`` also
     receives the bool ``[B]`` success flags, one named ``groups`` the ``[B]`` prompt-group ids
-    (see :class:`Strategy`).
+    (see :class:`Strategy`); a ``fn`` that takes ``**kwargs`` receives both, as keywords
+    (``groups`` is None when the caller passed none). Only a ``groups`` parameter without a
+    default makes the strategy require groups (:attr:`Strategy.needs_groups`).
     :func:`get_strategy` wraps it in a :class:`Strategy` that validates inputs and zeroes
     masked positions, so a factory needs neither.
 
