@@ -673,12 +673,12 @@ def test_weighted_advantages_that_overflow_are_refused_not_inf(name, a):
 
 # ---------------------------------------------------------------------------------------- GTPO
 
-GTPO_LENGTHS = [1, 5, 30, 7, 0, 12, 3, 9, 30, 2, 4, 6]
-# 4 groups of 3 rows, deliberately not contiguous, with ids that are not 0..n-1
-GTPO_GROUPS = torch.tensor([7, 3, 7, -2, 3, 11, 7, -2, 3, 11, -2, 11])
-# group 7: 2 successes + 1 failure; 3: 1 + 2; -2: all failed; 11: 2 + 1
+GTPO_LENGTHS = [1, 5, 30, 7, 0, 12, 3, 9, 30, 2, 4, 6, 8, 15, 4]
+# 5 groups of 3 rows, deliberately not contiguous, with ids that are not 0..n-1
+GTPO_GROUPS = torch.tensor([7, 3, 7, -2, 3, 11, 7, -2, 3, 11, -2, 11, 5, 5, 5])
+# group 7: 2 successes + 1 failure; 3: 1 + 2; -2: all failed; 11: 2 + 1; 5: all succeeded
 GTPO_POSITIVE = torch.tensor([True, True, True, False, False, True, False, False, False, False,
-                              False, True])
+                              False, True, True, True, True])
 
 
 @pytest.mark.parametrize("holes", [False, True])
@@ -716,9 +716,11 @@ def test_gtpo_matches_reference(normalize, holes):
     got = s(adv, ent, mask, positive=GTPO_POSITIVE, groups=GTPO_GROUPS)
     expected = ref.gtpo(ent, mask, GTPO_POSITIVE, GTPO_GROUPS, 1.0, 0.1, 1e-8, normalize)
     close(got, expected, rtol=1e-5, atol=1e-5)
-    # the all-failed group (-2) gets 0; the mixed groups do not, except group 3 by side: each
-    # of its sides has one non-empty row, whose shaped rewards are constant
-    assert (got[GTPO_GROUPS == -2] == 0).all()
+    # the all-failed group (-2) and the all-succeeded one (5) get 0, as GRPO's do (a check of
+    # "both outcomes" reduced to "any success" would standardise group 5's rewards); the mixed
+    # groups do not, except group 3 by side: each of its sides has one non-empty row, whose
+    # shaped rewards are constant
+    assert (got[GTPO_GROUPS == -2] == 0).all() and (got[GTPO_GROUPS == 5] == 0).all()
     for g in (7, 3, 11):
         rows = GTPO_GROUPS == g
         total = got[rows][mask[rows]].abs().sum()
