@@ -249,8 +249,6 @@ def test_one_flipped_bit_in_the_weights_is_caught_by_the_recorded_sha256(tmp_pat
     """model.safetensors has no checksum of its own: one flipped bit loaded silently."""
     c = _big_three_steps(tmp_path)
     _flip_a_bit(tmp_path / "step_3" / ck.MODEL_FILE, 100)  # inside the last tensor's data
-    m = torch.nn.Linear(64, 64)
-    load_model_weights(m, tmp_path / "step_3")  # loads without complaint
     with pytest.warns(ck.CheckpointWarning,
                       match=r"step_3 is damaged \(the sha256 of model.safetensors differs"):
         path, _ = c.load_latest()
@@ -312,3 +310,67 @@ def test_a_marker_path_names_its_checkpoint_directory(tmp_path):
                                          r"step_<N> checkpoint directory"):
         ck.resolve_marker(str(tmp_path / "best"))
     assert c.latest().name == "step_3"
+
+
+_MARK = 0.123456  # one weight's value, to find its four bytes in model.safetensors
+
+
+def _damaged_exponent_run(root):
+    """Checkpoints step_1..3 of a Linear(3, 2) under ``root``, each with weight[0, 0] = _MARK,
+    ``best`` naming step_2; then step_2's and step_3's copy of that weight has its top exponent
+    bit flipped (0.123456 -> about 4e37): a file safetensors still loads without a word."""
+    import struct
+
+    m = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        m.weight[0, 0] = _MARK
+    c = ck.AtomicCheckpointer(root, keep=3, best_metric="val_accuracy")
+    for step, acc in [(1, 0.1), (2, 0.9), (3, 0.5)]:
+        c.save(step, m, {"step": step}, {"val_accuracy": acc})
+    for step in (2, 3):
+        f = root / f"step_{step}" / ck.MODEL_FILE
+        raw = bytearray(f.read_bytes())
+        at = raw.index(struct.pack("<f", _MARK))
+        raw[at + 3] ^= 0x40  # little-endian float32: byte 3 holds the sign and 7 exponent bits
+        f.write_bytes(bytes(raw))
+    return c
+
+
+def test_every_load_of_a_checkpoints_weights_checks_its_recorded_sha256(tmp_path):
+    """Catches load_model_weights (the one function through which a run's starting weights,
+    pepo_eval and the intervention study load a checkpoint) skipping checksums.json outside a
+    resume: one flipped exponent bit loaded a weight of about 4e37 silently. A step directory,
+    ``latest`` and ``best`` (resolved as the recipes resolve them) must each fail with one line
+    naming the damaged file."""
+    from safetensors.torch import load_file
+
+    _damaged_exponent_run(tmp_path)
+    w = load_file(str(tmp_path / "step_3" / ck.MODEL_FILE))["weight"][0, 0].item()
+    assert 1e37 < w < 1e38  # the damage: safetensors itself loads the file
+    for given, step in [(tmp_path / "step_3", 3), (tmp_path / "latest", 3),
+                        (tmp_path / "best", 2)]:
+        damaged = tmp_path / f"step_{step}" / ck.MODEL_FILE
+        with pytest.raises(ValueError) as e:
+            load_model_weights(torch.nn.Linear(3, 2), ck.resolve_marker(str(given)))
+        assert str(e.value).startswith(f"{damaged} is damaged: its sha256 differs from the one "
+                                       f"recorded in checksums.json"), str(e.value)
+        assert "\n" not in str(e.value)
+    m = torch.nn.Linear(3, 2)
+    load_model_weights(m, tmp_path / "step_1")  # the intact one loads, and as saved
+    assert m.weight[0, 0].item() == pytest.approx(_MARK, rel=1e-7)
+
+
+def test_a_damaged_or_missing_checksums_file_when_loading_weights(tmp_path):
+    """Catches a weight load that treats an unreadable checksums.json as "nothing to check"
+    (it must refuse, naming the file it cannot check), and one that refuses a checkpoint
+    written before checksums were recorded (no checksums.json: loads as before)."""
+    _three_steps(tmp_path)
+    (tmp_path / "step_3" / ck.CHECKSUMS).write_text("{not json", encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"^cannot check {tmp_path / 'step_3' / ck.MODEL_FILE}: "
+                                         r"its checksums.json is unreadable \(JSONDecodeError"):
+        load_model_weights(torch.nn.Linear(3, 2), tmp_path / "step_3")
+    (tmp_path / "step_2" / ck.CHECKSUMS).write_text('{"model.safetensors": "ab"}', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"checksums.json is unreadable \(KeyError"):
+        load_model_weights(torch.nn.Linear(3, 2), tmp_path / "step_2")
+    (tmp_path / "step_1" / ck.CHECKSUMS).unlink()
+    load_model_weights(torch.nn.Linear(3, 2), tmp_path / "step_1")

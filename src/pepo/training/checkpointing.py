@@ -13,7 +13,10 @@ or names anything but a ``step_<N>`` directory of ``root`` is ignored (with a wa
 truncated, e.g. by a full disk or a copy interrupted outside this module) is skipped with a
 warning naming it, for the next older one. Before a resume loads one, silent damage is looked
 for too: the CRC-32 of every member of the state file's zip, and the sha256 of both files against
-``checksums.json``, written with them.
+``checksums.json``, written with them. Every other load of a checkpoint's weights (a run's
+starting weights, an evaluation, the intervention study: all through
+:func:`pepo.training.weights.load_model_weights`) checks ``model.safetensors`` against
+``checksums.json`` with :func:`verify_weights` and refuses a damaged file.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from safetensors.torch import save_file
 
 from pepo.training.pretrained import _sha256
 
-__all__ = ["AtomicCheckpointer", "CheckpointWarning", "follow_umask", "resolve_marker"]
+__all__ = ["AtomicCheckpointer", "CheckpointWarning", "follow_umask", "resolve_marker",
+           "verify_weights"]
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "training_state.pt"
@@ -114,6 +118,53 @@ def resolve_marker(path: Any) -> Any:
         raise ValueError(f"{p} is a checkpoint marker, but it names {text[:_MARKER_MAX_BYTES]!r}, "
                          f"not a step_<N> checkpoint directory beside it")
     return str(target)
+
+
+def _recorded_sums(path: Path) -> Optional[dict[str, str]]:
+    """The sha256 digests checkpoint ``path`` recorded in ``checksums.json`` at save time, by
+    file name; None when it has none (written before pepo recorded them).
+
+    Raises:
+        ValueError: ``checksums.json`` is unreadable or does not name both files.
+    """
+    sums_file = path / CHECKSUMS
+    if not sums_file.is_file():
+        return None
+    try:
+        sums = json.loads(sums_file.read_text(encoding="utf-8"))
+        return {name: str(sums[name]) for name in (MODEL_FILE, STATE_FILE)}
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        raise ValueError(f"{CHECKSUMS} is unreadable ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())})") from None
+
+
+def verify_weights(path: Union[str, Path]) -> None:
+    """Checks ``model.safetensors`` of checkpoint directory ``path`` against the sha256 that its
+    ``checksums.json`` recorded when it was saved; a directory without ``checksums.json`` (a
+    Hugging Face one, or a checkpoint from before pepo recorded them) has nothing to check.
+    Reads the file in full. ``training_state.pt`` is not read: a resume checks it (see
+    :meth:`AtomicCheckpointer.load_latest`).
+
+    Raises:
+        ValueError: (one line, naming the file) the weights differ from what was saved (a
+            flipped bit, a partial copy), or ``checksums.json`` is unreadable.
+    """
+    path = Path(path)
+    try:
+        sums = _recorded_sums(path)
+    except ValueError as e:
+        raise ValueError(f"cannot check {path / MODEL_FILE}: its {e}; restore the checkpoint "
+                         f"from a copy") from None
+    if sums is None:
+        return
+    if not (path / MODEL_FILE).is_file():
+        raise ValueError(f"{path} has no {MODEL_FILE}")
+    if _sha256(path / MODEL_FILE) != sums[MODEL_FILE]:
+        raise ValueError(
+            f"{path / MODEL_FILE} is damaged: its sha256 differs from the one recorded in "
+            f"{CHECKSUMS} when it was saved (a flipped bit or an incomplete copy); restore it "
+            f"from a copy, or load another checkpoint"
+        )
 
 
 def _step(path: Path) -> Optional[int]:
@@ -312,15 +363,11 @@ class AtomicCheckpointer:
             return f"{STATE_FILE} does not decompress ({type(e).__name__}: {e})"
         if bad is not None:
             return f"{STATE_FILE}: the CRC-32 of {bad} does not match its data"
-        sums_file = path / CHECKSUMS
-        if not sums_file.is_file():
-            return None
         try:
-            sums = json.loads(sums_file.read_text(encoding="utf-8"))
-            expected = {name: str(sums[name]) for name in (MODEL_FILE, STATE_FILE)}
-        except (ValueError, KeyError, TypeError, OSError) as e:
-            return f"{CHECKSUMS} is unreadable ({type(e).__name__}: {e})"
-        for name, digest in expected.items():
+            expected = _recorded_sums(path)
+        except ValueError as e:
+            return str(e)
+        for name, digest in (expected or {}).items():
             if _sha256(path / name) != digest:
                 return f"the sha256 of {name} differs from the one recorded when it was saved"
         return None

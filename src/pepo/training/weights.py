@@ -1,7 +1,8 @@
 """Loading model weights from a checkpoint directory, whichever format it holds.
 
 * this project's own checkpoints (``model.safetensors`` with torchtune key names, as
-  :class:`pepo.training.checkpointing.AtomicCheckpointer` writes them), and
+  :class:`pepo.training.checkpointing.AtomicCheckpointer` writes them; checked against the
+  sha256 in their ``checksums.json`` first, when they have one), and
 * Hugging Face checkpoints (``config.json`` with ``model.safetensors`` or sharded files),
   converted by :mod:`pepo.training.hf`.
 
@@ -17,7 +18,7 @@ import torch
 
 from pepo import _checks
 from pepo.training import hf
-from pepo.training.checkpointing import MODEL_FILE
+from pepo.training.checkpointing import MODEL_FILE, verify_weights
 
 __all__ = ["load_model_weights"]
 
@@ -26,7 +27,8 @@ def load_model_weights(model: torch.nn.Module, checkpoint_dir: Union[str, Path])
     """Loads the weights of ``checkpoint_dir`` into ``model`` (strict).
 
     Raises:
-        ValueError: no weights, or keys or shapes that do not match the model.
+        ValueError: no weights, weights that differ from the sha256 their checkpoint's
+            ``checksums.json`` recorded, or keys or shapes that do not match the model.
     """
     d = Path(checkpoint_dir)
     if (d / "config.json").is_file():
@@ -35,6 +37,7 @@ def load_model_weights(model: torch.nn.Module, checkpoint_dir: Union[str, Path])
         source = d / MODEL_FILE
         if not source.is_file():
             raise ValueError(f"checkpoint_dir={str(checkpoint_dir)!r} has no {MODEL_FILE}")
+        verify_weights(d)  # a flipped bit would load silently: safetensors has no checksum
         state = hf.read_safetensors(source)
     _checks.check_state_matches(model, state, source)
     model.load_state_dict(state)
