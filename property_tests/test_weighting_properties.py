@@ -248,3 +248,30 @@ def test_gtpo_standardises_what_it_promises(batch, params):
             std = float(x.std(unbiased=False))
             assert abs(float(a.mean())) < 1e-5
             assert abs(float(a.std(unbiased=False)) - std / (std + 1e-6)) < 1e-4
+
+
+@given(grouped_batches(), st.sampled_from([{}, {"alpha1": 0.9, "alpha2": 0.1},
+                                           {"alpha1": 0.5, "alpha2": 2.0, "eps": 1e-3}]))
+def test_gtpo_group_centre_and_when_it_keeps_the_outcome_sign(batch, params):
+    """normalize="group" centres a group's shaped rewards on their token mean, which is exactly
+    ``c = (α1 + α2)(N+ − N−)/(N+ + N−)`` (N± the group's successful / failed valid tokens).
+    Successes' rewards are >= α1 and failures' <= −α1, so where |c| < α1 every success token gets
+    a positive advantage and every failure token a negative one (docs/strategies.md). Catches a
+    shaping that loses Prop. 2.2's per-position sums (the mean identity), and a normalisation
+    that flips a sign the docs say is kept (per-side standardisation, for one)."""
+    adv, ent, mask, positive, groups = batch
+    alpha1, alpha2 = params.get("alpha1", 1.0), params.get("alpha2", 0.1)
+    out = pw.get_strategy("gtpo", **params)(adv, ent, mask, positive=positive, groups=groups)
+    r = pw.gtpo_rewards(ent, mask, positive, groups, alpha1, alpha2, params.get("eps", 1e-8))
+    for g in groups.unique().tolist():
+        rows = groups == g
+        if positive[rows].all() or not positive[rows].any():
+            continue
+        succ, fail = mask & (rows & positive)[:, None], mask & (rows & ~positive)[:, None]
+        n_pos, n_neg = int(succ.sum()), int(fail.sum())
+        if n_pos + n_neg == 0:
+            continue
+        c = (alpha1 + alpha2) * (n_pos - n_neg) / (n_pos + n_neg)
+        assert abs(float(r[succ | fail].double().mean()) - c) < 1e-5 * (1 + abs(c))
+        if alpha1 - abs(c) > 1e-3:
+            assert (out[succ] > 0).all() and (out[fail] < 0).all()

@@ -755,6 +755,43 @@ def test_gtpo_side_normalisation_cancels_the_outcome():
     assert group[0, 0] > group[0, 1] and group[2, 1] < group[2, 0]
 
 
+def test_gtpo_group_normalisation_flips_low_entropy_successes_when_failures_are_short():
+    """The default's centre is the group's token mean, ``c = (α1 + α2)(N+ − N−)/(N+ + N−)``
+    (each side's shaped rewards at each position sum to ±(α1 + α2) times its count). With 7
+    successes of 100 tokens and 1 failure of 2, ``c = 1.1 · 698/702 ≈ 1.094 > α1``, so every
+    success token whose entropy is under ``(c − α1)/α2 ≈ 0.937`` times the mean entropy of the
+    successes at its position gets a negative advantage: 325 of 700 (46 %) with entropies
+    uniform in [0, 2), as docs/strategies.md states. A centre that keeps every sign (GRPO's
+    per-rollout mean, 0.825 here, or 0) fails this test, and so does the docs' number if the
+    statistic changes; with a 40-token failure (c ≈ 0.981 < α1) every sign is kept."""
+    g = torch.Generator().manual_seed(0)
+    ent = torch.rand(8, 100, generator=g) * 2
+    mask = torch.zeros(8, 100, dtype=torch.bool)
+    mask[:7] = True
+    mask[7, :2] = True
+    positive = torch.tensor([True] * 7 + [False])
+    groups = torch.zeros(8, dtype=torch.long)
+    s = pw.get_strategy("gtpo")
+    out = s(torch.zeros(8), ent, mask, positive=positive, groups=groups)
+    r = pw.gtpo_rewards(ent, mask, positive, groups).double()
+    c = 1.1 * (700 - 2) / 702
+    assert abs(float(r[mask].mean()) - c) < 1e-6
+    # which success tokens fall under the centre, from the formula, one token at a time
+    expected = torch.zeros(7, 100, dtype=torch.bool)
+    for t in range(100):
+        mean_h = sum(float(ent[k, t]) for k in range(7)) / 7
+        for i in range(7):
+            expected[i, t] = float(ent[i, t]) / mean_h < (c - 1.0) / 0.1
+    assert torch.equal(out[:7] < 0, expected)
+    assert int(expected.sum()) == 325  # 46 %, the figure the docs give
+    assert (out[7, :2] < 0).all()
+    close(out, ref.gtpo(ent, mask, positive, groups, 1.0, 0.1, 1e-8, "group"), rtol=1e-5, atol=1e-5)
+    # a longer failure moves the centre under α1: every token keeps its outcome's sign
+    mask[7, :40] = True
+    out = s(torch.zeros(8), ent, mask, positive=positive, groups=groups)
+    assert (out[:7] > 0).all() and (out[7, :40] < 0).all()
+
+
 def test_gtpo_needs_groups_and_checks_them():
     adv, ent, mask = ragged_batch([3, 4], 4, seed=1)
     s = pw.get_strategy("gtpo")

@@ -678,8 +678,18 @@ def gtpo(alpha1: float = 1.0, alpha2: float = 0.1, normalize: str = "group",
     * ``"side"`` is Eq. 6 as written there. With a binary outcome it subtracts ``α1·r`` exactly
       (each side's mean is ``±(α1 + α2)``), so no outcome signal is left: on both sides the
       higher-entropy tokens get the positive advantages. The default therefore standardises
-      over the whole group, which keeps the success/failure sign (GRPO's) and the entropy
-      shaping within each side.
+      over the whole group, which keeps the entropy shaping within each side and, unless one
+      side holds nearly all of the group's tokens, the success/failure sign (GRPO's). We did
+      not find the GTPO authors' code to compare this step with.
+    * What ``"group"`` keeps, exactly: its centre, the mean over the group's valid tokens, is
+      ``c = (α1 + α2)(N+ − N−)/(N+ + N−)`` (``N±``: the valid tokens of the group's successes
+      and failures). Successes' shaped rewards are ``>= α1`` and failures' ``<= −α1``, so every
+      token keeps its outcome's sign when ``|c| < α1``, i.e. when neither side holds more than
+      ``(2α1 + α2) / (2(α1 + α2))`` of the tokens (95.5 % at the defaults). Past that, the
+      larger side's low-share tokens flip: 7 successes of 100 tokens and 1 failure of 2 give
+      ``c ≈ 1.094``, and the success tokens under ``(c − α1)/α2 ≈ 0.94`` times their position's
+      mean success entropy get negative advantages (46 % of them with entropies uniform in
+      [0, 2)).
     * The outcome is the success flag (``positive``), not the raw reward: ``r = ±1``.
     * A group whose rollouts all succeeded or all failed gets advantage 0 on every token, as
       GRPO's do (the paper builds on DAPO, whose dynamic sampling drops such groups).
