@@ -68,7 +68,8 @@ __all__ = [
 
 class StrategyFn(Protocol):
     """What a registered factory returns. ``positive`` may be left out of the signature by
-    strategies that treat every row alike; :class:`Strategy` passes it only when declared."""
+    strategies that treat every row alike; :class:`Strategy` passes it (and ``groups``) only
+    when declared, by name or through ``**kwargs``."""
 
     def __call__(
         self,
