@@ -160,6 +160,7 @@ def _evaluate(cfg: DictConfig, setup: dict[str, Any]) -> dict[str, float]:
                 top_k=g.get("top_k"), top_p=float(g.top_p),
                 generator=eval_generator(cfg.seed, setup["device"]),
                 batch_size=cfg.get("batch_size", 256), stop_tokens=setup["stop_tokens"],
+                progress=f"{name} (avg@{b.k}, {len(problems)} problems)",
             )
             log.info(f"{name}: avg@{b.k} = {100 * results[name]:.2f} over {len(problems)} "
                      f"problems ({time.perf_counter() - t0:.1f}s)")

@@ -244,6 +244,7 @@ class PEPORecipe(FTRecipeInterface):
         self.prior_fingerprint = prior_fingerprint(cfg)
         self._stop_requested = False
         self._stop_signals: list[int] = []  # in the order received
+        self._stepping = False  # True from the first training step of this process on
         self._diagnostic_failures: set[str] = set()
         self.step = 0
         self.history: list[dict[str, Any]] = []
@@ -720,6 +721,8 @@ class PEPORecipe(FTRecipeInterface):
             generator=eval_generator(self.seed, self._device),
             batch_size=self.gen_batch_size or 256,  # the training rollouts' memory bound too
             stop_tokens=self.stop_tokens, dist=self.dist, **self.gen_kwargs,
+            progress=f"validation at step {self.step} (avg@{self.val_samples}, "
+                     f"{len(self.val_data)} prompts)",
         )
 
     # -------------------------------------------------------------- the loop
@@ -746,6 +749,12 @@ class PEPORecipe(FTRecipeInterface):
 
     def _on_stop_signal(self, signum: int, frame: Any) -> None:
         name, code = _stop_signal(signum)
+        if not self._stepping:
+            # before the first step (the opening validation): nothing to finish or save, so stop
+            # at once; every process of a torchrun job gets the terminal's Ctrl-C, and torchrun
+            # stops the others when one exits
+            self._stop_signals.append(signum)
+            raise TrainingStopped(self._stopped_before_training(name), exit_code=code)
         if signum in self._stop_signals:
             latest = self.checkpointer.marked()
             where = (f"the last checkpoint is {latest} (resume with resume_from_checkpoint=True)"
@@ -757,6 +766,14 @@ class PEPORecipe(FTRecipeInterface):
         log.warning(f"{name}: stopping after step {self.step} and its checkpoint ({name} again "
                     f"stops at once)")
 
+    def _stopped_before_training(self, name: str) -> str:
+        if self.step == 0:
+            return (f"stopped by {name} before the first training step: nothing was trained "
+                    f"and no checkpoint was written")
+        latest = self.checkpointer.marked()
+        return (f"stopped by {name} before step {self.step + 1}: nothing more was trained and "
+                f"no checkpoint was written; the last checkpoint is still {latest}")
+
     def train(self) -> None:
         if self.step == 0 and self.val_every:
             acc = self.validate()
@@ -767,6 +784,7 @@ class PEPORecipe(FTRecipeInterface):
         bar = tqdm(total=self.num_steps, initial=self.step, desc=f"pepo[{self.strategy_name}]",
                    dynamic_ncols=True, file=sys.stdout, disable=not self.dist.is_main)
         while self.step < self.num_steps:
+            self._stepping = True
             self.step += 1
             m = self.train_step()
             new_best = False

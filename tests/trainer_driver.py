@@ -11,7 +11,9 @@ compare ranks. Hooks, set by environment variables, for the tests that disturb i
   writer reaches ``phase``: ``write`` (after a file of a checkpoint is written and fsynced),
   ``rename`` (after the checkpoint directory or the ``latest`` marker is renamed into place);
 * ``PEPO_TEST_FAIL_RANK=r``: rank ``r`` raises at step 2;
-* ``PEPO_TEST_STEP_SLEEP=s``: each step sleeps ``s`` seconds first.
+* ``PEPO_TEST_STEP_SLEEP=s``: each step sleeps ``s`` seconds first;
+* ``PEPO_TEST_VALIDATION_SLEEP=s:path``: each validation creates ``path`` and sleeps ``s``
+  seconds first (a validation long enough for a signal test to land inside it).
 """
 
 from __future__ import annotations
@@ -79,6 +81,19 @@ def _install_hooks() -> None:
         import time
 
         _wrap_step(before=lambda recipe: time.sleep(float(pause)))
+    validation_pause = os.environ.get("PEPO_TEST_VALIDATION_SLEEP")
+    if validation_pause:
+        import time
+
+        seconds, marker = validation_pause.split(":", 1)
+        real_validate = pepo_recipe.PEPORecipe.validate
+
+        def validate(self):
+            open(marker, "a").close()
+            time.sleep(float(seconds))
+            return real_validate(self)
+
+        pepo_recipe.PEPORecipe.validate = validate
     fail_rank = os.environ.get("PEPO_TEST_FAIL_RANK")
     if fail_rank is not None and rank == fail_rank:
         def fail(recipe):

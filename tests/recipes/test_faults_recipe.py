@@ -525,6 +525,42 @@ def test_ctrl_c_stops_like_sigterm_in_one_line_and_loses_nothing(tmp_path, press
     assert _worker_pids(tmp_path) and all(dead(pid, 10) for pid in _worker_pids(tmp_path))
 
 
+@needs_proc
+def test_ctrl_c_during_the_opening_validation_trains_nothing_and_writes_nothing(tmp_path):
+    """Catches a stop request that is only looked at after a training step: Ctrl-C during the
+    validation before training must not train step 1 and write its checkpoint (as it did, 100 s
+    later on SmolLM2), but stop at once, in one line that says nothing was trained or saved."""
+    cfg = _write_cfg(tmp_path, num_steps=500, validation={"every": 1, "samples": 1})
+    progress, validating = tmp_path / "progress", tmp_path / "validating"
+    proc = subprocess.Popen([sys.executable, "-m", "tests.trainer_driver", str(cfg)], cwd=ROOT,
+                            env=_env(tmp_path, PEPO_TEST_PROGRESS=str(progress),
+                                     PEPO_TEST_VALIDATION_SLEEP=f"30:{validating}"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not validating.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert proc.poll() is None and validating.exists(), proc.communicate()[1][-2000:]
+        sent = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal sends it: the workers get it too
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err[-2000:]
+    assert took < 20, f"{took:.1f} s: the validation's 30 s sleep was not interrupted"
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
+    lines = [line for line in err.splitlines() if "Ctrl-C" in line]
+    assert len(lines) == 1 and ("stopped by Ctrl-C before the first training step: nothing was "
+                                "trained and no checkpoint was written") in lines[0], err[-2000:]
+    assert not progress.exists()  # no step ran
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert not checkpoints.exists() or not any(checkpoints.iterdir())
+    assert all(dead(pid, 10) for pid in _worker_pids(tmp_path))
+
+
 @pytest.mark.parametrize("how", ["enospc", "cpp_stream_error"])
 def test_a_full_disk_at_a_checkpoint_is_one_line_naming_the_last_intact_one(tmp_path, monkeypatch,
                                                                            capsys, how):

@@ -140,10 +140,17 @@ def test_validation_summary():
     assert summary([], 4) is None
 
 
-def test_outputs_written(tmp_path, caplog):
+def test_outputs_written(tmp_path, caplog, capsys):
     with caplog.at_level("INFO"):
         recipe = run(tiny_cfg(tmp_path, num_steps=2, plot=True, validation={"every": 1, "samples": 1}))
     assert pepo_recipe.validation_summary(recipe.history, 1) in caplog.messages
+    # every validation shows a progress bar saying what it does (a silent minute on SmolLM2),
+    # counting the rollouts of the 4 validation prompts x 1 sample (its counts are checked in
+    # tests/training/test_fast_decoder.py)
+    err = capsys.readouterr().err
+    for step in (0, 1, 2):
+        assert f"validation at step {step} (avg@1, 4 prompts):   0%| " in err, err[-2000:]
+    assert "| 0/4 [" in err
     out = tmp_path / "run"
     assert (out / "training_curves.png").stat().st_size > 1000
     assert "val_accuracy" in (out / "logs" / "metrics.txt").read_text()

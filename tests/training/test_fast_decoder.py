@@ -415,3 +415,27 @@ def test_generation_compile_reaches_the_decoder(monkeypatch):
         E.build_engine("torchtune", model, compile="yes")
     with pytest.raises(ValueError, match="takes no options"):
         E.build_engine("torchtune", model, dtype="float32")
+
+
+@pytest.mark.parametrize("decoder", ["fast", "reference"])
+def test_progress_counts_each_row_once_as_it_finishes(decoder):
+    """Catches a progress callback that is never called, counts rows that are still decoding
+    (or dropped rows twice), or misses the rows cut off at ``max_new_tokens``: after decode step
+    ``t`` the rows reported are exactly those whose response is at most ``t + 1`` tokens long,
+    and the calls add up to the batch, with or without ``batch_size`` pieces."""
+    model = random_model(4, 2)
+    prompts = ragged_prompts(24, seed=3)
+    kw = dict(max_new_tokens=40, pad_id=0, stop_tokens=[1, 2], seeds=torch.arange(24),
+              decoder=decoder)
+    calls: list[int] = []
+    ro = G.generate(model, prompts, progress=calls.append, **kw)
+    lengths = ro.mask.sum(-1)
+    assert 0 < int(ro.finished.sum()) < len(prompts)  # stopped rows and rows cut off at 40
+    cumulative = torch.tensor(calls).cumsum(0)
+    expected = torch.stack([(lengths <= t + 1).sum() for t in range(len(calls))])
+    assert len(calls) == ro.tokens.shape[1] == int(lengths.max())  # one call per decode step
+    assert torch.equal(cumulative, expected), (cumulative.tolist(), expected.tolist())
+    pieces: list[int] = []
+    split = G.generate(model, prompts, progress=pieces.append, batch_size=7, **kw)
+    assert sum(pieces) == len(prompts) and min(pieces) >= 0
+    assert torch.equal(split.tokens[:, : ro.tokens.shape[1]], ro.tokens)  # it changes nothing

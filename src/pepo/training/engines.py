@@ -3,7 +3,8 @@
 One interface, two implementations (``generation.engine`` in the recipe's config)::
 
     engine.generate(prompts, max_new_tokens=..., pad_id=..., stop_tokens=..., temperature=...,
-                    top_k=..., top_p=..., generator=..., batch_size=...) -> Rollouts
+                    top_k=..., top_p=..., generator=..., batch_size=..., seeds=...,
+                    progress=...) -> Rollouts   # progress(n): n more rows finished
     engine.weights_changed()   # the trainer's weights moved: sync before the next generate
     engine.close()
 
@@ -32,7 +33,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -262,12 +263,14 @@ class VLLMEngine:
         generator: Optional[torch.Generator] = None,
         batch_size: Optional[int] = None,
         seeds: Optional[torch.Tensor] = None,
+        progress: Optional[Callable[[int], Any]] = None,
     ) -> Rollouts:
         """Samples one response per prompt; see :func:`pepo.training.generation.generate`.
 
         Each request is seeded: ``seeds[i]``, or a seed drawn from ``generator``, so a seeded
         run samples the same rollouts again (and on resume). ``batch_size`` is ignored: vLLM
-        schedules the requests itself within ``max_num_seqs`` and its KV cache.
+        schedules the requests itself within ``max_num_seqs`` and its KV cache. ``progress``
+        is called once, with every row, when vLLM returns.
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -308,6 +311,8 @@ class VLLMEngine:
             responses.append(ids)
             logprobs.append([float(d[t].logprob) for d, t in zip(c.logprobs or [], ids)])
             finished.append(c.finish_reason == "stop")
+        if progress is not None:
+            progress(n)
         return _rollouts(prompts, responses, logprobs, finished, pad_id, device)
 
     def close(self) -> None:

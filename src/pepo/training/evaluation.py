@@ -164,6 +164,7 @@ def avg_at_k(
     batch_size: int = 256,
     stop_tokens: Optional[Sequence[int]] = None,
     dist: Optional[Any] = None,
+    progress: Optional[str] = None,
 ) -> float:
     """avg@k of ``problems`` (objects with ``prompt`` and ``answer``), sampled by ``engine``
     (a rollout engine of :mod:`pepo.training.engines`, or a model).
@@ -171,6 +172,8 @@ def avg_at_k(
     Generation runs in batches of ``batch_size`` rollouts; ``generator`` makes it reproducible.
     With ``dist`` (a :class:`pepo.training.distributed.Dist`), each process samples its share of the
     ``len(problems) * k`` rollouts and the counts are summed: the same avg@k as one process.
+    ``progress``: the label of a progress bar (tqdm, on standard error, removed when done) that
+    counts this process's rollouts as they finish, on the main process only; None: no bar.
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
@@ -179,12 +182,24 @@ def avg_at_k(
     rows = [p for p in problems for _ in range(k)]
     seeds = draw_seeds(generator, len(rows)) if generator is not None else None
     part = slice(None) if dist is None else dist.shard(len(rows))
-    _, rewards, _ = sample_and_score(
-        engine, tokenizer, rows[part], reward_fn,
-        stop_tokens=list(tokenizer.stop_tokens if stop_tokens is None else stop_tokens),
-        batch_size=batch_size, max_new_tokens=max_new_tokens, temperature=temperature,
-        top_k=top_k, top_p=top_p, seeds=None if seeds is None else seeds[part],
-    )
+    mine = rows[part]
+    bar = None
+    if progress is not None and (dist is None or dist.is_main):
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(mine), desc=progress, unit="rollout", leave=False,
+                   dynamic_ncols=True)
+    try:
+        _, rewards, _ = sample_and_score(
+            engine, tokenizer, mine, reward_fn,
+            stop_tokens=list(tokenizer.stop_tokens if stop_tokens is None else stop_tokens),
+            batch_size=batch_size, max_new_tokens=max_new_tokens, temperature=temperature,
+            top_k=top_k, top_p=top_p, seeds=None if seeds is None else seeds[part],
+            **({} if bar is None else {"progress": bar.update}),
+        )
+    finally:
+        if bar is not None:
+            bar.close()
     correct = is_success(reward_fn, rewards).float().sum().reshape(1)
     if dist is not None:
         correct = dist.sum(correct)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torchtune.generation import (
@@ -199,6 +199,7 @@ def generate(
     seeds: Optional[torch.Tensor] = None,
     decoder: str = "fast",
     compile: bool = False,
+    progress: Optional[Callable[[int], Any]] = None,
 ) -> Rollouts:
     """Samples one response per prompt (repeat prompts for several samples).
 
@@ -233,6 +234,9 @@ def generate(
             (compiled once per process, for any batch and cache length). It fuses the step's
             small element-wise ops; the first call pays the compilation (tens of seconds on a
             CPU), so it pays off on long runs only. ``docs/performance.md`` has the figures.
+        progress: called with the number of rows that finished (a stop token or
+            ``max_new_tokens``) since its last call, as rows finish; the calls add up to
+            ``len(prompts)``. For progress bars (the recipe's validation, ``pepo_eval``).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -252,7 +256,8 @@ def generate(
             generate(model, prompts[i : i + batch_size], max_new_tokens=max_new_tokens,
                      pad_id=pad_id, stop_tokens=stop_tokens, temperature=temperature,
                      top_k=top_k, top_p=top_p, generator=generator, decoder=decoder,
-                     compile=compile, seeds=None if seeds is None else seeds[i : i + batch_size])
+                     compile=compile, seeds=None if seeds is None else seeds[i : i + batch_size],
+                     progress=progress)
             for i in range(0, len(prompts), batch_size)
         ]
         return _cat(parts, pad_id)
@@ -260,19 +265,20 @@ def generate(
         [model], None if plan is None else [plan], prompts, max_new_tokens=max_new_tokens,
         pad_id=pad_id, stop_tokens=stop_tokens, seeds=seeds, generator=generator,
         step=_compiled_step() if compile else _decode_step, temperature=temperature,
-        top_k=top_k, top_p=top_p)
+        top_k=top_k, top_p=top_p, progress=progress)
     return Rollouts(prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, tokens=out,
                     mask=valid, finished=done, logprobs=out_lp)
 
 
 def _decode(models, plans, prompts, *, max_new_tokens, pad_id, stop_tokens, seeds, generator,
-            step, temperature, top_k, top_p, replace=None, entropies=False):
+            step, temperature, top_k, top_p, replace=None, entropies=False, progress=None):
     """What :func:`generate` and the token intervention's ``mixed_generate`` share: left-pads
     the prompts, checks every model's ``max_seq_len``, decodes with the models in eval mode
     (the fast decoder with ``plans``, one per model; the reference decoder when ``plans`` is
     None) and trims the outputs to the longest response. ``replace`` and ``entropies`` as in
-    :func:`_generate_fast`. Returns prompt tokens and mask ``[B, P]``, tokens, log-probs and
-    valid mask ``[B, T]``, finished ``[B]`` and the entropies (None unless asked)."""
+    :func:`_generate_fast`, ``progress`` as in :func:`generate`. Returns prompt tokens and mask
+    ``[B, P]``, tokens, log-probs and valid mask ``[B, T]``, finished ``[B]`` and the entropies
+    (None unless asked)."""
     device = next(models[0].parameters()).device
     prompt_tokens, prompt_mask = pad_prompts(prompts, pad_id, device)
     plen = prompt_tokens.shape[1]
@@ -286,7 +292,7 @@ def _decode(models, plans, prompts, *, max_new_tokens, pad_id, stop_tokens, seed
             )
     stops = torch.as_tensor(list(stop_tokens), dtype=torch.long, device=device)
     sample = dict(temperature=temperature, top_k=top_k, top_p=top_p, replace=replace,
-                  entropies=entropies)
+                  entropies=entropies, progress=progress)
     modes = [m.training for m in models]
     try:
         for m in models:
@@ -323,7 +329,7 @@ def _draw(logits: torch.Tensor, u: Optional[torch.Tensor], generator: Optional[t
 
 def _generate_reference(models, prompt_tokens, prompt_mask, max_new_tokens, pad_id, stops,
                         seeds, generator, *, temperature, top_k, top_p, replace=None,
-                        entropies=False):
+                        entropies=False, progress=None):
     """The decoder through torchtune's KV caches (``local_kv_cache``): every row decodes in
     lock-step until all have stopped, attending over the whole preallocated cache. One or two
     models, ``replace`` and ``entropies`` as in :func:`_generate_fast`. Returns tokens,
@@ -337,6 +343,7 @@ def _generate_reference(models, prompt_tokens, prompt_mask, max_new_tokens, pad_
         else None
     valid = torch.zeros((bsz, max_new_tokens), dtype=torch.bool, device=device)
     done = torch.zeros(bsz, dtype=torch.bool, device=device)
+    reported = 0  # rows passed to ``progress``
     with ExitStack() as stack:
         for m in models:
             stack.enter_context(local_kv_cache(
@@ -357,7 +364,12 @@ def _generate_reference(models, prompt_tokens, prompt_mask, max_new_tokens, pad_
             out[:, t] = tok
             valid[:, t] = ~done
             done = done | torch.isin(tok, stops)
-            if t + 1 == max_new_tokens or bool(done.all()):
+            last = t + 1 == max_new_tokens or bool(done.all())
+            if progress is not None:
+                finished = bsz if last else int(done.sum())
+                progress(finished - reported)
+                reported = finished
+            if last:
                 break
             pos = plen + t
             logits = [m(tok[:, None], input_pos=positions[:, pos : pos + 1],
@@ -783,7 +795,8 @@ class _FastCache:
 
 def _generate_fast(plans: Sequence[_FastPlan], prompt_tokens, prompt_mask, max_new_tokens,
                    pad_id, stops, seeds, *, step, temperature, top_k, top_p,
-                   replace: Optional[torch.Tensor] = None, entropies: bool = False):
+                   replace: Optional[torch.Tensor] = None, entropies: bool = False,
+                   progress: Optional[Callable[[int], Any]] = None):
     """The fast decoder: the model's own modules in torchtune's order (:class:`_FastCache`, a
     cache each step attends over up to its filled length only; grouped-query heads read their
     shared key/value head in place, never expanded), with finished rows dropped from the batch
@@ -794,8 +807,8 @@ def _generate_fast(plans: Sequence[_FastPlan], prompt_tokens, prompt_mask, max_n
     With two plans (the token intervention's base and replacement models), position ``t`` of
     row ``i`` is drawn from the second model's logits where ``replace[i, t]`` (``[B, T]``
     bool) and from the first's elsewhere; ``entropies`` also returns the first model's entropy
-    at every drawn position. Returns tokens, log-probs, valid mask ``[B, T]``, finished ``[B]``
-    and the entropies ``[B, T]`` (None unless asked).
+    at every drawn position; ``progress`` as in :func:`generate`. Returns tokens, log-probs,
+    valid mask ``[B, T]``, finished ``[B]`` and the entropies ``[B, T]`` (None unless asked).
     """
     bsz = prompt_tokens.shape[0]
     device = prompt_tokens.device
@@ -809,6 +822,7 @@ def _generate_fast(plans: Sequence[_FastPlan], prompt_tokens, prompt_mask, max_n
     done = torch.zeros(bsz, dtype=torch.bool, device=device)
     rows = torch.arange(bsz, device=device)  # the original row of each row of the batch
     live = torch.ones(bsz, dtype=torch.bool, device=device)  # not yet stopped, per batch row
+    reported = 0  # rows passed to ``progress``
     for t in range(max_new_tokens):
         logits = caches[0].logits
         if len(caches) > 1:
@@ -825,7 +839,12 @@ def _generate_fast(plans: Sequence[_FastPlan], prompt_tokens, prompt_mask, max_n
         done[rows] |= stopped
         live = live & ~stopped
         n_live = int(live.sum())
-        if n_live == 0 or t + 1 == max_new_tokens:
+        last = n_live == 0 or t + 1 == max_new_tokens
+        if progress is not None:
+            finished = bsz if last else bsz - n_live  # rows dropped earlier count as finished
+            progress(finished - reported)
+            reported = finished
+        if last:
             break
         if n_live <= _COMPACT_BELOW * live.shape[0]:
             keep = live.nonzero().squeeze(-1)
