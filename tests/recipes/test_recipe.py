@@ -181,7 +181,10 @@ def test_nonfinite_steps_are_skipped_then_stop(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "override, message",
     [
-        ({"strategy": {"name": "nope"}}, "unknown strategy 'nope'"),
+        ({"strategy": {"name": "nope"}}, "unknown strategy 'nope'; registered strategies"),
+        # a misspelt name gets the closest registered one, as key typos and pw.get_strategy do
+        ({"strategy": {"name": "proximal_sofmax"}},
+         "unknown strategy 'proximal_sofmax'; did you mean 'proximal_softmax'\\? registered"),
         ({"strategy": {"proximal_softmax": {"window": 4}}}, "window must be an odd int"),
         ({"micro_batch_size": 3}, "micro_batch_size=3 does not divide"),
         ({"ppo_mini_batches": 3}, "ppo_mini_batches=3 does not divide"),

@@ -501,9 +501,12 @@ def validate_config(cfg: DictConfig) -> None:
     if not isinstance(cfg.get("strategy"), DictConfig) or cfg.strategy.get("name") is None:
         raise ValueError("config key 'strategy.name' is required")
     if cfg.strategy.name not in weighting.list_strategies():
+        names = weighting.list_strategies()
+        close = difflib.get_close_matches(str(cfg.strategy.name), names, n=1)
         raise ValueError(
             f"strategy.name={cfg.strategy.name!r}: unknown strategy {cfg.strategy.name!r}; "
-            f"registered strategies: {weighting.list_strategies()}"
+            + (f"did you mean {close[0]!r}? " if close else "")
+            + f"registered strategies: {names}"
         )
     check_keys(cfg, RECIPE_SCHEMA)
     for section in cfg.strategy:  # every section, not only the chosen one: a typo is a typo
