@@ -374,3 +374,60 @@ def test_a_damaged_or_missing_checksums_file_when_loading_weights(tmp_path):
         load_model_weights(torch.nn.Linear(3, 2), tmp_path / "step_2")
     (tmp_path / "step_1" / ck.CHECKSUMS).unlink()
     load_model_weights(torch.nn.Linear(3, 2), tmp_path / "step_1")
+
+
+def test_a_nan_validation_score_never_becomes_best(tmp_path):
+    """Catches best() taking NaN for a score (``math.isfinite`` dropped from its filter):
+    ``max`` over tuples holding NaN returns whichever came first, and the scan lists the newest
+    first, so step_2's NaN was named best and step_1, the one real best, pruned."""
+    m = torch.nn.Linear(3, 2)
+    c = ck.AtomicCheckpointer(tmp_path, keep=1, best_metric="val_accuracy")
+    c.save(1, m, {"step": 1}, {"val_accuracy": 0.5})
+    c.save(2, m, {"step": 2}, {"val_accuracy": float("nan")})
+    assert ck.AtomicCheckpointer.metadata(tmp_path / "step_2")["val_accuracy"] != 0.5  # NaN kept
+    assert c.best() == tmp_path / "step_1"
+    assert (tmp_path / "best").read_text(encoding="utf-8") == "step_1\n"
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_1", "step_2"]
+    only_nan = ck.AtomicCheckpointer(tmp_path / "nan", keep=1, best_metric="val_accuracy")
+    for step in (1, 2):
+        only_nan.save(step, m, {"step": step}, {"val_accuracy": float("nan")})
+    assert only_nan.best() is None and not (tmp_path / "nan" / "best").exists()
+
+
+def test_without_a_checkpoint_recording_the_metric_there_is_no_best_marker(tmp_path):
+    """Catches a ``best`` marker written (or left) when no checkpoint records the metric: one
+    pointed at a step with no score (the first, step 0), or a stale one kept because nothing
+    replaced it. It must be removed, and best() must be None."""
+    m = torch.nn.Linear(3, 2)
+    c = ck.AtomicCheckpointer(tmp_path, keep=2, best_metric="val_accuracy")
+    c.save(0, m, {"step": 0})
+    c.save(1, m, {"step": 1}, {"loss": 0.3})  # a metric, not the best_metric
+    assert c.best() is None and not (tmp_path / "best").exists()
+    (tmp_path / "best").write_text("step_0\n", encoding="utf-8")  # stale, e.g. a deleted score
+    c.save(2, m, {"step": 2})
+    assert c.best() is None and not (tmp_path / "best").exists()
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_1", "step_2"]
+
+
+@pytest.mark.parametrize("marked_damaged", [False, True])
+def test_checkpoints_newer_than_a_valid_marker_are_not_preferred(tmp_path, marked_damaged):
+    """Catches candidates that ignore a valid ``latest`` marker and take the newest directory
+    (step_3 here, from a save that crashed after its rename but before the marker moved), or
+    that fall back from a damaged marked checkpoint to a newer one: the marker names the last
+    complete save, so step_2 (or, damaged, step_1) is what resumes, without any warning about
+    step_3."""
+    import warnings
+
+    c = _three_steps(tmp_path)
+    (tmp_path / "latest").write_text("step_2\n", encoding="utf-8")
+    want = "step_2"
+    if marked_damaged:
+        _truncate(tmp_path / "step_2" / ck.MODEL_FILE)
+        want = "step_1"
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert c.latest().name == want
+        path, state = c.load_latest()
+    assert path.name == want and state == {"step": int(want[-1])}
+    assert not [w for w in seen if "step_3" in str(w.message)]
+    assert len(seen) == (2 if marked_damaged else 0)  # damaged step_2, once per call

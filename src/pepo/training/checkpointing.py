@@ -271,7 +271,8 @@ class AtomicCheckpointer:
         scored = []
         for p in self._step_dirs():
             value = self.metadata(p).get(self.best_metric)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            if (isinstance(value, (int, float)) and not isinstance(value, bool)
+                    and math.isfinite(value)):  # NaN: max() would keep whichever came first
                 scored.append((value, -_step(p), p))
         return max(scored)[2] if scored else None
 
