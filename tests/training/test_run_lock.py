@@ -1,0 +1,109 @@
+"""File locks: ``locked`` (shared caches) and ``RunLock`` (one run per output directory) are
+exclusive, the holder record is rewritten whole, and another user's live process is alive."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import threading
+
+import pytest
+
+from pepo.training import prior_cache, run_lock
+from pepo.training.run_lock import LOCK_FILE, RunLock, locked, process_gone
+
+
+def _shared_probe(lock_file) -> bool:
+    """Whether a shared lock on ``lock_file`` can be taken now (through another open file, so
+    another holder): an exclusive holder blocks it, a shared one does not."""
+    with open(lock_file, "a") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+        return True
+
+
+def test_locked_is_exclusive(tmp_path):
+    """Catches ``locked`` taking a shared lock (LOCK_SH for LOCK_EX): two writers of one cache
+    entry would then both hold it. An exclusive probe cannot tell the two apart (a shared holder
+    blocks it too); a shared probe and a second ``locked`` can."""
+    path = tmp_path / "entry"
+    acquired = threading.Event()
+
+    def second():
+        with locked(path):
+            acquired.set()
+
+    with locked(path):
+        assert not _shared_probe(f"{path}.lock")
+        t = threading.Thread(target=second, daemon=True)
+        t.start()
+        assert not acquired.wait(0.3)  # the second holder waits for the first
+    assert acquired.wait(10)  # and gets it once the first is done
+    t.join(10)
+    assert _shared_probe(f"{path}.lock")  # released
+
+
+def test_run_lock_is_exclusive(tmp_path):
+    """Catches a RunLock that a shared lock would pass (LOCK_SH for LOCK_EX)."""
+    with RunLock(tmp_path):
+        assert not _shared_probe(tmp_path / LOCK_FILE)
+    assert _shared_probe(tmp_path / LOCK_FILE)
+
+
+def test_the_holder_record_is_rewritten_whole(tmp_path):
+    """Catches a holder record written over the old one without truncating it first: a longer
+    record left by an earlier holder (a long command line) kept its tail after the new, shorter
+    one, so the file was no longer one JSON object and a second run's message said "its
+    details are not written yet" instead of naming the holder."""
+    old = {"pid": 1, "host": "elsewhere", "started": "2020-01-01T00:00:00+00:00",
+           "command": "x" * 400}
+    (tmp_path / LOCK_FILE).write_text(json.dumps(old) + "\n", encoding="utf-8")
+    with RunLock(tmp_path):
+        text = (tmp_path / LOCK_FILE).read_text(encoding="utf-8")
+        assert text.endswith("}\n") and text.count("\n") == 1, text[-80:]
+        assert json.loads(text)["pid"] == os.getpid()
+        with pytest.raises(ValueError, match=rf"in use by another run \(pid {os.getpid()} on "):
+            RunLock(tmp_path)
+
+
+def _kill_raising(monkeypatch, pid, error):
+    """``os.kill(pid, 0)`` raises ``error`` for ``pid`` (any other call goes to the real one)."""
+    real = os.kill
+
+    def kill(p, sig):
+        if p == pid:
+            raise error(1, "simulated")
+        return real(p, sig)
+
+    monkeypatch.setattr(run_lock.os, "kill", kill)
+
+
+def test_another_users_live_process_is_not_gone(monkeypatch):
+    """Catches taking PermissionError from ``os.kill(pid, 0)`` (a live process this user may
+    not signal: another user's) for a dead one, e.g. catching OSError. Simulated: the tests run
+    as root, which may signal anything."""
+    _kill_raising(monkeypatch, 4242, PermissionError)
+    assert process_gone(4242) is False
+    _kill_raising(monkeypatch, 4242, ProcessLookupError)
+    assert process_gone(4242) is True
+    monkeypatch.undo()
+    assert process_gone(os.getpid()) is False
+    assert process_gone(2**70) is True  # cannot be a pid (OverflowError)
+
+
+def test_a_live_writers_temporary_file_is_left_alone(tmp_path, monkeypatch):
+    """Catches the prior cache removing the temporary file of a writer that is alive but not
+    ours to signal (it would lose that writer's rename), through process_gone."""
+    path = tmp_path / "p.json"
+    leftover = tmp_path / "p.json.tmp4242"
+    leftover.write_text("{}", encoding="utf-8")
+    _kill_raising(monkeypatch, 4242, PermissionError)
+    prior_cache.write_prior(path, {"seed": 0}, {"a": 0.5})
+    assert leftover.exists()
+    _kill_raising(monkeypatch, 4242, ProcessLookupError)  # the writer died before its rename
+    prior_cache.write_prior(path, {"seed": 0}, {"a": 0.5})
+    assert not leftover.exists()
