@@ -120,6 +120,15 @@ def test_uniform_trains_exactly_as_plain_grpo(model_dir, tmp_path):
     fresh = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     assert any(not torch.equal(p, q) for p, q in zip(fresh.parameters(), ours.model.parameters()))
     assert len(ours.forwards) == len(plain.forwards)  # uniform adds no forward pass
+    # its metrics: equal weights put exactly a fifth of each row's weight on a fifth of its
+    # tokens; |token advantage| averages |A_i| over the valid tokens
+    logged = [h for h in ours.state.log_history if "pepo/top_fifth_weight_share" in h]
+    assert len(logged) == 2
+    for h, g in zip(logged, ours.generations):
+        assert h["pepo/top_fifth_weight_share"] == pytest.approx(0.2, abs=1e-6)
+        mask = g["completion_mask"].bool()
+        want = torch.where(mask, g["advantages"].abs(), 0.0).sum() / mask.sum()
+        assert h["pepo/token_advantage_abs_mean"] == pytest.approx(float(want), rel=1e-5)
 
 
 def rollout_entropies(model_dir, gen):
@@ -135,19 +144,47 @@ def rollout_entropies(model_dir, gen):
     return -(logp.exp() * logp).sum(-1)
 
 
-@pytest.mark.parametrize("strategy,params,misaligned,where", [
+def slow_top_fifth_share(adv, mask):
+    """Loop reference for pepo/top_fifth_weight_share: per row with a nonzero weight, sort the
+    valid |advantages| in decreasing order and take the first n/5 of them (a fraction of the
+    boundary one), over their total; the mean over those rows."""
+    shares = []
+    for a_row, m_row in zip(adv.tolist(), mask.tolist()):
+        w = sorted((abs(a) for a, m in zip(a_row, m_row) if m), reverse=True)
+        if sum(w) == 0:
+            continue
+        k, top = len(w) / 5, 0.0
+        for j, x in enumerate(w):
+            top += x * min(max(k - j, 0.0), 1.0)
+        shares.append(top / sum(w))
+    return sum(shares) / len(shares)
+
+
+# (strategy, params, TRL overrides, where the weighting happens)
+MISALIGNED = {"steps_per_generation": 2}  # a generation serves two optimizer steps
+TWO_MICRO_BATCHES = {"steps_per_generation": 2, "gradient_accumulation_steps": 2}
+
+
+@pytest.mark.parametrize("strategy,params,overrides,where", [
     # TRL's default: weighted inside _compute_loss from the loss's own forward
-    ("proximal_softmax", {"window": 5, "temperature": 0.5}, False, "loss"),
-    ("entropy_bonus", {"alpha": 0.4, "kappa": 2.0}, False, "loss"),
-    # a generation serves two optimizer steps: TRL computes old log-probs during generation,
-    # and the entropies come from that forward
-    ("proximal_softmax", {"window": 5, "temperature": 0.5}, True, "generation"),
-    # a batch-wide threshold: every entropy before the first loss (one pass of the adapter's)
-    ("global_topk", {"fraction": 0.2}, False, "generation"),
+    ("proximal_softmax", {"window": 5, "temperature": 0.5}, {}, "loss"),
+    ("entropy_bonus", {"alpha": 0.4, "kappa": 2.0}, {}, "loss"),
+    # TRL computes old log-probs during generation, and the entropies come from that forward
+    ("proximal_softmax", {"window": 5, "temperature": 0.5}, MISALIGNED, "generation"),
+    # a batch-wide threshold: every entropy before the first loss, recorded while generate()
+    # sampled (no forward pass of the adapter's)
+    ("global_topk", {"fraction": 0.2}, {}, "generation"),
+    # GTPO: each prompt's 4 completions compared as one group, over a generation batch that TRL
+    # then shuffles and splits into two micro-batches
+    ("gtpo", {"alpha1": 1.0, "alpha2": 0.1}, TWO_MICRO_BATCHES, "generation"),
 ])
 def test_advantages_reaching_the_loss_are_the_strategy_on_rollout_entropies(
-        model_dir, tmp_path, strategy, params, misaligned, where):
-    overrides = {"steps_per_generation": 2} if misaligned else {}
+        model_dir, tmp_path, strategy, params, overrides, where):
+    """Catches: entropies not of the rollout policy or at another temperature; success flags
+    from the advantage's sign; GTPO without its groups, or grouped per micro-batch after TRL's
+    shuffle; an adapter forward pass where TRL or generate() already gave the entropies
+    (global_topk's extra no-grad forward, counted by a forward hook); pepo/ metrics that are
+    not those of the advantages that reached the loss."""
     args = config(tmp_path, **overrides)
     ours = train(RecordingPepo, model_dir, args, pepo_strategy=strategy, pepo_params=params)
     gen = ours.generations[0]
@@ -159,7 +196,9 @@ def test_advantages_reaching_the_loss_are_the_strategy_on_rollout_entropies(
     success = torch.tensor(reward_has_seven(texts)) > 0
     assert 0 < int(success.sum()) < len(success)  # both kinds present, so positive= matters
     seq_adv = ours.sequence_advantages[0]
-    expected = pw.get_strategy(strategy, **params)(seq_adv, ent.float(), mask, positive=success)
+    groups = torch.arange(len(seq_adv)) // args.num_generations  # TRL's: consecutive rows
+    expected = pw.get_strategy(strategy, **params)(seq_adv, ent.float(), mask, positive=success,
+                                                   groups=groups)
     assert not torch.equal(expected, torch.where(mask, seq_adv[:, None], 0.0))  # not uniform
     if where == "generation":
         torch.testing.assert_close(gen["advantages"], expected, rtol=1e-4, atol=1e-5)
@@ -172,7 +211,8 @@ def test_advantages_reaching_the_loss_are_the_strategy_on_rollout_entropies(
     for i in range(len(seq_adv)):
         want.setdefault(key(gen["prompt_ids"][i], gen["completion_ids"][i]), []).append(expected[i])
     seen = 0
-    for inp in ours.loss_inputs[:args.steps_per_generation]:  # the first generation's
+    micro_batches = ours.loss_inputs[:args.steps_per_generation]  # the first generation's
+    for inp in micro_batches:
         assert inp["advantages"].dim() == 2
         for j in range(inp["completion_ids"].size(0)):
             rows = want[key(inp["prompt_ids"][j], inp["completion_ids"][j])]
@@ -180,9 +220,33 @@ def test_advantages_reaching_the_loss_are_the_strategy_on_rollout_entropies(
             seen += 1
     assert seen == len(seq_adv)
 
+    # the logged pepo/ metrics are those of the advantages that reached the loss (for the
+    # loss-time path: of its one micro-batch)
+    first = next(h for h in ours.state.log_history if "pepo/top_fifth_weight_share" in h)
+    width = args.max_completion_length
+    adv_all = torch.cat([torch.nn.functional.pad(i["advantages"], (0, width - i["advantages"].size(1)))
+                         for i in micro_batches])
+    mask_all = torch.cat([torch.nn.functional.pad(i["completion_mask"].bool(),
+                                                  (0, width - i["completion_mask"].size(1)))
+                          for i in micro_batches])
+    assert first["pepo/top_fifth_weight_share"] == pytest.approx(
+        slow_top_fifth_share(adv_all, mask_all), rel=1e-5)
+    assert first["pepo/top_fifth_weight_share"] > 0.2 + 5e-4  # more concentrated than uniform
+    assert first["pepo/token_advantage_abs_mean"] == pytest.approx(
+        float(adv_all.abs()[mask_all].mean()), rel=1e-5)
+
+    # and no forward pass of the adapter's: as many model forwards as plain TRL's
     plain = train(RecordingGRPO, model_dir, config(tmp_path / "plain", **overrides))
-    extra = len(ours.generations) if strategy == "global_topk" else 0
-    assert len(ours.forwards) == len(plain.forwards) + extra
+    assert len(ours.forwards) == len(plain.forwards)
+    if strategy == "global_topk":
+        # TRL's own top_entropy_quantile gathers every process's entropies too, but per
+        # micro-batch: on a generation of one micro-batch it selects the tokens pepo does, on a
+        # part of it others
+        selected = pw.get_strategy(strategy, **params)(torch.ones(len(seq_adv)), ent, mask) != 0
+        assert torch.equal(ours.get_high_entropy_mask(ent, mask, 0.8), selected)
+        half = len(seq_adv) // 2
+        assert not torch.equal(ours.get_high_entropy_mask(ent[:half], mask[:half], 0.8),
+                               selected[:half])
 
 
 def test_success_comes_from_rewards_not_the_advantage_sign(model_dir, tmp_path):
@@ -221,10 +285,6 @@ def test_bad_strategy_or_params_fail_before_training(model_dir, tmp_path):
         PepoGRPOTrainer(model=str(model_dir), reward_funcs=reward_has_seven,
                         args=config(tmp_path), train_dataset=dataset(),
                         pepo_strategy="global_topk", pepo_params={"process_group": None})
-    with pytest.raises(ValueError, match=r"pepo_strategy='gtpo' compares the completions of each "
-                                         r"prompt's group, which PepoGRPOTrainer does not pass"):
-        PepoGRPOTrainer(model=str(model_dir), reward_funcs=reward_has_seven,
-                        args=config(tmp_path), train_dataset=dataset(), pepo_strategy="gtpo")
 
 
 def test_the_docs_example_runs(tmp_path, monkeypatch):
@@ -252,10 +312,11 @@ def test_a_loss_without_an_entropy_forward_is_an_error_not_unweighted_training(m
     assert trainer._compute_loss(None, {"advantages": torch.ones(2)}) == 0
 
 
-def test_global_topk_threshold_covers_every_process(model_dir, tmp_path):
-    # Two CPU processes (gloo) train one step of global_topk; each saves what the strategy got and
-    # gave on its rank. The threshold must be the quantile over both ranks' tokens together:
-    # the strategy applied once (no process group) to the concatenation gives both ranks' output.
+@pytest.fixture(scope="module")
+def two_processes(model_dir, tmp_path_factory):
+    """Two CPU processes (gloo) under torch.distributed.run train one step of each scenario of
+    trl_two_process_worker.py; returns a loader of what each rank saved."""
+    out = tmp_path_factory.mktemp("trl_two_processes")
     worker = Path(__file__).with_name("trl_two_process_worker.py")
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -263,33 +324,90 @@ def test_global_topk_threshold_covers_every_process(model_dir, tmp_path):
         "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(worker), str(model_dir), str(tmp_path)],
+         str(worker), str(model_dir), str(out)],
         env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    assert [r["world_size"] for r in ranks] == [2, 2]
-    assert [len(r["weighed"]) for r in ranks] == [1, 1]  # one generation batch, weighted once
-    parts = [r["weighed"][0] for r in ranks]
+
+    def load(name):
+        ranks = [torch.load(out / f"{name}_rank{r}.pt") for r in range(2)]
+        assert [r["world_size"] for r in ranks] == [2, 2]
+        assert [len(r["weighed"]) for r in ranks] == [1, 1]  # one batch each, weighted once
+        return ranks
+
+    return load
+
+
+def _cat(parts, key, fill):
+    """The ranks' tensors one after the other, [B, T] ones right-padded to a common width."""
+    width = max(p["mask"].size(1) for p in parts)
+    return torch.cat([torch.nn.functional.pad(p[key], (0, width - p[key].size(1)), value=fill)
+                      if p[key].dim() == 2 else p[key] for p in parts])
+
+
+def test_global_topk_threshold_covers_every_process(two_processes):
+    """Catches a threshold taken over each process's tokens only. What each rank's strategy
+    returned must equal the strategy applied once (no process group) to both ranks' batches
+    together."""
+    parts = [r["weighed"][0] for r in two_processes("global_topk")]
     # the ranks generated different completions (else a per-rank threshold could not differ)
     assert not torch.equal(parts[0]["entropies"], parts[1]["entropies"])
     width = max(p["mask"].size(1) for p in parts)
-
-    def cat(key, fill):
-        return torch.cat([torch.nn.functional.pad(p[key], (0, width - p[key].size(1)), value=fill)
-                          if p[key].dim() == 2 else p[key] for p in parts])
-
     fn = pw.get_strategy("global_topk", fraction=0.2)
-    mask = cat("mask", False)
-    expected = fn(cat("advantages", 0.0), cat("entropies", 0.0), mask, positive=cat("positive", False))
-    assert torch.equal(cat("token_advantages", 0.0), expected)
-    # a per-process threshold (TRL's own top_entropy_quantile) gives another selection here
+    mask = _cat(parts, "mask", False)
+    expected = fn(_cat(parts, "advantages", 0.0), _cat(parts, "entropies", 0.0), mask,
+                  positive=_cat(parts, "positive", False))
+    assert torch.equal(_cat(parts, "token_advantages", 0.0), expected)
+    # a per-process threshold (each rank's strategy without the gather) selects other tokens
     local = torch.cat([torch.nn.functional.pad(
         fn(p["advantages"], p["entropies"], p["mask"]), (0, width - p["mask"].size(1)))
         for p in parts])
     assert not torch.equal(local != 0, expected != 0)
     # and from Eq. (4) directly: A_i on the tokens at or above the 0.8 quantile of all ranks'
     # valid entropies (torch.quantile's), 0 elsewhere
-    ent, adv = cat("entropies", 0.0), cat("advantages", 0.0)
+    ent, adv = _cat(parts, "entropies", 0.0), _cat(parts, "advantages", 0.0)
     tau = torch.quantile(ent[mask].double(), 0.8)
     by_formula = torch.where(mask & (ent.double() >= tau), adv[:, None], torch.zeros(()))
-    assert torch.equal(cat("token_advantages", 0.0), by_formula)
+    assert torch.equal(_cat(parts, "token_advantages", 0.0), by_formula)
+
+
+def test_each_process_reads_its_own_success_flags(two_processes):
+    """Catches success flags sliced from another process's part of TRL's gathered rewards
+    (e.g. every rank reading the first rank's): a row-wise strategy, weighted inside TRL's loss
+    on each rank, with a reward that differs by rank."""
+    ranks = two_processes("row_wise")
+    own_flags = [torch.tensor([v > 0 for _, v in r["rewarded"]]) for r in ranks]
+    # in generation order the two ranks' flags differ, so reading the other's would show
+    assert [len(f) for f in own_flags] == [16, 16]
+    assert not torch.equal(own_flags[0], own_flags[1])
+    fn = pw.get_strategy("proximal_softmax", window=5, temperature=0.5)
+    for r in ranks:
+        reward_of = {tuple(ids): v for ids, v in r["rewarded"]}
+        w = r["weighed"][0]  # the loss's micro-batch: TRL's shuffle of the generation batch
+        rows = [tuple(ids[m].tolist()) for ids, m in zip(w["completion_ids"], w["mask"])]
+        assert torch.equal(w["positive"], torch.tensor([reward_of[k] > 0 for k in rows]))
+        assert 0 < int(w["positive"].sum()) < len(rows)  # both kinds, so the flags matter
+        expected = fn(w["advantages"], w["entropies"], w["mask"], positive=w["positive"])
+        assert torch.equal(w["token_advantages"], expected)
+
+
+def test_gtpo_groups_span_processes(two_processes):
+    """Catches GTPO grouped per process (or per micro-batch): each rank holds 6 completions and
+    TRL's groups are 4 consecutive completions of both ranks' batches in rank order, so the
+    middle group is rows 4-5 of rank 0 and rows 0-1 of rank 1. What each rank returned must be
+    gtpo applied once to the 12 completions with those groups."""
+    parts = [r["weighed"][0] for r in two_processes("gtpo")]
+    assert [p["mask"].size(0) for p in parts] == [6, 6]
+    positive, mask = _cat(parts, "positive", False), _cat(parts, "mask", False)
+    assert 0 < int(positive[4:8].sum()) < 4  # the spanning group has both outcomes
+    fn = pw.get_strategy("gtpo")
+    expected = fn(_cat(parts, "advantages", 0.0), _cat(parts, "entropies", 0.0), mask,
+                  positive=positive, groups=torch.arange(12) // 4)
+    got = _cat(parts, "token_advantages", 0.0)
+    assert torch.equal(got, expected)
+    assert (got[4:8] != 0).any()
+    # each rank on its own (groups 0,0,0,0,1,1 locally) gives the spanning group other values
+    width = mask.size(1)
+    local = torch.cat([torch.nn.functional.pad(
+        fn(p["advantages"], p["entropies"], p["mask"], positive=p["positive"],
+           groups=torch.arange(6) // 4), (0, width - p["mask"].size(1))) for p in parts])
+    assert not torch.equal(local[4:8], expected[4:8])

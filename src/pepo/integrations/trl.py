@@ -16,26 +16,43 @@ PEFT) is TRL's own::
 
 What it feeds the strategy, following the paper:
 
-- **entropies of the rollout policy**, at the sampling temperature, taken from a forward TRL
-  already runs, without a pass of the adapter's, wherever one exists:
+- **entropies of the rollout policy**, at the sampling temperature, without a forward pass of the
+  adapter's wherever TRL's own work already yields them:
 
   - when TRL computes old log-probs during generation (a generation serves several optimizer
     steps, or vLLM's importance-sampling correction is on), that forward also returns them, and
     the weights are computed there;
   - otherwise (TRL's default: every loss of a generation runs before the next update, so the
     policy in ``_compute_loss`` *is* the rollout policy) the weights of a row depend on its own
-    entropies only, for every strategy but ``global_topk``, and are computed inside
-    ``_compute_loss`` from the (detached) entropies of the loss's own forward;
-  - ``global_topk`` (and strategies registered by users, whose dependence is not known) needs
-    every entropy of the generation batch before the first loss: there the adapter adds one
-    no-grad forward over the generation batch. ``uniform`` needs none.
+    entropies only, for ``proximal_softmax``, ``window_average`` and ``entropy_bonus``, and are
+    computed inside ``_compute_loss`` from the (detached) entropies of the loss's own forward;
+  - ``global_topk``, ``gtpo`` and strategies registered by users (whose dependence on other rows
+    is not known) need every entropy of the generation batch before the first loss: there the
+    adapter records them while ``transformers``' ``generate`` samples the completions (a logits
+    processor that reads each step's logits and changes nothing). Where generation does not go
+    through ``generate`` (vLLM without the importance-sampling correction, continuous batching,
+    tool calling, a ``rollout_func``) it adds one no-grad forward over the generation batch.
+    ``uniform`` needs no entropies.
 
 - **successful completions** (``positive=``) from TRL's rewards: the weighted sum of the reward
   functions, as TRL computes it, ``> 0`` (or ``pepo_success(rewards)``), not the sign of the
-  advantage.
+  advantage. Each process reads the flags of its own completions.
+- **only the model's own tokens**: tool results (TRL's ``tool_mask``) are masked out, so they
+  neither get weight nor enter a window.
 - **one threshold for the whole generation batch of all processes** for ``global_topk``: its
-  quantile is taken over every completion token of every process (TRL's own
-  ``top_entropy_quantile`` takes it per micro-batch and per process).
+  quantile is taken over every completion token of every process. TRL's own
+  ``top_entropy_quantile`` also gathers the entropies of all processes, but takes its threshold
+  per micro-batch (``per_device_train_batch_size`` completions per process): the two select the
+  same tokens when a generation is one micro-batch (``steps_per_generation=1``).
+- **each prompt's group** for ``gtpo``: TRL's generation batch holds the ``num_generations``
+  completions of a prompt one after another, in the order of the processes; the adapter gathers
+  the batch of every process and applies the strategy to it whole, so a group split between
+  micro-batches or processes is compared as one.
+
+Each weighting logs ``pepo/token_advantage_abs_mean`` (mean ``|Â_{i,t}|`` over valid tokens) and
+``pepo/top_fifth_weight_share`` (the share of a row's ``Σ_t |Â_{i,t}|`` on its fifth of tokens
+with the largest ``|Â_{i,t}|``, averaged over rows with a nonzero advantage: 0.2 for ``uniform``,
+more where a strategy concentrates the weight), beside TRL's own metrics.
 
 ``pepo_strategy="uniform"`` trains exactly as plain ``GRPOTrainer`` (the same completions, losses
 and weights, bit for bit).
@@ -43,6 +60,7 @@ and weights, bit for bit).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Mapping, Optional
 
 import torch
@@ -50,17 +68,75 @@ import torch
 import pepo.weighting as pw
 
 try:
+    from transformers import LogitsProcessor, LogitsProcessorList
     from trl import GRPOTrainer
 except ImportError as e:  # pragma: no cover - exercised in an environment without TRL
     raise ImportError(
         "pepo.integrations.trl needs TRL (tested with 1.16.0): pip install trl==1.16.0"
     ) from e
 
-__all__ = ["PepoGRPOTrainer"]
+__all__ = ["PepoGRPOTrainer", "top_fifth_weight_share"]
 
 # Strategies whose weights for a row depend on that row's entropies alone: weighted inside
 # _compute_loss when the loss's policy is the rollout policy, with no forward of their own.
 ROW_WISE = frozenset({"proximal_softmax", "window_average", "entropy_bonus"})
+
+
+class _EntropyRecorder(LogitsProcessor):
+    """Records the entropy of each generation step's distribution at ``temperature``, changing
+    nothing.
+
+    ``generate`` runs custom processors after its own logit processors (repetition penalty,
+    suppressed tokens, …) and before its warpers (temperature, top-k, top-p, min-p): with TRL's
+    defaults the scores seen here are the model's logits, and ``softmax(scores / temperature)``
+    is the distribution TRL's forward computes its entropies from.
+    """
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+        self.steps: list[torch.Tensor] = []  # one [B] per generated token
+        self.calls = 0  # generate() calls that used this recorder
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        with torch.no_grad():
+            logp = torch.log_softmax(scores.float() / self.temperature, dim=-1)  # [B, V]
+            # -inf logits (suppressed tokens) have p = 0 and contribute 0, not 0 * -inf = NaN
+            plogp = torch.where(torch.isfinite(logp), logp.exp() * logp, 0.0)
+            self.steps.append(-plogp.sum(-1))  # [B]
+        return scores
+
+    def entropies(self, rows: int, width: int) -> torch.Tensor:
+        """The recorded entropies as ``[rows, width]``: step t of row i at ``[i, t]``, 0 beyond
+        the last step."""
+        if self.calls != 1 or not self.steps or self.steps[0].numel() != rows:
+            raise RuntimeError(
+                f"PepoGRPOTrainer recorded {len(self.steps)} generation steps over {self.calls} "
+                f"generate() calls for {rows} completions; expected one call for all of them"
+            )
+        ent = torch.stack(self.steps, dim=1)[:, :width]  # [B, S]
+        return torch.nn.functional.pad(ent, (0, width - ent.size(1)))
+
+
+def top_fifth_weight_share(token_advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The share of each row's weight on its heaviest fifth of tokens.
+
+    For row i with ``n_i`` valid tokens and weights ``w = |token_advantages|`` sorted in
+    decreasing order, ``(Σ_{j < ⌊n_i/5⌋} w_j + frac(n_i/5) · w_{⌊n_i/5⌋}) / Σ_j w_j``: the top
+    fifth counts a fraction of the boundary token, so equal weights (``uniform``) give exactly
+    0.2 at every length, and a row whose weight sits on a fifth of its tokens or fewer gives 1.
+
+    Shape:
+        token_advantages: ``[B, T]``; mask: ``[B, T]`` bool; returns ``[B]`` fp32, NaN for rows
+        whose weights are all 0 (nothing to share).
+    """
+    w = torch.where(mask, token_advantages.detach().float().abs(), 0.0)  # [B, T]
+    top = w.sort(dim=1, descending=True).values  # [B, T]: masked zeros last
+    k = mask.sum(1, keepdim=True).float() / 5  # [B, 1]
+    j = torch.arange(w.size(1), device=w.device, dtype=torch.float32)  # [T]
+    part = (k - j).clamp(0.0, 1.0)  # [B, T]: 1 inside the top fifth, its fraction at the boundary
+    total = w.sum(1)  # [B]
+    share = (top * part).sum(1) / torch.where(total > 0, total, 1.0)
+    return torch.where(total > 0, share, torch.nan)
 
 
 class PepoGRPOTrainer(GRPOTrainer):
@@ -74,7 +150,9 @@ class PepoGRPOTrainer(GRPOTrainer):
             ``global_topk`` gets ``process_group`` from the trainer when it runs on several
             processes; do not pass one.
         pepo_success: maps TRL's rewards ``[B]`` (the weighted sum of the reward functions) to the
-            successful completions (bool ``[B]``). Default ``rewards > 0``.
+            successful completions (bool ``[B]``). Default ``rewards > 0``; with several reward
+            functions and a strategy that reads success, the trainer warns that this default
+            counts a positive format reward as a success.
 
     Raises:
         ValueError: an unknown strategy, a bad parameter, or ``process_group`` in ``pepo_params``
@@ -98,15 +176,11 @@ class PepoGRPOTrainer(GRPOTrainer):
         self.pepo_strategy_name = pepo_strategy
         self.pepo_params = params
         self._pepo_strategy = pw.get_strategy(pepo_strategy, **params)  # fails fast on bad input
-        if self._pepo_strategy.needs_groups:
-            raise ValueError(
-                f"pepo_strategy={pepo_strategy!r} compares the completions of each prompt's group, "
-                f"which PepoGRPOTrainer does not pass to strategies yet; train it with pepo's recipe"
-            )
         self._pepo_success = pepo_success
         self._pepo_uses_entropy = pepo_strategy != "uniform"
         self._pepo_capture = False
         self._pepo_captured: Optional[torch.Tensor] = None
+        self._pepo_recorder: Optional[_EntropyRecorder] = None
         self._pepo_rewards: Optional[torch.Tensor] = None
         self._pepo_loss_inputs: Optional[dict] = None
         super().__init__(*args, **kwargs)
@@ -117,6 +191,17 @@ class PepoGRPOTrainer(GRPOTrainer):
 
             self._pepo_strategy = pw.get_strategy(
                 pepo_strategy, **params, process_group=dist.group.WORLD
+            )
+        # Strategy records whether its function reads the success flags (pepo's own helper)
+        reads_success = getattr(self._pepo_strategy, "_pass_positive", True)
+        if pepo_success is None and len(self.reward_funcs) > 1 and reads_success:
+            warnings.warn(
+                f"PepoGRPOTrainer counts a completion as successful when TRL's weighted sum of "
+                f"its {len(self.reward_funcs)} reward functions is > 0 (rewards > 0), so a "
+                f"positive format reward makes a wrong answer a success for "
+                f"pepo_strategy={pepo_strategy!r}; pass pepo_success= (e.g. "
+                f"lambda rewards: rewards >= 1.0) to say which completions succeeded",
+                UserWarning, stacklevel=2,
             )
 
     # -- TRL hooks ---------------------------------------------------------------------------
@@ -152,9 +237,34 @@ class PepoGRPOTrainer(GRPOTrainer):
                 entropies = None
         return logps, entropies, aux
 
+    def _generate_single_turn(self, prompt_ids, *args: Any, **kwargs: Any):
+        recorder = self._pepo_recorder
+        if recorder is None or self.use_vllm or self.use_transformers_continuous_batching:
+            return super()._generate_single_turn(prompt_ids, *args, **kwargs)
+        # TRL calls generate() on this unwrapped model with its own arguments only; the recorder
+        # joins them for this call, and the model's generate is restored after it.
+        model = self.accelerator.unwrap_model(self.model_wrapped)
+        own = model.__dict__.get("generate")
+        generate = model.generate
+
+        def recording_generate(*a: Any, **kw: Any):
+            processors = LogitsProcessorList(kw.pop("logits_processor", None) or [])
+            processors.append(recorder)
+            recorder.calls += 1
+            return generate(*a, logits_processor=processors, **kw)
+
+        model.generate = recording_generate
+        try:
+            return super()._generate_single_turn(prompt_ids, *args, **kwargs)
+        finally:
+            if own is None:
+                del model.generate
+            else:
+                model.generate = own
+
     def _generate_and_score_completions(self, inputs):
         mode = "train" if self.model.training else "eval"
-        self._pepo_rewards, self._pepo_captured = None, None
+        self._pepo_rewards, self._pepo_captured, self._pepo_recorder = None, None, None
         # TRL's old-log-prob pass runs on the current policy only under these conditions (its
         # own test); otherwise the first forward through self.model may be a PEFT reference.
         generate_every = self.args.steps_per_generation * self.num_iterations
@@ -162,7 +272,12 @@ class PepoGRPOTrainer(GRPOTrainer):
             self.args.gradient_accumulation_steps % generate_every != 0
             or (self.use_vllm and self.vllm_importance_sampling_correction)
         )
-        self._pepo_capture = self._pepo_uses_entropy and mode == "train" and old_logps_pass
+        train = self._pepo_uses_entropy and mode == "train"
+        row_wise = self.pepo_strategy_name in ROW_WISE
+        self._pepo_capture = train and old_logps_pass
+        if (train and not old_logps_pass and not row_wise
+                and self._pepo_generates_with_transformers()):
+            self._pepo_recorder = _EntropyRecorder(self.temperature)
         try:
             output = super()._generate_and_score_completions(inputs)
         finally:
@@ -170,12 +285,11 @@ class PepoGRPOTrainer(GRPOTrainer):
         if mode != "train":
             return output
         positive = self.pepo_success(len(inputs))
-        if (self._pepo_uses_entropy and not old_logps_pass
-                and self.pepo_strategy_name in ROW_WISE):
+        if self._pepo_uses_entropy and not old_logps_pass and row_wise:
             output["pepo_positive"] = positive  # weighted in _compute_loss, row by row
         else:
             output["advantages"] = self.pepo_token_advantages(output, positive)
-        self._pepo_rewards, self._pepo_captured = None, None
+        self._pepo_rewards, self._pepo_captured, self._pepo_recorder = None, None, None
         return output
 
     def _compute_loss(self, model, inputs):
@@ -193,6 +307,12 @@ class PepoGRPOTrainer(GRPOTrainer):
         return loss
 
     # -- the weighting -----------------------------------------------------------------------
+
+    def _pepo_generates_with_transformers(self) -> bool:
+        """Whether this generation samples every completion in one ``transformers`` ``generate``
+        call (TRL's default), where :class:`_EntropyRecorder` can see each step."""
+        return not (self.use_vllm or self.use_transformers_continuous_batching
+                    or self.rollout_func is not None or self.tools)
 
     def pepo_success(self, local_count: int) -> torch.Tensor:
         """This process's successful completions (bool ``[B]``) from the rewards TRL computed for
@@ -215,10 +335,13 @@ class PepoGRPOTrainer(GRPOTrainer):
 
     def pepo_rollout_entropies(self, output: Mapping[str, Any]) -> torch.Tensor:
         """Token entropies ``[B, T]`` of the rollout policy for the generation batch in
-        ``output``: those TRL's own forward produced, or one no-grad forward of the adapter's."""
+        ``output``: those TRL's own forward produced, those recorded while ``generate`` sampled,
+        or one no-grad forward of the adapter's."""
         if self._pepo_captured is not None:
             return self._pepo_captured
         prompt_ids, completion_ids = output["prompt_ids"], output["completion_ids"]
+        if self._pepo_recorder is not None:
+            return self._pepo_recorder.entropies(*completion_ids.shape)
         if any(k in output for k in ("pixel_values", "image_grid_thw", "num_images")):
             raise NotImplementedError(
                 "PepoGRPOTrainer does not weight multimodal batches yet: its entropy pass "
@@ -235,7 +358,8 @@ class PepoGRPOTrainer(GRPOTrainer):
             )
         return entropies
 
-    def pepo_token_advantages(self, output: Mapping[str, Any], positive: torch.Tensor) -> torch.Tensor:
+    def pepo_token_advantages(self, output: Mapping[str, Any],
+                              positive: torch.Tensor) -> torch.Tensor:
         """The strategy's token advantages ``[B, T]`` for a generation batch TRL produced."""
         if self._pepo_uses_entropy:
             entropies = self.pepo_rollout_entropies(output).float()
@@ -250,6 +374,42 @@ class PepoGRPOTrainer(GRPOTrainer):
         mask = batch["completion_mask"].bool()
         if batch.get("tool_mask") is not None:
             mask = mask & batch["tool_mask"].bool()
-        return self._pepo_strategy(advantages, entropies, mask, positive=positive).to(
-            advantages.dtype
-        )
+        if self._pepo_strategy.needs_groups:
+            out = self._pepo_weigh_groups(advantages, entropies, mask, positive)
+        else:
+            out = self._pepo_strategy(advantages, entropies, mask, positive=positive)
+        self._pepo_log(out, mask)
+        return out.to(advantages.dtype)
+
+    def _pepo_weigh_groups(self, advantages: torch.Tensor, entropies: torch.Tensor,
+                           mask: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
+        """The strategy on the generation batch of every process at once, with TRL's groups:
+        ``num_generations`` consecutive completions of the processes' batches in process order
+        (the order TRL normalises rewards in), so a group may span two processes."""
+        acc = self.accelerator
+        rows, width = mask.shape
+        if acc.num_processes > 1:
+            advantages = acc.gather(advantages.float())
+            entropies = acc.gather(acc.pad_across_processes(entropies.float(), dim=1))
+            mask = acc.gather(acc.pad_across_processes(mask.long(), dim=1)).bool()
+            positive = acc.gather(positive.long()).bool()
+        groups = torch.arange(mask.size(0), device=mask.device) // self.num_generations
+        out = self._pepo_strategy(advantages, entropies, mask, positive=positive, groups=groups)
+        start = acc.process_index * rows  # every process holds the same number of rows
+        return out[start : start + rows, :width]
+
+    def _pepo_log(self, token_advantages: torch.Tensor, mask: torch.Tensor) -> None:
+        """Appends this batch's ``pepo/`` metrics (over every process) to TRL's train metrics."""
+        share = top_fifth_weight_share(token_advantages, mask)  # [B]
+        weighted = ~torch.isnan(share)
+        stats = torch.stack([
+            torch.where(mask, token_advantages.float().abs(), 0.0).sum(),
+            mask.sum().float(),
+            torch.where(weighted, share, 0.0).sum(),
+            weighted.sum().float(),
+        ])
+        abs_sum, tokens, share_sum, rows = self.accelerator.reduce(stats, reduction="sum").tolist()
+        metrics = self._metrics["train"]
+        metrics["pepo/token_advantage_abs_mean"].append(abs_sum / max(tokens, 1.0))
+        if rows > 0:
+            metrics["pepo/top_fifth_weight_share"].append(share_sum / rows)
