@@ -7,12 +7,20 @@
 Each entry of ``benchmarks`` names a dataset component and its ``k``; the model samples ``k``
 responses per problem with ``generation``'s settings and a fixed seed, ``reward`` scores them,
 and avg@k is the mean share of correct responses (``pepo.training.evaluation.avg_at_k``, the function
-the training recipe validates with). Results go to ``output_dir/eval_results.{json,md}``.
+the training recipe validates with).
+
+Each evaluated checkpoint has a label (``model_name``, default :func:`evaluation_label`: ``tiny
+(base)`` for a packaged or converted base model, else the ``checkpoint_dir`` as given, with the
+step a ``best``/``latest`` marker named) and its results go to
+``output_dir/<label>/eval_results.{json,md}``; ``output_dir/eval_results.md`` is the table of every
+evaluation in ``output_dir``, one row each (the base model beside the trained one).
 """
 
 from __future__ import annotations
 
+import importlib.resources
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -25,7 +33,7 @@ _extras.require("pepo_eval")  # before torchtune: a missing extra gets the line 
 from omegaconf import DictConfig, OmegaConf
 from torchtune import config, training, utils
 
-from pepo.training.evaluation import (RewardError, avg_at_k, eval_generator, format_table,
+from pepo.training.evaluation import (RewardError, avg_at_k, eval_generator, format_tables,
                                       write_results)
 from pepo.training.checkpointing import resolve_marker
 from pepo.training.engines import build_engine, sequence_limit
@@ -80,22 +88,47 @@ def validate_eval_config(cfg: DictConfig) -> None:
     check_engine(cfg.generation)
 
 
-def _check_results_dir(cfg: DictConfig) -> RunLock:
+def evaluation_label(given: Any, resolved: Any) -> str:
+    """What the results table calls an evaluated checkpoint when ``model_name`` is null:
+    ``NAME (base)`` for a model pepo ships or converts (``${pepo_asset:NAME}``,
+    ``${pepo_pretrained:NAME}``), else ``checkpoint_dir`` as the user gave it, followed by the
+    step directory when that was a ``checkpoints/best`` or ``latest`` marker."""
+    src = Path(str(resolved)).resolve()
+    from pepo.training.pretrained import cache_root
+
+    for root in (Path(str(importlib.resources.files("pepo") / "assets")), cache_root()):
+        try:
+            src.relative_to(root.resolve())
+        except ValueError:
+            continue
+        return f"{src.name} (base)"
+    if str(given) != str(resolved):
+        return f"{given} ({Path(str(resolved)).name})"
+    return str(given)
+
+
+def _results_dir(cfg: DictConfig, label: str) -> Path:
+    """``output_dir/<label>``, the label made a safe folder name (its last 100 characters)."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", label)[-100:].strip("_.") or "model"
+    return Path(str(cfg.output_dir)) / name
+
+
+def _check_results_dir(cfg: DictConfig, label: str) -> RunLock:
     """``output_dir`` must be writable, not in use by another evaluation or run (it is locked
-    until the evaluation ends: the returned lock), and must not hold another checkpoint's
-    results (two evaluations into one directory would silently replace one with the other)."""
+    until the evaluation ends: the returned lock), and its folder for ``label`` must not hold
+    another checkpoint's results (they would be silently replaced)."""
     check_output_dir(cfg.get("output_dir"))
     lock = RunLock(str(cfg.output_dir))
     try:
-        _check_previous_results(cfg)
+        _check_previous_results(cfg, label)
     except BaseException:
         lock.release()
         raise
     return lock
 
 
-def _check_previous_results(cfg: DictConfig) -> None:
-    previous = Path(str(cfg.output_dir)) / "eval_results.json"
+def _check_previous_results(cfg: DictConfig, label: str) -> None:
+    previous = _results_dir(cfg, label) / "eval_results.json"
     if previous.is_file():
         try:
             saved = json.loads(previous.read_text(encoding="utf-8")).get("checkpoint_dir")
@@ -104,17 +137,20 @@ def _check_previous_results(cfg: DictConfig) -> None:
         here = str(Path(str(cfg.checkpoint_dir)).resolve())
         if saved != here:
             raise ValueError(
-                f"output_dir={str(cfg.output_dir)!r} holds the results of another evaluation "
-                f"(checkpoint_dir={saved!r}); choose another output_dir, or remove {previous}"
+                f"{previous} holds the results of another evaluation labelled {label!r} "
+                f"(checkpoint_dir={saved!r}); give this one another model_name=, choose another "
+                f"output_dir, or remove {previous}"
             )
 
 
 def _setup(cfg: DictConfig) -> dict[str, Any]:
     """Everything an evaluation needs, cheapest checks first: config, output directory, data,
     tokenizer, reward, then the model. Raises ``ValueError`` for what the user must fix."""
-    cfg.checkpoint_dir = resolve_marker(cfg.get("checkpoint_dir"))  # RUN/checkpoints/best works
+    given = cfg.get("checkpoint_dir")
+    cfg.checkpoint_dir = resolve_marker(given)  # RUN/checkpoints/best works
     validate_eval_config(cfg)
-    lock = _check_results_dir(cfg)
+    label = cfg.get("model_name") or evaluation_label(given, cfg.checkpoint_dir)
+    lock = _check_results_dir(cfg, label)
     reward = None
     try:
         device = utils.get_device(cfg.get("device", "cpu"))
@@ -137,7 +173,7 @@ def _setup(cfg: DictConfig) -> dict[str, Any]:
         _close(reward, lock)
         raise
     return dict(device=device, tokenizer=tokenizer, stop_tokens=stop_tokens, data=data,
-                reward=reward, engine=engine, lock=lock)
+                reward=reward, engine=engine, lock=lock, label=label)
 
 
 def _close(*owners: Any) -> None:
@@ -164,18 +200,35 @@ def _evaluate(cfg: DictConfig, setup: dict[str, Any]) -> dict[str, float]:
             )
             log.info(f"{name}: avg@{b.k} = {100 * results[name]:.2f} over {len(problems)} "
                      f"problems ({time.perf_counter() - t0:.1f}s)")
-        name = cfg.get("model_name") or Path(str(cfg.checkpoint_dir)).name
-        table = format_table(results, name)
-        js, md = write_results(
-            results, cfg.output_dir, name,
+        label = setup["label"]
+        js, _ = write_results(
+            results, _results_dir(cfg, label), label,
             meta={"checkpoint_dir": str(Path(str(cfg.checkpoint_dir)).resolve()),
                   "k": {n: b.k for n, b in cfg.benchmarks.items()},
                   "generation": OmegaConf.to_container(g, resolve=True)})
+        table, everything = _write_summary(Path(str(cfg.output_dir)))
     finally:
         _close(setup["reward"], setup["engine"], setup["lock"])
     print("\n" + table + "\n")
-    log.info(f"Results: {js} and {md}")
+    log.info(f"Results: {js}; every evaluation in {cfg.output_dir}: {everything}")
     return results
+
+
+def _write_summary(out: Path) -> tuple[str, Path]:
+    """``out/eval_results.md``: one row per evaluation whose results lie in a folder of ``out``,
+    oldest first. Returns the table and its path."""
+    rows = []
+    for js in sorted(out.glob("*/eval_results.json"), key=lambda f: (f.stat().st_mtime, f)):
+        try:
+            saved = json.loads(js.read_text(encoding="utf-8"))
+            rows.append((str(saved["model"]), {str(k): float(v)
+                                               for k, v in saved["results"].items()}))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            log.warning(f"{js} is not an evaluation's results; left out of the table")
+    table = format_tables(rows)
+    md = out / "eval_results.md"
+    md.write_text(table + "\n", encoding="utf-8")
+    return table, md
 
 
 def eval_main(cfg: DictConfig) -> dict[str, float]:

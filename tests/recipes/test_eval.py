@@ -40,8 +40,12 @@ def test_eval_math_on_fixture_files(tmp_path, capsys):
     assert set(results) == {"AIME2024", "AIME2025", "AMC", "MATH500"}
     out = capsys.readouterr().out
     assert "| Model | AIME2024 | AIME2025 | AMC | MATH500 | Mean |" in out
-    saved = json.loads((tmp_path / "out" / "eval_results.json").read_text())
+    assert f"| {model_dir} | " in out  # labelled by the checkpoint_dir given
+    folder = tmp_path / "out" / pepo_eval._results_dir(cfg, str(model_dir)).name
+    saved = json.loads((folder / "eval_results.json").read_text())
     assert saved["results"] == results and saved["k"]["MATH500"] == 1
+    assert saved["model"] == str(model_dir)
+    assert (folder / "eval_results.md").read_text().startswith("| Model | AIME2024")
     assert (tmp_path / "out" / "eval_results.md").read_text().startswith("| Model | AIME2024")
 
 
@@ -60,7 +64,8 @@ def test_tune_run_pepo_eval_tiny(tmp_path):
                        cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "| Model | modsum_val | Mean |" in r.stdout
-    assert (tmp_path / "out" / "eval_results.json").is_file()
+    assert "| tiny (base) | " in r.stdout
+    assert (tmp_path / "out" / "tiny_base" / "eval_results.json").is_file()
 
 
 def _tiny_eval_cfg(tmp_path, **overrides):
@@ -81,22 +86,56 @@ def test_eval_refuses_an_unwritable_or_file_output_dir_before_evaluating(tmp_pat
     assert not called
 
 
+SMALL = {"embed_dim": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
+         "intermediate_dim": 64}
+
+
 def test_eval_never_overwrites_another_checkpoints_results(tmp_path, monkeypatch):
-    """Catches two evaluations into one output_dir silently replacing each other; the same
+    """Catches two evaluations under one label silently replacing each other; the same
     checkpoint may be re-evaluated."""
     from tests.recipe_helpers import random_checkpoint
 
     monkeypatch.setattr(pepo_eval, "avg_at_k", lambda *a, **k: 0.5)
-    first = _tiny_eval_cfg(tmp_path)
+    first = _tiny_eval_cfg(tmp_path, model_name="mine")
     pepo_eval.eval_main(first)
     pepo_eval.eval_main(first)  # a rerun of the same checkpoint is fine
     other = random_checkpoint(tmp_path / "other")
-    with pytest.raises(ValueError, match="holds the results of another evaluation"):
-        pepo_eval.eval_main(_tiny_eval_cfg(tmp_path, checkpoint_dir=str(other),
-                                           model={"embed_dim": 32, "num_layers": 1, "num_heads": 2,
-                                                  "num_kv_heads": 1, "intermediate_dim": 64}))
-    saved = json.loads((tmp_path / "out" / "eval_results.json").read_text())
+    with pytest.raises(ValueError, match="holds the results of another evaluation labelled 'mine'"):
+        pepo_eval.eval_main(_tiny_eval_cfg(tmp_path, checkpoint_dir=str(other), model=SMALL,
+                                           model_name="mine"))
+    saved = json.loads((tmp_path / "out" / "mine" / "eval_results.json").read_text())
     assert saved["checkpoint_dir"] == str(Path(first.checkpoint_dir).resolve())
+
+
+def test_the_base_and_a_trained_checkpoint_share_one_output_dir_and_table(tmp_path, monkeypatch,
+                                                                         capsys):
+    """Catches an evaluation of the base model after a trained one being refused (one results
+    file per output_dir), and both rows labelled alike (the config's model_name 'tiny' for
+    both): each row is labelled by what was evaluated, a marker with the step it names."""
+    from pepo.training.checkpointing import AtomicCheckpointer
+    from tests.recipe_helpers import MODEL_OVERRIDES, random_checkpoint
+
+    scores = iter([0.75, 0.25])
+    monkeypatch.setattr(pepo_eval, "avg_at_k", lambda *a, **k: next(scores))
+    run = tmp_path / "run"
+    ckpt = random_checkpoint(tmp_path / "trained")
+    from safetensors.torch import load_file
+    AtomicCheckpointer(run / "checkpoints").save(7, load_file(str(ckpt / "model.safetensors")),
+                                                 {"step": 7}, {"val_accuracy": 0.75})
+    best = run / "checkpoints" / "best"
+    marker = best if best.is_file() else run / "checkpoints" / "latest"
+    trained = _tiny_eval_cfg(tmp_path, checkpoint_dir=str(marker), model=MODEL_OVERRIDES)
+    pepo_eval.eval_main(trained)
+    pepo_eval.eval_main(_tiny_eval_cfg(tmp_path))  # the base model, same output_dir
+    out = capsys.readouterr().out
+    table = (tmp_path / "out" / "eval_results.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "Model" not in line]
+    step_dir = marker.read_text().strip()
+    assert step_dir.startswith("step_")
+    assert rows == [f"| {marker} ({step_dir}) | 75.00 | 75.00 |",
+                    "| tiny (base) | 25.00 | 25.00 |"], table
+    assert table.strip() in out  # the whole table is printed
+    assert {p.name for p in (tmp_path / "out").iterdir() if p.is_dir()} >= {"tiny_base"}
 
 
 def test_eval_refuses_an_output_dir_in_use_and_lets_go_of_its_own(tmp_path, monkeypatch):

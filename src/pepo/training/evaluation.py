@@ -27,6 +27,7 @@ __all__ = [
     "is_success",
     "eval_generator",
     "format_table",
+    "format_tables",
     "sample_and_score",
     "write_results",
 ]
@@ -211,14 +212,22 @@ def format_table(results: Mapping[str, float], model_name: str = "model") -> str
 
     Benchmarks outside the paper's four follow them; Mean averages the benchmarks present.
     """
-    cols = [c for c in PAPER_COLUMNS if c in results] + sorted(
-        c for c in results if c not in PAPER_COLUMNS
-    )
-    mean = sum(results[c] for c in cols) / len(cols)
+    return format_tables([(model_name, results)])
+
+
+def format_tables(rows: Sequence[tuple[str, Mapping[str, float]]]) -> str:
+    """:func:`format_table` with one row per evaluated model, over the benchmarks any of them
+    has (``-`` where a model has no result; its Mean averages the benchmarks it has)."""
+    present = {c for _, results in rows for c in results}
+    cols = [c for c in PAPER_COLUMNS if c in present] + sorted(present - set(PAPER_COLUMNS))
     head = "| Model | " + " | ".join(cols) + " | Mean |"
     rule = "|---|" + "---:|" * (len(cols) + 1)
-    row = f"| {model_name} | " + " | ".join(f"{100 * results[c]:.2f}" for c in cols)
-    return "\n".join([head, rule, row + f" | {100 * mean:.2f} |"])
+    lines = [head, rule]
+    for name, results in rows:
+        cells = [f"{100 * results[c]:.2f}" if c in results else "-" for c in cols]
+        mean = sum(results.values()) / len(results)
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {100 * mean:.2f} |")
+    return "\n".join(lines)
 
 
 def write_results(
