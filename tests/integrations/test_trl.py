@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ from datasets import Dataset  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 import pepo.weighting as pw  # noqa: E402
-from pepo.integrations.trl import PepoGRPOTrainer  # noqa: E402
+from pepo.integrations.trl import PepoGRPOTrainer, top_fifth_weight_share  # noqa: E402
 from tests.hf_fixtures import tiny_hf_qwen3  # noqa: E402
 
 TEMPERATURE = 0.7  # not TRL's default, so entropies at the wrong temperature show
@@ -61,7 +62,7 @@ class Recording:
         out = super()._generate_and_score_completions(inputs)
         self.generations.append({k: out[k].detach().clone() for k in
                                  ("prompt_ids", "prompt_mask", "completion_ids",
-                                  "completion_mask", "advantages")})
+                                  "completion_mask", "advantages", "tool_mask") if k in out})
         self.sequence_advantages.append(torch.tensor(list(self._logs["advantages"])[-len(inputs):]))
         return out
 
@@ -78,6 +79,35 @@ class RecordingGRPO(Recording, GRPOTrainer):
 
 
 class RecordingPepo(Recording, PepoGRPOTrainer):
+    pass
+
+
+class VllmStandIn:
+    """TRL's vLLM generation with the importance-sampling correction on, where vLLM is not
+    installed: generate() samples the completions (as a vLLM engine holding the same weights
+    would) and each sampled token's log-prob is reported as 0, so TRL runs its own
+    old-log-prob forward and the correction as it does with vLLM."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.use_vllm = True
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations,
+                              has_tool_images=False):
+        self.use_vllm = False  # TRL's transformers path, instead of a vLLM engine
+        try:
+            ids, _ = super()._generate_single_turn(prompt_ids, images, multimodal_fields,
+                                                   num_generations, has_tool_images)
+        finally:
+            self.use_vllm = True
+        return ids, [[0.0] * len(c) for c in ids]
+
+
+class VllmGRPO(VllmStandIn, RecordingGRPO):
+    pass
+
+
+class VllmPepo(VllmStandIn, RecordingPepo):
     pass
 
 
@@ -111,7 +141,7 @@ def test_uniform_trains_exactly_as_plain_grpo(model_dir, tmp_path):
         # uniform: each row's sequence advantage on its tokens, 0 on padding
         expected = torch.where(mask, g0["advantages"][:, None], torch.zeros(()))
         assert torch.equal(g1["advantages"], expected)
-    assert any((g["advantages"] != 0).any() for g in ours.generations)  # the steps learned something
+    assert any((g["advantages"] != 0).any() for g in ours.generations)  # the steps learned
     for l0, l1 in zip(plain.losses, ours.losses):
         assert torch.equal(l0, l1)
     for (n0, p0), (n1, p1) in zip(plain.model.named_parameters(), ours.model.named_parameters()):
@@ -144,6 +174,25 @@ def rollout_entropies(model_dir, gen):
     return -(logp.exp() * logp).sum(-1)
 
 
+def assert_reached_the_loss(micro_batches, gen, expected):
+    """The advantages that reached TRL's loss are ``expected``'s rows: the generation's rows,
+    shuffled and split by TRL, matched by their tokens."""
+    def key(prompt, completion):
+        return tuple(prompt.tolist()) + (-1,) + tuple(completion.tolist())
+
+    want = {}
+    for i in range(expected.size(0)):
+        want.setdefault(key(gen["prompt_ids"][i], gen["completion_ids"][i]), []).append(expected[i])
+    seen = 0
+    for inp in micro_batches:
+        assert inp["advantages"].dim() == 2
+        for j in range(inp["completion_ids"].size(0)):
+            rows = want[key(inp["prompt_ids"][j], inp["completion_ids"][j])]
+            assert any(torch.allclose(inp["advantages"][j], r, rtol=1e-4, atol=1e-5) for r in rows)
+            seen += 1
+    assert seen == expected.size(0)
+
+
 def slow_top_fifth_share(adv, mask):
     """Loop reference for pepo/top_fifth_weight_share: per row with a nonzero weight, sort the
     valid |advantages| in decreasing order and take the first n/5 of them (a fraction of the
@@ -163,6 +212,7 @@ def slow_top_fifth_share(adv, mask):
 # (strategy, params, TRL overrides, where the weighting happens)
 MISALIGNED = {"steps_per_generation": 2}  # a generation serves two optimizer steps
 TWO_MICRO_BATCHES = {"steps_per_generation": 2, "gradient_accumulation_steps": 2}
+VLLM_IS = {"vllm_importance_sampling_mode": "token_truncate", "vllm_stand_in": True}
 
 
 @pytest.mark.parametrize("strategy,params,overrides,where", [
@@ -177,6 +227,10 @@ TWO_MICRO_BATCHES = {"steps_per_generation": 2, "gradient_accumulation_steps": 2
     # GTPO: each prompt's 4 completions compared as one group, over a generation batch that TRL
     # then shuffles and splits into two micro-batches
     ("gtpo", {"alpha1": 1.0, "alpha2": 0.1}, TWO_MICRO_BATCHES, "generation"),
+    # vLLM with its importance-sampling correction (a stand-in): TRL runs its old-log-prob
+    # forward, and every strategy takes its entropies from it
+    ("proximal_softmax", {"window": 5, "temperature": 0.5}, VLLM_IS, "generation"),
+    ("global_topk", {"fraction": 0.2}, VLLM_IS, "generation"),
 ])
 def test_advantages_reaching_the_loss_are_the_strategy_on_rollout_entropies(
         model_dir, tmp_path, strategy, params, overrides, where):
@@ -184,9 +238,16 @@ def test_advantages_reaching_the_loss_are_the_strategy_on_rollout_entropies(
     from the advantage's sign; GTPO without its groups, or grouped per micro-batch after TRL's
     shuffle; an adapter forward pass where TRL or generate() already gave the entropies
     (global_topk's extra no-grad forward, counted by a forward hook); pepo/ metrics that are
-    not those of the advantages that reached the loss."""
+    not those of the advantages that reached the loss; with vLLM's importance-sampling
+    correction, weighting in the loss or an adapter forward instead of TRL's old-log-prob
+    forward."""
+    overrides = dict(overrides)
+    vllm = overrides.pop("vllm_stand_in", False)
     args = config(tmp_path, **overrides)
-    ours = train(RecordingPepo, model_dir, args, pepo_strategy=strategy, pepo_params=params)
+    ours = train(VllmPepo if vllm else RecordingPepo, model_dir, args, pepo_strategy=strategy,
+                 pepo_params=params)
+    if vllm:  # the stand-in took TRL's vLLM path: its importance-sampling ratio was logged
+        assert "sampling/importance_sampling_ratio/mean" in ours.state.log_history[0]
     gen = ours.generations[0]
     # where the weighting happened: [B, T] advantages leave generation, or [B] go to the loss
     assert gen["advantages"].dim() == (2 if where == "generation" else 1)
@@ -203,28 +264,15 @@ def test_advantages_reaching_the_loss_are_the_strategy_on_rollout_entropies(
     if where == "generation":
         torch.testing.assert_close(gen["advantages"], expected, rtol=1e-4, atol=1e-5)
 
-    # what reached TRL's loss: the same rows (shuffled and split by TRL), matched by tokens
-    def key(prompt, completion):
-        return tuple(prompt.tolist()) + (-1,) + tuple(completion.tolist())
-
-    want = {}
-    for i in range(len(seq_adv)):
-        want.setdefault(key(gen["prompt_ids"][i], gen["completion_ids"][i]), []).append(expected[i])
-    seen = 0
     micro_batches = ours.loss_inputs[:args.steps_per_generation]  # the first generation's
-    for inp in micro_batches:
-        assert inp["advantages"].dim() == 2
-        for j in range(inp["completion_ids"].size(0)):
-            rows = want[key(inp["prompt_ids"][j], inp["completion_ids"][j])]
-            assert any(torch.allclose(inp["advantages"][j], r, rtol=1e-4, atol=1e-5) for r in rows)
-            seen += 1
-    assert seen == len(seq_adv)
+    assert_reached_the_loss(micro_batches, gen, expected)
 
     # the logged pepo/ metrics are those of the advantages that reached the loss (for the
     # loss-time path: of its one micro-batch)
     first = next(h for h in ours.state.log_history if "pepo/top_fifth_weight_share" in h)
     width = args.max_completion_length
-    adv_all = torch.cat([torch.nn.functional.pad(i["advantages"], (0, width - i["advantages"].size(1)))
+    adv_all = torch.cat([torch.nn.functional.pad(i["advantages"],
+                                                 (0, width - i["advantages"].size(1)))
                          for i in micro_batches])
     mask_all = torch.cat([torch.nn.functional.pad(i["completion_mask"].bool(),
                                                   (0, width - i["completion_mask"].size(1)))
@@ -236,7 +284,8 @@ def test_advantages_reaching_the_loss_are_the_strategy_on_rollout_entropies(
         float(adv_all.abs()[mask_all].mean()), rel=1e-5)
 
     # and no forward pass of the adapter's: as many model forwards as plain TRL's
-    plain = train(RecordingGRPO, model_dir, config(tmp_path / "plain", **overrides))
+    plain = train(VllmGRPO if vllm else RecordingGRPO, model_dir,
+                  config(tmp_path / "plain", **overrides))
     assert len(ours.forwards) == len(plain.forwards)
     if strategy == "global_topk":
         # TRL's own top_entropy_quantile gathers every process's entropies too, but per
@@ -247,6 +296,66 @@ def test_advantages_reaching_the_loss_are_the_strategy_on_rollout_entropies(
         half = len(seq_adv) // 2
         assert not torch.equal(ours.get_high_entropy_mask(ent[:half], mask[:half], 0.8),
                                selected[:half])
+
+
+def tool_rollout(prompts, trainer):
+    """A ``rollout_func`` standing in for a multi-turn rollout with tools: random completions of
+    6-16 tokens, and every other one with a tool result (``env_mask`` 0, TRL's ``tool_mask``)
+    at tokens 2-4."""
+    tok = trainer.processing_class
+    g = torch.Generator().manual_seed(len(trainer.state.log_history))
+    chars = [tok.convert_tokens_to_ids(c) for c in "0123456789abcdefghij"]
+    prompt_ids, completion_ids, env_mask = [], [], []
+    for i, prompt in enumerate(prompts):
+        n = int(torch.randint(6, 17, (), generator=g))
+        prompt_ids.append(tok(prompt)["input_ids"])
+        completion_ids.append([chars[int(k)] for k in torch.randint(len(chars), (n,), generator=g)])
+        env_mask.append([int(i % 2 == 0 or not 2 <= t < 5) for t in range(n)])
+    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None,
+            "env_mask": env_mask}
+
+
+@pytest.mark.parametrize("strategy,params", [
+    ("proximal_softmax", {"window": 5, "temperature": 0.5}),  # weighted in TRL's loss
+    ("global_topk", {"fraction": 0.2}),  # at generation, from a forward pass of the adapter's
+])
+def test_tool_tokens_get_no_weight_and_enter_no_window(model_dir, tmp_path, monkeypatch,
+                                                        strategy, params):
+    """Catches tool results (TRL's tool_mask) weighted as the model's own tokens: they must get
+    0 and be left out of the windows and the threshold, so each row's model tokens get what the
+    strategy gives the row with its tool tokens cut out (masked = sliced). Also: a rollout that
+    does not go through generate() (here a rollout_func) makes global_topk run its one no-grad
+    forward over the generation batch."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    args = config(tmp_path)
+    ours = train(RecordingPepo, model_dir, args, pepo_strategy=strategy, pepo_params=params,
+                 rollout_func=tool_rollout)
+    gen = ours.generations[0]
+    tool = gen["tool_mask"].bool()
+    assert (~tool & gen["completion_mask"].bool()).any()  # tool tokens present
+    mask = gen["completion_mask"].bool() & tool
+    ent = rollout_entropies(model_dir, gen)  # with the tool results in the context
+    texts = ours.processing_class.batch_decode(gen["completion_ids"], skip_special_tokens=True)
+    success = torch.tensor(reward_has_seven(texts)) > 0
+    seq_adv = ours.sequence_advantages[0]
+    # the strategy on the rows with their tool tokens cut out, put back in place
+    keep = [m.nonzero().squeeze(1) for m in mask]
+    width = max(len(k) for k in keep)
+    sliced_ent = torch.zeros(len(keep), width, dtype=ent.dtype)
+    sliced_mask = torch.zeros(len(keep), width, dtype=torch.bool)
+    for i, k in enumerate(keep):
+        sliced_ent[i, :len(k)], sliced_mask[i, :len(k)] = ent[i, k], True
+    sliced = pw.get_strategy(strategy, **params)(seq_adv, sliced_ent.float(), sliced_mask,
+                                                 positive=success)
+    expected = torch.zeros(mask.shape)
+    for i, k in enumerate(keep):
+        expected[i, k] = sliced[i, :len(k)]
+    assert (expected[mask] != 0).any()
+    assert_reached_the_loss(ours.loss_inputs[:1], gen, expected)
+
+    plain = train(RecordingGRPO, model_dir, config(tmp_path / "plain"), rollout_func=tool_rollout)
+    extra = len(ours.generations) if strategy == "global_topk" else 0
+    assert len(ours.forwards) == len(plain.forwards) + extra
 
 
 def test_success_comes_from_rewards_not_the_advantage_sign(model_dir, tmp_path):
@@ -285,6 +394,53 @@ def test_bad_strategy_or_params_fail_before_training(model_dir, tmp_path):
         PepoGRPOTrainer(model=str(model_dir), reward_funcs=reward_has_seven,
                         args=config(tmp_path), train_dataset=dataset(),
                         pepo_strategy="global_topk", pepo_params={"process_group": None})
+
+
+def test_several_reward_functions_without_pepo_success_warn_once(model_dir, tmp_path):
+    """Catches the default success rule (rewards > 0 on TRL's weighted sum) applied silently
+    where a positive format reward would count a wrong answer as a success."""
+    def fmt(completions, **kwargs):
+        return [0.5 for _ in completions]
+
+    def build(**kwargs):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            PepoGRPOTrainer(model=str(model_dir), args=config(tmp_path), train_dataset=dataset(),
+                            **kwargs)
+        return [w for w in caught if "pepo_success" in str(w.message)]
+
+    caught = build(reward_funcs=[reward_has_seven, fmt])
+    assert len(caught) == 1 and caught[0].category is UserWarning
+    message = str(caught[0].message)
+    assert "rewards > 0" in message and "2 reward functions" in message
+    assert "pass pepo_success=" in message
+    # not with pepo_success, one reward function, or a strategy that never reads success
+    assert build(reward_funcs=[reward_has_seven, fmt], pepo_success=lambda r: r >= 1) == []
+    assert build(reward_funcs=reward_has_seven) == []
+    assert build(reward_funcs=[reward_has_seven, fmt], pepo_strategy="global_topk") == []
+
+
+def test_top_fifth_weight_share_against_a_loop():
+    """Catches a share over the wrong tokens (padding, or the top fifth by position), a whole
+    boundary token instead of its fraction (then uniform rows would not give 0.2), and rows
+    without weight counted as 0 instead of left out (NaN)."""
+    g = torch.Generator().manual_seed(0)
+    adv = torch.randn(7, 13, generator=g)
+    mask = torch.rand(7, 13, generator=g) > 0.3
+    mask[0] = False
+    mask[0, 4] = True  # one token: as uniform as a row can be, 0.2
+    mask[4], adv[4] = False, 0.0
+    mask[4, :10], adv[4, [3, 7]] = True, torch.tensor([2.0, -1.0])  # all on 2 of 10 tokens: 1
+    adv[1] = 0.0  # no weight: NaN
+    adv[2] = torch.where(mask[2], -0.7, float("nan"))  # uniform (NaN in padding): 0.2
+    adv[3, ~mask[3]] = 1e6  # padding values never count
+    got = top_fifth_weight_share(adv, mask)
+    assert torch.isnan(got[1]) and not torch.isnan(got[[0, 2, 3, 4, 5, 6]]).any()
+    assert got[0] == pytest.approx(0.2, abs=1e-6) and got[4] == pytest.approx(1.0, abs=1e-6)
+    assert got[2] == pytest.approx(0.2, abs=1e-6)
+    for i in [0, 2, 3, 4, 5, 6]:
+        want = slow_top_fifth_share(adv[i:i + 1].nan_to_num(), mask[i:i + 1])
+        assert float(got[i]) == pytest.approx(want, rel=1e-6), i
 
 
 def test_the_docs_example_runs(tmp_path, monkeypatch):
