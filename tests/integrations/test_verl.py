@@ -1,5 +1,7 @@
-"""pepo inside verl's v1 trainer, checked against verl's own code: its GRPO advantages, its
-registered policy loss, its trainer step and its plugin discovery.
+"""pepo inside verl's v1 trainer, checked against verl's own code: its advantage estimators
+(which give one advantage per response, which do not, and what the adapter does with each), its
+registered policy loss, its trainer step (GTPO's groups from verl's uid included) and its plugin
+discovery.
 
 These tests need verl 0.9.1 (`pip install verl==0.9.1 TransferQueue cachetools uvicorn fastapi`
 beside the core install, docs/integrations.md). Without it they are not collected, unless
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
 import subprocess
 import sys
 
@@ -21,8 +24,12 @@ if importlib.util.find_spec("verl") is None:
         raise RuntimeError("PEPO_REQUIRE_VERL=1 but verl is not installed")
     pytest.skip("verl is not installed", allow_module_level=True)
 
+import numpy as np  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
+from tensordict import NonTensorStack  # noqa: E402
+from verl import DataProto  # noqa: E402
 from verl.trainer.ppo import core_algos  # noqa: E402
+from verl.trainer.ppo.v1.utils import compute_advantage_for_multi_trajectories  # noqa: E402
 
 import pepo.estimators as est  # noqa: E402
 import pepo.integrations.verl as pv  # noqa: E402
@@ -123,13 +130,15 @@ def test_trainer_step_writes_back_exactly_the_weighted_advantages(monkeypatch):
     verl_adv, _ = core_algos.compute_grpo_outcome_advantage(
         token_level_rewards=scores, response_mask=mask.float(), index=index)
     store = Store({"advantages": nested(verl_adv, mask), "entropy": nested(entropy, mask),
-                   "response_mask": nested(mask.float(), mask), "rm_scores": nested(scores, mask)})
+                   "response_mask": nested(mask.float(), mask), "rm_scores": nested(scores, mask),
+                   "uid": NonTensorStack(*index)})
     monkeypatch.setattr(pv, "tq", store)
     # verl's own advantage step ran already: the stand-in holds its output
     monkeypatch.setattr(pv.PPOTrainerSync, "_compute_advantage", lambda self, b, m: b)
     trainer = object.__new__(pv.PepoPPOTrainer)
     trainer.pepo_strategy, trainer.pepo_success_threshold = pv.strategy_from_config(
         OmegaConf.create({"strategy": "proximal_softmax", "params": {"window": 5}}))
+    trainer.pepo_adv_estimator = "grpo"
     metrics: dict = {}
     meta = Meta([f"k{i}" for i in range(len(rewards))])
     trainer._compute_advantage(meta, metrics)
@@ -147,20 +156,29 @@ def test_config_errors_name_the_fix():
         pv.strategy_from_config(None)
     with pytest.raises(ValueError, match="no_such"):
         pv.strategy_from_config(OmegaConf.create({"strategy": "no_such"}))
-    with pytest.raises(ValueError, match=r"pepo.strategy='gtpo' compares the rollouts of each "
-                                         r"prompt's group, which the verl adapter does not pass"):
-        pv.strategy_from_config(OmegaConf.create({"strategy": "gtpo"}))
+    strategy, _ = pv.strategy_from_config(OmegaConf.create({"strategy": "gtpo"}))
+    assert strategy.name == "gtpo"  # accepted: the trainer passes the groups (uid)
 
 
 def test_the_trainer_checks_its_pepo_section_before_verl_builds_anything(monkeypatch):
     built = []
     monkeypatch.setattr(pv.PPOTrainerSync, "__init__", lambda self, config: built.append(config))
+    grpo = {"adv_estimator": "grpo", "gamma": 1.0, "use_kl_in_reward": False}
     with pytest.raises(ValueError, match="no_such"):
-        pv.PepoPPOTrainer(OmegaConf.create({"pepo": {"strategy": "no_such"}}))
+        pv.PepoPPOTrainer(OmegaConf.create({"pepo": {"strategy": "no_such"}, "algorithm": grpo}))
+    # verl's default estimator is gae (a critic's per-token advantages): refused before building
+    # (catches an adapter that checks the estimator only once a step's advantages exist)
+    for algorithm in ({"adv_estimator": "gae"}, {}, {**grpo, "adv_estimator": "remax",
+                                                     "use_kl_in_reward": True}):
+        with pytest.raises(ValueError, match=r"algorithm.adv_estimator=(gae|remax) "):
+            pv.PepoPPOTrainer(OmegaConf.create({"pepo": {"strategy": "uniform"},
+                                                "algorithm": algorithm}))
     assert built == []
-    good = OmegaConf.create({"pepo": {"strategy": "global_topk", "params": {"fraction": 0.3}}})
+    good = OmegaConf.create({"pepo": {"strategy": "global_topk", "params": {"fraction": 0.3}},
+                             "algorithm": grpo})
     trainer = pv.PepoPPOTrainer(good)
     assert built == [good] and trainer.pepo_strategy is not None
+    assert trainer.pepo_adv_estimator == "grpo"
 
 
 def test_import_verl_registers_the_trainer_through_the_entry_point():
@@ -173,3 +191,196 @@ def test_import_verl_registers_the_trainer_through_the_entry_point():
     off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "VERL_USE_EXTERNAL_PLUGINS": "none"})
     assert off.returncode != 0 and "Unknown trainer 'pepo'" in off.stderr
+
+
+# --- verl's advantage estimators: which give one advantage per response -----------------------
+
+def algorithm(name, gamma=1.0, kl=False):
+    return OmegaConf.create({"adv_estimator": name, "gamma": gamma, "lam": 0.95,
+                             "use_kl_in_reward": kl, "norm_adv_by_std_in_grpo": True,
+                             "use_pf_ppo": False})
+
+
+def verl_advantages(name, rewards, scores, mask, uids, gamma=1.0, kl=False, seed=0):
+    """verl's own advantage step on a padded batch: the v1 trainer's
+    `compute_advantage_for_multi_trajectories`, which dispatches to the estimator registered
+    under `name` exactly as `_compute_advantage` does (gdpo: its registered function, which
+    without per-component rewards falls back to the summed token rewards). `kl` subtracts a
+    per-token penalty from the rewards, as `use_kl_in_reward` does."""
+    b, t = mask.shape
+    g = torch.Generator().manual_seed(seed + 100)
+    fm = mask.float()
+    token_rewards = scores - (0.05 * torch.rand(b, t, generator=g) * fm if kl else 0.0)
+    if name == "gdpo":
+        adv, _ = core_algos.get_adv_estimator_fn("gdpo")(
+            token_level_rewards=token_rewards, response_mask=fm, index=np.array(uids, object))
+        return adv
+    tensors = {"token_level_rewards": token_rewards, "response_mask": fm,
+               "values": torch.randn(b, t, generator=g) * fm,
+               "old_log_probs": -torch.rand(b, t, generator=g) * 3 * fm,
+               "sum_pi_squared": torch.rand(b, t, generator=g) * fm}
+    if name == "remax":  # verl passes it to any estimator when present; remax alone takes it
+        tensors["reward_baselines"] = torch.rand(b, generator=g)
+    data = DataProto.from_dict(tensors=tensors, non_tensors={"uid": np.array(uids, dtype=object)})
+    keys = [f"{u}_{i}_0" for i, u in enumerate(uids)]  # verl's {uid}_{session}_{output} keys
+    out = compute_advantage_for_multi_trajectories(
+        data, batch_keys=keys, adv_estimator=name, gamma=gamma, lam=0.95, num_repeat=G,
+        norm_adv_by_std_in_grpo=True, config=algorithm(name, gamma, kl))
+    return out.batch["advantages"]
+
+
+def blocks(b):
+    return [f"p{i // G}" for i in range(b)]
+
+
+def test_every_estimator_verl_registers_is_classified():
+    """A verl release that registers an estimator the adapter has not sorted into 'one advantage
+    per response' or 'varies along it' fails here, not silently in training."""
+    known = set(pv.CONSTANT_ROW_ESTIMATORS) | set(pv.ROW_VARYING_ESTIMATORS) | {
+        "reinforce_plus_plus", "remax"}
+    assert set(core_algos.ADV_ESTIMATOR_REGISTRY) == known
+    assert not set(pv.CONSTANT_ROW_ESTIMATORS) & set(pv.ROW_VARYING_ESTIMATORS)
+
+
+SUPPORTED = [(name, {"kl": True}) for name in pv.CONSTANT_ROW_ESTIMATORS] + [
+    ("reinforce_plus_plus", {}), ("remax", {})]
+
+
+@pytest.mark.parametrize("name,kw", SUPPORTED, ids=[n for n, _ in SUPPORTED])
+def test_supported_estimators_give_one_advantage_per_response_and_pass_unchanged(name, kw):
+    """verl's own estimators listed as supported (the sum-based ones even with a per-token KL
+    penalty in the reward; returns-to-go with gamma=1 and an outcome reward) give each response
+    one advantage: `uniform` returns verl's advantages bit for bit, and `proximal_softmax` equals
+    the strategy on each row's value read at its last token. Catches a supported estimator that
+    in fact varies along the row (the run-time check would refuse it) and an adapter that
+    changes, shifts or rescales the advantages it reads."""
+    rewards, scores, mask, entropy = batch(seed=5)
+    adv = verl_advantages(name, rewards, scores, mask, blocks(len(rewards)), **kw)
+    assert pv.check_adv_estimator(algorithm(name, kl=kw.get("kl", False))) == name
+    assert adv[mask].abs().sum() > 0
+    got = pv.token_advantages(pw.get_strategy("uniform"), adv, entropy, mask.float(), scores,
+                              adv_estimator=name)
+    assert torch.equal(got, torch.where(mask, adv, 0.0))
+    strategy = pw.get_strategy("proximal_softmax", window=5)
+    last = mask.sum(1) - 1
+    want = strategy(adv[torch.arange(len(adv)), last], entropy, mask, positive=rewards > 0)
+    got = pv.token_advantages(strategy, adv, entropy, mask.float(), scores)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+REFUSED = [("gae", {}), ("optimal_token_baseline", {}), ("tir_optimal_token_baseline", {}),
+           ("reinforce_plus_plus", {"gamma": 0.9}), ("reinforce_plus_plus", {"kl": True}),
+           ("remax", {"kl": True})]
+
+
+@pytest.mark.parametrize("name,kw", REFUSED, ids=[f"{n}-{kw}" for n, kw in REFUSED])
+def test_row_varying_estimators_are_refused_not_flattened(name, kw):
+    """verl's own gae, optimal token baselines and REINFORCE++ with gamma<1 (or either
+    returns-to-go estimator with a KL penalty in the reward) give per-token advantages that vary
+    along each response. The adapter used to read each row's first value and spread it over the
+    row, so even `uniform` trained differently from verl: the old code returns the flattened
+    rows without an error here. Now the construction check refuses the configuration and the
+    run-time check refuses the advantages, each in one line naming the estimator."""
+    rewards, scores, mask, entropy = batch(seed=6)
+    adv = verl_advantages(name, rewards, scores, mask, blocks(len(rewards)), **kw)
+    first = adv[torch.arange(len(adv)), mask.int().argmax(1)]
+    varies = (mask & (adv != first[:, None])).any(1)
+    assert varies.sum() >= len(adv) // 2  # verl's rows do vary: flattening would change them
+    with pytest.raises(ValueError, match=rf"algorithm.adv_estimator={name} ") as e:
+        pv.check_adv_estimator(algorithm(name, **kw))
+    assert "\n" not in str(e.value) and "grpo" in str(e.value)
+    with pytest.raises(ValueError, match=rf"verl's advantages \(algorithm.adv_estimator={name}\) "
+                                         rf"vary along {int(varies.sum())} of {len(adv)} "):
+        pv.token_advantages(pw.get_strategy("uniform"), adv, entropy, mask.float(), scores,
+                            adv_estimator=name)
+
+
+def test_token_level_scores_are_caught_at_run_time():
+    """An estimator that passes the construction check (REINFORCE++ with gamma=1) still varies
+    along the row when the reward is spread over tokens (a process reward in `rm_scores`): the
+    run-time check refuses it. A NaN advantage is left to the strategy's non-finite check
+    (NaN != NaN must not read as 'varies'). Catches a construction-only check."""
+    rewards, scores, mask, entropy = batch(seed=7)
+    process = scores + 0.1 * mask.float() * torch.rand(mask.shape,
+                                                       generator=torch.Generator().manual_seed(1))
+    adv = verl_advantages("reinforce_plus_plus", rewards, process, mask, blocks(len(rewards)))
+    assert pv.check_adv_estimator(algorithm("reinforce_plus_plus")) == "reinforce_plus_plus"
+    with pytest.raises(ValueError, match="vary along"):
+        pv.token_advantages(pw.get_strategy("uniform"), adv, entropy, mask.float(), process)
+    flat = torch.where(mask, 1.0, 0.0)
+    flat[2] = torch.where(mask[2], float("nan"), 0.0)
+    with pytest.raises(ValueError, match="advantages holds 1 NaN/inf"):
+        pv.token_advantages(pw.get_strategy("uniform"), flat, entropy, mask.float(), scores)
+
+
+# --- the trainer step with verl's groups (uid) ------------------------------------------------
+
+def trainer_step(monkeypatch, pepo_cfg, rewards, scores, mask, entropy, uids):
+    """The trainer's advantage step on verl's GRPO advantages (v1's own path), with an in-memory
+    data store holding each row's prompt uid as verl's does (a non-tensor field)."""
+    adv = verl_advantages("grpo", rewards, scores, mask, uids)
+    store = Store({"advantages": nested(adv, mask), "entropy": nested(entropy, mask),
+                   "response_mask": nested(mask.float(), mask), "rm_scores": nested(scores, mask),
+                   "uid": NonTensorStack(*uids)})
+    monkeypatch.setattr(pv, "tq", store)
+    monkeypatch.setattr(pv.PPOTrainerSync, "_compute_advantage", lambda self, b, m: b)
+    trainer = object.__new__(pv.PepoPPOTrainer)
+    trainer.pepo_strategy, trainer.pepo_success_threshold = pv.strategy_from_config(
+        OmegaConf.create(pepo_cfg))
+    trainer.pepo_adv_estimator = "grpo"
+    trainer._compute_advantage(Meta([f"{u}_{i}_0" for i, u in enumerate(uids)]), {})
+    written = store.puts[0]["advantages"].to_padded_tensor(0.0)
+    return pad_to(written, mask.size(1))
+
+
+def pad_to(x, t):
+    return torch.nn.functional.pad(x, (0, t - x.size(1)))
+
+
+def shuffled_batch(seed, b=16):
+    """A batch whose prompt groups are interleaved (verl's rows need not be in group order)."""
+    rewards, scores, mask, entropy = batch(seed=seed, b=b)
+    order = list(range(b))
+    random.Random(seed).shuffle(order)
+    uids = [f"{seed}-{'abcd'[order[i] % 4]}" for i in range(b)]
+    return rewards, scores, mask, entropy, uids
+
+
+def test_gtpo_in_verl_equals_gtpo_on_the_whole_batch_with_verls_groups(monkeypatch):
+    """GTPO through the trainer equals `pepo.weighting.gtpo` on the whole batch with the groups
+    of verl's uid (numbered differently here: only equality of ids counts). The adapter used to
+    refuse gtpo. Catches groups taken as contiguous blocks of `rollout.n` rows, or one group for
+    the batch, which give different advantages on this interleaved batch (checked below)."""
+    rewards, scores, mask, entropy, uids = shuffled_batch(seed=8)
+    got = trainer_step(monkeypatch, {"strategy": "gtpo"}, rewards, scores, mask, entropy, uids)
+    gtpo = pw.get_strategy("gtpo")
+    ids = torch.tensor([sorted(set(uids)).index(u) for u in uids])
+    want = gtpo(torch.zeros(len(uids)), entropy, mask, positive=rewards > 0, groups=ids)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    assert want.abs().sum() > 0
+    for wrong in (torch.arange(len(uids)) // G, torch.zeros(len(uids), dtype=torch.long)):
+        other = gtpo(torch.zeros(len(uids)), entropy, mask, positive=rewards > 0, groups=wrong)
+        assert (other - want).abs().max() > 1e-2
+
+
+def test_a_user_strategy_with_kwargs_gets_positive_and_groups(monkeypatch):
+    """A user strategy declared `fn(advantages, entropies, mask, **kw)` receives the success flags
+    and verl's groups (ids in order of first appearance of the uid). The adapter used to refuse
+    it (`needs_groups` is true for **kwargs). Catches flags or groups not passed, or groups
+    numbered by row instead of by uid."""
+    seen = {}
+
+    def factory():
+        def fn(advantages, entropies, mask, **kw):
+            seen.update(kw)
+            return advantages[:, None] * mask
+        return fn
+
+    monkeypatch.setitem(pw._REGISTRY, "verl_kwargs_probe", factory)
+    rewards, scores, mask, entropy, uids = shuffled_batch(seed=9)
+    trainer_step(monkeypatch, {"strategy": "verl_kwargs_probe"}, rewards, scores, mask, entropy,
+                 uids)
+    firsts = list(dict.fromkeys(uids))
+    assert torch.equal(seen["positive"], rewards > 0)
+    assert torch.equal(seen["groups"], torch.tensor([firsts.index(u) for u in uids]))
+    assert torch.equal(pv.group_ids(["x", "y", "x", 3, "y", 3]), torch.tensor([0, 1, 0, 2, 1, 2]))

@@ -8,17 +8,30 @@ Registered with verl through the ``verl.plugins`` entry point (``pyproject.toml`
         +pepo.strategy=proximal_softmax +pepo.params.window=101
 
 :class:`PepoPPOTrainer` is verl's synchronous v1 trainer with one step changed: after verl's
-``_compute_advantage`` (GRPO's sequence advantages, broadcast over each response), it reads the
-advantages, the rollout ``entropy`` that ``_compute_old_log_prob`` already wrote (the old policy's
-forward: no extra pass), the response mask and the reward scores from verl's data store, applies
-the strategy, and writes the token advantages back. verl's policy losses take ``[B, T]``
-advantages, so no worker or loss changes. A rollout succeeded when its summed token scores are
-``> 0`` (``+pepo.success_threshold=...`` to change it).
+``_compute_advantage`` it reads the advantages, the rollout ``entropy`` that
+``_compute_old_log_prob`` already wrote (the old policy's forward: no extra pass), the response
+mask, the reward scores and each rollout's prompt ``uid`` from verl's data store, applies the
+strategy, and writes the token advantages back. verl's policy losses take ``[B, T]`` advantages,
+so no worker or loss changes. A rollout succeeded when its summed token scores are ``> 0``
+(``+pepo.success_threshold=...`` to change it). The rollouts of one prompt share a ``uid``; the
+strategy gets them as integer ``groups`` (what ``gtpo`` compares), every strategy alike.
+
+pepo's strategies weight one advantage per rollout (``Â_{i,t} = c_{i,t} A_i`` and its kin), so
+the adapter takes verl's estimators whose advantages are one value per response, broadcast over
+its tokens (:data:`CONSTANT_ROW_ESTIMATORS`), and refuses, at construction, those whose
+advantages vary along the response (:data:`ROW_VARYING_ESTIMATORS`: a critic, per-token
+baselines; and the returns-to-go of ``reinforce_plus_plus`` with ``gamma < 1`` or of it and
+``remax`` with ``use_kl_in_reward``). Every step also checks that each row's advantages are one
+value, so an estimator registered elsewhere, or token-level reward scores, fail in one line
+instead of being flattened. Weighting each token's own advantage (``c_{i,t} A_{i,t}``) was not
+chosen: it is no strategy's formula (PEPO's rows would no longer keep GRPO's total advantage;
+``entropy_bonus`` caps its bonus by ``|A_i|``; ``gtpo`` builds its own advantages; a user
+strategy is a function of one advantage per row), so it would train something untested.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
@@ -36,7 +49,61 @@ except ImportError as e:  # pragma: no cover - exercised in an environment witho
         "pip install verl==0.9.1 TransferQueue cachetools uvicorn fastapi"
     ) from e
 
-__all__ = ["PepoPPOTrainer", "strategy_from_config", "token_advantages"]
+__all__ = [
+    "CONSTANT_ROW_ESTIMATORS",
+    "ROW_VARYING_ESTIMATORS",
+    "PepoPPOTrainer",
+    "check_adv_estimator",
+    "group_ids",
+    "strategy_from_config",
+    "token_advantages",
+]
+
+#: verl 0.9.1's estimators that give each response one advantage, broadcast over its tokens
+#: (a function of the summed token rewards, then at most a whitening over the batch).
+CONSTANT_ROW_ESTIMATORS = (
+    "gdpo", "gpg", "grpo", "grpo_passk", "grpo_vectorized", "opo",
+    "reinforce_plus_plus_baseline", "rloo", "rloo_vectorized",
+)
+#: verl 0.9.1's estimators whose advantages vary along each response: a critic's values
+#: (``gae``) or a baseline per token position (the optimal token baselines).
+ROW_VARYING_ESTIMATORS = ("gae", "optimal_token_baseline", "tir_optimal_token_baseline")
+#: returns-to-go: one value per response only with ``gamma == 1`` (``reinforce_plus_plus``), no
+#: KL penalty in the reward and an outcome reward on one token; refused otherwise.
+_RETURN_ESTIMATORS = ("reinforce_plus_plus", "remax")
+
+
+def _supported() -> str:
+    return ", ".join(CONSTANT_ROW_ESTIMATORS + _RETURN_ESTIMATORS)
+
+
+def check_adv_estimator(algorithm: Optional[Mapping[str, Any]]) -> Optional[str]:
+    """The name of verl's ``algorithm.adv_estimator``, or an error if its advantages vary along
+    each response (see the module's docstring). ``None`` when there is no ``algorithm`` section;
+    estimators this module does not know pass here and are checked on each step's advantages.
+
+    Raises:
+        ValueError: ``gae``, ``optimal_token_baseline``, ``tir_optimal_token_baseline``;
+            ``reinforce_plus_plus`` with ``gamma != 1``; ``reinforce_plus_plus`` or ``remax``
+            with ``use_kl_in_reward``.
+    """
+    if algorithm is None:
+        return None
+    name = algorithm.get("adv_estimator", "gae")  # verl's default
+    name = str(getattr(name, "value", name))
+    why = None
+    if name in ROW_VARYING_ESTIMATORS:
+        why = "gives each token its own advantage"
+    elif name == "reinforce_plus_plus" and float(algorithm.get("gamma", 1.0)) != 1.0:
+        why = f"with algorithm.gamma={algorithm.get('gamma')} discounts along the response"
+    elif name in _RETURN_ESTIMATORS and algorithm.get("use_kl_in_reward", False):
+        why = "with algorithm.use_kl_in_reward=True takes returns of per-token rewards"
+    if why is not None:
+        raise ValueError(
+            f"algorithm.adv_estimator={name} {why}, which pepo's strategies (one advantage per "
+            f"rollout) would flatten; use one of: {_supported()}"
+        )
+    return name
 
 
 def strategy_from_config(cfg: Optional[Mapping[str, Any]]) -> tuple[pw.Strategy, float]:
@@ -52,12 +119,14 @@ def strategy_from_config(cfg: Optional[Mapping[str, Any]]) -> tuple[pw.Strategy,
         )
     params = dict(cfg.get("params") or {})
     strategy = pw.get_strategy(str(cfg["strategy"]), **params)
-    if strategy.needs_groups:
-        raise ValueError(
-            f"pepo.strategy={cfg['strategy']!r} compares the rollouts of each prompt's group, which "
-            f"the verl adapter does not pass to strategies yet; train it with pepo's recipe"
-        )
     return strategy, float(cfg.get("success_threshold", 0.0))
+
+
+def group_ids(uids: Sequence[Any]) -> torch.Tensor:
+    """verl's per-rollout prompt ``uid`` -> ``[B]`` int64 group ids, numbered in order of first
+    appearance (equal uids, equal ids)."""
+    index: dict[Any, int] = {}
+    return torch.tensor([index.setdefault(u, len(index)) for u in uids], dtype=torch.long)
 
 
 def token_advantages(
@@ -67,16 +136,26 @@ def token_advantages(
     response_mask: torch.Tensor,
     token_scores: torch.Tensor,
     success_threshold: float = 0.0,
+    *,
+    groups: Optional[torch.Tensor] = None,
+    adv_estimator: Optional[str] = None,
 ) -> torch.Tensor:
     """verl's padded batch -> the strategy's token advantages ``[B, T]``.
 
     Args:
-        advantages: ``[B, T]`` verl's GRPO advantages (each row's sequence advantage on its
-            response tokens); the row's value is read at its first response token, as verl does.
+        advantages: ``[B, T]`` verl's advantages, one value per row on its response tokens (the
+            estimators of :data:`CONSTANT_ROW_ESTIMATORS` broadcast it so).
         entropy: ``[B, T]`` the rollout entropies ``_compute_old_log_prob`` wrote.
         response_mask: ``[B, T]`` 1 on response tokens (0 on padding and tool tokens).
         token_scores: ``[B, T]`` verl's ``rm_scores``; a row succeeded when their sum exceeds
             ``success_threshold``.
+        groups: ``[B]`` integer, equal for the rollouts of one prompt (:func:`group_ids` of
+            verl's ``uid``); needed by strategies that compare a group's rollouts (``gtpo``).
+        adv_estimator: verl's estimator, named in the error below.
+
+    Raises:
+        ValueError: shapes that differ, or a row whose advantages differ along its response
+            tokens (they would be flattened to one value).
     """
     if not (advantages.shape == entropy.shape == response_mask.shape == token_scores.shape):
         raise ValueError(
@@ -88,8 +167,21 @@ def token_advantages(
     first = mask.int().argmax(dim=1)
     rows = torch.arange(advantages.size(0), device=advantages.device)
     sequence = torch.where(mask.any(dim=1), advantages[rows, first], 0.0)
+    same = (advantages == sequence[:, None]) | (advantages.isnan() & sequence.isnan()[:, None])
+    varying = (mask & ~same).any(dim=1)
+    if bool(varying.any()):
+        i = int(varying.nonzero()[0])
+        row = advantages[i][mask[i]]
+        named = f" (algorithm.adv_estimator={adv_estimator})" if adv_estimator else ""
+        raise ValueError(
+            f"verl's advantages{named} vary along {int(varying.sum())} of {len(varying)} "
+            f"responses (row {i}: from {float(row.min()):.6g} to {float(row.max()):.6g}); pepo's "
+            f"strategies weight one advantage per rollout: use one of {_supported()}, with an "
+            f"outcome reward"
+        )
     positive = token_scores.sum(dim=1) > success_threshold
-    return strategy(sequence, entropy.float(), mask, positive=positive).to(advantages.dtype)
+    out = strategy(sequence, entropy.float(), mask, positive=positive, groups=groups)
+    return out.to(advantages.dtype)
 
 
 @register_trainer("pepo")
@@ -97,15 +189,17 @@ class PepoPPOTrainer(PPOTrainerSync):
     """verl's synchronous v1 trainer with pepo's token weighting of the advantages."""
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
-        # a bad `pepo` section fails here, before verl builds anything
+        # a bad `pepo` section or an estimator pepo would flatten fails here, before verl builds
+        # anything
         self.pepo_strategy, self.pepo_success_threshold = strategy_from_config(config.get("pepo"))
+        self.pepo_adv_estimator = check_adv_estimator(config.get("algorithm"))
         super().__init__(config, *args, **kwargs)
 
     def _compute_advantage(self, batch, metrics: dict):
         batch = super()._compute_advantage(batch, metrics)
         data = tq.kv_batch_get(
             keys=batch.keys, partition_id=batch.partition_id,
-            select_fields=["advantages", "entropy", "response_mask", "rm_scores"],
+            select_fields=["advantages", "entropy", "response_mask", "rm_scores", "uid"],
         )
         if data.get("entropy", None) is None:
             raise ValueError(
@@ -114,9 +208,11 @@ class PepoPPOTrainer(PPOTrainerSync):
             )
         nested_mask = data["response_mask"]
         padded = data.to_padded_tensor()
+        groups = group_ids(padded.pop("uid").tolist())  # as verl's own advantage step reads it
         weighted = token_advantages(
             self.pepo_strategy, padded["advantages"], padded["entropy"], padded["response_mask"],
-            padded["rm_scores"], self.pepo_success_threshold,
+            padded["rm_scores"], self.pepo_success_threshold, groups=groups,
+            adv_estimator=self.pepo_adv_estimator,
         )
         metrics["pepo/token_advantage_abs_mean"] = float(
             weighted.abs().sum() / padded["response_mask"].sum().clamp(min=1))
