@@ -24,9 +24,10 @@ baselines; and the returns-to-go of ``reinforce_plus_plus`` with ``gamma < 1`` o
 ``remax`` with ``use_kl_in_reward``). Every step also checks that each row's advantages are one
 value, so an estimator registered elsewhere, or token-level reward scores, fail in one line
 instead of being flattened. Weighting each token's own advantage (``c_{i,t} A_{i,t}``) was not
-chosen: it is no strategy's formula (PEPO's rows would no longer keep GRPO's total advantage;
-``entropy_bonus`` caps its bonus by ``|A_i|``; ``gtpo`` builds its own advantages; a user
-strategy is a function of one advantage per row), so it would train something untested.
+chosen: it is no strategy's formula (PEPO's ``Σ_t c_{i,t} = T_i`` would no longer keep the
+row's total advantage; ``entropy_bonus`` caps its bonus by ``|A_i|``; ``gtpo`` builds its own
+advantages; a user strategy is a function of one advantage per row), so it would train
+something untested.
 """
 
 from __future__ import annotations
