@@ -70,7 +70,7 @@ from torchtune.modules import TiedLinear, TransformerSelfAttentionLayer
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
-from pepo import _checks, estimators, weighting
+from pepo import estimators, weighting
 from pepo.training import prior_cache
 from pepo.training.checkpointing import MODEL_FILE, AtomicCheckpointer, resolve_marker
 from pepo.training.distributed import Dist, minibatch_indices, shard_model, tile_rows
@@ -80,6 +80,7 @@ from pepo.training.evaluation import (RewardError, avg_at_k, eval_generator, is_
                                       sample_and_score)
 from pepo.training.generation import Rollouts, draw_seeds, sequence_inputs
 from pepo.training.hf import save_hf
+from pepo.training.models import check_state_matches
 from pepo.loss import clipped_policy_loss, policy_loss_metrics, truncated_is_weights
 from pepo.training.config import (
     build,
@@ -371,7 +372,7 @@ class PEPORecipe(FTRecipeInterface):
     def _load_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
         """Loads a whole (unsharded) checkpoint, written with any number of processes."""
         weights = load_file(str(path / MODEL_FILE))
-        _checks.check_state_matches(self.model, weights, path)
+        check_state_matches(self.model, weights, path)
         set_model_state_dict(self.model, weights, options=StateDictOptions(full_state_dict=True))
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
                                  options=StateDictOptions(full_state_dict=True))

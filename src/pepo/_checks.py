@@ -159,20 +159,3 @@ def nonfinite_message(name: str, count: int) -> str:
         f"{name} holds {count} NaN/inf value(s) at valid (mask=True) positions; "
         f"fix the producer, or pass check_finite=False to skip this check"
     )
-
-
-def check_state_matches(model: torch.nn.Module, state: dict, source: Any) -> None:
-    """Raises ``ValueError`` unless ``state`` has exactly ``model``'s keys and shapes
-    (``source`` names where it came from)."""
-    own = model.state_dict()
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    if missing or unexpected:
-        raise ValueError(
-            f"{source} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
-        )
-    for k, v in state.items():
-        if v.shape != own[k].shape:
-            raise ValueError(
-                f"{source}: {k} has shape {list(v.shape)}, the model expects {list(own[k].shape)}"
-            )

@@ -36,7 +36,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pepo.training.pretrained import _sha256
+from pepo.training.files import follow_umask, sha256_file
 
 __all__ = ["AtomicCheckpointer", "CheckpointWarning", "follow_umask", "resolve_marker",
            "verify_weights"]
@@ -53,15 +53,6 @@ _MARKER_MAX_BYTES = 64  # a valid marker is "step_<N>\n"; never read an arbitrar
 
 class CheckpointWarning(UserWarning):
     """A checkpoint or the ``latest`` marker was found damaged or invalid and was skipped."""
-
-
-def follow_umask(path: Union[str, Path]) -> None:
-    """Gives ``path`` the permissions a plain ``open``/``mkdir`` would (``0o666``/``0o777``
-    less the umask). ``mkdtemp`` makes directories 0700 and safetensors writes files 0600, which
-    a team on a shared file system cannot read or resume from."""
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~mask)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -159,7 +150,7 @@ def verify_weights(path: Union[str, Path]) -> None:
         return
     if not (path / MODEL_FILE).is_file():
         raise ValueError(f"{path} has no {MODEL_FILE}")
-    if _sha256(path / MODEL_FILE) != sums[MODEL_FILE]:
+    if sha256_file(path / MODEL_FILE) != sums[MODEL_FILE]:
         raise ValueError(
             f"{path / MODEL_FILE} is damaged: its sha256 differs from the one recorded in "
             f"{CHECKSUMS} when it was saved (a flipped bit or an incomplete copy); restore it "
@@ -218,7 +209,7 @@ class AtomicCheckpointer:
             weights = {k: v.detach().contiguous().cpu() for k, v in sd.items()}
             _write_file(tmp / MODEL_FILE, lambda p: save_file(weights, str(p)))
             _write_file(tmp / STATE_FILE, lambda p: torch.save(state, p))
-            sums = {name: _sha256(tmp / name) for name in (MODEL_FILE, STATE_FILE)}
+            sums = {name: sha256_file(tmp / name) for name in (MODEL_FILE, STATE_FILE)}
             meta = {"step": step, **{k: float(v) for k, v in (metrics or {}).items()}}
             for name, data in ((CHECKSUMS, sums), (METADATA, meta)):
                 _write_file(tmp / name, lambda p, d=data: p.write_text(
@@ -369,7 +360,7 @@ class AtomicCheckpointer:
         except ValueError as e:
             return str(e)
         for name, digest in (expected or {}).items():
-            if _sha256(path / name) != digest:
+            if sha256_file(path / name) != digest:
                 return f"the sha256 of {name} differs from the one recorded when it was saved"
         return None
 

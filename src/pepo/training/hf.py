@@ -25,7 +25,8 @@ from safetensors.torch import load_file, save_file
 from torchtune.models import convert_weights
 from torchtune.modules import TransformerDecoder
 
-from pepo import _checks
+from pepo.training.files import follow_umask
+from pepo.training.models import check_state_matches
 
 __all__ = [
     "architecture_from_hf",
@@ -256,7 +257,7 @@ def from_hf(
                  "bfloat16": torch.bfloat16}[dtype]
     model = architecture_from_hf(model_dir, max_seq_len=max_seq_len)
     state = read_tune_state(model_dir)
-    _checks.check_state_matches(model, state, model_dir)
+    check_state_matches(model, state, model_dir)
     model.load_state_dict(state)
     return model.to(dtype)
 
@@ -273,8 +274,6 @@ def save_hf(
     with ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained``.
     """
     import shutil
-
-    from pepo.training.checkpointing import follow_umask
 
     cfg = load_hf_config(source_dir)
     out = Path(out_dir)

@@ -15,7 +15,7 @@ torchtune 0.6.1 has no Qwen3. :func:`qwen3` builds the architecture from torchtu
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -29,7 +29,7 @@ from torchtune.modules import (
     TransformerSelfAttentionLayer,
 )
 
-__all__ = ["HeadNormProjection", "qwen3", "tiny_qwen3"]
+__all__ = ["HeadNormProjection", "check_state_matches", "qwen3", "tiny_qwen3"]
 
 
 class HeadNormProjection(nn.Module):
@@ -178,3 +178,20 @@ def tiny_qwen3(
         head_dim=head_dim,
         tie_word_embeddings=True,
     )
+
+
+def check_state_matches(model: nn.Module, state: dict, source: Any) -> None:
+    """Raises ``ValueError`` unless ``state`` has exactly ``model``'s keys and shapes
+    (``source`` names where it came from)."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise ValueError(
+            f"{source} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    for k, v in state.items():
+        if v.shape != own[k].shape:
+            raise ValueError(
+                f"{source}: {k} has shape {list(v.shape)}, the model expects {list(own[k].shape)}"
+            )

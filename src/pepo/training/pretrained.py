@@ -20,7 +20,6 @@ In a config, ``${pepo_pretrained:smollm2}`` resolves to that directory.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
+from pepo.training.files import follow_umask, sha256_file
 from pepo.training.run_lock import locked
 
 __all__ = ["GGUF_MODELS", "GgufModel", "cache_root", "convert_gguf", "gguf_file",
@@ -100,14 +100,6 @@ def gguf_file(name: str) -> Path:
     )
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def is_intact(directory: Union[str, Path], source_sha256: Optional[str] = None) -> bool:
     """Whether ``directory`` is a complete conversion: its manifest parses, names the source
     ``source_sha256`` (when given) and every file it lists has the recorded SHA-256."""
@@ -121,7 +113,7 @@ def is_intact(directory: Union[str, Path], source_sha256: Optional[str] = None) 
         files = manifest["files"]
         if "model.safetensors" not in files or "config.json" not in files:
             return False
-        return all((d / f).is_file() and _sha256(d / f) == digest for f, digest in files.items())
+        return all((d / f).is_file() and sha256_file(d / f) == digest for f, digest in files.items())
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
 
@@ -140,7 +132,6 @@ def convert_gguf(gguf: Union[str, Path], out_dir: Union[str, Path],
     import transformers
     from safetensors.torch import save_file
 
-    from pepo.training.checkpointing import follow_umask
 
     gguf = Path(gguf)
     out = Path(out_dir)
@@ -161,9 +152,9 @@ def convert_gguf(gguf: Union[str, Path], out_dir: Union[str, Path],
     config.save_pretrained(str(out))
     model.generation_config.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
-    files = {p.name: _sha256(p) for p in sorted(out.iterdir()) if p.is_file()}
+    files = {p.name: sha256_file(p) for p in sorted(out.iterdir()) if p.is_file()}
     manifest = {"format": FORMAT, "source": gguf.name,
-                "source_sha256": source_sha256 or _sha256(gguf),
+                "source_sha256": source_sha256 or sha256_file(gguf),
                 "transformers": transformers.__version__, "files": files}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
     return out
@@ -186,7 +177,7 @@ def pretrained_dir(name: str) -> str:
     key = (name, str(entry))
     if key in _verified:
         return _verified[key]
-    digest = _sha256(source)
+    digest = sha256_file(source)
     with locked(entry):  # entry + ".lock"
         if not is_intact(entry, digest):
             _rebuild(m, source, digest, entry)

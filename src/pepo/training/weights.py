@@ -16,9 +16,9 @@ from typing import Union
 
 import torch
 
-from pepo import _checks
 from pepo.training import hf
 from pepo.training.checkpointing import MODEL_FILE, verify_weights
+from pepo.training.models import check_state_matches
 
 __all__ = ["load_model_weights"]
 
@@ -39,5 +39,5 @@ def load_model_weights(model: torch.nn.Module, checkpoint_dir: Union[str, Path])
             raise ValueError(f"checkpoint_dir={str(checkpoint_dir)!r} has no {MODEL_FILE}")
         verify_weights(d)  # a flipped bit would load silently: safetensors has no checksum
         state = hf.read_safetensors(source)
-    _checks.check_state_matches(model, state, source)
+    check_state_matches(model, state, source)
     model.load_state_dict(state)
