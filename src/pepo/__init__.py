@@ -10,10 +10,8 @@ embedded tasks and verifiers, plain Python), ``pepo.training`` (the recipe's mac
 and ``pepo.integrations`` (TRL, verl).
 """
 
-from pepo import _moved, entropy, estimators, loss, weighting
+from pepo import entropy, estimators, loss, weighting
 
 __version__ = "0.2.0"
 
 __all__ = ["entropy", "estimators", "loss", "weighting", "__version__"]
-
-_moved.install()
