@@ -48,6 +48,7 @@ from omegaconf import OmegaConf
 from torchtune import config as tt_config
 
 import pepo.training.generation as G
+from pepo.training.fast_decoder import FastPlan
 from pepo.training.config import find_config, register_resolvers
 from pepo.training.weights import load_model_weights
 
@@ -81,7 +82,7 @@ def linear_weights(model: torch.nn.Module) -> list[torch.Tensor]:
 def step_weights(model: torch.nn.Module) -> list[torch.Tensor]:
     """The weights of the products the fast decoder's step runs: the fused q/k/v and gate/up
     stacks where its plan has them, the other linear layers as they are."""
-    plan = G._FastPlan.of(model)
+    plan = FastPlan.of(model)
     parts = set()  # the weights inside a stack
     for layer, f in zip(plan.layers, plan.fused):
         attn, mlp = layer.attn, layer.mlp

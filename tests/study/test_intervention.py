@@ -12,7 +12,8 @@ import torch
 
 from pepo.study import analysis
 from pepo.training.evaluation import avg_at_k, eval_generator
-from pepo.training.generation import _sample, draw_seeds, filter_logits, generate, row_uniforms
+from pepo.training.draws import inverse_cdf_sample
+from pepo.training.generation import draw_seeds, filter_logits, generate, row_uniforms
 from pepo.study.intervention import intervene, mixed_generate, select_positions, token_metric
 from pepo.training.models import tiny_qwen3
 from pepo.tasks import modsum_dataset
@@ -53,7 +54,7 @@ def _reference(base, repl, prompt, replace_row, seed, max_new, temperature, top_
         zb = base(x)[0, -1]
         z = repl(x)[0, -1] if bool(replace_row[t]) else zb
         probs = filter_logits(z[None], temperature, None, top_p).softmax(-1)
-        tok = int(_sample(probs, row_uniforms(torch.tensor([seed]), t))[0])
+        tok = int(inverse_cdf_sample(probs, row_uniforms(torch.tensor([seed]), t))[0])
         p = (zb.double() / temperature).softmax(-1)
         ents.append(float(-(p * p.clamp_min(1e-300).log()).sum()))
         toks.append(tok)
@@ -94,19 +95,20 @@ def test_fast_mixed_decoder_matches_the_lock_step_one(models, shared):
     """Both models decoded by pepo's fast decoder (finished rows dropped from both caches) give
     what torchtune's lock-step caches give, entropies included; with ``shared`` each prompt
     is sampled 3 times (avg@k), so both caches share each prompt's columns among its rows."""
-    from pepo.training.generation import _decode, _FastPlan
+    from pepo.training.fast_decoder import FastPlan
+    from pepo.training.generation import decode
 
     base, repl = models
-    assert _FastPlan.of(base) is not None and _FastPlan.of(repl) is not None  # fast path taken
+    assert FastPlan.of(base) is not None and FastPlan.of(repl) is not None  # fast path taken
     prompts = [p for p in _prompts(8, seed=5) for _ in range(3)] if shared else _prompts(24, seed=5)
     max_new = 30
     seeds = draw_seeds(torch.Generator().manual_seed(6), len(prompts))
     replace = torch.rand((len(prompts), max_new), generator=torch.Generator().manual_seed(7)) < 0.3
     ro = mixed_generate(base, repl, prompts, replace, seeds=seeds, max_new_tokens=max_new,
                         pad_id=PAD, stop_tokens=STOP + [2, 3, 4], temperature=0.8)
-    pt, _, out, lp, valid, done, ent = _decode(  # plans None: the reference decoder
+    pt, _, out, lp, valid, done, ent = decode(  # plans None: the reference decoder
         [base, repl], None, prompts, max_new_tokens=max_new, pad_id=PAD,
-        stop_tokens=STOP + [2, 3, 4], seeds=seeds, generator=None, step=None, temperature=0.8,
+        stop_tokens=STOP + [2, 3, 4], seeds=seeds, generator=None, temperature=0.8,
         top_k=None, top_p=1.0, replace=replace, entropies=True)
     assert torch.equal(ro.prompt_tokens, pt)
     w = ro.tokens.shape[1]

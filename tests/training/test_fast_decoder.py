@@ -14,6 +14,7 @@ import dataclasses
 import pytest
 import torch
 
+import pepo.training.fast_decoder as FD
 import pepo.training.generation as G
 from pepo.entropy import logprobs_and_entropy
 from pepo.tasks.problems import drift_dataset, modsum_dataset
@@ -123,8 +124,8 @@ def test_finished_rows_leave_the_batch(monkeypatch):
     model = random_model(4, 2)
     prompts = ragged_prompts(32, seed=2)
     sizes = []
-    real = G._decode_step
-    monkeypatch.setattr(G, "_decode_step", lambda plan, tok, *a: sizes.append(len(tok)) or
+    real = FD.decode_step
+    monkeypatch.setattr(FD, "decode_step", lambda plan, tok, *a: sizes.append(len(tok)) or
                         real(plan, tok, *a))
     kw = dict(max_new_tokens=40, pad_id=0, stop_tokens=list(range(2, 14)),
               seeds=torch.arange(32) + 7)
@@ -135,7 +136,7 @@ def test_finished_rows_leave_the_batch(monkeypatch):
     assert sizes == sorted(sizes, reverse=True)
     # the batch never holds many stopped rows: at most 1/8 of it beyond the live ones
     live = (fast.mask.sum(-1)[:, None] > torch.arange(1, len(sizes) + 1)).sum(0).tolist()
-    assert all(n <= s and s <= max(n / G._COMPACT_BELOW, n + 1) for n, s in zip(live, sizes))
+    assert all(n <= s and s <= max(n / FD._COMPACT_BELOW, n + 1) for n, s in zip(live, sizes))
 
 
 def shared_prompts(n, seed):
@@ -156,13 +157,13 @@ def test_rows_of_one_prompt_share_its_cache(monkeypatch, dtype, lp_tol, generate
     prompts = shared_prompts(9, seed=8)
     distinct = len({tuple(p) for p in prompts})
     seen = []
-    real = G._decode_step
+    real = FD.decode_step
 
     def spy(plan, tok, pos, prompt_k, *a):
         seen.append((len(tok), prompt_k[0].shape[0]))
         return real(plan, tok, pos, prompt_k, *a)
 
-    monkeypatch.setattr(G, "_decode_step", spy)
+    monkeypatch.setattr(FD, "decode_step", spy)
     kw = dict(max_new_tokens=40, pad_id=0, stop_tokens=list(range(2, 8)),
               seeds=torch.arange(len(prompts)) + 3)
     fast = G.generate(model, prompts, **kw)
@@ -235,13 +236,13 @@ ARCHITECTURES = {
 @pytest.mark.parametrize("fuse", [True, False])
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_every_architecture_decodes_as_the_reference(arch, fuse, monkeypatch):
-    """The decode step's fused products, rotary tables and head norms (:class:`G._Fused`) on
+    """The decode step's fused products, rotary tables and head norms (:class:`FD._Fused`) on
     each form torchtune decoders take, and with fusion off (the modules one by one): the plan
     must take the path named (a fusion that silently never applies would pass the comparison
     alone), and the tokens must be the reference's."""
     build, rope, qkv, head_norm, qk_norm = ARCHITECTURES[arch]
     if not fuse:
-        monkeypatch.setattr(G, "_FUSE_MAX_BYTES", 0)
+        monkeypatch.setattr(FD, "_FUSE_MAX_BYTES", 0)
     torch.manual_seed(1)
     model = build()
     with torch.no_grad():
@@ -252,7 +253,7 @@ def test_every_architecture_decodes_as_the_reference(arch, fuse, monkeypatch):
                 p.normal_(0, 0.15)
             else:  # biases
                 p.normal_(0, 0.1)
-    plan = G._FastPlan.of(model)
+    plan = FD.FastPlan.of(model)
     assert plan.rope == rope
     assert all((f.qkv is not None) == (qkv and fuse) for f in plan.fused)
     assert all((f.up is not None) == fuse for f in plan.fused)
@@ -273,13 +274,13 @@ def test_rotary_tables_rotate_as_the_modules_do():
     """The step's rotary embedding from per-step tables equals each module's forward, bit for
     bit, on query and key heads side by side (every head is rotated alike)."""
     for model in (random_model(4, 2), _llama()):
-        plan = G._FastPlan.of(model)
+        plan = FD.FastPlan.of(model)
         rope = plan.layers[0].attn.pos_embeddings
         x = torch.randn(7, 6, 16)
         pos = torch.randint(0, 90, (7, 1))
-        tables = G._rope_tables(plan, pos, x.dtype)
+        tables = FD._rope_tables(plan, pos, x.dtype)
         want = rope(x[:, None], input_pos=pos)[:, 0]
-        assert torch.equal(G._rope(plan, plan.layers[0].attn, x, tables), want)
+        assert torch.equal(FD._rope(plan, plan.layers[0].attn, x, tables), want)
 
 
 def test_a_row_samples_the_same_alone_and_in_any_batch():
@@ -371,7 +372,7 @@ def test_a_model_the_fast_decoder_cannot_read_uses_the_reference():
             return self.inner.reset_caches()
 
     model = random_model(4, 2)
-    assert G._FastPlan.of(Wrapped(model)) is None and G._FastPlan.of(model) is not None
+    assert FD.FastPlan.of(Wrapped(model)) is None and FD.FastPlan.of(model) is not None
     prompts = ragged_prompts(6, seed=5)
     kw = dict(max_new_tokens=12, pad_id=0, stop_tokens=[1], seeds=torch.arange(6))
     wrapped = G.generate(Wrapped(model), prompts, **kw)
@@ -391,8 +392,8 @@ def test_compiled_step_samples_what_the_eager_step_samples(monkeypatch):
     model = random_model(4, 2)
     prompts = ragged_prompts(12, seed=6)
     kw = dict(max_new_tokens=20, pad_id=0, stop_tokens=[1, 2, 3], seeds=torch.arange(12))
-    compiled, calls = G._compiled_step(), []
-    monkeypatch.setattr(G, "_compiled_step",
+    compiled, calls = FD.compiled_step(), []
+    monkeypatch.setattr(FD, "compiled_step",
                         lambda: lambda *a: calls.append(1) or compiled(*a))
     assert_same_rollouts(G.generate(model, prompts, compile=True, **kw),
                          G.generate(model, prompts, **kw), lp_tol=2e-5)

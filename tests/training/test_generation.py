@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+import pepo.training.draws as D
 import pepo.training.generation as G
 from pepo.entropy import logprobs_and_entropy
 from pepo.training.models import tiny_qwen3
@@ -73,7 +74,8 @@ PROMPTS = [[5, 6, 7, 8, 9], [3, 4], [10, 11, 12, 13, 14, 15, 16]]
 def test_kv_cached_sampling_sees_full_forward_distribution(model, monkeypatch):
     seen = []
     real = G.filter_logits
-    monkeypatch.setattr(G, "filter_logits", lambda l, *a: seen.append(l.clone()) or real(l, *a))
+    # the draws module's own name: both decoders draw through pepo.training.draws.draw_token
+    monkeypatch.setattr(D, "filter_logits", lambda l, *a: seen.append(l.clone()) or real(l, *a))
     ro = G.generate(model, PROMPTS, max_new_tokens=10, pad_id=0, stop_tokens=[1],
                     generator=torch.Generator().manual_seed(0))
     cached = torch.stack(seen, 1).log_softmax(-1)  # [B, T, V]

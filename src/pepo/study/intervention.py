@@ -36,13 +36,8 @@ import torch
 
 from pepo import weighting
 from pepo.training.evaluation import eval_generator, is_success, reward_tensor
-from pepo.training.generation import (
-    Rollouts,
-    _decode,
-    _decode_step,
-    _FastPlan,
-    draw_seeds,
-)
+from pepo.training.fast_decoder import FastPlan
+from pepo.training.generation import Rollouts, decode, draw_seeds
 
 __all__ = ["METRICS", "MixedRollouts", "intervene", "main", "mixed_generate", "select_positions",
            "token_metric", "write_table"]
@@ -97,11 +92,11 @@ def mixed_generate(
                          f"mask, got {replace.dtype} {list(replace.shape)}")
     replace = replace.to(device)
     models = [base] if replacement is None else [base, replacement]
-    plans = [_FastPlan.of(m) for m in models]
-    prompt_tokens, prompt_mask, out, out_lp, valid, done, ent = _decode(
+    plans = [FastPlan.of(m) for m in models]
+    prompt_tokens, prompt_mask, out, out_lp, valid, done, ent = decode(
         models, plans if all(p is not None for p in plans) else None, prompts,
         max_new_tokens=max_new_tokens, pad_id=pad_id, stop_tokens=stop_tokens, seeds=seeds,
-        generator=None, step=_decode_step, temperature=temperature, top_k=top_k, top_p=top_p,
+        generator=None, temperature=temperature, top_k=top_k, top_p=top_p,
         replace=replace, entropies=True)
     return MixedRollouts(
         prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, tokens=out, mask=valid,
