@@ -54,7 +54,7 @@ def proximal_entropy_row_fast(h: np.ndarray, window: int, temperature: float = 1
     return np.exp(x - m) / np.exp(win - m[:, None]).sum(axis=1)
 
 
-def linear_proximal_row(h: np.ndarray, window: int) -> np.ndarray:
+def window_average_row(h: np.ndarray, window: int) -> np.ndarray:
     """App. E's softmax-free statistic: r_t = H_t / Σ_{|k-t| <= W/2} H_k, 1/W where that is 0."""
     half = window // 2
     if len(h) == 0:

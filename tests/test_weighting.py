@@ -186,7 +186,7 @@ def test_positive_flags_choose_the_weighted_rows(name):
     adv, ent, mask = ragged_batch([7, 9, 12, 5], 12, holes=True, seed=37)
     adv = torch.tensor([-0.7, 0.4, 1.3, -0.2])
     positive = torch.tensor([True, False, True, False])
-    row = ref.proximal_entropy_row if name == "proximal_softmax" else ref.linear_proximal_row
+    row = ref.proximal_entropy_row if name == "proximal_softmax" else ref.window_average_row
     s = pw.get_strategy(name, window=5)
     got = s(adv, ent, mask, positive=positive)
     close(got, ref.multiplicative(adv, ent, mask, lambda v: row(v, 5), "positive", positive), atol=1e-6)
@@ -275,34 +275,50 @@ def test_custom_strategy_with_var_keywords_receives_positive_and_groups():
 
 @pytest.mark.parametrize("window,lengths", [(1, [1, 2, 7]), (3, [1, 2, 3, 4, 9]), (W_SMALL, LENGTHS_SMALL), (101, LENGTHS_101)])
 @pytest.mark.parametrize("holes", [False, True])
-def test_linear_proximal_entropy_matches_reference(window, lengths, holes):
+def test_window_average_entropy_matches_reference(window, lengths, holes):
     _, ent, mask = ragged_batch(lengths, max(lengths) + (13 if holes else 3), holes=holes, seed=41)
-    got = pw.linear_proximal_entropy(ent, mask, window=window)
+    got = pw.window_average_entropy(ent, mask, window=window)
     expected = np.stack([
-        ref.scatter_back(ref.linear_proximal_row(ref.valid_values(ent[i].double(), mask[i]), window), mask[i])
+        ref.scatter_back(ref.window_average_row(ref.valid_values(ent[i].double(), mask[i]), window), mask[i])
         for i in range(len(lengths))
     ])
     close(got, expected)
     assert (got[~mask] == 0).all()
 
 
-def test_linear_proximal_entropy_hand_worked_and_zero_windows():
+def test_window_average_entropy_hand_worked_and_zero_windows():
     # H = [0, 1, 0, 0, 0], W = 3, reflect pad -> [1, 0, 1, 0, 0, 0, 0]
     # t=0: window [1, 0, 1] -> r = 0 / 2 = 0; t=1: [0, 1, 0] -> 1 / 1 = 1; t=2: [1, 0, 0] -> 0
     # t=3: [0, 0, 0] sums to 0 -> 1/W; t=4: [0, 0, 0] (reflected) -> 1/W
     ent = torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0]])
-    r = pw.linear_proximal_entropy(ent, torch.ones(1, 5, dtype=torch.bool), window=3)
+    r = pw.window_average_entropy(ent, torch.ones(1, 5, dtype=torch.bool), window=3)
     torch.testing.assert_close(r, torch.tensor([[0.0, 1.0, 0.0, 1 / 3, 1 / 3]]))
 
 
-def test_linear_proximal_entropy_refuses_negative_entropies():
+def test_the_old_name_linear_proximal_entropy_is_the_same_function_and_warns():
+    """The name before the window average had one name: same values, same checks, a
+    FutureWarning naming the new one. Catches an alias that computes something else (the
+    proximal entropy, say) or drops ``check_finite``."""
+    _, ent, mask = ragged_batch([1, 4, 9], 12, holes=True, seed=5)
+    with pytest.warns(FutureWarning, match="use pepo.weighting.window_average_entropy"):
+        old = pw.linear_proximal_entropy(ent, mask, window=5)
+    assert torch.equal(old, pw.window_average_entropy(ent, mask, window=5))
+    bad = torch.tensor([[0.2, math.nan, 0.1]])
+    ones = torch.ones(1, 3, dtype=torch.bool)
+    with pytest.warns(FutureWarning), pytest.raises(ValueError, match="NaN"):
+        pw.linear_proximal_entropy(bad, ones, window=3)
+    with pytest.warns(FutureWarning):
+        assert torch.isnan(pw.linear_proximal_entropy(bad, ones, window=3, check_finite=False)).any()
+
+
+def test_window_average_entropy_refuses_negative_entropies():
     mask = torch.ones(1, 3, dtype=torch.bool)
     with pytest.raises(ValueError, match="entropies must be >= 0 .* value of -0.5"):
-        pw.linear_proximal_entropy(torch.tensor([[0.2, -0.5, 0.1]]), mask, window=3)
+        pw.window_average_entropy(torch.tensor([[0.2, -0.5, 0.1]]), mask, window=3)
     with pytest.raises(ValueError, match="entropies must be >= 0 .* value of -0.5"):  # unchecked
-        pw.linear_proximal_entropy(torch.tensor([[0.2, -0.5, 0.1]]), mask, window=3, check_finite=False)
+        pw.window_average_entropy(torch.tensor([[0.2, -0.5, 0.1]]), mask, window=3, check_finite=False)
     # fp32 rounding just below 0 counts as 0
-    r = pw.linear_proximal_entropy(torch.tensor([[0.2, -1e-7, 0.1]]), mask, window=3)
+    r = pw.window_average_entropy(torch.tensor([[0.2, -1e-7, 0.1]]), mask, window=3)
     assert r[0, 1] == 0.0
 
 
@@ -313,7 +329,7 @@ def test_window_average_matches_reference(window, lengths, apply_to, holes):
     adv, ent, mask = ragged_batch(lengths, max(lengths) + 5, holes=holes, seed=8)
     adv[2] = -1.0
     got = pw.get_strategy("window_average", window=window, apply_to=apply_to)(adv, ent, mask)
-    expected = ref.multiplicative(adv, ent, mask, lambda v: ref.linear_proximal_row(v, window), apply_to)
+    expected = ref.multiplicative(adv, ent, mask, lambda v: ref.window_average_row(v, window), apply_to)
     close(got, expected, rtol=RTOL32, atol=1e-6)
     torch.testing.assert_close(got.sum(1), adv * mask.sum(1), rtol=1e-5, atol=1e-4)
 
@@ -615,7 +631,7 @@ def test_a_user_strategy_from_the_building_blocks_matches_window_average(make_ba
     @pw.register_strategy("test_my_window_average")
     def mine(window: int = 5):
         def fn(advantages, entropies, mask, positive):
-            r = pw.linear_proximal_entropy(entropies, mask, window=window)
+            r = pw.window_average_entropy(entropies, mask, window=window)
             return pw.weight_rows(advantages, pw.normalize_to_length(r, mask), positive)
         return fn
 

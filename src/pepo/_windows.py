@@ -13,8 +13,8 @@ Every function here works on *cleaned* entropies: fp32, 0 where ``mask`` is Fals
   second. Each sum adds at most ``W`` terms, so it is as accurate as the direct sum at any row
   length (a global cumulative sum would lose digits to cancellation on 32k-token rows). No
   ``[B, T, W]`` tensor is created.
-* :func:`proximal` is Eq. (6); :func:`linear_proximal` its softmax-free counterpart
-  ``H_t / Σ_{k∈W(t)} H_k`` (Appendix E).
+* :func:`proximal` is Eq. (6); :func:`window_average` its softmax-free counterpart
+  ``H_t / Σ_{k∈W(t)} H_k`` (the ``window_average`` strategy's statistic).
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ def proximal(clean: torch.Tensor, mask: torch.Tensor, window: int, temperature: 
     return rows.expand(proximal_compact(rows, window, temperature, s.exact_log, s.shift), mask)
 
 
-def linear_proximal(clean: torch.Tensor, mask: torch.Tensor, window: int) -> torch.Tensor:
+def window_average(clean: torch.Tensor, mask: torch.Tensor, window: int) -> torch.Tensor:
     """``r_t = H_t / Σ_{k∈W(t)} H_k`` of cleaned entropies, ``1/W`` where the window sums to 0.
 
     ``[B, T]``, 0 where masked.

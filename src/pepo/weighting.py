@@ -38,13 +38,14 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from typing import Any, Callable, Optional, Protocol
 
 import torch
-import torch.nn.functional as F
 
-from pepo import _checks
+from pepo import _checks, _gtpo, _topk
 from pepo import _windows as _w
+from pepo._gtpo import gtpo_rewards
 
 __all__ = [
     "Strategy",
@@ -63,6 +64,7 @@ __all__ = [
     "uniform",
     "weight_rows",
     "window_average",
+    "window_average_entropy",
 ]
 
 
@@ -153,14 +155,15 @@ def proximal_entropy(
         return _w.proximal(clean, mask, window, temperature)
 
 
-def linear_proximal_entropy(
+def window_average_entropy(
     entropies: torch.Tensor,
     mask: torch.Tensor,
     window: int = 101,
     *,
     check_finite: bool = True,
 ) -> torch.Tensor:
-    """The softmax-free counterpart of Eq. (6) (Appendix E): ``r_t = H_t / Σ_{k∈W(t)} H_k``.
+    """The ``window_average`` strategy's statistic, Eq. (6) without its softmax (this library's
+    reading of App. E's windowed-average diagnostic): ``r_t = H_t / Σ_{k∈W(t)} H_k``.
 
     Same windows as :func:`proximal_entropy` (each row's valid tokens, centred, reflect-padded);
     ``r_t = 1/W`` where the window's entropies sum to 0. Like ``e``, ``r`` is relative to the
@@ -187,7 +190,17 @@ def linear_proximal_entropy(
         clean = _w.clean(entropies.detach(), mask)
         if check_finite:
             _check_finite_clean(entropies=clean)
-        return _w.linear_proximal(clean, mask, window)
+        return _w.window_average(clean, mask, window)
+
+
+def linear_proximal_entropy(entropies: torch.Tensor, mask: torch.Tensor, window: int = 101, *,
+                            check_finite: bool = True) -> torch.Tensor:
+    """Deprecated alias of :func:`window_average_entropy` (the same function under its old
+    name), with a ``FutureWarning``. It goes away in 0.3."""
+    warnings.warn("pepo.weighting.linear_proximal_entropy is deprecated: use "
+                  "pepo.weighting.window_average_entropy (the same function)", FutureWarning,
+                  stacklevel=2)
+    return window_average_entropy(entropies, mask, window, check_finite=check_finite)
 
 
 # --------------------------------------------------------------------------------------------
@@ -431,7 +444,7 @@ def window_average(window: int = 101, apply_to: str = "positive") -> StrategyFn:
     diagnostic (it flattens the positional trend as proximal entropy does) and neither writes
     this ratio nor trains with it; the weighting below is pepo's.
 
-    ``r_{i,t} = H_{i,t} / Σ_{k ∈ W(t)} H_{i,k}`` (:func:`linear_proximal_entropy`; ``1/W`` where
+    ``r_{i,t} = H_{i,t} / Σ_{k ∈ W(t)} H_{i,k}`` (:func:`window_average_entropy`; ``1/W`` where
     the window sums to 0), ``c_{i,t} = r_{i,t} / Σ_k r_{i,k} · T_i``, ``Â_{i,t} = c_{i,t} A_i``.
     Like PEPO's ``e`` the statistic is relative to its window, so it carries no positional trend
     and no per-row scale; only the softmax's emphasis on local peaks is gone. A row whose ``r``
@@ -441,7 +454,7 @@ def window_average(window: int = 101, apply_to: str = "positive") -> StrategyFn:
     apply_to = _checks.check_choice("apply_to", apply_to, _APPLY_TO)
 
     def fn(advantages, entropies, mask, positive):
-        r = _w.linear_proximal(entropies, mask, window)  # [B, T]
+        r = _w.window_average(entropies, mask, window)  # [B, T]
         return _apply(advantages, normalize_to_length(r, mask), apply_to, positive)
 
     return fn
@@ -509,153 +522,17 @@ def global_topk(
             s = _w.proximal(entropies, mask, window, temperature)
         else:
             s = entropies
-        selected, n_valid = _select_top(s, mask, q, process_group)
+        selected, n_valid = _topk.select_top(s, mask, q, process_group)
         out = torch.where(selected, advantages[:, None], 0.0)
         # the threshold is over the whole batch: a NaN/inf score anywhere makes all of it NaN
         out = torch.where(torch.isfinite(torch.where(mask, s, 0.0)).all(), out, math.nan)
         if normalize == "selected_tokens":
-            n_selected = _global_count(selected, process_group)
+            n_selected = _topk.global_count(selected, process_group)
             if n_selected > 0:
                 out = out * (n_valid / n_selected)
         return out
 
     return fn
-
-
-def _select_top(
-    scores: torch.Tensor, mask: torch.Tensor, q: float, process_group: Optional[Any]
-) -> tuple[torch.Tensor, int]:
-    """Tokens with ``score >= quantile_q(valid scores)`` over the batch (and all ranks).
-
-    Returns the ``[B, T]`` bool selection and the global valid count.
-    """
-    flat = torch.where(mask, scores.float(), -math.inf).reshape(-1)  # [B*T]
-    n = _global_count(mask, process_group)
-    if n == 0:
-        return torch.zeros_like(mask), 0
-    # torch.quantile's linear interpolation puts the threshold between sorted[floor(q(n-1))] and
-    # sorted[ceil(q(n-1))]; `s >= threshold` then keeps exactly the elements from sorted index
-    # ceil(q(n-1)) up, i.e. the k largest with ties at the k-th included.
-    k = n - math.ceil(q * (n - 1))
-    if process_group is None:
-        threshold = flat.kthvalue(flat.numel() - k + 1).values
-    else:
-        import torch.distributed as dist
-
-        k_local = min(k, flat.numel())
-        top = flat.topk(k_local).values if k_local > 0 else flat.new_empty(0)
-        if k_local < k:
-            top = F.pad(top, (0, k - k_local), value=-math.inf)
-        gathered = [torch.empty_like(top) for _ in range(dist.get_world_size(process_group))]
-        dist.all_gather(gathered, top, group=process_group)
-        everything = torch.cat(gathered)
-        threshold = everything.kthvalue(everything.numel() - k + 1).values
-    return mask & (scores.float() >= threshold), n
-
-
-def _global_count(flags: torch.Tensor, process_group: Optional[Any]) -> int:
-    """Number of True entries of ``flags``, summed over the ranks of ``process_group``."""
-    total = flags.sum().reshape(1)
-    if process_group is not None:
-        import torch.distributed as dist
-
-        dist.all_reduce(total, group=process_group)
-    return int(total)
-
-
-_GTPO_NORMALIZE = ("group", "side")
-
-
-def gtpo_rewards(
-    entropies: torch.Tensor,
-    mask: torch.Tensor,
-    positive: torch.Tensor,
-    groups: torch.Tensor,
-    alpha1: float = 1.0,
-    alpha2: float = 0.1,
-    eps: float = 1e-8,
-) -> torch.Tensor:
-    """GTPO's entropy-shaped token rewards (Tan et al. 2025, arXiv 2508.04349, Eqs. 3 and 5).
-
-    Within each prompt group, at each response position ``t``:
-
-    * a successful rollout ``i`` (``positive``, the set ``O+``) gets
-      ``r̃_{i,t} = α1 + α2 · H_{i,t} / Σ_{k ∈ O+_t} H_{k,t} · d_t``;
-    * a failed rollout ``j`` (``O-``) gets
-      ``r̃_{j,t} = -α1 - α2 · (1/H_{j,t}) / Σ_{k ∈ O-_t} (1/H_{k,t}) · h_t``,
-
-    where ``O+_t`` / ``O-_t`` are the group's successful / failed rollouts that have a token at
-    ``t`` and ``d_t`` / ``h_t`` their numbers. ``1/H`` is ``1/(H + eps)`` (the paper's Remark
-    2.1). The outcome reward is binary: ``r = 1`` for success, ``-1`` for failure. So each side's
-    shaped rewards at ``t`` sum to ``±(α1 + α2) · d_t`` (``h_t``): with ``α1 + α2 = 1`` the total
-    reward is conserved (the paper's Prop. 2.2). Where every active ``O+`` entropy at ``t`` is 0
-    the entropy term is split evenly (``1/d_t`` each), which keeps that sum.
-
-    Position ``t`` counts a row's *valid* tokens, as the windows of the other strategies do: a
-    row with holes in its mask gets the rewards of the compacted row.
-
-    Args:
-        entropies: ``[B, T]`` token entropies (anything at masked positions).
-        mask: ``[B, T]`` bool, True on valid tokens.
-        positive: ``[B]`` bool, the successful rollouts.
-        groups: ``[B]`` integer, equal for the rollouts of one prompt.
-
-    Returns:
-        ``[B, T]`` fp32, 0 where ``mask`` is False.
-
-    Raises:
-        ValueError: bad shapes or dtypes, or a bad ``alpha1``, ``alpha2`` or ``eps``.
-    """
-    entropies, mask = _checks.check_entropies_mask(entropies, mask)
-    b = torch.empty(mask.shape[0], device=mask.device)
-    positive = _checks.check_row_flags("positive", positive, b)
-    groups = _checks.check_row_ids("groups", groups, b)
-    alpha1, alpha2, eps = _gtpo_params(alpha1, alpha2, eps)
-    ent = _w.clean(entropies.detach(), mask)
-    with torch.no_grad():
-        gid, n = _dense_ids(groups)
-        return _gtpo_shaped(ent, mask, positive, gid, n, alpha1, alpha2, eps).float()
-
-
-def _gtpo_params(alpha1: Any, alpha2: Any, eps: Any) -> tuple[float, float, float]:
-    for name, v in (("alpha1", alpha1), ("alpha2", alpha2)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
-    if alpha1 == 0 and alpha2 == 0:
-        raise ValueError("alpha1 and alpha2 are both 0: every shaped reward would be 0")
-    return float(alpha1), float(alpha2), _checks.check_positive("eps", eps)
-
-
-def _dense_ids(groups: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``groups`` renumbered 0..n-1, and n."""
-    if groups.numel() == 0:
-        return groups.long(), 0
-    uniq, inverse = torch.unique(groups, return_inverse=True)
-    return inverse, int(uniq.numel())
-
-
-def _gtpo_shaped(ent: torch.Tensor, mask: torch.Tensor, positive: torch.Tensor, gid: torch.Tensor,
-                 n: int, alpha1: float, alpha2: float, eps: float) -> torch.Tensor:
-    """Eqs. 3 and 5 in float64: ``[B, T]``, 0 where ``mask`` is False. ``gid`` are the rows'
-    groups numbered ``0 .. n-1`` (:func:`_dense_ids`)."""
-    t_max = mask.shape[1]
-    h = ent.double()
-    # what each token contributes to its side's share: H on O+, 1/(H + eps) on O-; an inf
-    # entropy must reach the output as NaN (1/inf would be a finite 0)
-    val = torch.where(positive[:, None], h, 1.0 / (h + eps))
-    val = torch.where(torch.isinf(h), math.nan, val)
-    # one bucket per (group, side, valid-token index)
-    side = (~positive).long()  # 0: O+, 1: O-
-    index = mask.long().cumsum(1) - 1  # [B, T]
-    bucket = torch.where(mask, (gid * 2 + side)[:, None] * t_max + index, 0)
-    keys, vals = bucket[mask], val[mask]
-    total = vals.new_zeros(max(n * 2 * t_max, 1)).index_add_(0, keys, vals)
-    count = vals.new_zeros(total.shape).index_add_(0, keys, torch.ones_like(vals))
-    s, c = total[bucket], count[bucket]  # [B, T]: the token's side at its position
-    uniform = torch.where(torch.isnan(s), math.nan, 1.0)  # NaN stays NaN, never uniform
-    share_x_count = torch.where(s > 0, val / torch.where(s > 0, s, 1.0) * c, uniform)
-    sign = (positive.double() * 2 - 1)[:, None]  # +1 on O+, -1 on O-
-    return torch.where(mask, sign * (alpha1 + alpha2 * share_x_count), 0.0)
 
 
 @register_strategy("gtpo")
@@ -699,24 +576,13 @@ def gtpo(alpha1: float = 1.0, alpha2: float = 0.1, normalize: str = "group",
     Needs ``groups=`` (the prompt group of each rollout) when called, and group mode in the
     recipe (a single-stream "group" of one rollout is always all-success or all-failure).
     """
-    alpha1, alpha2, eps = _gtpo_params(alpha1, alpha2, eps)
-    normalize = _checks.check_choice("normalize", normalize, _GTPO_NORMALIZE)
+    alpha1, alpha2, eps = _gtpo.check_params(alpha1, alpha2, eps)
+    normalize = _checks.check_choice("normalize", normalize, _gtpo.NORMALIZE)
 
     def fn(advantages, entropies, mask, positive, groups):
-        gid, n = _dense_ids(groups)
-        r = _gtpo_shaped(entropies, mask, positive, gid, n, alpha1, alpha2, eps)  # [B, T] f64
-        ones = torch.ones_like(gid, dtype=torch.float64)
-        n_rows = ones.new_zeros(n).index_add_(0, gid, ones)
-        n_pos = ones.new_zeros(n).index_add_(0, gid, positive.double())
-        mixed = ((n_pos > 0) & (n_pos < n_rows))[gid]  # [B]: the group has both outcomes
-        unit = gid if normalize == "group" else gid * 2 + (~positive).long()
-        units = n if normalize == "group" else 2 * n
-        tokens = ones.new_zeros(units).index_add_(0, unit, mask.sum(1).double()).clamp_min(1.0)
-        mean = ones.new_zeros(units).index_add_(0, unit, r.sum(1)) / tokens
-        dev = torch.where(mask, r - mean[unit][:, None], 0.0)
-        std = (ones.new_zeros(units).index_add_(0, unit, (dev * dev).sum(1)) / tokens).sqrt()
-        out = dev / (std[unit][:, None] + 1e-6)
-        return torch.where(mixed[:, None], out, 0.0).float()
+        gid, n = _gtpo.dense_ids(groups)
+        r = _gtpo.shaped(entropies, mask, positive, gid, n, alpha1, alpha2, eps)  # [B, T] f64
+        return _gtpo.standardized(r, mask, positive, gid, n, normalize)
 
     return fn
 

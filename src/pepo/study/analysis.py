@@ -163,7 +163,7 @@ def positional_bias(
     for w in windows:
         e = weighting.proximal_entropy(r.entropies, r.mask, window=w)
         out[f"proximal_{w}"] = _binned_mean(_relative_deviation(e, r.mask), r.mask, n_bins)
-        lin = weighting.linear_proximal_entropy(r.entropies, r.mask, window=w)  # App. E
+        lin = weighting.window_average_entropy(r.entropies, r.mask, window=w)  # App. E
         out[f"window_average_{w}"] = _binned_mean(_relative_deviation(lin, r.mask), r.mask, n_bins)
     return out
 

@@ -12,7 +12,7 @@ For each task (``tiny``: the modsum chains; ``tiny_drift``: the long chains with
 entropy structure; ``tiny_reason``: the same chains written by a warm start with a reasoning
 model's entropy scale, decision points and meaningless forks) it runs the group-mode config
 (``tiny``, ``tiny_drift``, ``tiny_reason``) with GRPO, 80/20, 80/20 with the proximal score,
-Entropy Adv., PEPO, the windowed average, GTPO and PEPO at τ 0.5 and 2, and the single-stream
+Entropy Adv., PEPO, window_average, GTPO and PEPO at τ 0.5 and 2, and the single-stream
 config (``tiny_spo``, ``tiny_drift_spo``, ``tiny_reason_spo``) with SPO, S-80/20, S-Entropy Adv.
 and PESPO, once per seed (the seed sets the prompt order and the sampling; the warm-start
 checkpoint is the same). Each run is the recipe in this process, as ``tune run pepo_recipe``
@@ -59,7 +59,7 @@ METHODS = {
         ("80/20, proximal score", {"name": "global_topk", "global_topk": {"score": "proximal"}}),
         ("Entropy Adv.", {"name": "entropy_bonus"}),
         ("PEPO", {"name": "proximal_softmax"}),
-        ("windowed average", {"name": "window_average"}),
+        ("window_average", {"name": "window_average"}),
         ("GTPO", {"name": "gtpo"}),
         # App. F.3's temperature sweep of PEPO (the paper's grid: 0.5, 1, 2)
         ("PEPO, τ = 0.5", {"name": "proximal_softmax", "proximal_softmax": {"temperature": 0.5}}),

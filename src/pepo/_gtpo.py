@@ -1,0 +1,131 @@
+"""GTPO's arithmetic (Tan et al. 2025, arXiv 2508.04349) behind ``pepo.weighting``'s ``gtpo``
+strategy: the entropy-shaped token rewards (Eqs. 3 and 5, :func:`gtpo_rewards`, public through
+``pepo.weighting``) and their standardisation within prompt groups (Eq. 6). The strategy's
+readings and deviations are in :func:`pepo.weighting.gtpo`'s docstring."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from pepo import _checks
+from pepo import _windows as _w
+
+__all__ = ["gtpo_rewards"]
+
+
+NORMALIZE = ("group", "side")
+
+
+def gtpo_rewards(
+    entropies: torch.Tensor,
+    mask: torch.Tensor,
+    positive: torch.Tensor,
+    groups: torch.Tensor,
+    alpha1: float = 1.0,
+    alpha2: float = 0.1,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """GTPO's entropy-shaped token rewards (Tan et al. 2025, arXiv 2508.04349, Eqs. 3 and 5).
+
+    Within each prompt group, at each response position ``t``:
+
+    * a successful rollout ``i`` (``positive``, the set ``O+``) gets
+      ``r̃_{i,t} = α1 + α2 · H_{i,t} / Σ_{k ∈ O+_t} H_{k,t} · d_t``;
+    * a failed rollout ``j`` (``O-``) gets
+      ``r̃_{j,t} = -α1 - α2 · (1/H_{j,t}) / Σ_{k ∈ O-_t} (1/H_{k,t}) · h_t``,
+
+    where ``O+_t`` / ``O-_t`` are the group's successful / failed rollouts that have a token at
+    ``t`` and ``d_t`` / ``h_t`` their numbers. ``1/H`` is ``1/(H + eps)`` (the paper's Remark
+    2.1). The outcome reward is binary: ``r = 1`` for success, ``-1`` for failure. So each side's
+    shaped rewards at ``t`` sum to ``±(α1 + α2) · d_t`` (``h_t``): with ``α1 + α2 = 1`` the total
+    reward is conserved (the paper's Prop. 2.2). Where every active ``O+`` entropy at ``t`` is 0
+    the entropy term is split evenly (``1/d_t`` each), which keeps that sum.
+
+    Position ``t`` counts a row's *valid* tokens, as the windows of the other strategies do: a
+    row with holes in its mask gets the rewards of the compacted row.
+
+    Args:
+        entropies: ``[B, T]`` token entropies (anything at masked positions).
+        mask: ``[B, T]`` bool, True on valid tokens.
+        positive: ``[B]`` bool, the successful rollouts.
+        groups: ``[B]`` integer, equal for the rollouts of one prompt.
+
+    Returns:
+        ``[B, T]`` fp32, 0 where ``mask`` is False.
+
+    Raises:
+        ValueError: bad shapes or dtypes, or a bad ``alpha1``, ``alpha2`` or ``eps``.
+    """
+    entropies, mask = _checks.check_entropies_mask(entropies, mask)
+    b = torch.empty(mask.shape[0], device=mask.device)
+    positive = _checks.check_row_flags("positive", positive, b)
+    groups = _checks.check_row_ids("groups", groups, b)
+    alpha1, alpha2, eps = check_params(alpha1, alpha2, eps)
+    ent = _w.clean(entropies.detach(), mask)
+    with torch.no_grad():
+        gid, n = dense_ids(groups)
+        return shaped(ent, mask, positive, gid, n, alpha1, alpha2, eps).float()
+
+
+def check_params(alpha1: Any, alpha2: Any, eps: Any) -> tuple[float, float, float]:
+    for name, v in (("alpha1", alpha1), ("alpha2", alpha2)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+    if alpha1 == 0 and alpha2 == 0:
+        raise ValueError("alpha1 and alpha2 are both 0: every shaped reward would be 0")
+    return float(alpha1), float(alpha2), _checks.check_positive("eps", eps)
+
+
+def dense_ids(groups: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``groups`` renumbered 0..n-1, and n."""
+    if groups.numel() == 0:
+        return groups.long(), 0
+    uniq, inverse = torch.unique(groups, return_inverse=True)
+    return inverse, int(uniq.numel())
+
+
+def shaped(ent: torch.Tensor, mask: torch.Tensor, positive: torch.Tensor, gid: torch.Tensor,
+                 n: int, alpha1: float, alpha2: float, eps: float) -> torch.Tensor:
+    """Eqs. 3 and 5 in float64: ``[B, T]``, 0 where ``mask`` is False. ``gid`` are the rows'
+    groups numbered ``0 .. n-1`` (:func:`_dense_ids`)."""
+    t_max = mask.shape[1]
+    h = ent.double()
+    # what each token contributes to its side's share: H on O+, 1/(H + eps) on O-; an inf
+    # entropy must reach the output as NaN (1/inf would be a finite 0)
+    val = torch.where(positive[:, None], h, 1.0 / (h + eps))
+    val = torch.where(torch.isinf(h), math.nan, val)
+    # one bucket per (group, side, valid-token index)
+    side = (~positive).long()  # 0: O+, 1: O-
+    index = mask.long().cumsum(1) - 1  # [B, T]
+    bucket = torch.where(mask, (gid * 2 + side)[:, None] * t_max + index, 0)
+    keys, vals = bucket[mask], val[mask]
+    total = vals.new_zeros(max(n * 2 * t_max, 1)).index_add_(0, keys, vals)
+    count = vals.new_zeros(total.shape).index_add_(0, keys, torch.ones_like(vals))
+    s, c = total[bucket], count[bucket]  # [B, T]: the token's side at its position
+    uniform = torch.where(torch.isnan(s), math.nan, 1.0)  # NaN stays NaN, never uniform
+    share_x_count = torch.where(s > 0, val / torch.where(s > 0, s, 1.0) * c, uniform)
+    sign = (positive.double() * 2 - 1)[:, None]  # +1 on O+, -1 on O-
+    return torch.where(mask, sign * (alpha1 + alpha2 * share_x_count), 0.0)
+
+
+def standardized(r: torch.Tensor, mask: torch.Tensor, positive: torch.Tensor, gid: torch.Tensor,
+                 n: int, normalize: str) -> torch.Tensor:
+    """Eq. 6: the shaped rewards ``r`` ``[B, T]`` (float64, :func:`shaped`) standardised over each
+    group's valid tokens (``normalize="group"``) or over each side of it (``"side"``), with
+    population std plus ``1e-6``; 0 in a group whose rollouts all succeeded or all failed.
+    Returns ``[B, T]`` fp32."""
+    ones = torch.ones_like(gid, dtype=torch.float64)
+    n_rows = ones.new_zeros(n).index_add_(0, gid, ones)
+    n_pos = ones.new_zeros(n).index_add_(0, gid, positive.double())
+    mixed = ((n_pos > 0) & (n_pos < n_rows))[gid]  # [B]: the group has both outcomes
+    unit = gid if normalize == "group" else gid * 2 + (~positive).long()
+    units = n if normalize == "group" else 2 * n
+    tokens = ones.new_zeros(units).index_add_(0, unit, mask.sum(1).double()).clamp_min(1.0)
+    mean = ones.new_zeros(units).index_add_(0, unit, r.sum(1)) / tokens
+    dev = torch.where(mask, r - mean[unit][:, None], 0.0)
+    std = (ones.new_zeros(units).index_add_(0, unit, (dev * dev).sum(1)) / tokens).sqrt()
+    out = dev / (std[unit][:, None] + 1e-6)
+    return torch.where(mixed[:, None], out, 0.0).float()
