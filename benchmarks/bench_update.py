@@ -1,0 +1,146 @@
+"""The training update against the machine's matmul limit, in fp32 and in bf16.
+
+    python benchmarks/bench_update.py [--model smollm2 | --model-dir DIR] [--rows 8]
+        [--seq 140] [--repeats 5] [--precisions fp32 bf16]
+
+First the CPU's (or GPU's) measured matmul rate at each GEMM shape of one micro-batch of the
+update (``--rows`` sequences of ``--seq`` tokens: the projections of every layer and the output
+head, forward shapes; the backward runs the same products transposed), in each precision. Then
+the bound: the time those GEMMs would take at the measured rates, three times over (forward,
+and the two products of the backward), i.e. about 6 x parameters x tokens FLOPs. Then the
+update as the recipe runs it (one forward with the log-probs taken from the hidden states in
+chunks, as ``logprobs_from_hidden: true``, the clipped loss, the backward), timed, and its
+achieved rate against the bound. bf16 is ``torch.autocast`` over fp32 weights (master weights
+stay fp32). Every figure is the median of ``--repeats`` after one warm-up, measured in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from machine import cpu_name
+
+
+def _median_time(fn, repeats: int, device: torch.device) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def gemm_shapes(cfg: dict, tokens: int) -> list[tuple[str, int, int, int, int]]:
+    """``(name, M, K, N, count)`` of one forward's matrix products, ``count`` per forward."""
+    d, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or d // heads
+    layers = cfg["num_hidden_layers"]
+    return [
+        ("q, o", tokens, d, heads * hd, 2 * layers),
+        ("k, v", tokens, d, kv * hd, 2 * layers),
+        ("gate, up", tokens, d, f, 2 * layers),
+        ("down", tokens, f, d, layers),
+        ("head", tokens, d, v, 1),
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2", help="a packaged pretrained model")
+    ap.add_argument("--model-dir", default=None, help="an HF checkpoint directory instead")
+    ap.add_argument("--rows", type=int, default=8, help="sequences per micro-batch")
+    ap.add_argument("--seq", type=int, default=140, help="tokens per sequence (prompt + response)")
+    ap.add_argument("--prompt", type=int, default=45, help="prompt tokens of each sequence")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    args = ap.parse_args()
+    if args.rows < 1 or args.seq <= args.prompt or args.prompt < 1 or args.repeats < 1:
+        raise SystemExit(f"need rows >= 1, seq > prompt >= 1 and repeats >= 1; got rows={args.rows} "
+                         f"seq={args.seq} prompt={args.prompt} repeats={args.repeats}")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
+
+    from pepo.entropy import logprobs_and_entropy_from_hidden
+    from pepo.loss import clipped_policy_loss
+    from pepo.training.hf import architecture_from_hf, load_hf_config
+    from pepo.training.pretrained import pretrained_dir
+
+    model_dir = args.model_dir or pretrained_dir(args.model)
+    cfg = load_hf_config(model_dir)
+    tokens = args.rows * args.seq
+    shapes = gemm_shapes(cfg, tokens)
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    flags = open("/proc/cpuinfo").read() if device.type == "cpu" else ""
+    units = [f for f in ("amx_bf16", "avx512_bf16") if f" {f}" in flags]
+    print(f"machine: {cpu_name() if device.type == 'cpu' else torch.cuda.get_device_name()}, "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}"
+          + (f", bf16 units: {', '.join(units) or 'none'}" if device.type == "cpu" else ""))
+    print(f"model: {model_dir} ({cfg['num_hidden_layers']} layers, d={cfg['hidden_size']}); "
+          f"micro-batch {args.rows} x {args.seq} = {tokens} tokens\n")
+
+    rates: dict[str, dict[str, float]] = {p: {} for p in args.precisions}
+    print("| GEMM [M, K] x [K, N] | per forward | " + " | ".join(
+        f"{p} GFLOP/s" for p in args.precisions) + " |")
+    print("|---|---:|" + "---:|" * len(args.precisions))
+    for name, m, k, n, count in shapes:
+        row = []
+        for p in args.precisions:
+            a = torch.randn(m, k, device=device, dtype=dtypes[p])
+            b = torch.randn(k, n, device=device, dtype=dtypes[p])
+            t = _median_time(lambda: a @ b, args.repeats, device)
+            rates[p][name] = 2 * m * k * n / t / 1e9
+            row.append(f"{rates[p][name]:.0f}")
+        print(f"| {name}: [{m}, {k}] x [{k}, {n}] | {count} | " + " | ".join(row) + " |")
+
+    model = architecture_from_hf(model_dir, max_seq_len=args.seq).to(device)
+    params = sum(p.numel() for p in model.parameters())
+    g = torch.Generator().manual_seed(0)
+    seq = torch.randint(0, cfg["vocab_size"], (args.rows, args.seq), generator=g).to(device)
+    targets = seq[:, args.prompt:]
+    mask = torch.ones_like(targets, dtype=torch.bool)
+    old_lp = torch.full(targets.shape, -2.0, device=device)
+    adv = torch.randn(targets.shape, generator=g).to(device)
+    plen = args.prompt
+
+    def head(h: torch.Tensor):
+        out = model.output
+        weight = getattr(out, "tied_module", out).weight  # [V, D]
+        return logprobs_and_entropy_from_hidden(model.norm(h)[:, plen - 1 : -1], weight, targets,
+                                                chunk_size=1024, temperature=1.0)
+
+    def update(precision: str) -> None:
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            model.unembed = head
+            try:
+                lp, _ = model(seq)
+            finally:
+                del model.unembed
+            loss = clipped_policy_loss(lp.float(), old_lp, adv, mask, num_tokens=mask.sum())
+        loss.backward()
+
+    flops = 6 * params * tokens
+    print(f"\n{params / 1e6:.1f}M parameters: 6 x parameters x tokens = {flops / 1e9:.0f} GFLOP "
+          f"per micro-batch update (forward + backward)\n")
+    print("| precision | update s | achieved GFLOP/s | GEMM bound s | of the bound |")
+    print("|---|---:|---:|---:|---:|")
+    for p in args.precisions:
+        bound = sum(3 * count * 2 * m * k * n / (rates[p][name] * 1e9)
+                    for name, m, k, n, count in shapes)
+        t = _median_time(lambda: update(p), args.repeats, device)
+        print(f"| {p} | {t:.3f} | {flops / t / 1e9:.0f} | {bound:.3f} | {100 * bound / t:.0f} % |")
+
+
+if __name__ == "__main__":
+    main()
