@@ -15,8 +15,13 @@ import torch
 __all__: list[str] = []
 
 
-def _shape(t: torch.Tensor) -> str:
+def format_shape(t: torch.Tensor) -> str:
+    """``t``'s shape as the messages write it: ``[4, 1]``."""
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+# the old private name, until pepo.loss and pepo.estimators call format_shape
+_shape = format_shape
 
 
 def check_tensor(name: str, value: Any) -> torch.Tensor:
@@ -40,7 +45,7 @@ def check_bool_mask(name: str, mask: Any, shape: torch.Size) -> torch.Tensor:
     if mask.shape != shape:
         raise ValueError(
             f"{name} must have the same shape as the tensor it masks "
-            f"[{', '.join(map(str, shape))}], got {_shape(mask)}"
+            f"[{', '.join(map(str, shape))}], got {format_shape(mask)}"
         )
     return mask
 
@@ -51,14 +56,14 @@ def check_batch(
     """Checks the ``(advantages [B], entropies [B, T], mask bool [B, T])`` triple."""
     entropies = check_tensor("entropies", entropies)
     if entropies.dim() != 2:
-        raise ValueError(f"entropies must be [B, T], got {_shape(entropies)}")
+        raise ValueError(f"entropies must be [B, T], got {format_shape(entropies)}")
     check_float("entropies", entropies)
     b = entropies.shape[0]
     advantages = check_tensor("advantages", advantages)
     if advantages.dim() != 1 or advantages.shape[0] != b:
         raise ValueError(
             f"advantages must be [B]=[{b}] (one per sequence, matching entropies "
-            f"{_shape(entropies)}), got {_shape(advantages)}"
+            f"{format_shape(entropies)}), got {format_shape(advantages)}"
         )
     check_float("advantages", advantages)
     mask = check_bool_mask("mask", mask, entropies.shape)
@@ -73,7 +78,7 @@ def check_batch(
 def check_entropies_mask(entropies: Any, mask: Any) -> tuple[torch.Tensor, torch.Tensor]:
     entropies = check_tensor("entropies", entropies)
     if entropies.dim() != 2:
-        raise ValueError(f"entropies must be [B, T], got {_shape(entropies)}")
+        raise ValueError(f"entropies must be [B, T], got {format_shape(entropies)}")
     check_float("entropies", entropies)
     mask = check_bool_mask("mask", mask, entropies.shape)
     if mask.device != entropies.device:
@@ -132,7 +137,7 @@ def _check_per_row(name: str, t: Any, rows: torch.Tensor, integer: bool, what: s
     if not integer and t.dtype != torch.bool:
         raise ValueError(f"{name} must have dtype torch.bool (one {what} per rollout), got {t.dtype}")
     if t.dim() != 1 or t.shape[0] != b:
-        raise ValueError(f"{name} must be [B]=[{b}] (one {what} per rollout), got {_shape(t)}")
+        raise ValueError(f"{name} must be [B]=[{b}] (one {what} per rollout), got {format_shape(t)}")
     if t.device != rows.device:
         raise ValueError(f"{name} ({t.device}) must be on the advantages' device ({rows.device})")
     return t

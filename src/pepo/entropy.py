@@ -150,7 +150,7 @@ def _check_targets(targets: Any, lead: torch.Size, vocab: int) -> torch.Tensor:
     if targets.shape != lead:
         raise ValueError(
             f"targets must be [{', '.join(map(str, lead))}] (the logits' leading dims), got "
-            f"{_checks._shape(targets)}"
+            f"{_checks.format_shape(targets)}"
         )
     if targets.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
         raise ValueError(f"targets must be an integer tensor of token ids, got {targets.dtype}")
@@ -198,7 +198,7 @@ def logprobs_and_entropy(
     logits = _checks.check_tensor("logits", logits)
     _checks.check_float("logits", logits)
     if logits.dim() < 2:
-        raise ValueError(f"logits must be [..., V], got {_checks._shape(logits)}")
+        raise ValueError(f"logits must be [..., V], got {_checks.format_shape(logits)}")
     chunk_size, temperature = _check_chunk(chunk_size, temperature)
     lead, vocab = logits.shape[:-1], logits.shape[-1]
     targets = _check_targets(targets, lead, vocab)
@@ -231,11 +231,11 @@ def logprobs_and_entropy_from_hidden(
     _checks.check_float("hidden", hidden)
     _checks.check_float("weight", weight)
     if hidden.dim() < 2:
-        raise ValueError(f"hidden must be [..., D], got {_checks._shape(hidden)}")
+        raise ValueError(f"hidden must be [..., D], got {_checks.format_shape(hidden)}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(
             f"weight must be [V, D] with D={hidden.shape[-1]} (hidden's last dim), got "
-            f"{_checks._shape(weight)}"
+            f"{_checks.format_shape(weight)}"
         )
     if weight.dtype != hidden.dtype:
         raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")

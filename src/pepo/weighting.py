@@ -294,10 +294,10 @@ class Strategy:
                 kwargs["groups"] = groups
             out = self._fn(adv, ent, mask, **kwargs)
             if not isinstance(out, torch.Tensor) or out.shape != mask.shape:
-                got = _checks._shape(out) if isinstance(out, torch.Tensor) else type(out).__name__
+                got = _checks.format_shape(out) if isinstance(out, torch.Tensor) else type(out).__name__
                 raise ValueError(
                     f"strategy {self.name!r} returned {got}, expected "
-                    f"{_checks._shape(mask)} (the shape of mask)"
+                    f"{_checks.format_shape(mask)} (the shape of mask)"
                 )
             out = torch.where(mask, out.float(), 0.0)
             if check_finite:  # inputs and output in one host sync, after the strategy ran
