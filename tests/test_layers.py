@@ -81,7 +81,8 @@ def layer_violations(path: Path, layer: str) -> list[str]:
         elif layer == "recipes":
             ok = sub not in ("study", "integrations")
         elif layer == "study":
-            ok = sub != "integrations"
+            # the study runs the recipe through its command line, never by importing the script
+            ok = sub != "integrations" and top not in ("pepo_recipe", "pepo_eval")
         else:  # integrations: the core and the framework it adapts
             ok = sub not in ("training", "study") and top not in ("pepo_recipe", "pepo_eval")
         if not ok:
@@ -95,7 +96,7 @@ def test_imports_point_down_the_layers():
     files += [(p, "recipes") for p in RECIPES.glob("*.py")]
     assert {layer for _, layer in files} == {"core", *SUBPACKAGES, "recipes"}, files
     bad = [v for path, layer in files for v in layer_violations(path, layer)]
-    assert bad == []
+    assert [v for v in bad if v not in PENDING_LAYERS] == []
 
 
 def test_layer_check_catches_an_upward_import(tmp_path):
@@ -115,6 +116,221 @@ def test_layer_check_catches_an_upward_import(tmp_path):
     clean = tmp_path / "core" / "clean.py"
     clean.write_text("import math\nimport torch\nfrom pepo import _checks\nimport pepo.loss\n")
     assert layer_violations(clean, "core") == []
+    for code in ("import pepo_recipe\n", "def f():\n    from pepo_eval import main\n"):
+        (tmp_path / "core" / "study.py").write_text(code)  # nothing under src/ imports a recipe
+        assert len(layer_violations(tmp_path / "core" / "study.py", "study")) == 1, code
+
+
+# ---------------------------------------------------------------------------------------------
+# The floor plan: no import circle, no private name used outside its module, a private module
+# used by its own layer only, no source file over 650 lines
+# ---------------------------------------------------------------------------------------------
+
+ROOT = RECIPES.parent
+# everything of the project that imports pepo, besides the tests
+SCRIPT_DIRS = [RECIPES, ROOT / "benchmarks", ROOT / "scripts", ROOT / "examples"]
+MAX_LINES = 650
+
+
+def module_name(path: Path, src: Path = SRC) -> str:
+    """``pepo.training.hf`` for src/pepo/training/hf.py, the file's stem elsewhere."""
+    if src in path.parents:
+        parts = ["pepo", *path.relative_to(src).with_suffix("").parts]
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    return path.stem
+
+
+def project_files() -> dict[str, Path]:
+    """Every module of the package and every script beside it, by module name."""
+    files = {module_name(p): p for p in sorted(SRC.rglob("*.py"))}
+    for d in SCRIPT_DIRS:
+        files.update({f"{d.name}/{p.stem}": p for p in sorted(d.glob("*.py"))})
+    return files
+
+
+def imports_of(path: Path, known: set[str]) -> list[tuple[str, str, int]]:
+    """``(module, name, line)`` for every import of ``path`` at any depth (lazy ones included):
+    ``from a.b import c`` gives ``("a.b.c", "", line)`` where ``a.b.c`` is a module of ``known``,
+    else ``("a.b", "c", line)``; ``import a.b`` gives ``("a.b", "", line)``."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(a.name, "", node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                out.append((full, "", node.lineno) if full in known
+                           else (node.module, a.name, node.lineno))
+    return out
+
+
+def import_cycles(files: dict[str, Path]) -> list[list[str]]:
+    """The import circles among ``files`` (module name -> path): each strongly connected set of
+    two or more modules, and each module that imports itself. A lazy import inside a function
+    counts: it is a circle all the same, only one that breaks later."""
+    known = set(files)
+    graph = {m: sorted({dep for dep, _, _ in imports_of(p, known) if dep in known})
+             for m, p in files.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(m: str) -> None:  # Tarjan's strongly connected components
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        for dep in graph[m]:
+            if dep not in index:
+                visit(dep)
+                low[m] = min(low[m], low[dep])
+            elif dep in stack:
+                low[m] = min(low[m], index[dep])
+        if low[m] == index[m]:
+            part = []
+            while True:
+                top = stack.pop()
+                part.append(top)
+                if top == m:
+                    break
+            if len(part) > 1 or m in graph[m]:
+                found.append(sorted(part))
+
+    for m in graph:
+        if m not in index:
+            visit(m)
+    return found
+
+
+def layer_of(module: str) -> str:
+    """core, tasks, training, study or integrations for a module of the package."""
+    parts = module.split(".")
+    if parts[0] != "pepo" or len(parts) == 1 or parts[1] not in SUBPACKAGES:
+        return "core"
+    return parts[1]
+
+
+# pepo._extras names the extra to install for every layer above the core: the one private module
+# the layers share
+SHARED_PRIVATE = {"pepo._extras"}
+
+
+def private_violations(path: Path, own: str, known: set[str]) -> list[str]:
+    """Uses, in ``path`` (module ``own``; for a script its folder/stem), of another module's
+    private names (``_x``: imported, or read as ``module._x``), and imports of a private module
+    (``pepo._checks``) from outside its layer."""
+    bad = []
+    where = path.relative_to(ROOT) if ROOT in path.parents else path.name
+    own_layer = layer_of(own) if own.startswith("pepo") else None
+    bound: dict[str, str] = {}  # local name -> the module it is
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                bound[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                if full in known:
+                    bound[a.asname or a.name] = full
+    for module, name, line in imports_of(path, known):
+        if name.startswith("_") and not name.startswith("__") and module != own and (
+                module in known or module.startswith("pepo")):
+            bad.append(f"{where}:{line} imports the private {module}.{name}")
+        leaf = module.rsplit(".", 1)[-1]
+        if module in known and leaf.startswith("_") and not leaf.startswith("__") \
+                and module not in SHARED_PRIVATE and own_layer != layer_of(module):
+            bad.append(f"{where}:{line} imports {module}, private to the {layer_of(module)} layer")
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                and not node.attr.startswith("__")):
+            continue
+        chain, base = [], node.value
+        while isinstance(base, ast.Attribute):
+            chain.append(base.attr)
+            base = base.value
+        if not isinstance(base, ast.Name) or base.id not in bound:
+            continue
+        module = ".".join([bound[base.id], *reversed(chain)])
+        if module in known and module != own:
+            bad.append(f"{where}:{node.lineno} reads the private {module}.{node.attr}")
+    return bad
+
+
+# Owed by the typed-config rework, which is rewriting these files now: pepo.loss and
+# pepo.estimators still call _checks._shape (public as _checks.format_shape), and
+# estimators.py and training/schema.py are over the line limit. Each entry goes when its file
+# is done.
+PENDING_PRIVATE = {"src/pepo/loss.py": "pepo._checks._shape",
+                   "src/pepo/estimators.py": "pepo._checks._shape"}
+PENDING_LENGTH = {"estimators.py", "training/config.py", "training/schema.py"}
+# The study still runs the recipe by importing it: it needs the run's history and its validation
+# prompt count back, which the recipe (being reworked) does not yet leave anywhere but in its
+# object. It goes when the study runs the recipe through its command line.
+PENDING_LAYERS = {"study/compare.py (study) imports pepo_recipe"}
+
+
+def test_no_import_circle():
+    assert import_cycles(project_files()) == []
+
+
+def test_circle_check_catches_a_lazy_circle(tmp_path):
+    # checkpointing <- pretrained -> checkpointing, the circle this check was written for: one
+    # side imports at the top, the other inside a function
+    (tmp_path / "a.py").write_text("from pepo.training.b import sha\n")
+    (tmp_path / "b.py").write_text("def sha():\n    from pepo.training.a import umask\n")
+    (tmp_path / "c.py").write_text("import pepo.training.a\n")  # into the circle, not on it
+    files = {f"pepo.training.{n}": tmp_path / f"{n}.py" for n in "abc"}
+    assert import_cycles(files) == [["pepo.training.a", "pepo.training.b"]]
+    (tmp_path / "b.py").write_text("import pepo.training.c\n")
+    assert import_cycles(files) == [["pepo.training.a", "pepo.training.b", "pepo.training.c"]]
+    (tmp_path / "b.py").write_text("def sha():\n    pass\n")
+    assert import_cycles(files) == []
+
+
+def test_no_module_uses_another_modules_private_names():
+    files = project_files()
+    known = set(files)
+    bad = []
+    for own, path in files.items():
+        rel = str(path.relative_to(ROOT))
+        bad += [v for v in private_violations(path, own, known)
+                if not (rel in PENDING_PRIVATE and PENDING_PRIVATE[rel] in v)]
+    assert bad == []
+
+
+def test_private_name_check_catches_each_form(tmp_path):
+    known = {"pepo._checks", "pepo.training.generation", "pepo.training", "pepo._extras",
+             "pepo.weighting"}
+    cases = {
+        "from pepo.training.generation import _decode\n": "imports the private",
+        "import pepo.training.generation as G\nG._FastPlan.of(m)\n": "reads the private",
+        "from pepo import _checks\n_checks._shape(x)\n": "reads the private",
+        "import pepo.training.generation\npepo.training.generation._decode()\n": "reads the private",
+        "def f():\n    from pepo.training import generation\n    generation._draw()\n":
+            "reads the private",
+    }
+    path = tmp_path / "mod.py"
+    for code, what in cases.items():
+        path.write_text(code)
+        got = private_violations(path, "pepo.study.mod", known)
+        assert len(got) >= 1 and what in got[-1], (code, got)
+    # a core private module is the core's: the training layer may not import it
+    path.write_text("from pepo import _checks\n")
+    assert private_violations(path, "pepo.training.x", known) == [
+        "mod.py:1 imports pepo._checks, private to the core layer"]
+    assert private_violations(path, "pepo.weighting", known) == []
+    # allowed: a private module's public names in its layer, the shared _extras, dunders
+    path.write_text("from pepo import _checks, _extras\n_checks.check_window(3)\n"
+                    "_extras.require()\nimport pepo.weighting as pw\npw.__all__\n")
+    assert private_violations(path, "pepo.loss", known) == []
+    path.write_text("from pepo import _extras\n")
+    assert private_violations(path, "pepo.training.config", known) == []
+
+
+def test_no_source_file_over_650_lines():
+    long = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert {k: n for k, n in long.items() if k not in PENDING_LENGTH} == {}
 
 
 def run_blocked(code: str) -> dict:
