@@ -35,7 +35,8 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from pepo import weighting
-from pepo.training.evaluation import eval_generator, is_success, reward_tensor
+from pepo.training.evaluation import eval_generator
+from pepo.training.rollouts import is_success, reward_tensor
 from pepo.training.fast_decoder import FastPlan
 from pepo.training.generation import Rollouts, decode, draw_seeds
 

@@ -1,23 +1,22 @@
 """avg@k evaluation, shared by the training recipe's validation and ``tune run pepo_eval``.
 
 avg@k of a benchmark is the mean over its problems of the fraction of ``k`` sampled responses
-that succeed (the paper reports avg@1 on MATH500 and avg@16 on AMC and AIME). Success is
-:func:`is_success`: reward > 0 unless the reward component defines its own rule; the training
-recipe uses the same flags to choose the rollouts PEPO weights.
+that succeed (the paper reports avg@1 on MATH500 and avg@16 on AMC and AIME). The rollouts are
+sampled and scored as the training step's are (:mod:`pepo.training.rollouts`, whose names also
+import from here); success is :func:`pepo.training.rollouts.is_success`: reward > 0 unless the
+reward component defines its own rule.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import numbers
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from pepo.training.engines import as_engine
-from pepo.training.generation import Rollouts, draw_seeds
+from pepo.training.generation import draw_seeds
+from pepo.training.rollouts import RewardError, is_success, reward_tensor, sample_and_score
 
 __all__ = [
     "PAPER_COLUMNS",
@@ -35,119 +34,10 @@ __all__ = [
 PAPER_COLUMNS = ("AIME2024", "AIME2025", "AMC", "MATH500")
 
 
-class RewardError(ValueError):
-    """The reward component returned something other than one finite number per response."""
-
-
-_F32_MAX = float(torch.finfo(torch.float32).max)
-
-
-def _reward_name(reward_fn: Any) -> str:
-    """``module.Name`` of a reward function, or of a reward component's class."""
-    name = getattr(reward_fn, "__qualname__", None) or type(reward_fn).__qualname__
-    module = getattr(reward_fn, "__module__", None) or type(reward_fn).__module__
-    return f"{module}.{name}" if module and module != "builtins" else name
-
-
-def reward_tensor(values: Any, n: int, reward_fn: Any) -> torch.Tensor:
-    """``values``, as returned by ``reward_fn`` for ``n`` responses, as a float32 ``[n]`` tensor.
-
-    Raises:
-        RewardError: not ``n`` values, or a value that is not a finite real number within
-            float32's range (``None``, a string, NaN, inf, ``1e300``), named as returned, with
-            the reward component and the response's index.
-    """
-    name = _reward_name(reward_fn)
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
-        raise RewardError(f"reward {name} must return a list of {n} numbers (one per response), "
-                          f"got {type(values).__name__} {_short(values)}")
-    if len(values) != n:
-        raise RewardError(f"reward {name} returned {len(values)} values for {n} responses")
-    out = []
-    for i, v in enumerate(values):
-        x = v.item() if getattr(v, "ndim", None) == 0 and hasattr(v, "item") else v  # 0-d tensors
-        # and numpy scalars
-        if not isinstance(x, numbers.Real):
-            raise RewardError(f"reward {name} returned {_short(v)} ({type(v).__name__}) for "
-                              f"response {i}; rewards must be finite numbers")
-        x = float(x)
-        if not math.isfinite(x) or abs(x) > _F32_MAX:
-            raise RewardError(
-                f"reward {name} returned {_short(v)} for response {i}; rewards must be finite "
-                + ("numbers" if not math.isfinite(x) else f"numbers within float32's range (|r| <= {_F32_MAX:.4g})"))
-        out.append(x)
-    return torch.tensor(out, dtype=torch.float32)
-
-
-def _short(v: Any) -> str:
-    r = repr(v)
-    return r if len(r) <= 80 else r[:77] + "..."
-
-
-def is_success(reward_fn: Any, rewards: torch.Tensor) -> torch.Tensor:
-    """Which rollouts succeeded: ``reward_fn.success(rewards)`` when the reward component
-    defines it (for rewards that are not binary, e.g. partial credit), else ``rewards > 0``.
-
-    Shape:
-        rewards: ``[B]``; returns ``[B]`` bool on the rewards' device.
-
-    Raises:
-        ValueError: a custom rule that does not return one bool per reward.
-    """
-    rule = getattr(reward_fn, "success", None)
-    if not callable(rule):
-        return rewards > 0
-    flags = torch.as_tensor(rule(rewards)).to(rewards.device)
-    if flags.dtype != torch.bool or flags.shape != rewards.shape:
-        raise ValueError(
-            f"{type(reward_fn).__name__}.success must return a bool tensor of shape "
-            f"{list(rewards.shape)}, got dtype {flags.dtype} and shape {list(flags.shape)}"
-        )
-    return flags
-
-
 def eval_generator(seed: int, device: Union[str, torch.device] = "cpu") -> torch.Generator:
     """The sampling generator of an evaluation: the same for every evaluation of a run (and
     for ``pepo_eval`` with the same seed), so two evaluations differ only by the policy."""
     return torch.Generator(device=device).manual_seed(seed + 7919)
-
-
-@torch.no_grad()
-def sample_and_score(
-    engine: Any,
-    tokenizer: Any,
-    problems: Sequence[Any],
-    reward_fn: Callable[[list[str], list[str]], list[float]],
-    *,
-    stop_tokens: Sequence[int],
-    generator: Optional[torch.Generator] = None,
-    batch_size: Optional[int] = None,
-    seeds: Optional[torch.Tensor] = None,
-    **gen_kwargs: Any,
-) -> tuple[Rollouts, torch.Tensor, list[str]]:
-    """One sampled response per problem, decoded and scored: ``(rollouts, rewards [B], texts)``.
-
-    The training step and every evaluation go through here. ``engine`` is a rollout engine of
-    :mod:`pepo.training.engines` (or a model, sampled in-process); ``gen_kwargs`` are
-    :func:`pepo.training.generation.generate`'s sampling arguments (``max_new_tokens``, ``temperature``,
-    ``top_k``, ``top_p``); ``batch_size`` bounds the rows decoded at once. ``seeds`` (``[B]``,
-    :func:`pepo.training.generation.draw_seeds`) seed each rollout's sampling on its own; without them
-    they are drawn from ``generator`` (when given).
-
-    Raises:
-        RewardError: the reward function does not return one finite number per response.
-    """
-    if seeds is None and generator is not None:
-        seeds = draw_seeds(generator, len(problems))
-    ro = as_engine(engine).generate(
-        [tokenizer.encode_prompt(p.prompt) for p in problems], pad_id=tokenizer.pad_id,
-        stop_tokens=stop_tokens, generator=generator, batch_size=batch_size, seeds=seeds,
-        **gen_kwargs,
-    )
-    texts = [tokenizer.decode(t[m].tolist()) for t, m in zip(ro.tokens, ro.mask)]
-    rewards = reward_tensor(reward_fn(texts, [p.answer for p in problems]), len(problems),
-                            reward_fn).to(ro.tokens.device)  # [B]
-    return ro, rewards, texts
 
 
 def avg_at_k(
