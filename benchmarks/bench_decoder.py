@@ -48,8 +48,8 @@ from omegaconf import OmegaConf
 from torchtune import config as tt_config
 
 import pepo.training.generation as G
-from pepo.training.fast_decoder import FastPlan
 from pepo.training.config import find_config, register_resolvers
+from pepo.training.fast_decoder import FastPlan
 from pepo.training.weights import load_model_weights
 
 

@@ -56,7 +56,8 @@ def main() -> None:
 
     hf = None
     if "transformers" in args.decoders:
-        hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir,
+                                                               dtype=torch.float32).eval()
         width = max(map(len, prompts))  # left padding, as generate expects
         ids = torch.tensor([[tok.pad_id] * (width - len(p)) + p for p in prompts])
         attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])

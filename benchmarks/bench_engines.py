@@ -20,11 +20,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import pepo_recipe
 import torch
 from machine import cpu_name
 from omegaconf import OmegaConf
 
+import pepo_recipe
 from pepo.training.config import find_config, register_resolvers
 
 

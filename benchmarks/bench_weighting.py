@@ -56,7 +56,8 @@ def ragged_batch(b: int, t: int, device: str, seed: int = 0):
 # ------------------------------------------------------------------------------ direct formulations
 
 
-def _direct_windows(ent: torch.Tensor, mask: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _direct_windows(ent: torch.Tensor, mask: torch.Tensor,
+                    window: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Compact rows, reflect-pad by gather, unfold: ``[B, T, W]`` windows and compact values."""
     b, t = mask.shape
     half = window // 2
@@ -123,9 +124,11 @@ STRATEGIES: dict[str, tuple[Callable, Callable]] = {
     "uniform": (pw.get_strategy("uniform"), direct_uniform),
     "entropy_bonus": (pw.get_strategy("entropy_bonus"), direct_entropy_bonus),
     "global_topk": (pw.get_strategy("global_topk"), direct_global_topk),
-    "global_topk(proximal)": (pw.get_strategy("global_topk", score="proximal"), direct_global_topk_proximal),
+    "global_topk(proximal)": (pw.get_strategy("global_topk", score="proximal"),
+                              direct_global_topk_proximal),
     "window_average": (pw.get_strategy("window_average", window=WINDOW), direct_window_average),
-    "proximal_softmax": (pw.get_strategy("proximal_softmax", window=WINDOW), direct_proximal_softmax),
+    "proximal_softmax": (pw.get_strategy("proximal_softmax", window=WINDOW),
+                         direct_proximal_softmax),
 }
 
 
@@ -147,7 +150,8 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_pair(fa: Callable[[], object], fb: Callable[[], object], repeats: int, device: str) -> tuple[float, float]:
+def time_pair(fa: Callable[[], object], fb: Callable[[], object], repeats: int,
+              device: str) -> tuple[float, float]:
     """Median seconds of ``fa`` and ``fb``, timed alternately after one warm-up each."""
     fa(), fb()
     ta, tb = [], []
@@ -205,7 +209,8 @@ def memory_child(spec: dict) -> None:
         fn = STRATEGIES[spec["name"]][0 if spec["impl"] == "ours" else 1]
         run = lambda: fn(adv, ent, mask)  # noqa: E731
     else:
-        inputs, targets = _entropy_workload(spec["kind"], device, spec["b"], spec["t"], spec["v"], spec["d"])
+        inputs, targets = _entropy_workload(spec["kind"], device, spec["b"], spec["t"], spec["v"],
+                                            spec["d"])
         ours, naive = _entropy_fns(spec["kind"], inputs, targets, spec["chunk"])
         run = ours if spec["impl"] == "ours" else naive
     if device.startswith("cuda"):
@@ -250,7 +255,8 @@ def machine() -> str:
 
 
 def bench_weighting(device: str, repeats: int, shapes: list[tuple[int, int]], memory: bool) -> None:
-    print(f"\n## Weighting strategies (W = {WINDOW}, fp32, ragged lengths 25-100% of T, {device})\n")
+    print(f"\n## Weighting strategies (W = {WINDOW}, fp32, ragged lengths 25-100% of T, "
+          f"{device})\n")
     print("| strategy | shape | pepo | direct | speed-up | peak extra mem pepo | direct |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for b, t in shapes:
@@ -260,7 +266,8 @@ def bench_weighting(device: str, repeats: int, shapes: list[tuple[int, int]], me
             a, d = ours(adv, ent, mask), direct(adv, ent, mask)
             if name not in ("global_topk", "global_topk(proximal)"):
                 torch.testing.assert_close(a, d, rtol=1e-4, atol=1e-5)
-            t_ours, t_direct = time_pair(lambda: ours(adv, ent, mask), lambda: direct(adv, ent, mask), repeats, device)
+            t_ours, t_direct = time_pair(lambda: ours(adv, ent, mask),
+                                         lambda: direct(adv, ent, mask), repeats, device)
             if memory:
                 spec = {"what": "strategy", "name": name, "b": b, "t": t, "device": device}
                 m_ours = _mib(measure_memory({**spec, "impl": "ours"}))
@@ -277,7 +284,9 @@ def bench_weighting(device: str, repeats: int, shapes: list[tuple[int, int]], me
 def bench_topk_large(device: str) -> None:
     n = 2**25
     b = 1024
-    adv, ent, mask = torch.randn(b, device=device), torch.rand(b, n // b, device=device), torch.ones(b, n // b, dtype=torch.bool, device=device)
+    adv = torch.randn(b, device=device)
+    ent = torch.rand(b, n // b, device=device)
+    mask = torch.ones(b, n // b, dtype=torch.bool, device=device)
     s = pw.get_strategy("global_topk")
     s(adv, ent, mask)
     _sync(device)
@@ -291,10 +300,12 @@ def bench_topk_large(device: str) -> None:
     except RuntimeError as e:
         quantile = f"fails: {str(e).splitlines()[0][:60]}"
     print(f"\n## global_topk on 2^25 = {n:,} tokens ({device})\n")
-    print(f"selected {int((out != 0).sum()):,} tokens in {took * 1e3:.0f} ms; torch.quantile on the same: {quantile}")
+    print(f"selected {int((out != 0).sum()):,} tokens in {took * 1e3:.0f} ms; "
+          f"torch.quantile on the same: {quantile}")
 
 
-def bench_entropy(device: str, repeats: int, b: int, t: int, v: int, d: int, chunk: int, memory: bool) -> None:
+def bench_entropy(device: str, repeats: int, b: int, t: int, v: int, d: int, chunk: int,
+                  memory: bool) -> None:
     print(f"\n## logprobs_and_entropy, forward + backward ({device}, chunk_size={chunk})\n")
     print("| function | work | pepo | naive | speed-up | peak extra mem pepo | naive |")
     print("|---|---|---:|---:|---:|---:|---:|")
@@ -304,14 +315,18 @@ def bench_entropy(device: str, repeats: int, b: int, t: int, v: int, d: int, chu
         t_ours, t_naive = time_pair(ours, naive, repeats, device)
         del inputs, targets
         if memory:
-            spec = {"what": "entropy", "kind": kind, "b": b, "t": t, "v": v, "d": d, "chunk": chunk, "device": device}
-            m_ours, m_naive = _mib(measure_memory({**spec, "impl": "ours"})), _mib(measure_memory({**spec, "impl": "naive"}))
+            spec = {"what": "entropy", "kind": kind, "b": b, "t": t, "v": v, "d": d,
+                    "chunk": chunk, "device": device}
+            m_ours = _mib(measure_memory({**spec, "impl": "ours"}))
+            m_naive = _mib(measure_memory({**spec, "impl": "naive"}))
         else:
             m_ours = m_naive = "-"
-        work = f"logits [{b}, {t}, {v}]" if kind == "logits" else f"hidden [{b}, {t}, {d}] @ W [{v}, {d}]"
+        work = (f"logits [{b}, {t}, {v}]" if kind == "logits"
+                else f"hidden [{b}, {t}, {d}] @ W [{v}, {d}]")
         name = "logprobs_and_entropy" if kind == "logits" else "..._from_hidden"
         print(
-            f"| {name} | {work} | {t_ours:.2f} s | {t_naive:.2f} s | {t_naive / t_ours:.2f}x | {m_ours} | {m_naive} |",
+            f"| {name} | {work} | {t_ours:.2f} s | {t_naive:.2f} s | {t_naive / t_ours:.2f}x "
+            f"| {m_ours} | {m_naive} |",
             flush=True,
         )
 
@@ -323,7 +338,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--no-memory", action="store_true", help="skip the subprocess memory runs")
     p.add_argument("--vocab", type=int, default=151936)
-    p.add_argument("--entropy-batch", type=int, default=1, help="B of the entropy workload (paper-scale: 4)")
+    p.add_argument("--entropy-batch", type=int, default=1,
+                   help="B of the entropy workload (paper-scale: 4)")
     p.add_argument("--entropy-tokens", type=int, default=4096)
     p.add_argument("--hidden-dim", type=int, default=256, help="D of the hidden-state workload")
     p.add_argument("--chunk-size", type=int, default=1024)

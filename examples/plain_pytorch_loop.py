@@ -134,4 +134,5 @@ if __name__ == "__main__":
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     h = main(steps=a.steps, strategy=a.strategy, seed=a.seed)
-    print(f"mean reward: first 10 steps {sum(h[:10]) / 10:.3f}, last 10 steps {sum(h[-10:]) / 10:.3f}")
+    print(f"mean reward: first 10 steps {sum(h[:10]) / 10:.3f}, "
+          f"last 10 steps {sum(h[-10:]) / 10:.3f}")

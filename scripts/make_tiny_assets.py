@@ -1,11 +1,12 @@
 """Builds an embedded task's tokenizer and warm-start checkpoint (``src/pepo/assets/<task>``).
 
-    python scripts/make_tiny_assets.py [--task tiny|tiny_drift|tiny_reason] [--steps N] [--noise P] [--out DIR]
+    python scripts/make_tiny_assets.py [--task tiny|tiny_drift|tiny_reason] [--steps N]
+        [--noise P] [--out DIR]
 
 1. A character-level ``tokenizer.json`` (Hugging Face ``tokenizers``, WordLevel over the task's
    alphabet) and its ``tokenizer_config.json``.
-2. ``model.safetensors``: ``pepo.training.models.tiny_qwen3`` trained by supervised fine-tuning on worked
-   solutions of the training split in which each step's result is replaced by a random digit
+2. ``model.safetensors``: ``pepo.training.models.tiny_qwen3`` trained by supervised fine-tuning on
+   worked solutions of the training split in which each step's result is replaced by a random digit
    with probability ``--noise``. The model learns the arithmetic but keeps that much
    probability on wrong digits, so sampled responses (temperature 1) succeed only part of the
    time while greedy ones mostly succeed: a starting point RL can visibly improve on, with its
@@ -14,8 +15,8 @@
 Everything is seeded; the run takes a few minutes on 2 CPU cores and prints the pass rates of
 the result.
 
-``--task tiny_drift`` builds the second task's assets (``pepo.tasks.problems.drift_dataset``): a larger
-model (4 layers, width 128, 320 positions) and noise that depends on the step, as a reasoning
+``--task tiny_drift`` builds the second task's assets (``pepo.tasks.problems.drift_dataset``): a
+larger model (4 layers, width 128, 320 positions) and noise that depends on the step, as a reasoning
 model's uncertainty does: a ``*`` step's result is wrong with probability 0.12, a ``-`` step's
 with 0.01, a ``+`` step's with 0.003, and every operand and operator is misread with probability
 0.002 (the step then follows from what was read). The ``*`` steps sit early in the chain, so
@@ -44,10 +45,10 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from pepo.tasks import apply_op, drift_dataset, modsum_dataset, reason_dataset
+from pepo.tasks.rewards import boxed_match
 from pepo.training.generation import generate
 from pepo.training.models import tiny_qwen3
-from pepo.tasks.rewards import boxed_match
-from pepo.tasks import apply_op, drift_dataset, modsum_dataset, reason_dataset
 from pepo.training.tokenizers import load_tokenizer
 
 ALPHABET = "0123456789+-= \nmodbxe\\{}"
@@ -82,7 +83,8 @@ def build_tokenizer(out: Path, alphabet: str = ALPHABET) -> None:
     tok.add_special_tokens(SPECIALS[:2])
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(
-        json.dumps({"pad_token": "<|endoftext|>", "eos_token": "<|im_end|>"}, indent=2) + "\n", encoding="utf-8"
+        json.dumps({"pad_token": "<|endoftext|>", "eos_token": "<|im_end|>"}, indent=2) + "\n",
+        encoding="utf-8",
     )
 
 
@@ -126,8 +128,8 @@ def pass_rate(model, tok, problems, temperature, samples=1, seed=0, max_new_toke
     gen = torch.Generator().manual_seed(seed)
     prompts = [tok.encode(p.prompt) for p in problems for _ in range(samples)]
     answers = [p.answer for p in problems for _ in range(samples)]
-    r = generate(model, prompts, max_new_tokens=max_new_tokens, pad_id=tok.pad_id, stop_tokens=tok.stop_tokens,
-                 temperature=temperature, generator=gen)
+    r = generate(model, prompts, max_new_tokens=max_new_tokens, pad_id=tok.pad_id,
+                 stop_tokens=tok.stop_tokens, temperature=temperature, generator=gen)
     texts = [tok.decode(t[m].tolist()) for t, m in zip(r.tokens, r.mask)]
     return sum(boxed_match(texts, answers)) / len(answers)
 

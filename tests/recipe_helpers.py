@@ -9,8 +9,8 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
-from pepo.training.models import tiny_qwen3
 from pepo.training.config import find_config, register_resolvers
+from pepo.training.models import tiny_qwen3
 
 MODEL_OVERRIDES = {"embed_dim": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
                    "intermediate_dim": 64, "head_dim": 16}

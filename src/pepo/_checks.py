@@ -123,7 +123,8 @@ def check_temperature(value: Any, name: str = "temperature") -> float:
     value = check_positive(name, value)
     lo, hi = TEMPERATURE_RANGE
     if not lo <= value <= hi:
-        raise ValueError(f"{name} must be in [{lo:g}, {hi:g}] (fp32 holds H/{name} there), got {value}")
+        raise ValueError(
+            f"{name} must be in [{lo:g}, {hi:g}] (fp32 holds H/{name} there), got {value}")
     return value
 
 
@@ -133,11 +134,14 @@ def _check_per_row(name: str, t: Any, rows: torch.Tensor, integer: bool, what: s
     t = check_tensor(name, t)
     b = rows.shape[0]
     if integer and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
-        raise ValueError(f"{name} must have an integer dtype (one {what} per rollout), got {t.dtype}")
+        raise ValueError(
+            f"{name} must have an integer dtype (one {what} per rollout), got {t.dtype}")
     if not integer and t.dtype != torch.bool:
-        raise ValueError(f"{name} must have dtype torch.bool (one {what} per rollout), got {t.dtype}")
+        raise ValueError(
+            f"{name} must have dtype torch.bool (one {what} per rollout), got {t.dtype}")
     if t.dim() != 1 or t.shape[0] != b:
-        raise ValueError(f"{name} must be [B]=[{b}] (one {what} per rollout), got {format_shape(t)}")
+        raise ValueError(
+            f"{name} must be [B]=[{b}] (one {what} per rollout), got {format_shape(t)}")
     if t.device != rows.device:
         raise ValueError(f"{name} ({t.device}) must be on the advantages' device ({rows.device})")
     return t

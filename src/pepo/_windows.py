@@ -119,7 +119,8 @@ def scan(clean: torch.Tensor, mask: torch.Tensor, temperature: Optional[float] =
     )
 
 
-def padded_buffer(x: torch.Tensor, lengths: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+def padded_buffer(x: torch.Tensor, lengths: torch.Tensor, window: int,
+                  scale: float) -> torch.Tensor:
     """``[B, T]`` compact rows (times ``scale``) -> ``[B, nb * W]`` reflect-padded at their ends.
 
     Position ``p`` holds ``scale * x[reflect(p - half, L_i)]`` for ``p < L_i + 2 half``; later
@@ -199,7 +200,8 @@ def _empty(mask: torch.Tensor) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
 
 
-def proximal(clean: torch.Tensor, mask: torch.Tensor, window: int, temperature: float) -> torch.Tensor:
+def proximal(clean: torch.Tensor, mask: torch.Tensor, window: int,
+             temperature: float) -> torch.Tensor:
     """Proximal entropy (Eq. 6) of cleaned entropies. ``[B, T]``, 0 where masked."""
     if mask.numel() == 0:
         return _empty(mask)

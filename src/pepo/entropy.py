@@ -92,7 +92,8 @@ def _chunked(
 
 class _FromLogits(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, chunk: int, temperature: float):  # type: ignore[override]
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, chunk: int,  # type: ignore[override]
+                temperature: float):
         lp, ent, lse = _chunked(
             logits, chunk, lambda s, e: _chunk_stats(logits[s:e], targets[s:e], temperature)
         )
@@ -114,7 +115,8 @@ class _FromLogits(torch.autograd.Function):
 
 class _FromHidden(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, temperature: float):  # type: ignore[override]
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor,  # type: ignore[override]
+                targets: torch.Tensor, chunk: int, temperature: float):
         # Each chunk's logits are made in the model's dtype, as its lm head would make them.
         lp, ent, lse = _chunked(
             hidden,
@@ -132,7 +134,8 @@ class _FromHidden(torch.autograd.Function):
         g_lp = g_lp.to(lse.dtype)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_w else None
+        grad_w = (torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_w
+                  else None)
         for s in range(0, hidden.shape[0], ctx.chunk):
             e = min(s + ctx.chunk, hidden.shape[0])
             h = hidden[s:e]
@@ -193,7 +196,8 @@ def logprobs_and_entropy(
 
     Shape:
         logits: ``[..., V]``; targets: ``[...]``; returns ``(logprobs, entropies)``, each
-        ``[...]`` fp32 (fp64 for fp64 logits). ``logprobs`` carries gradient to ``logits``; ``entropies`` is detached.
+        ``[...]`` fp32 (fp64 for fp64 logits). ``logprobs`` carries gradient to ``logits``;
+        ``entropies`` is detached.
     """
     logits = _checks.check_tensor("logits", logits)
     _checks.check_float("logits", logits)

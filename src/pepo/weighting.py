@@ -294,7 +294,8 @@ class Strategy:
                 kwargs["groups"] = groups
             out = self._fn(adv, ent, mask, **kwargs)
             if not isinstance(out, torch.Tensor) or out.shape != mask.shape:
-                got = _checks.format_shape(out) if isinstance(out, torch.Tensor) else type(out).__name__
+                got = (_checks.format_shape(out) if isinstance(out, torch.Tensor)
+                       else type(out).__name__)
                 raise ValueError(
                     f"strategy {self.name!r} returned {got}, expected "
                     f"{_checks.format_shape(mask)} (the shape of mask)"
@@ -642,6 +643,7 @@ def weight_rows(advantages: torch.Tensor, c: torch.Tensor,
     return torch.where(positive[:, None], weighted, a)
 
 
-def _apply(advantages: torch.Tensor, c: torch.Tensor, apply_to: str, positive: torch.Tensor) -> torch.Tensor:
+def _apply(advantages: torch.Tensor, c: torch.Tensor, apply_to: str,
+           positive: torch.Tensor) -> torch.Tensor:
     """``c A`` on the weighted rows (all, or those flagged ``positive``), ``A`` on the rest."""
     return weight_rows(advantages, c, positive if apply_to == "positive" else None)

@@ -11,8 +11,8 @@ import pytest
 from omegaconf import OmegaConf
 
 import pepo_eval
-from pepo.training.evaluation import format_table
 from pepo.training.config import find_config, register_resolvers
+from pepo.training.evaluation import format_table
 from tests import hf_fixtures as F
 
 

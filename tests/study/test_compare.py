@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 
-
 @pytest.fixture(scope="module")
 def study():
     from pepo.study import compare

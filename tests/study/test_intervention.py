@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from pepo.study import analysis
-from pepo.training.evaluation import avg_at_k, eval_generator
-from pepo.training.draws import inverse_cdf_sample
-from pepo.training.generation import draw_seeds, filter_logits, generate, row_uniforms
 from pepo.study.intervention import intervene, mixed_generate, select_positions, token_metric
-from pepo.training.models import tiny_qwen3
 from pepo.tasks import modsum_dataset
+from pepo.training.draws import inverse_cdf_sample
+from pepo.training.evaluation import avg_at_k, eval_generator
+from pepo.training.generation import draw_seeds, filter_logits, generate, row_uniforms
+from pepo.training.models import tiny_qwen3
 from tests.recipe_helpers import MODEL_OVERRIDES, random_checkpoint
 
 V = 32
@@ -212,6 +212,7 @@ def test_cli_writes_the_table(tmp_path, capsys):
     repl = random_checkpoint(tmp_path / "repl", seed=1)
     cfg = tmp_path / "cfg.yaml"
     from omegaconf import OmegaConf
+
     from pepo.training.config import find_config, register_resolvers
 
     register_resolvers()

@@ -6,7 +6,6 @@ import random
 
 import pytest
 
-from pepo.tasks.rewards import BoxedMatch, boxed_match, last_boxed
 from pepo.tasks.problems import (
     MULTIPLIERS,
     apply_op,
@@ -16,6 +15,7 @@ from pepo.tasks.problems import (
     modsum_problem,
     reason_dataset,
 )
+from pepo.tasks.rewards import BoxedMatch, boxed_match, last_boxed
 from pepo.training.config import asset_dir
 from pepo.training.tokenizers import load_tokenizer
 

@@ -183,9 +183,9 @@ def test_recipe_trains_resumes_exactly_and_validates_with_vllm(tmp_path):
 def test_pepo_eval_with_vllm_equals_the_torchtune_engine_greedy(tmp_path):
     """pepo_eval builds the same engine; with greedy decoding (top_k=1) both engines must give
     the same avg@k."""
-    import pepo_eval
     from omegaconf import OmegaConf
 
+    import pepo_eval
     from pepo.training.config import find_config, register_resolvers
     from tests.recipe_helpers import random_checkpoint
 
@@ -193,8 +193,9 @@ def test_pepo_eval_with_vllm_equals_the_torchtune_engine_greedy(tmp_path):
     ckpt = random_checkpoint(tmp_path / "init")  # a 1-layer tiny model ...
     model = {"embed_dim": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
              "intermediate_dim": 64, "head_dim": 32}
-    from pepo.training.models import tiny_qwen3
     from safetensors.torch import save_file
+
+    from pepo.training.models import tiny_qwen3
 
     torch.manual_seed(0)
     m = tiny_qwen3(**model)  # ... with head_dim 32

@@ -75,7 +75,7 @@ def test_kv_cached_sampling_sees_full_forward_distribution(model, monkeypatch):
     seen = []
     real = G.filter_logits
     # the draws module's own name: both decoders draw through pepo.training.draws.draw_token
-    monkeypatch.setattr(D, "filter_logits", lambda l, *a: seen.append(l.clone()) or real(l, *a))
+    monkeypatch.setattr(D, "filter_logits", lambda x, *a: seen.append(x.clone()) or real(x, *a))
     ro = G.generate(model, PROMPTS, max_new_tokens=10, pad_id=0, stop_tokens=[1],
                     generator=torch.Generator().manual_seed(0))
     cached = torch.stack(seen, 1).log_softmax(-1)  # [B, T, V]

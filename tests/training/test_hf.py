@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-
 import transformers
 
 from pepo.training.hf import from_hf, load_hf_config, save_hf

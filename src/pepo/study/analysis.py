@@ -1,8 +1,9 @@
 """The paper's bias diagnostics and token heatmaps, from the recipe's rollout dumps.
 
     python -m pepo.study.analysis pepo_runs/tiny/rollouts --out analysis/ [--windows 11 31 101]
-    python -m pepo.study.analysis intervene --config tiny_drift --replacement RUN/checkpoints/step_N \\
-        --budgets 0 5 10 15 20 30 --metrics global proximal --out intervention/
+    python -m pepo.study.analysis intervene --config tiny_drift \\
+        --replacement RUN/checkpoints/step_N --budgets 0 5 10 15 20 30 \\
+        --metrics global proximal --out intervention/
 
 The first form reads one dump file (``rollouts/step_N.jsonl``) or a directory of them and writes:
 
@@ -439,7 +440,8 @@ def run(dump: Union[str, Path], out: Union[str, Path], windows: Sequence[int] = 
     # the heatmap shows correct rollouts of varied length first (their weights are the ones used)
     order = sorted(range(len(r)), key=lambda i: (r.records[i].get("reward", 0) <= 0, i))
     files["heatmap_html"] = out / "heatmap.html"
-    files["heatmap_html"].write_text(heatmap_html(r, order[:heatmap_rollouts], w_main), encoding="utf-8")
+    files["heatmap_html"].write_text(heatmap_html(r, order[:heatmap_rollouts], w_main),
+                                     encoding="utf-8")
     print(f"analysed {len(r)} rollouts in {time.perf_counter() - t0:.1f}s")
     for k, p in files.items():
         print(f"  {k:15s} {p}")
@@ -453,7 +455,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
         intervention.main(argv[1:])
         return
-    ap = argparse.ArgumentParser(prog="python -m pepo.study.analysis", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m pepo.study.analysis",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("dump", help="a rollouts/step_N.jsonl file or the rollouts/ directory")
     ap.add_argument("--out", required=True, help="directory for the plots and tables")
     ap.add_argument("--windows", type=int, nargs="+", default=[31, 51, 101])

@@ -315,7 +315,8 @@ def run_diagnostics(task: str, results: list[dict], out: Path, docs: Path,
             f"seed {pepo[0]['seed']})\n\n"
             f"`python -m pepo.study.analysis RUN/rollouts/{dumps[0].name} --windows "
             + " ".join(map(str, windows)) + "`\n\n"
-            + files["profile_md"].read_text(encoding="utf-8") + "\n" + files["difficulty_md"].read_text(encoding="utf-8")
+            + files["profile_md"].read_text(encoding="utf-8") + "\n"
+            + files["difficulty_md"].read_text(encoding="utf-8")
             + f"\n![positional bias](images/analysis_{task}/positional_bias.png)\n\n"
             + files["mass_md"].read_text(encoding="utf-8"))
 

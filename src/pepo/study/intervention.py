@@ -10,9 +10,9 @@ model's accuracy.
 * :func:`mixed_generate` decodes with two models in lockstep: at position ``t`` of row ``i``
   the token is drawn from the replacement model where ``replace[i, t]``, else from the base.
   Both models see the same sequence (each keeps its own KV cache) and every row's draws use the
-  same counter-based uniforms as :func:`pepo.training.generation.generate` with the same ``seeds``, so
-  an all-False mask reproduces the base model's rollouts exactly and an all-True mask the
-  replacement model's.
+  same counter-based uniforms as :func:`pepo.training.generation.generate` with the same
+  ``seeds``, so an all-False mask reproduces the base model's rollouts exactly and an all-True
+  mask the replacement model's.
 * :func:`select_positions` turns a metric and a budget into that mask.
 * :func:`intervene` runs a whole table; ``python -m pepo.study.analysis intervene`` is its CLI.
 
@@ -28,17 +28,17 @@ import argparse
 import csv
 import math
 import time
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 import torch
 
 from pepo import weighting
 from pepo.training.evaluation import eval_generator
-from pepo.training.rollouts import is_success, reward_tensor
 from pepo.training.fast_decoder import FastPlan
 from pepo.training.generation import Rollouts, decode, draw_seeds
+from pepo.training.rollouts import is_success, reward_tensor
 
 __all__ = ["METRICS", "MixedRollouts", "intervene", "main", "mixed_generate", "select_positions",
            "token_metric", "write_table"]
@@ -303,8 +303,12 @@ def _main(args: argparse.Namespace) -> dict[str, dict[float, float]]:
     from torchtune import config as tt_config
 
     from pepo.training.checkpointing import resolve_marker
-    from pepo.training.config import (check_checkpoint_dir, check_output_dir, find_config,
-                                      register_resolvers)
+    from pepo.training.config import (
+        check_checkpoint_dir,
+        check_output_dir,
+        find_config,
+        register_resolvers,
+    )
     from pepo.training.tokenizers import stop_token_ids
     from pepo.training.weights import load_model_weights
 

@@ -3,13 +3,16 @@
 Reads Parquet (``.parquet``), JSON lines (``.jsonl``) or JSON (``.json``, a list of rows), or a
 directory of such files (read in sorted order). No hub access: point ``path`` at the files.
 
-| layout | published as | prompt | answer | id |
-|---|---|---|---|---|
-| ``deepmath`` | zwhe99/DeepMath-103K | ``question`` | ``final_answer`` | ``deepmath-<row>`` |
-| ``dapo`` | BytedTsinghua-SIA/DAPO-Math-17k | the problem inside ``prompt[0].content`` (DAPO's "Answer:" instructions removed) | ``reward_model.ground_truth`` | ``extra_info.index`` |
-| ``math500`` | HuggingFaceH4/MATH-500 | ``problem`` | ``answer`` | ``unique_id`` |
-| ``amc`` | AI-MO/aimo-validation-amc | ``problem`` | ``answer`` (``142.0`` → ``142``) | ``id`` |
-| ``aime`` | Maxwell-Jia/AIME_2024, HuggingFaceH4/aime_2024, yentinglin/aime_2025, opencompass/AIME2025, math-ai/aime25 | ``problem`` / ``Problem`` / ``question`` | ``answer`` / ``Answer`` | ``id`` / ``ID`` / row |
+The layouts, each as ``layout`` (published as): prompt; answer; id:
+
+* ``deepmath`` (zwhe99/DeepMath-103K): ``question``; ``final_answer``; ``deepmath-<row>``.
+* ``dapo`` (BytedTsinghua-SIA/DAPO-Math-17k): the problem inside ``prompt[0].content`` (DAPO's
+  "Answer:" instructions removed); ``reward_model.ground_truth``; ``extra_info.index``.
+* ``math500`` (HuggingFaceH4/MATH-500): ``problem``; ``answer``; ``unique_id``.
+* ``amc`` (AI-MO/aimo-validation-amc): ``problem``; ``answer`` (``142.0`` → ``142``); ``id``.
+* ``aime`` (Maxwell-Jia/AIME_2024, HuggingFaceH4/aime_2024, yentinglin/aime_2025,
+  opencompass/AIME2025, math-ai/aime25): ``problem`` / ``Problem`` / ``question``; ``answer`` /
+  ``Answer``; ``id`` / ``ID`` / row.
 
 ``layout="auto"`` picks the layout from the columns. A row whose prompt or answer is missing,
 null (``None``, NaN) or empty is an error naming its file, row and field (``on_bad_row="skip"``

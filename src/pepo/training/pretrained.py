@@ -113,7 +113,8 @@ def is_intact(directory: Union[str, Path], source_sha256: Optional[str] = None) 
         files = manifest["files"]
         if "model.safetensors" not in files or "config.json" not in files:
             return False
-        return all((d / f).is_file() and sha256_file(d / f) == digest for f, digest in files.items())
+        return all((d / f).is_file() and sha256_file(d / f) == digest
+                   for f, digest in files.items())
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
 

@@ -59,7 +59,8 @@ def reward_tensor(values: Any, n: int, reward_fn: Any) -> torch.Tensor:
         if not math.isfinite(x) or abs(x) > _F32_MAX:
             raise RewardError(
                 f"reward {name} returned {_short(v)} for response {i}; rewards must be finite "
-                + ("numbers" if not math.isfinite(x) else f"numbers within float32's range (|r| <= {_F32_MAX:.4g})"))
+                + ("numbers" if not math.isfinite(x)
+                   else f"numbers within float32's range (|r| <= {_F32_MAX:.4g})"))
         out.append(x)
     return torch.tensor(out, dtype=torch.float32)
 
@@ -108,10 +109,10 @@ def sample_and_score(
 
     The training step and every evaluation go through here. ``engine`` is a rollout engine of
     :mod:`pepo.training.engines` (or a model, sampled in-process); ``gen_kwargs`` are
-    :func:`pepo.training.generation.generate`'s sampling arguments (``max_new_tokens``, ``temperature``,
-    ``top_k``, ``top_p``); ``batch_size`` bounds the rows decoded at once. ``seeds`` (``[B]``,
-    :func:`pepo.training.generation.draw_seeds`) seed each rollout's sampling on its own; without them
-    they are drawn from ``generator`` (when given).
+    :func:`pepo.training.generation.generate`'s sampling arguments (``max_new_tokens``,
+    ``temperature``, ``top_k``, ``top_p``); ``batch_size`` bounds the rows decoded at once.
+    ``seeds`` (``[B]``, :func:`pepo.training.generation.draw_seeds`) seed each rollout's sampling
+    on its own; without them they are drawn from ``generator`` (when given).
 
     Raises:
         RewardError: the reward function does not return one finite number per response.
