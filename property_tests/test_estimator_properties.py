@@ -43,7 +43,10 @@ def test_group_affine_invariance(data, scale, shift):
         torch.testing.assert_close(moved, base * (1 if a > 0 else -1), rtol=1e-3, atol=1e-3)
 
 
-@given(st.lists(st.sampled_from([0.0, 1.0]), min_size=2, max_size=30), st.lists(st.floats(0, 1), min_size=2, max_size=30))
+@given(
+    st.lists(st.sampled_from([0.0, 1.0]), min_size=2, max_size=30),
+    st.lists(st.floats(0, 1), min_size=2, max_size=30),
+)
 def test_spo_advantages_normalised(rewards, priors):
     n = min(len(rewards), len(priors))
     t = est.SingleStreamEstimator({i: p for i, p in enumerate(priors[:n])})
@@ -54,7 +57,13 @@ def test_spo_advantages_normalised(rewards, priors):
         assert abs(float(a.std()) - 1) < 1e-3
 
 
-@given(st.lists(st.tuples(st.integers(0, 3), st.sampled_from([0.0, 1.0]), st.floats(0, 1)), min_size=1, max_size=40))
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 3), st.sampled_from([0.0, 1.0]), st.floats(0, 1)),
+        min_size=1,
+        max_size=40,
+    )
+)
 def test_spo_tracker_stays_a_probability(events):
     t = est.SingleStreamEstimator()
     for pid, r, kl in events:

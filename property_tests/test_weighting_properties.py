@@ -32,7 +32,9 @@ def test_shift_invariance_prop1_i(batch, window, tau, data):
     """Adding any per-row constant to H leaves e and c unchanged. (A shifted H may be negative,
     which no entropy is: the check that refuses that is switched off to test the formula.)"""
     adv, ent, mask = batch
-    delta = torch.tensor(data.draw(st.lists(st.floats(-20, 20, width=32), min_size=len(adv), max_size=len(adv))))
+    delta = torch.tensor(
+        data.draw(st.lists(st.floats(-20, 20, width=32), min_size=len(adv), max_size=len(adv)))
+    )
     shifted = ent + delta[:, None]
     e0 = pw.proximal_entropy(ent, mask, window, tau)
     e1 = pw.proximal_entropy(shifted, mask, window, tau, check_finite=False)
@@ -48,10 +50,16 @@ def test_scale_invariance_of_the_linear_statistic(batch, window, data):
     """App. E's r = H / Σ_W H is the linear twin of Prop. 1(i): multiplying a row's entropies
     by any constant > 0 leaves r and window_average's weights unchanged."""
     adv, ent, mask = batch
-    scale = torch.tensor(data.draw(st.lists(st.floats(0.015625, 64.0, width=32), min_size=len(adv), max_size=len(adv))))
+    scale = torch.tensor(
+        data.draw(
+            st.lists(st.floats(0.015625, 64.0, width=32), min_size=len(adv), max_size=len(adv))
+        )
+    )
     scaled = ent * scale[:, None]
     r0 = pw.window_average_entropy(ent, mask, window)
-    torch.testing.assert_close(pw.window_average_entropy(scaled, mask, window), r0, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(
+        pw.window_average_entropy(scaled, mask, window), r0, rtol=1e-5, atol=1e-7
+    )
     s = pw.get_strategy("window_average", window=window, apply_to="all")
     torch.testing.assert_close(s(adv, scaled, mask), s(adv, ent, mask), rtol=1e-5, atol=1e-5)
 
@@ -78,7 +86,9 @@ def test_weight_sum_preservation(batch, window, tau, apply_to):
     for name, params in (("proximal_softmax", {"temperature": tau}), ("window_average", {})):
         out = pw.get_strategy(name, window=window, apply_to=apply_to, **params)(adv, ent, mask)
         expected = adv * mask.sum(1)
-        torch.testing.assert_close(out.sum(1), expected, rtol=2e-5, atol=2e-5 * float(mask.sum(1).max().clamp_min(1)))
+        torch.testing.assert_close(
+            out.sum(1), expected, rtol=2e-5, atol=2e-5 * float(mask.sum(1).max().clamp_min(1))
+        )
 
 
 strategy_specs = st.sampled_from(
@@ -114,11 +124,20 @@ def test_masked_equals_sliced(batch, spec, extra):
     s = pw.get_strategy(*spec[:1], **spec[1])
     if spec[0] == "global_topk":
         adv, ent, mask = adv[:1], ent[:1], mask[:1]
-    padded_out = s(adv, torch.nn.functional.pad(ent, (0, extra), value=float("nan")), torch.nn.functional.pad(mask, (0, extra)))
+    padded_out = s(
+        adv,
+        torch.nn.functional.pad(ent, (0, extra), value=float("nan")),
+        torch.nn.functional.pad(mask, (0, extra)),
+    )
     for i in range(len(adv)):
         row = ent[i][mask[i]][None]
         alone = s(adv[i : i + 1], row, torch.ones_like(row, dtype=torch.bool))
-        torch.testing.assert_close(padded_out[i][torch.nn.functional.pad(mask, (0, extra))[i]], alone[0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(
+            padded_out[i][torch.nn.functional.pad(mask, (0, extra))[i]],
+            alone[0],
+            rtol=1e-6,
+            atol=1e-6,
+        )
 
 
 @given(batches(), strategy_specs, st.randoms(use_true_random=False))
@@ -128,16 +147,27 @@ def test_row_permutation_equivariance(batch, spec, rnd):
     rnd.shuffle(perm)
     perm = torch.tensor(perm)
     s = pw.get_strategy(spec[0], **spec[1])
-    torch.testing.assert_close(s(adv[perm], ent[perm], mask[perm]), s(adv, ent, mask)[perm], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        s(adv[perm], ent[perm], mask[perm]), s(adv, ent, mask)[perm], rtol=1e-6, atol=1e-6
+    )
 
 
-@given(batches(min_valid=1), st.floats(0.01, 1.0), st.floats(0.01, 1.0), st.sampled_from(["entropy", "proximal"]))
+@given(
+    batches(min_valid=1),
+    st.floats(0.01, 1.0),
+    st.floats(0.01, 1.0),
+    st.sampled_from(["entropy", "proximal"]),
+)
 def test_topk_monotone_in_fraction(batch, f1, f2, score):
     adv, ent, mask = batch
     lo, hi = sorted((f1, f2))
     ones = torch.ones_like(adv)
-    sel_lo = pw.get_strategy("global_topk", fraction=lo, score=score, window=5)(ones, ent, mask) != 0
-    sel_hi = pw.get_strategy("global_topk", fraction=hi, score=score, window=5)(ones, ent, mask) != 0
+    sel_lo = (
+        pw.get_strategy("global_topk", fraction=lo, score=score, window=5)(ones, ent, mask) != 0
+    )
+    sel_hi = (
+        pw.get_strategy("global_topk", fraction=hi, score=score, window=5)(ones, ent, mask) != 0
+    )
     assert not (sel_lo & ~sel_hi).any()
     n = int(mask.sum())
     assert int(sel_lo.sum()) >= n - math.ceil((1 - lo) * (n - 1))  # at least k (ties add more)
@@ -150,7 +180,9 @@ def test_proximal_entropy_bounds(batch, window, tau):
     e = pw.proximal_entropy(ent, mask, window, tau)
     assert (e[mask] > 0).all() and (e[mask] <= 1 + 1e-6).all()
     const = pw.proximal_entropy(torch.full_like(ent, 0.3), mask, window, tau)
-    torch.testing.assert_close(const[mask], torch.full_like(const[mask], 1 / window), rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        const[mask], torch.full_like(const[mask], 1 / window), rtol=1e-5, atol=0
+    )
 
 
 # ---------------------------------------------------------------------------------------- GTPO
@@ -239,7 +271,11 @@ def test_gtpo_standardises_what_it_promises(batch, params):
         if positive[rows].all() or not positive[rows].any():
             assert (out[rows] == 0).all()
             continue
-        units = [rows] if params.get("normalize", "group") == "group" else [rows & positive, rows & ~positive]
+        units = (
+            [rows]
+            if params.get("normalize", "group") == "group"
+            else [rows & positive, rows & ~positive]
+        )
         for unit in units:
             sel = mask & unit[:, None]
             if not sel.any():

@@ -16,8 +16,10 @@ if RECIPE_MISSING:
 # An adapter's tests run where its framework is installed, and must run where
 # PEPO_REQUIRE_TRL=1 / PEPO_REQUIRE_VERL=1 (CI's environments for them) say so.
 FRAMEWORKS_MISSING = [
-    name for name in ("trl", "verl")
-    if importlib.util.find_spec(name) is None and os.environ.get(f"PEPO_REQUIRE_{name.upper()}") != "1"
+    name
+    for name in ("trl", "verl")
+    if importlib.util.find_spec(name) is None
+    and os.environ.get(f"PEPO_REQUIRE_{name.upper()}") != "1"
 ]
 collect_ignore += [f"integrations/test_{name}.py" for name in FRAMEWORKS_MISSING]
 
@@ -40,7 +42,9 @@ def pytest_report_header(config):
     return lines or None
 
 
-def ragged_batch(lengths, t_max, *, holes=False, seed=0, dtype=torch.float32, scale=2.0, pad_value=float("nan")):
+def ragged_batch(
+    lengths, t_max, *, holes=False, seed=0, dtype=torch.float32, scale=2.0, pad_value=float("nan")
+):
     """A [B, T] batch of entropies in [0, scale) with the given valid counts per row.
 
     With ``holes`` the valid tokens are scattered (sorted random positions) instead of forming

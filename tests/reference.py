@@ -29,7 +29,9 @@ def scatter_back(values: np.ndarray, mask_row: torch.Tensor) -> np.ndarray:
     return out
 
 
-def proximal_entropy_row(h: np.ndarray, window: int, temperature: float = 1.0, pad_mode: str = "reflect") -> np.ndarray:
+def proximal_entropy_row(
+    h: np.ndarray, window: int, temperature: float = 1.0, pad_mode: str = "reflect"
+) -> np.ndarray:
     """Eq. (6): e_t = exp(H_t/τ) / Σ_{|k-t| <= W/2} exp(H_k/τ), reflect-padded (App. C)."""
     if len(h) == 0:
         return h.copy()
@@ -77,7 +79,9 @@ def sum_preserving(w: np.ndarray) -> np.ndarray:
     return w / total * len(w)
 
 
-def proximal_entropy(entropies: torch.Tensor, mask: torch.Tensor, window: int, temperature: float = 1.0) -> np.ndarray:
+def proximal_entropy(
+    entropies: torch.Tensor, mask: torch.Tensor, window: int, temperature: float = 1.0
+) -> np.ndarray:
     rows = []
     for i in range(entropies.shape[0]):
         v = valid_values(entropies[i].double(), mask[i])
@@ -85,7 +89,9 @@ def proximal_entropy(entropies: torch.Tensor, mask: torch.Tensor, window: int, t
     return np.stack(rows)
 
 
-def multiplicative(advantages, entropies, mask, weights_row, apply_to: str, positive=None) -> np.ndarray:
+def multiplicative(
+    advantages, entropies, mask, weights_row, apply_to: str, positive=None
+) -> np.ndarray:
     """Â_{i,t} = c_{i,t} A_i on weighted rows; A_i on every token of the others.
 
     With apply_to='positive' the weighted rows are those flagged in ``positive`` (default
@@ -116,7 +122,15 @@ def entropy_bonus(advantages, entropies, mask, alpha, kappa) -> np.ndarray:
 
 def global_topk(advantages, scores, mask, fraction) -> np.ndarray:
     """80/20 as TRL writes it: threshold = torch.quantile(valid scores, 1 - fraction), keep >=."""
-    valid = torch.tensor([float(scores[i, t]) for i in range(mask.shape[0]) for t in range(mask.shape[1]) if mask[i, t]], dtype=torch.float64)
+    valid = torch.tensor(
+        [
+            float(scores[i, t])
+            for i in range(mask.shape[0])
+            for t in range(mask.shape[1])
+            if mask[i, t]
+        ],
+        dtype=torch.float64,
+    )
     out = np.zeros(tuple(mask.shape))
     if len(valid) == 0:
         return out
@@ -147,7 +161,11 @@ def gtpo_rewards(entropies, mask, positive, groups, alpha1, alpha2, eps) -> np.n
                     share = score[i] / total if total > 0 else 1.0 / len(active)
                     term = alpha1 + alpha2 * share * len(active)
                     shaped[i][t] = term if success else -term
-    return np.stack([scatter_back(shaped[i], mask[i]) for i in range(b)]) if b else np.zeros(tuple(mask.shape))
+    return (
+        np.stack([scatter_back(shaped[i], mask[i]) for i in range(b)])
+        if b
+        else np.zeros(tuple(mask.shape))
+    )
 
 
 def gtpo(entropies, mask, positive, groups, alpha1, alpha2, eps, normalize) -> np.ndarray:
@@ -161,8 +179,14 @@ def gtpo(entropies, mask, positive, groups, alpha1, alpha2, eps, normalize) -> n
         members = [i for i in range(b) if int(groups[i]) == g]
         if len({bool(positive[i]) for i in members}) < 2:
             continue
-        units = [members] if normalize == "group" else [
-            [i for i in members if bool(positive[i])], [i for i in members if not bool(positive[i])]]
+        units = (
+            [members]
+            if normalize == "group"
+            else [
+                [i for i in members if bool(positive[i])],
+                [i for i in members if not bool(positive[i])],
+            ]
+        )
         for unit in units:
             values = [r[i, t] for i in unit for t in range(mask.shape[1]) if mask[i, t]]
             if not values:

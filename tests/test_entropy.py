@@ -43,10 +43,14 @@ def test_values_and_gradient_match_naive(chunk, temperature):
 def test_gradcheck_float64():
     logits, targets = data(b=2, t=3, v=6)
     x = logits.double().requires_grad_(True)
-    assert torch.autograd.gradcheck(lambda z: logprobs_and_entropy(z, targets, chunk_size=4, temperature=0.7)[0], (x,))
+    assert torch.autograd.gradcheck(
+        lambda z: logprobs_and_entropy(z, targets, chunk_size=4, temperature=0.7)[0], (x,)
+    )
     h = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
     w = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda a, b: logprobs_and_entropy_from_hidden(a, b, targets, chunk_size=4)[0], (h, w))
+    assert torch.autograd.gradcheck(
+        lambda a, b: logprobs_and_entropy_from_hidden(a, b, targets, chunk_size=4)[0], (h, w)
+    )
 
 
 def test_minus_inf_logits_are_safe():
@@ -130,7 +134,8 @@ def test_autograd_saves_no_softmax_sized_tensor():
 
 def test_errors():
     logits, targets = data()
-    with pytest.raises(ValueError, match=r"targets must be token ids in \[0, 50\), got values in \[-100"):
+    with pytest.raises(ValueError,
+                       match=r"targets must be token ids in \[0, 50\), got values in \[-100"):
         t = targets.clone()
         t[0, 0] = -100
         logprobs_and_entropy(logits, t)
@@ -139,7 +144,9 @@ def test_errors():
     with pytest.raises(ValueError, match="chunk_size must be an int >= 1"):
         logprobs_and_entropy(logits, targets, chunk_size=0)
     with pytest.raises(ValueError, match=r"weight must be \[V, D\] with D=8"):
-        logprobs_and_entropy_from_hidden(torch.randn(2, 8), torch.randn(5, 7), torch.zeros(2, dtype=torch.long))
+        logprobs_and_entropy_from_hidden(
+            torch.randn(2, 8), torch.randn(5, 7), torch.zeros(2, dtype=torch.long)
+        )
 
 
 def _poisoned(chunk):

@@ -31,7 +31,12 @@ def test_group_advantages_match_reference(g, unbiased, normalize_std):
     r[:g] = 1.0  # a degenerate group
     r[g : 2 * g] = torch.rand(g, generator=gen)  # a continuous-reward group
     got = est.group_advantages(r, g, unbiased=unbiased, normalize_std=normalize_std)
-    torch.testing.assert_close(got.double(), ref_group(r, g, unbiased=unbiased, normalize_std=normalize_std), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        got.double(),
+        ref_group(r, g, unbiased=unbiased, normalize_std=normalize_std),
+        rtol=1e-6,
+        atol=1e-6,
+    )
 
 
 @pytest.mark.parametrize("normalize_std", [True, False])
@@ -53,8 +58,9 @@ def test_group_advantages_near_the_dtype_limit_are_not_a_silent_zero(dtype):
     want = ref_group([1.0, -1.0, 1.0, 1.0, 0.0, 1.0], 3, eps=0.0)  # scale-free up to eps/|r|
     torch.testing.assert_close(got[:3].double(), want[:3], rtol=1e-6, atol=0)
     torch.testing.assert_close(got[3:].double(), ref_group(r[3:], 3), rtol=1e-6, atol=1e-6)
-    with pytest.raises(ValueError, match=r"the advantages r - mean overflow torch.float(32|64) \(rewards "
-                                         r"from -.* to .*\); scale the rewards down"):
+    with pytest.raises(ValueError,
+                       match=r"the advantages r - mean overflow torch.float(32|64) \(rewards "
+                             r"from -.* to .*\); scale the rewards down"):
         est.group_advantages(r, 3, normalize_std=False)  # r - mean itself is beyond the dtype
 
 
@@ -223,7 +229,8 @@ def test_step_interface_of_both_estimators():
     s.prepare(["p0", "p1", "p2"], score)
     assert calls == [[0, 0, 1, 1, 2, 2]]
     assert s.values(["p0", "p1"]).tolist() == pytest.approx([0.5 / 3, 2.5 / 3])
-    with pytest.raises(ValueError, match=r"unknown single_stream estimator key\(s\) \['group_size'\]"):
+    with pytest.raises(ValueError,
+                       match=r"unknown single_stream estimator key\(s\) \['group_size'\]"):
         est.build_estimator("single_stream", group_size=4)
     with pytest.raises(ValueError, match="estimator name must be one of"):
         est.build_estimator("ppo")

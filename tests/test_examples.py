@@ -24,7 +24,9 @@ def batch(seed=0, n=24):
     policy = ex.Policy()
     gen = torch.Generator().manual_seed(seed)
     d = torch.randint(0, 10, (n, 2), generator=gen)
-    prompts = torch.stack([d[:, 0], torch.full((n,), ex.PLUS), d[:, 1], torch.full((n,), ex.EQUALS)], 1)
+    prompts = torch.stack(
+        [d[:, 0], torch.full((n,), ex.PLUS), d[:, 1], torch.full((n,), ex.EQUALS)], 1
+    )
     responses, mask = ex.sample(policy, prompts, gen)
     return policy, prompts, responses, mask
 
@@ -71,7 +73,9 @@ def test_micro_batches_give_the_full_batch_gradient(micro_batch):
         opt = torch.optim.SGD(policy.parameters(), lr=0.0)  # records the gradient, moves nothing
         ex.update(policy, opt, prompts, responses, mask, old_lp, token_adv, mb)
         grads.append([p.grad.clone() for p in policy.parameters()])
-    token_counts = [int(mask[i : i + micro_batch].sum()) for i in range(0, len(prompts), micro_batch)]
+    token_counts = [
+        int(mask[i : i + micro_batch].sum()) for i in range(0, len(prompts), micro_batch)
+    ]
     assert len(set(token_counts)) > 1  # uneven: the case a per-micro-batch mean gets wrong
     for full, split in zip(*grads):
         torch.testing.assert_close(split, full, rtol=1e-5, atol=1e-7)

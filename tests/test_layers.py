@@ -226,7 +226,9 @@ def private_violations(path: Path, own: str, known: set[str]) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
-                bound[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+                bound[a.asname or a.name.split(".")[0]] = (
+                    a.name if a.asname else a.name.split(".")[0]
+                )
         elif isinstance(node, ast.ImportFrom) and node.module:
             for a in node.names:
                 full = f"{node.module}.{a.name}"
@@ -305,7 +307,8 @@ def test_private_name_check_catches_each_form(tmp_path):
         "from pepo.training.generation import _decode\n": "imports the private",
         "import pepo.training.generation as G\nG._FastPlan.of(m)\n": "reads the private",
         "from pepo import _checks\n_checks._shape(x)\n": "reads the private",
-        "import pepo.training.generation\npepo.training.generation._decode()\n": "reads the private",
+        "import pepo.training.generation\npepo.training.generation._decode()\n":
+            "reads the private",
         "def f():\n    from pepo.training import generation\n    generation._draw()\n":
             "reads the private",
     }

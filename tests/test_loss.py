@@ -36,7 +36,9 @@ def test_loss_matches_reference(eps_low, eps_high):
     lp, old, adv, mask = batch()
     got = clipped_policy_loss(lp, old, adv, mask, eps_low, eps_high)
     assert got.dtype == torch.float32 and got.dim() == 0
-    assert got.item() == pytest.approx(ref_loss(lp, old, adv, mask, eps_low, eps_high), rel=1e-5, abs=1e-7)
+    assert got.item() == pytest.approx(
+        ref_loss(lp, old, adv, mask, eps_low, eps_high), rel=1e-5, abs=1e-7
+    )
 
 
 def test_hand_worked():
@@ -55,13 +57,24 @@ def test_micro_batches_sum_to_full_batch_loss_and_gradient():
     full = clipped_policy_loss(lp, old, adv, mask)
     (g_full,) = torch.autograd.grad(full, lp)
     n = mask.sum()
-    parts = [clipped_policy_loss(lp[s : s + 2], old[s : s + 2], adv[s : s + 2], mask[s : s + 2], num_tokens=n) for s in range(0, 8, 2)]
+    parts = [
+        clipped_policy_loss(
+            lp[s : s + 2], old[s : s + 2], adv[s : s + 2], mask[s : s + 2], num_tokens=n
+        )
+        for s in range(0, 8, 2)
+    ]
     total = sum(parts)
     (g_acc,) = torch.autograd.grad(total, lp)
     torch.testing.assert_close(total, full, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(g_acc, g_full, rtol=1e-6, atol=1e-8)
     # Normalising each micro-batch by its own count would not match (the trap this avoids).
-    own = sum(clipped_policy_loss(lp[s : s + 2], old[s : s + 2], adv[s : s + 2], mask[s : s + 2]) for s in range(0, 8, 2)) / 4
+    own = (
+        sum(
+            clipped_policy_loss(lp[s : s + 2], old[s : s + 2], adv[s : s + 2], mask[s : s + 2])
+            for s in range(0, 8, 2)
+        )
+        / 4
+    )
     assert abs(own.item() - full.item()) > 1e-4
 
 
@@ -89,7 +102,9 @@ def test_errors():
     lp, old, adv, mask = batch()
     with pytest.raises(ValueError, match="advantages require grad"):
         clipped_policy_loss(lp, old, adv.requires_grad_(True), mask)
-    with pytest.raises(ValueError, match=r"advantages must be \[B, T\]=\[4, 9\] like logprobs, got \[4\]; expand"):
+    with pytest.raises(ValueError,
+                       match=r"advantages must be \[B, T\]=\[4, 9\] like logprobs, got \[4\]; "
+                             r"expand"):
         clipped_policy_loss(lp, old, adv[:, 0].detach(), mask)
     with pytest.raises(ValueError, match="mask must have dtype torch.bool"):
         clipped_policy_loss(lp, old, adv.detach(), mask.long())
@@ -106,7 +121,8 @@ def test_metrics():
     mask = torch.tensor([[True, True, True, False]])
     m = policy_loss_metrics(lp, old, adv, mask)
     r = torch.exp(torch.tensor([0.5, 0.0, -0.5]))
-    # token 0: ratio 1.65 > 1.28 with A > 0 -> clipped (high); token 2: ratio 0.61 < 0.8, A < 0 -> clipped (low)
+    # token 0: ratio 1.65 > 1.28 with A > 0 -> clipped (high);
+    # token 2: ratio 0.61 < 0.8, A < 0 -> clipped (low)
     assert m["clip_fraction"].item() == pytest.approx(2 / 3)
     assert m["clip_fraction_high"].item() == pytest.approx(1 / 3)
     assert m["clip_fraction_low"].item() == pytest.approx(1 / 3)
@@ -123,7 +139,9 @@ def test_clip_fraction_counts_only_active_clips():
     below 1 - eps_low with A > 0) keep the unclipped term: they are not clipped. A metric that
     counted `clipped != unclipped`, or any ratio outside the range, would count them."""
     eps_low, eps_high = 0.2, 0.28
-    log_r = torch.tensor([[0.5, 0.5, -0.5, -0.5, 0.1, -0.1]])  # ratios 1.65, 1.65, 0.61, 0.61, 1.11, 0.90
+    log_r = torch.tensor(
+        [[0.5, 0.5, -0.5, -0.5, 0.1, -0.1]]
+    )  # ratios 1.65, 1.65, 0.61, 0.61, 1.11, 0.90
     adv = torch.tensor([[1.0, -1.0, -1.0, 1.0, 1.0, -2.0]])
     mask = torch.ones_like(adv, dtype=torch.bool)
     m = policy_loss_metrics(log_r, torch.zeros_like(log_r), adv, mask, eps_low, eps_high)
@@ -177,7 +195,9 @@ def test_gradient_matches_autograd_of_a_float64_loop_reference(eps_low, eps_high
     ratio = log_ratio.exp()
     clipped_high = mask & (ratio > 1 + eps_high) & (adv > 0)
     clipped_low = mask & (ratio < 1 - eps_low) & (adv < 0)
-    free_high = mask & (ratio > 1 + eps_high) & (adv < 0)  # unclipped term is the min: gradient flows
+    free_high = (
+        mask & (ratio > 1 + eps_high) & (adv < 0)
+    )  # unclipped term is the min: gradient flows
     free_low = mask & (ratio < 1 - eps_low) & (adv > 0)
     inside = mask & (ratio > 1 - eps_low) & (ratio < 1 + eps_high)
     for region in (clipped_high, clipped_low, free_high, free_low, inside):
@@ -197,7 +217,9 @@ def test_negative_token_count_never_gives_a_finite_loss():
     with pytest.raises(ValueError, match="num_tokens must be an int >= 1, got -5"):
         clipped_policy_loss(lp, old, adv, mask, num_tokens=-5)
     assert torch.isnan(clipped_policy_loss(lp, old, adv, mask, num_tokens=torch.tensor(-5)))
-    assert clipped_policy_loss(lp, old, adv, torch.zeros_like(mask), num_tokens=torch.tensor(0)) == 0
+    assert (
+        clipped_policy_loss(lp, old, adv, torch.zeros_like(mask), num_tokens=torch.tensor(0)) == 0
+    )
 
 
 def test_truncated_is_weights_and_weighted_loss_match_a_loop_reference():
@@ -211,7 +233,9 @@ def test_truncated_is_weights_and_weighted_loss_match_a_loop_reference():
     w = truncated_is_weights(old, rollout, mask, cap=2.0)
     for i in range(5):
         for t in range(11):
-            expected = min(math.exp(float(old[i, t]) - float(rollout[i, t])), 2.0) if mask[i, t] else 0.0
+            expected = (
+                min(math.exp(float(old[i, t]) - float(rollout[i, t])), 2.0) if mask[i, t] else 0.0
+            )
             assert float(w[i, t]) == pytest.approx(expected, rel=1e-6, abs=1e-7)
     assert (w[mask] == 2.0).any() and (w[mask] < 1.0).any()  # both the cap and ratios < 1 occur
     # the weighted loss: each token's clipped term times its weight, over all valid tokens

@@ -42,7 +42,10 @@ def test_reflect_index_matches_numpy_pad_including_repeated_reflection():
 
 
 @pytest.mark.parametrize("holes", [False, True])
-@pytest.mark.parametrize("window,lengths", [(1, [1, 2, 7]), (3, [1, 2, 3, 4, 9]), (W_SMALL, LENGTHS_SMALL), (101, LENGTHS_101)])
+@pytest.mark.parametrize(
+    "window,lengths",
+    [(1, [1, 2, 7]), (3, [1, 2, 3, 4, 9]), (W_SMALL, LENGTHS_SMALL), (101, LENGTHS_101)],
+)
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
 def test_proximal_entropy_matches_reference(window, lengths, holes, temperature):
     t_max = max(lengths) + (13 if holes else 3)
@@ -82,8 +85,12 @@ def test_proximal_entropy_hand_worked():
     e = pw.proximal_entropy(ent, torch.ones(1, 3, dtype=torch.bool), window=3)
     torch.testing.assert_close(e, torch.tensor([[0.2, 0.5, 0.2]]), rtol=1e-6, atol=1e-7)
     # c = e / 0.9 * 3 and the advantage 1.5 of a positive row multiplies it.
-    out = pw.get_strategy("proximal_softmax", window=3)(torch.tensor([1.5]), ent, torch.ones(1, 3, dtype=torch.bool))
-    torch.testing.assert_close(out, 1.5 * torch.tensor([[0.2, 0.5, 0.2]]) / 0.9 * 3, rtol=1e-6, atol=1e-6)
+    out = pw.get_strategy("proximal_softmax", window=3)(
+        torch.tensor([1.5]), ent, torch.ones(1, 3, dtype=torch.bool)
+    )
+    torch.testing.assert_close(
+        out, 1.5 * torch.tensor([[0.2, 0.5, 0.2]]) / 0.9 * 3, rtol=1e-6, atol=1e-6
+    )
 
 
 def test_proximal_entropy_long_rows_stay_accurate():
@@ -148,7 +155,9 @@ def test_proximal_softmax_matches_reference(window, lengths, apply_to, holes):
     adv, ent, mask = ragged_batch(lengths, max(lengths) + 5, holes=holes, seed=7)
     adv[0], adv[1] = 0.0, -0.5  # zero and negative rows are kept uniform under 'positive'
     got = pw.get_strategy("proximal_softmax", window=window, apply_to=apply_to)(adv, ent, mask)
-    expected = ref.multiplicative(adv, ent, mask, lambda v: ref.proximal_entropy_row(v, window), apply_to)
+    expected = ref.multiplicative(
+        adv, ent, mask, lambda v: ref.proximal_entropy_row(v, window), apply_to
+    )
     close(got, expected, rtol=RTOL32, atol=1e-6)
     # Weight-sum preservation: Σ_t Â = T_i A_i on every row.
     torch.testing.assert_close(got.sum(1), adv * mask.sum(1), rtol=1e-5, atol=1e-4)
@@ -165,14 +174,18 @@ def test_proximal_softmax_temperature_matches_reference(window, lengths, tempera
     )
     close(s(adv, ent, mask), expected, rtol=RTOL32, atol=1e-6)
     if temperature != 1.0:  # the comparison can tell the temperatures apart
-        at_one = ref.multiplicative(adv, ent, mask, lambda v: ref.proximal_entropy_row(v, window), "all")
+        at_one = ref.multiplicative(
+            adv, ent, mask, lambda v: ref.proximal_entropy_row(v, window), "all"
+        )
         assert not np.allclose(s(adv, ent, mask).double().numpy(), at_one, rtol=RTOL32, atol=1e-6)
 
 
 def test_global_topk_proximal_score_uses_the_temperature():
     adv, ent, mask = ragged_batch([10, 40, 64], 64, holes=True, seed=31, scale=3.0)
     for tau in (0.5, 2.0):
-        got = pw.get_strategy("global_topk", score="proximal", window=11, temperature=tau)(adv, ent, mask)
+        got = pw.get_strategy("global_topk", score="proximal", window=11, temperature=tau)(
+            adv, ent, mask
+        )
         scores = torch.tensor(ref.proximal_entropy(ent, mask, 11, tau), dtype=torch.float32)
         close(got, ref.global_topk(adv, scores, mask, 0.2), rtol=0, atol=0)
 
@@ -189,13 +202,23 @@ def test_positive_flags_choose_the_weighted_rows(name):
     row = ref.proximal_entropy_row if name == "proximal_softmax" else ref.window_average_row
     s = pw.get_strategy(name, window=5)
     got = s(adv, ent, mask, positive=positive)
-    close(got, ref.multiplicative(adv, ent, mask, lambda v: row(v, 5), "positive", positive), atol=1e-6)
+    close(
+        got,
+        ref.multiplicative(adv, ent, mask, lambda v: row(v, 5), "positive", positive),
+        atol=1e-6,
+    )
     # without flags the advantage's sign decides (rows 1 and 2 weighted)
-    close(s(adv, ent, mask), ref.multiplicative(adv, ent, mask, lambda v: row(v, 5), "positive"), atol=1e-6)
+    close(
+        s(adv, ent, mask),
+        ref.multiplicative(adv, ent, mask, lambda v: row(v, 5), "positive"),
+        atol=1e-6,
+    )
     assert not torch.allclose(got, s(adv, ent, mask))
     # 'all' ignores the flags
     every = pw.get_strategy(name, window=5, apply_to="all")
-    assert torch.equal(every(adv, ent, mask, positive=positive), every(adv, ent, mask, positive=~positive))
+    assert torch.equal(
+        every(adv, ent, mask, positive=positive), every(adv, ent, mask, positive=~positive)
+    )
 
 
 def test_positive_flags_are_checked():
@@ -273,15 +296,22 @@ def test_custom_strategy_with_var_keywords_receives_positive_and_groups():
         pw._REGISTRY.pop("test_optional_groups", None)
 
 
-@pytest.mark.parametrize("window,lengths", [(1, [1, 2, 7]), (3, [1, 2, 3, 4, 9]), (W_SMALL, LENGTHS_SMALL), (101, LENGTHS_101)])
+@pytest.mark.parametrize(
+    "window,lengths",
+    [(1, [1, 2, 7]), (3, [1, 2, 3, 4, 9]), (W_SMALL, LENGTHS_SMALL), (101, LENGTHS_101)],
+)
 @pytest.mark.parametrize("holes", [False, True])
 def test_window_average_entropy_matches_reference(window, lengths, holes):
     _, ent, mask = ragged_batch(lengths, max(lengths) + (13 if holes else 3), holes=holes, seed=41)
     got = pw.window_average_entropy(ent, mask, window=window)
-    expected = np.stack([
-        ref.scatter_back(ref.window_average_row(ref.valid_values(ent[i].double(), mask[i]), window), mask[i])
-        for i in range(len(lengths))
-    ])
+    expected = np.stack(
+        [
+            ref.scatter_back(
+                ref.window_average_row(ref.valid_values(ent[i].double(), mask[i]), window), mask[i]
+            )
+            for i in range(len(lengths))
+        ]
+    )
     close(got, expected)
     assert (got[~mask] == 0).all()
 
@@ -308,7 +338,9 @@ def test_the_old_name_linear_proximal_entropy_is_the_same_function_and_warns():
     with pytest.warns(FutureWarning), pytest.raises(ValueError, match="NaN"):
         pw.linear_proximal_entropy(bad, ones, window=3)
     with pytest.warns(FutureWarning):
-        assert torch.isnan(pw.linear_proximal_entropy(bad, ones, window=3, check_finite=False)).any()
+        assert torch.isnan(
+            pw.linear_proximal_entropy(bad, ones, window=3, check_finite=False)
+        ).any()
 
 
 def test_window_average_entropy_refuses_negative_entropies():
@@ -316,7 +348,9 @@ def test_window_average_entropy_refuses_negative_entropies():
     with pytest.raises(ValueError, match="entropies must be >= 0 .* value of -0.5"):
         pw.window_average_entropy(torch.tensor([[0.2, -0.5, 0.1]]), mask, window=3)
     with pytest.raises(ValueError, match="entropies must be >= 0 .* value of -0.5"):  # unchecked
-        pw.window_average_entropy(torch.tensor([[0.2, -0.5, 0.1]]), mask, window=3, check_finite=False)
+        pw.window_average_entropy(
+            torch.tensor([[0.2, -0.5, 0.1]]), mask, window=3, check_finite=False
+        )
     # fp32 rounding just below 0 counts as 0
     r = pw.window_average_entropy(torch.tensor([[0.2, -1e-7, 0.1]]), mask, window=3)
     assert r[0, 1] == 0.0
@@ -329,7 +363,9 @@ def test_window_average_matches_reference(window, lengths, apply_to, holes):
     adv, ent, mask = ragged_batch(lengths, max(lengths) + 5, holes=holes, seed=8)
     adv[2] = -1.0
     got = pw.get_strategy("window_average", window=window, apply_to=apply_to)(adv, ent, mask)
-    expected = ref.multiplicative(adv, ent, mask, lambda v: ref.window_average_row(v, window), apply_to)
+    expected = ref.multiplicative(
+        adv, ent, mask, lambda v: ref.window_average_row(v, window), apply_to
+    )
     close(got, expected, rtol=RTOL32, atol=1e-6)
     torch.testing.assert_close(got.sum(1), adv * mask.sum(1), rtol=1e-5, atol=1e-4)
 
@@ -462,7 +498,9 @@ def test_contract_detached_fp32_zero_on_padding_no_mutation(name):
     adv = adv.requires_grad_(True)
     before = (adv.detach().clone(), ent.detach().clone(), mask.clone())
     groups = torch.tensor([0, 0, 0])  # ignored by all strategies but gtpo
-    out = pw.get_strategy(name)(adv, ent, mask, positive=torch.tensor([True, False, True]), groups=groups)
+    out = pw.get_strategy(name)(
+        adv, ent, mask, positive=torch.tensor([True, False, True]), groups=groups
+    )
     assert out.shape == mask.shape and out.dtype == torch.float32
     assert not out.requires_grad
     assert torch.isfinite(out).all()
@@ -473,7 +511,13 @@ def test_contract_detached_fp32_zero_on_padding_no_mutation(name):
 
 
 def test_list_and_registry_names():
-    assert set(pw.list_strategies()) >= {"uniform", "global_topk", "entropy_bonus", "proximal_softmax", "window_average"}
+    assert set(pw.list_strategies()) >= {
+        "uniform",
+        "global_topk",
+        "entropy_bonus",
+        "proximal_softmax",
+        "window_average",
+    }
 
 
 def test_register_custom_strategy():
@@ -503,7 +547,11 @@ def test_register_custom_strategy():
         ("proximal_softmax", {"window": 4}, "window must be an odd int >= 1, got 4"),
         ("proximal_softmax", {"window": 0}, "window must be an odd int >= 1, got 0"),
         ("proximal_softmax", {"window": 10_000_001}, "window must be <= 65537 .* got 10000001"),
-        ("proximal_softmax", {"temperature": 0.0}, "temperature must be a finite number > 0, got 0.0"),
+        (
+            "proximal_softmax",
+            {"temperature": 0.0},
+            "temperature must be a finite number > 0, got 0.0",
+        ),
         ("proximal_softmax", {"apply_to": "negative"}, "apply_to must be one of"),
         ("global_topk", {"fraction": 0.0}, r"fraction must be in \(0, 1\], got 0.0"),
         ("global_topk", {"fraction": 1.5}, r"fraction must be in \(0, 1\], got 1.5"),
@@ -527,7 +575,8 @@ def test_bad_inputs_name_the_problem():
         s(adv[:, None], ent, mask)
     with pytest.raises(ValueError, match=r"mask must have dtype torch.bool.*got torch.float32"):
         s(adv, ent, mask.float())
-    with pytest.raises(ValueError, match=r"mask must have the same shape .* \[2, 4\], got \[2, 3\]"):
+    with pytest.raises(ValueError,
+                       match=r"mask must have the same shape .* \[2, 4\], got \[2, 3\]"):
         s(adv, ent, mask[:, :3])
     with pytest.raises(ValueError, match=r"entropies must be \[B, T\], got \[2, 4, 1\]"):
         s(adv, ent[..., None], mask)
@@ -553,7 +602,9 @@ def test_check_finite_false_skips_the_check():
 
 def test_strategy_repr_shows_parameters():
     s = pw.get_strategy("proximal_softmax", window=51)
-    assert repr(s) == "Strategy('proximal_softmax', window=51, temperature=1.0, apply_to='positive')"
+    assert (
+        repr(s) == "Strategy('proximal_softmax', window=51, temperature=1.0, apply_to='positive')"
+    )
 
 
 @pytest.mark.parametrize("name", pw.list_strategies())
@@ -566,7 +617,9 @@ def test_empty_batches_and_fully_masked_rows(name, shape):
     assert out.shape == shape and out.eq(0).all()
 
 
-@pytest.mark.parametrize("name", ["proximal_softmax", "window_average", "entropy_bonus", "global_topk"])
+@pytest.mark.parametrize(
+    "name", ["proximal_softmax", "window_average", "entropy_bonus", "global_topk"]
+)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_check_finite_false_propagates_nan_never_a_finite_guess(name, bad):
     """Without the check, a NaN/inf entropy must reach the output as NaN (so a loss built on
@@ -660,10 +713,18 @@ def test_every_strategy_has_one_rule_for_negative_entropies(name):
     ulps below 0 passes), and a negative value at a masked position is padding, not input."""
     mask = torch.tensor([[True, True, True, False]])
     adv = torch.tensor([1.0])
-    with pytest.raises(ValueError, match=r"entropies must be >= 0 \(an entropy is never negative\), "
-                                         r"got a valid value of -0.5$"):
-        pw.get_strategy(name)(adv, torch.tensor([[0.2, -0.5, 0.1, 0.0]]), mask, groups=torch.zeros(1, dtype=torch.long))
-    out = pw.get_strategy(name)(adv, torch.tensor([[0.2, -1e-7, 0.1, -7.0]]), mask, groups=torch.zeros(1, dtype=torch.long))
+    with pytest.raises(ValueError,
+                       match=r"entropies must be >= 0 \(an entropy is never negative\), "
+                             r"got a valid value of -0.5$"):
+        pw.get_strategy(name)(
+            adv,
+            torch.tensor([[0.2, -0.5, 0.1, 0.0]]),
+            mask,
+            groups=torch.zeros(1, dtype=torch.long),
+        )
+    out = pw.get_strategy(name)(
+        adv, torch.tensor([[0.2, -1e-7, 0.1, -7.0]]), mask, groups=torch.zeros(1, dtype=torch.long)
+    )
     assert torch.isfinite(out).all() and out[0, 3] == 0
 
 
@@ -680,8 +741,9 @@ def test_weighted_advantages_that_overflow_are_refused_not_inf(name, a):
     ent = torch.tensor([[2.0, 0.01, 0.01, 0.01, 0.01]])
     mask = torch.ones(1, 5, dtype=torch.bool)
     params = {"global_topk": {"normalize": "selected_tokens"}}.get(name, {"window": 5})
-    with pytest.raises(ValueError, match=rf"strategy '{name}' turned finite inputs into \d+ non-finite "
-                                         r"token advantages \(\|A\| up to 3e\+38\)"):
+    with pytest.raises(ValueError,
+                       match=rf"strategy '{name}' turned finite inputs into \d+ non-finite "
+                             r"token advantages \(\|A\| up to 3e\+38\)"):
         pw.get_strategy(name, **params)(torch.tensor([a]), ent, mask)
     out = pw.get_strategy(name, **params)(torch.tensor([a]), ent, mask, check_finite=False)
     assert not torch.isfinite(out).all()  # what the check stops
@@ -698,7 +760,9 @@ GTPO_POSITIVE = torch.tensor([True, True, True, False, False, True, False, False
 
 
 @pytest.mark.parametrize("holes", [False, True])
-@pytest.mark.parametrize("alpha1, alpha2, eps", [(1.0, 0.1, 1e-8), (0.9, 0.1, 1e-8), (0.5, 2.0, 1e-3)])
+@pytest.mark.parametrize(
+    "alpha1, alpha2, eps", [(1.0, 0.1, 1e-8), (0.9, 0.1, 1e-8), (0.5, 2.0, 1e-3)]
+)
 def test_gtpo_rewards_match_reference(holes, alpha1, alpha2, eps):
     _, ent, mask = ragged_batch(GTPO_LENGTHS, 36, holes=holes, seed=41)
     first = mask.long().argmax(1)  # each row's first valid token
@@ -747,7 +811,9 @@ def test_gtpo_reads_neither_advantages_nor_other_groups():
     adv, ent, mask = ragged_batch(GTPO_LENGTHS, 36, seed=45)
     s = pw.get_strategy("gtpo")
     base = s(adv, ent, mask, positive=GTPO_POSITIVE, groups=GTPO_GROUPS)
-    torch.testing.assert_close(s(adv * -3 + 1, ent, mask, positive=GTPO_POSITIVE, groups=GTPO_GROUPS), base)
+    torch.testing.assert_close(
+        s(adv * -3 + 1, ent, mask, positive=GTPO_POSITIVE, groups=GTPO_GROUPS), base
+    )
     other = ent.clone()
     other[GTPO_GROUPS == 7] = other[GTPO_GROUPS == 7] * 2 + 0.5  # another group's entropies
     out = s(adv, other, mask, positive=GTPO_POSITIVE, groups=GTPO_GROUPS)
@@ -763,7 +829,9 @@ def test_gtpo_side_normalisation_cancels_the_outcome():
     mask = torch.ones(4, 2, dtype=torch.bool)
     positive = torch.tensor([True, True, False, False])
     groups = torch.zeros(4, dtype=torch.long)
-    side = pw.get_strategy("gtpo", normalize="side")(torch.zeros(4), ent, mask, positive=positive, groups=groups)
+    side = pw.get_strategy("gtpo", normalize="side")(
+        torch.zeros(4), ent, mask, positive=positive, groups=groups
+    )
     group = pw.get_strategy("gtpo")(torch.zeros(4), ent, mask, positive=positive, groups=groups)
     assert (side[2:] > 0).any() and (side[:2] < 0).any()
     assert (group[:2] > 0).all() and (group[2:] < 0).all()
@@ -812,15 +880,22 @@ def test_gtpo_needs_groups_and_checks_them():
     adv, ent, mask = ragged_batch([3, 4], 4, seed=1)
     s = pw.get_strategy("gtpo")
     assert s.needs_groups and not pw.get_strategy("proximal_softmax").needs_groups
-    with pytest.raises(ValueError, match=r"strategy 'gtpo' compares the rollouts of each prompt's group: pass groups="):
+    with pytest.raises(ValueError,
+                       match=r"strategy 'gtpo' compares the rollouts of each prompt's group: "
+                             r"pass groups="):
         s(adv, ent, mask)
-    with pytest.raises(ValueError, match=r"groups must have an integer dtype \(one group id per rollout\), got torch.float32"):
+    with pytest.raises(ValueError,
+                       match=r"groups must have an integer dtype \(one group id per rollout\), "
+                             r"got torch.float32"):
         s(adv, ent, mask, groups=torch.zeros(2))
-    with pytest.raises(ValueError, match=r"groups must be \[B\]=\[2\] \(one group id per rollout\), got \[3\]"):
+    with pytest.raises(ValueError,
+                       match=r"groups must be \[B\]=\[2\] \(one group id per rollout\), got \[3\]"):
         s(adv, ent, mask, groups=torch.zeros(3, dtype=torch.long))
     # strategies that do not compare rollouts ignore groups
-    torch.testing.assert_close(pw.get_strategy("uniform")(adv, ent, mask, groups=torch.tensor([0, 1])),
-                               pw.get_strategy("uniform")(adv, ent, mask))
+    torch.testing.assert_close(
+        pw.get_strategy("uniform")(adv, ent, mask, groups=torch.tensor([0, 1])),
+        pw.get_strategy("uniform")(adv, ent, mask),
+    )
 
 
 @pytest.mark.parametrize("params, match", [
@@ -841,5 +916,7 @@ def test_gtpo_propagates_a_bad_entropy_to_its_group_as_nan(bad):
     positive = torch.tensor([True, False, True, False])
     groups = torch.tensor([0, 0, 1, 1])
     ent[1, 2] = bad  # a failure's token: 1/inf would be a finite 0
-    out = pw.get_strategy("gtpo")(adv, ent, mask, positive=positive, groups=groups, check_finite=False)
+    out = pw.get_strategy("gtpo")(
+        adv, ent, mask, positive=positive, groups=groups, check_finite=False
+    )
     assert torch.isnan(out[:2][mask[:2]]).all() and torch.isfinite(out[2:]).all()

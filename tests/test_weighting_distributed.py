@@ -51,9 +51,9 @@ def test_two_ranks_equal_concatenation(score):
         mp.spawn(_worker, args=(2, init_file, tmp, score), nprocs=2, join=True)
         outs = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2)]
     (a0, e0, m0), (a1, e1, m1) = _shards()
-    whole = pw.get_strategy("global_topk", fraction=0.3, score=score, window=5, normalize="selected_tokens")(
-        torch.cat([a0, a1]), torch.cat([e0, e1]), torch.cat([m0, m1])
-    )
+    whole = pw.get_strategy(
+        "global_topk", fraction=0.3, score=score, window=5, normalize="selected_tokens"
+    )(torch.cat([a0, a1]), torch.cat([e0, e1]), torch.cat([m0, m1]))
     assert torch.equal(torch.cat(outs), whole)
     assert (whole != 0).any()
 
@@ -88,7 +88,10 @@ def _loss_shards():
     adv = torch.randn(7, 12, generator=g)
     mask = torch.rand(7, 12, generator=g) > torch.linspace(0.1, 0.9, 7)[:, None]  # uneven rows
     cut = 2  # rank 0: 2 rows, rank 1: 5 rows, with different token counts
-    return ((lp[:cut], old[:cut], adv[:cut], mask[:cut]), (lp[cut:], old[cut:], adv[cut:], mask[cut:]))
+    return (
+        (lp[:cut], old[:cut], adv[:cut], mask[:cut]),
+        (lp[cut:], old[cut:], adv[cut:], mask[cut:]),
+    )
 
 
 def test_loss_normaliser_over_ranks_equals_one_process():

@@ -2,9 +2,9 @@
 ``python -m tests.trainer_driver CONFIG.yaml`` (under torchrun for several processes).
 
 Runs the recipe on a resolved config file as ``tune run`` would, resuming when the output
-directory already holds checkpoints, and exits with 143 when SIGTERM stopped it (130: Ctrl-C). At the end it
-writes this rank's estimator state to ``<output_dir>/estimator_rank<R>.pt`` so a test can
-compare ranks. Hooks, set by environment variables, for the tests that disturb it:
+directory already holds checkpoints, and exits with 143 when SIGTERM stopped it (130: Ctrl-C).
+At the end it writes this rank's estimator state to ``<output_dir>/estimator_rank<R>.pt`` so a
+test can compare ranks. Hooks, set by environment variables, for the tests that disturb it:
 
 * ``PEPO_TEST_PROGRESS=path``: after each step (rank 0) its number is appended to ``path``;
 * ``PEPO_TEST_KILL=phase:n``: the process SIGKILLs itself at the n-th time the checkpoint

@@ -45,7 +45,9 @@ def test_list_and_copy_a_config_then_run_the_copy(tmp_path):
     ls = subprocess.run([sys.executable, "-m", "pepo.configs", "ls"], cwd=tmp_path,
                         capture_output=True, text=True, timeout=120)
     assert ls.returncode == 0, ls.stderr
-    names = {line.split()[0] for line in ls.stdout.split("configs:")[1].splitlines() if line.strip()}
+    names = {
+        line.split()[0] for line in ls.stdout.split("configs:")[1].splitlines() if line.strip()
+    }
     from pepo.training.config import list_configs
     assert names == set(list_configs()) and "pepo_recipe" in ls.stdout.split("configs:")[0]
     cp = [sys.executable, "-m", "pepo.configs", "cp", "tiny", "mine.yaml"]

@@ -21,11 +21,25 @@ from tests.recipe_helpers import MODEL_OVERRIDES, random_checkpoint
 
 # Appendix B: W = 101, τ = 1, positive-only, ε 0.2 / 0.28, T 0.6, top-p 0.6, G = 8, lr 1e-6,
 # responses up to 4096 tokens.
-PAPER = dict(strategy=("proximal_softmax", {"window": 101, "temperature": 1.0, "apply_to": "positive"}),
-             eps=(0.2, 0.28), temperature=0.6, top_p=0.6, top_k=None, max_new_tokens=4096, lr=1e-6)
+PAPER = dict(
+    strategy=("proximal_softmax", {"window": 101, "temperature": 1.0, "apply_to": "positive"}),
+    eps=(0.2, 0.28),
+    temperature=0.6,
+    top_p=0.6,
+    top_k=None,
+    max_new_tokens=4096,
+    lr=1e-6,
+)
 DRIFT_LR = 5e-5
-TINY = dict(strategy=("proximal_softmax", {"window": 11, "temperature": 1.0, "apply_to": "positive"}),
-            eps=(0.2, 0.28), temperature=1.0, top_p=1.0, top_k=None, max_new_tokens=64, lr=2e-5)
+TINY = dict(
+    strategy=("proximal_softmax", {"window": 11, "temperature": 1.0, "apply_to": "positive"}),
+    eps=(0.2, 0.28),
+    temperature=1.0,
+    top_p=1.0,
+    top_k=None,
+    max_new_tokens=64,
+    lr=2e-5,
+)
 DRIFT = dict(TINY, strategy=("proximal_softmax", {"window": 21, "temperature": 1.0,
                                                   "apply_to": "positive"}),
              max_new_tokens=232, lr=DRIFT_LR)
@@ -39,28 +53,53 @@ EXPECTED = {
     "smollm2": SMOLLM2,
     "tiny": dict(TINY, estimator=("group", {"group_size": 8})),
     "tiny_drift": dict(DRIFT, estimator=("group", {"group_size": 8})),
-    "tiny_drift_spo": dict(DRIFT, estimator=("single_stream", {"candidate_pool": 4,
-                                                               "prior_samples": 4,
-                                                               "adaptive_forgetting": True})),
+    "tiny_drift_spo": dict(
+        DRIFT,
+        estimator=(
+            "single_stream",
+            {"candidate_pool": 4, "prior_samples": 4, "adaptive_forgetting": True},
+        ),
+    ),
     "tiny_reason": dict(REASON, estimator=("group", {"group_size": 8})),
-    "tiny_reason_spo": dict(REASON, estimator=("single_stream", {"candidate_pool": 4,
-                                                                "prior_samples": 4,
-                                                                "adaptive_forgetting": True})),
-    "tiny_spo": dict(TINY, estimator=("single_stream", {"candidate_pool": 4, "prior_samples": 4,
-                                                        "adaptive_forgetting": True})),
+    "tiny_reason_spo": dict(
+        REASON,
+        estimator=(
+            "single_stream",
+            {"candidate_pool": 4, "prior_samples": 4, "adaptive_forgetting": True},
+        ),
+    ),
+    "tiny_spo": dict(
+        TINY,
+        estimator=(
+            "single_stream",
+            {"candidate_pool": 4, "prior_samples": 4, "adaptive_forgetting": True},
+        ),
+    ),
     "qwen3_1_7b_pepo": dict(PAPER, estimator=("group", {"group_size": 8}), arch="qwen3"),
     "qwen3_4b_pepo": dict(PAPER, estimator=("group", {"group_size": 8}), arch="qwen3"),
     "llama3_2_3b_pepo": dict(PAPER, estimator=("group", {"group_size": 8}), arch="llama"),
-    "qwen3_4b_pespo": dict(PAPER, estimator=("single_stream", {"candidate_pool": 4, "prior_samples": 8,
-                                                               "adaptive_forgetting": True}),
-                           arch="qwen3"),
+    "qwen3_4b_pespo": dict(
+        PAPER,
+        estimator=(
+            "single_stream",
+            {"candidate_pool": 4, "prior_samples": 8, "adaptive_forgetting": True},
+        ),
+        arch="qwen3",
+    ),
     # Sec. 4.1: avg@16 on AIME and AMC, avg@1 on MATH500, T 0.6, top-p 0.6, 4096 tokens
-    "eval_math": dict(eval={"AIME2024": 16, "AIME2025": 16, "AMC": 16, "MATH500": 1},
-                      temperature=0.6, top_p=0.6, top_k=None, max_new_tokens=4096),
-    "eval_smollm2": dict(eval={"small_sums_val": 4}, temperature=0.7, top_p=1.0, top_k=None,
-                         max_new_tokens=96),
-    "eval_tiny": dict(eval={"modsum_val": 8}, temperature=1.0, top_p=1.0, top_k=None,
-                      max_new_tokens=64),
+    "eval_math": dict(
+        eval={"AIME2024": 16, "AIME2025": 16, "AMC": 16, "MATH500": 1},
+        temperature=0.6,
+        top_p=0.6,
+        top_k=None,
+        max_new_tokens=4096,
+    ),
+    "eval_smollm2": dict(
+        eval={"small_sums_val": 4}, temperature=0.7, top_p=1.0, top_k=None, max_new_tokens=96
+    ),
+    "eval_tiny": dict(
+        eval={"modsum_val": 8}, temperature=1.0, top_p=1.0, top_k=None, max_new_tokens=64
+    ),
 }
 
 
@@ -122,8 +161,11 @@ def test_config_values_reach_the_objects_that_use_them(name, tmp_path, stand_ins
         if name == "eval_smollm2":  # a stand-in for the packaged model
             cfg = OmegaConf.merge(cfg, {"checkpoint_dir": str(stand_ins["llama"]),
                                         "model": {"max_seq_len": 512}})
-        monkeypatch.setattr(pepo_eval, "avg_at_k",
-                            lambda model, tok, problems, k, reward, **kw: avg_calls.append((k, kw)) or 0.5)
+        monkeypatch.setattr(
+            pepo_eval,
+            "avg_at_k",
+            lambda model, tok, problems, k, reward, **kw: avg_calls.append((k, kw)) or 0.5,
+        )
         results = pepo_eval.eval_main(cfg)
         assert set(results) == set(want["eval"])
         assert [k for k, _ in avg_calls] == [want["eval"][b] for b in cfg.benchmarks]
@@ -149,8 +191,10 @@ def test_config_values_reach_the_objects_that_use_them(name, tmp_path, stand_ins
     assert real_strategy.name == sname and real_strategy.params == sparams
     assert strategy_calls and all(k["positive"] is not None for k in strategy_calls)
     assert gen_calls and all(
-        (k["temperature"], k["top_p"], k["top_k"]) == (want["temperature"], want["top_p"], want["top_k"])
-        for k in gen_calls)
+        (k["temperature"], k["top_p"], k["top_k"])
+        == (want["temperature"], want["top_p"], want["top_k"])
+        for k in gen_calls
+    )
     assert loss_calls and all((k["eps_low"], k["eps_high"]) == want["eps"] for k in loss_calls)
     assert recipe.optimizer.param_groups[0]["lr"] == pytest.approx(want["lr"])
     assert original.generation.max_new_tokens == want["max_new_tokens"]

@@ -50,7 +50,10 @@ def finish(proc: subprocess.Popen, timeout: float = 300.0) -> str:
 
 
 def dump(run_dir: Path, step: int) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+    return [
+        json.loads(x)
+        for x in (run_dir / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()
+    ]
 
 
 def final_weights(run_dir: Path, step: int) -> dict:
@@ -185,4 +188,6 @@ def test_a_config_error_under_torchrun_is_printed_once(tmp_path):
     err = finish(proc, timeout=180)
     assert proc.returncode != 0
     lines = [x for x in err.splitlines() if x.startswith("config error:")]
-    assert lines == ["config error: optimizer.lr must be a finite number > 0, got -1.0"], err[-3000:]
+    assert lines == ["config error: optimizer.lr must be a finite number > 0, got -1.0"], err[
+        -3000:
+    ]

@@ -26,7 +26,10 @@ BIN = Path(sys.executable).parent
 SKIP = [
     (r"\.\.\.|/models/|/data/|\$", "placeholders for the user's paths"),
     (r"my_config|my_strategies|my_module", "a file of the user's own"),
-    (r"--config smollm2|eval_smollm2", "the real model: tests/training/test_pretrained.py runs a step"),
+    (
+        r"--config smollm2|eval_smollm2",
+        "the real model: tests/training/test_pretrained.py runs a step",
+    ),
     (r"qwen3|llama3|eval_math", "the paper's models and datasets"),
     (r"^pip |^pytest|^python benchmarks", "installs, the test suite, benchmarks"),
 ]

@@ -27,15 +27,27 @@ def test_eval_math_on_fixture_files(tmp_path, capsys):
     model_dir = F.tiny_hf_qwen3(tmp_path / "qwen3")
     F.write_benchmarks(tmp_path / "data")
     cfg = OmegaConf.load(find_config("eval_math"))
-    cfg = OmegaConf.merge(cfg, {
-        "checkpoint_dir": str(model_dir), "data_dir": str(tmp_path / "data"),
-        "output_dir": str(tmp_path / "out"), "device": "cpu", "dtype": "fp32",
-        "model": {"max_seq_len": 512}, "reward": {"workers": 1, "timeout": 2},
-        "generation": {"max_new_tokens": 8},
-        "benchmarks": {"AIME2024": {"k": 2}, "AIME2025": {
-            "k": 2, "dataset": {"path": str(tmp_path / "data" / "aime25.jsonl")}},  # JSONL works too
-            "AMC": {"k": 2}},
-    })
+    cfg = OmegaConf.merge(
+        cfg,
+        {
+            "checkpoint_dir": str(model_dir),
+            "data_dir": str(tmp_path / "data"),
+            "output_dir": str(tmp_path / "out"),
+            "device": "cpu",
+            "dtype": "fp32",
+            "model": {"max_seq_len": 512},
+            "reward": {"workers": 1, "timeout": 2},
+            "generation": {"max_new_tokens": 8},
+            "benchmarks": {
+                "AIME2024": {"k": 2},
+                "AIME2025": {
+                    "k": 2,
+                    "dataset": {"path": str(tmp_path / "data" / "aime25.jsonl")},
+                },  # JSONL works too
+                "AMC": {"k": 2},
+            },
+        },
+    )
     results = pepo_eval.eval_main(cfg)
     assert set(results) == {"AIME2024", "AIME2025", "AMC", "MATH500"}
     out = capsys.readouterr().out
@@ -171,5 +183,7 @@ def test_eval_stop_tokens_reach_generation(tmp_path, monkeypatch):
 
 
 def test_eval_config_typo_is_one_line(tmp_path):
-    with pytest.raises(ValueError, match="unknown config key 'generation.top_pp'; did you mean 'generation.top_p'"):
+    with pytest.raises(ValueError,
+                       match="unknown config key 'generation.top_pp'; "
+                             "did you mean 'generation.top_p'"):
         pepo_eval.validate_eval_config(_tiny_eval_cfg(tmp_path, generation={"top_pp": 0.5}))

@@ -49,7 +49,10 @@ def cli(monkeypatch, capsys, cfg, cfg_dir=None) -> str:
 # ----------------------------------------------------------------- errors as one line
 
 
-MISSING_DATA = {"_component_": "pepo.tasks.datasets.load_math_dataset", "path": "/nonexistent/x.parquet"}
+MISSING_DATA = {
+    "_component_": "pepo.tasks.datasets.load_math_dataset",
+    "path": "/nonexistent/x.parquet",
+}
 
 
 @pytest.mark.parametrize("override, message", [
@@ -60,7 +63,9 @@ MISSING_DATA = {"_component_": "pepo.tasks.datasets.load_math_dataset", "path": 
     ({"num_stepz": 3}, "unknown config key 'num_stepz'; did you mean 'num_steps'"),
     ({"resume_from_checkpoint": True}, "holds no checkpoint"),
 ])
-def test_bad_input_from_the_command_line_is_one_line(tmp_path, monkeypatch, capsys, override, message):
+def test_bad_input_from_the_command_line_is_one_line(
+    tmp_path, monkeypatch, capsys, override, message
+):
     """Catches errors that surface as tracebacks after the model is built."""
     cfg = tiny_cfg(tmp_path, **{k: v for k, v in override.items() if k != "dataset"})
     if "dataset" in override:  # replaced whole, not merged into the bundled section
@@ -88,7 +93,10 @@ def test_odd_output_paths_are_one_config_error_naming_the_link(tmp_path, monkeyp
     elif case == "loop":
         (tmp_path / "a").symlink_to("b")
         (tmp_path / "b").symlink_to("a")
-        out, expected = tmp_path / "a" / "run", f"{tmp_path / 'a'} is a symbolic link to b, which loops"
+        out, expected = (
+            tmp_path / "a" / "run",
+            f"{tmp_path / 'a'} is a symbolic link to b, which loops",
+        )
     else:
         if not Path("/proc/self").is_dir():
             pytest.skip("no /proc here")
@@ -132,12 +140,21 @@ def test_the_output_dir_check_survives_another_process_removing_the_directory(tm
     assert len(calls) == 2 and list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("override, message", [
-    ({"distributed": {"cpu_offload": True}}, "distributed.cpu_offload=true offloads from a GPU"),
-    ({"distributed": {"timeout_s": 0}}, "distributed.timeout_s must be a number > 0"),
-    ({"distributed": {"mixed_precision": "fp8"}}, "distributed.mixed_precision must be"),
-    ({"distributed": {"timeout": 5}}, "unknown config key 'distributed.timeout'; did you mean 'distributed.timeout_s'"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            {"distributed": {"cpu_offload": True}},
+            "distributed.cpu_offload=true offloads from a GPU",
+        ),
+        ({"distributed": {"timeout_s": 0}}, "distributed.timeout_s must be a number > 0"),
+        ({"distributed": {"mixed_precision": "fp8"}}, "distributed.mixed_precision must be"),
+        (
+            {"distributed": {"timeout": 5}},
+            "unknown config key 'distributed.timeout'; did you mean 'distributed.timeout_s'",
+        ),
+    ],
+)
 def test_bad_distributed_settings_are_config_errors(tmp_path, override, message):
     with pytest.raises(ValueError, match=message):
         pepo_recipe.PEPORecipe(tiny_cfg(tmp_path, **override))
@@ -176,7 +193,9 @@ def test_resume_without_the_marker_continues_from_the_newest_step(tmp_path):
     (tmp_path / "split" / "run" / "checkpoints" / "latest").unlink()
     second = run(tiny_cfg(tmp_path / "split", num_steps=3, resume_from_checkpoint=True))
     assert second.step == 3
-    torch.testing.assert_close(torch.tensor(losses(second)), torch.tensor(losses(full)), rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(losses(second)), torch.tensor(losses(full)), rtol=0, atol=1e-6
+    )
 
 
 def test_resume_falls_back_past_a_truncated_checkpoint(tmp_path):
@@ -186,19 +205,32 @@ def test_resume_falls_back_past_a_truncated_checkpoint(tmp_path):
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
     with pytest.warns(UserWarning, match="step_2 is damaged"):
         second = run(tiny_cfg(tmp_path / "split", num_steps=3, resume_from_checkpoint=True))
-    torch.testing.assert_close(torch.tensor(losses(second)), torch.tensor(losses(full)), rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(losses(second)), torch.tensor(losses(full)), rtol=0, atol=1e-6
+    )
 
 
-@pytest.mark.parametrize("override, changed", [
-    ({"strategy": {"name": "uniform"}}, r"strategy.name \('proximal_softmax' -> 'uniform'\)"),
-    ({"estimator": {"group_size": 2}, "micro_batch_size": 2}, r"estimator.group_size \(4 -> 2\)"),
-    ({"seed": 7}, r"seed \(0 -> 7\)"),
-    ({"strategy": {"proximal_softmax": {"window": 3}}}, r"strategy.proximal_softmax.window \(11 -> 3\)"),
-])
+@pytest.mark.parametrize(
+    "override, changed",
+    [
+        ({"strategy": {"name": "uniform"}}, r"strategy.name \('proximal_softmax' -> 'uniform'\)"),
+        (
+            {"estimator": {"group_size": 2}, "micro_batch_size": 2},
+            r"estimator.group_size \(4 -> 2\)",
+        ),
+        ({"seed": 7}, r"seed \(0 -> 7\)"),
+        (
+            {"strategy": {"proximal_softmax": {"window": 3}}},
+            r"strategy.proximal_softmax.window \(11 -> 3\)",
+        ),
+    ],
+)
 def test_resume_refuses_what_changes_the_experiment(tmp_path, override, changed):
     """Catches a resume that mixes two experiments in one run."""
     run(tiny_cfg(tmp_path, num_steps=1))
-    recipe = pepo_recipe.PEPORecipe(tiny_cfg(tmp_path, num_steps=2, resume_from_checkpoint=True, **override))
+    recipe = pepo_recipe.PEPORecipe(
+        tiny_cfg(tmp_path, num_steps=2, resume_from_checkpoint=True, **override)
+    )
     with pytest.raises(ValueError, match="would change the experiment: .*" + changed):
         recipe.setup(tiny_cfg(tmp_path, num_steps=2, resume_from_checkpoint=True, **override))
     recipe.cleanup()
@@ -215,8 +247,11 @@ def test_resume_with_num_steps_at_or_below_the_checkpoint_is_refused(tmp_path):
     """Catches a resume that exits 0 having done nothing."""
     run(tiny_cfg(tmp_path, num_steps=2))
     for steps in (1, 2):
-        recipe = pepo_recipe.PEPORecipe(tiny_cfg(tmp_path, num_steps=steps, resume_from_checkpoint=True))
-        with pytest.raises(ValueError, match=f"is at step 2, and num_steps={steps} asks for no more"):
+        recipe = pepo_recipe.PEPORecipe(
+            tiny_cfg(tmp_path, num_steps=steps, resume_from_checkpoint=True)
+        )
+        with pytest.raises(ValueError,
+                           match=f"is at step 2, and num_steps={steps} asks for no more"):
             recipe.setup(tiny_cfg(tmp_path, num_steps=steps, resume_from_checkpoint=True))
         recipe.cleanup()
 
@@ -331,8 +366,14 @@ def test_killed_at_random_points_the_run_resumes_exactly_and_leaves_no_processes
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "killed"
     ref_dir.mkdir()
     run_dir.mkdir()
-    subprocess.run([sys.executable, "-m", "tests.trainer_driver", str(_write_cfg(ref_dir, num_steps=steps))],
-                   cwd=ROOT, env=_env(ref_dir), check=True, timeout=300, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "tests.trainer_driver", str(_write_cfg(ref_dir, num_steps=steps))],
+        cwd=ROOT,
+        env=_env(ref_dir),
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
     cfg = _write_cfg(run_dir, num_steps=steps)
     plan = [("random", None)] * 6 + [("write", 1), ("write", 2), ("rename", 1), ("rename", 2)]
     rng.shuffle(plan)
@@ -372,7 +413,9 @@ def test_killed_at_random_points_the_run_resumes_exactly_and_leaves_no_processes
                            weights_only=True)
     got_state = torch.load(run_dir / "run" / "checkpoints" / f"step_{steps}" / "training_state.pt",
                            weights_only=True)
-    assert [h.get("loss") for h in got_state["history"]] == [h.get("loss") for h in ref_state["history"]]
+    assert [h.get("loss") for h in got_state["history"]] == [
+        h.get("loss") for h in ref_state["history"]
+    ]
     pids = _worker_pids(run_dir) | _worker_pids(ref_dir)
     assert len(pids) >= 10 and all(dead(pid, 10) for pid in pids)
 
@@ -612,7 +655,9 @@ def test_a_checkpoint_error_that_is_not_space_keeps_its_traceback(tmp_path, monk
     (1e300, "returned 1e+300 for response"),
     (float("nan"), "returned nan for response"),
 ])
-def test_a_bad_reward_return_is_one_line_naming_the_component(tmp_path, monkeypatch, capsys, value, shown):
+def test_a_bad_reward_return_is_one_line_naming_the_component(
+    tmp_path, monkeypatch, capsys, value, shown
+):
     cfg = tiny_cfg(tmp_path)
     cfg.reward = OmegaConf.create({"_component_": "tests.recipe_helpers.BadReward", "value": value})
     msg = cli(monkeypatch, capsys, cfg)
@@ -620,7 +665,9 @@ def test_a_bad_reward_return_is_one_line_naming_the_component(tmp_path, monkeypa
     assert "\n" not in msg and "inf" not in msg.replace("1e+300", "")
 
 
-def test_a_metric_logger_whose_package_is_missing_is_one_config_error(tmp_path, monkeypatch, capsys):
+def test_a_metric_logger_whose_package_is_missing_is_one_config_error(
+    tmp_path, monkeypatch, capsys
+):
     """TensorBoardLogger without tensorboard was a ModuleNotFoundError traceback, then a second
     one from the logger's __del__."""
     import importlib.util
@@ -632,7 +679,9 @@ def test_a_metric_logger_whose_package_is_missing_is_one_config_error(tmp_path, 
         "_component_": "torchtune.training.metric_logging.TensorBoardLogger",
         "log_dir": str(tmp_path / "tb")})
     msg = cli(monkeypatch, capsys, cfg)
-    assert msg == ("config error: metric_logger: torchtune.training.metric_logging.TensorBoardLogger "
-                   "needs the 'tensorboard' package, which is not installed: pip install tensorboard")
+    assert msg == (
+        "config error: metric_logger: torchtune.training.metric_logging.TensorBoardLogger "
+        "needs the 'tensorboard' package, which is not installed: pip install tensorboard"
+    )
     assert "Exception ignored" not in capsys.readouterr().err
     assert not (tmp_path / "run").exists()  # refused before anything was written

@@ -34,7 +34,9 @@ def test_losses_match_recorded_values(tmp_path):
     recipe = run(tiny_cfg(tmp_path, num_steps=3))
     got = losses(recipe)
     assert len(got) == 3
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(RECORDED_LOSSES), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(got), torch.tensor(RECORDED_LOSSES), rtol=1e-4, atol=1e-6
+    )
 
 
 def test_bundled_configs_validate_and_instantiate(tmp_path):
@@ -142,7 +144,9 @@ def test_validation_summary():
 
 def test_outputs_written(tmp_path, caplog, capsys):
     with caplog.at_level("INFO"):
-        recipe = run(tiny_cfg(tmp_path, num_steps=2, plot=True, validation={"every": 1, "samples": 1}))
+        recipe = run(
+            tiny_cfg(tmp_path, num_steps=2, plot=True, validation={"every": 1, "samples": 1})
+        )
     assert pepo_recipe.validation_summary(recipe.history, 1) in caplog.messages
     # every validation shows a progress bar saying what it does (a silent minute on SmolLM2),
     # counting the rollouts of the 4 validation prompts x 1 sample (its counts are checked in
@@ -183,18 +187,25 @@ def test_nonfinite_steps_are_skipped_then_stop(tmp_path, monkeypatch):
     [
         ({"strategy": {"name": "nope"}}, "unknown strategy 'nope'; registered strategies"),
         # a misspelt name gets the closest registered one, as key typos and pw.get_strategy do
-        ({"strategy": {"name": "proximal_sofmax"}},
-         "unknown strategy 'proximal_sofmax'; did you mean 'proximal_softmax'\\? registered"),
+        (
+            {"strategy": {"name": "proximal_sofmax"}},
+            "unknown strategy 'proximal_sofmax'; did you mean 'proximal_softmax'\\? registered",
+        ),
         ({"strategy": {"proximal_softmax": {"window": 4}}}, "window must be an odd int"),
         ({"micro_batch_size": 3}, "micro_batch_size=3 does not divide"),
         ({"ppo_mini_batches": 3}, "ppo_mini_batches=3 does not divide"),
         ({"estimator": {"group_size": 1}}, "estimator.group_size must be an int >= 2"),
         ({"estimator": {"name": "ppo"}}, "estimator.name must be one of"),
-        ({"checkpoint_dir": "/nonexistent/ckpt"}, "checkpoint_dir='/nonexistent/ckpt' does not exist"),
+        (
+            {"checkpoint_dir": "/nonexistent/ckpt"},
+            "checkpoint_dir='/nonexistent/ckpt' does not exist",
+        ),
         ({"generation": {"top_p": 0.0}}, "generation.top_p must be a number in"),
         ({"generation": {"compile": "yes"}}, "generation.compile must be true or false"),
-        ({"generation": {"compile": True, "engine": "vllm"}},
-         "generation.compile applies to the in-process decoder"),
+        (
+            {"generation": {"compile": True, "engine": "vllm"}},
+            "generation.compile applies to the in-process decoder",
+        ),
         ({"seed": None}, "seed must be an int"),
         ({"estimator": {"group_sise": 4}}, "unknown estimator key\\(s\\) \\['group_sise'\\]"),
         ({"keep_checkpoints": 0}, "keep_checkpoints must be an int >= 1"),
@@ -208,7 +219,9 @@ def test_bad_config_fails_before_model(tmp_path, override, message, monkeypatch)
 
     built = []
     real = pepo.training.models.tiny_qwen3
-    monkeypatch.setattr(pepo.training.models, "tiny_qwen3", lambda *a, **k: built.append(1) or real(*a, **k))
+    monkeypatch.setattr(
+        pepo.training.models, "tiny_qwen3", lambda *a, **k: built.append(1) or real(*a, **k)
+    )
     with pytest.raises(ValueError, match=message):
         run(tiny_cfg(tmp_path / "bad", **override))
     assert not built
@@ -281,12 +294,15 @@ def test_find_config_by_name_and_path(tmp_path):
     path.write_text("name: mine\n")
     assert find_config(str(path)) == str(path)
     assert find_config("tiny").endswith("tiny.yaml")
-    with pytest.raises(ValueError, match="bundled configs: \\[.*'tiny', 'tiny_drift', 'tiny_drift_spo', 'tiny_reason', 'tiny_reason_spo', 'tiny_spo'"):
+    with pytest.raises(ValueError,
+                       match="bundled configs: \\[.*'tiny', 'tiny_drift', 'tiny_drift_spo', "
+                             "'tiny_reason', 'tiny_reason_spo', 'tiny_spo'"):
         find_config("tinyy")
 
 
 def test_single_stream_tracker_values_are_checked_early(tmp_path):
-    with pytest.raises(ValueError, match="estimator: need 0 < rho_min <= rho_max <= 1, got rho_min=2.0"):
+    with pytest.raises(ValueError,
+                       match="estimator: need 0 < rho_min <= rho_max <= 1, got rho_min=2.0"):
         pepo_recipe.PEPORecipe(tiny_cfg(tmp_path, "tiny_spo", estimator={"rho_min": 2.0}))
 
 

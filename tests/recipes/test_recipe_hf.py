@@ -25,22 +25,35 @@ def hf_cfg(tmp_path, hf_dir, name, data):
     register_resolvers()
     cfg = OmegaConf.load(find_config(name))
     cfg.dataset = {"_component_": "pepo.tasks.datasets.load_math_dataset", "path": str(data)}
-    return OmegaConf.merge(cfg, {
-        "output_dir": str(tmp_path / "run"),
-        "tokenizer": {"_component_": "pepo.training.tokenizers.ChatTokenizer", "path": str(hf_dir),
-                      "enable_thinking": False},
-        "model": {"_component_": "pepo.training.hf.architecture_from_hf", "model_dir": str(hf_dir),
-                  "max_seq_len": 512},
-        "checkpoint_dir": str(hf_dir),
-        "val_dataset": None,
-        "reward": {"_component_": "pepo.tasks.rewards.MathVerify", "timeout": 2, "workers": 1},
-        "generation": {"max_new_tokens": 16},
-        "num_steps": 2, "prompts_per_step": 2,
-        "validation": {"every": 0, "samples": 1}, "save_every": 0, "dump_rollouts_every": 1,
-        "plot": False,
-        "estimator": {"group_size": 4} if name == "tiny" else {"prior_samples": 1},
-        "ppo_mini_batches": 2 if name == "tiny" else 1, "micro_batch_size": 4 if name == "tiny" else 2,
-    })
+    return OmegaConf.merge(
+        cfg,
+        {
+            "output_dir": str(tmp_path / "run"),
+            "tokenizer": {
+                "_component_": "pepo.training.tokenizers.ChatTokenizer",
+                "path": str(hf_dir),
+                "enable_thinking": False,
+            },
+            "model": {
+                "_component_": "pepo.training.hf.architecture_from_hf",
+                "model_dir": str(hf_dir),
+                "max_seq_len": 512,
+            },
+            "checkpoint_dir": str(hf_dir),
+            "val_dataset": None,
+            "reward": {"_component_": "pepo.tasks.rewards.MathVerify", "timeout": 2, "workers": 1},
+            "generation": {"max_new_tokens": 16},
+            "num_steps": 2,
+            "prompts_per_step": 2,
+            "validation": {"every": 0, "samples": 1},
+            "save_every": 0,
+            "dump_rollouts_every": 1,
+            "plot": False,
+            "estimator": {"group_size": 4} if name == "tiny" else {"prior_samples": 1},
+            "ppo_mini_batches": 2 if name == "tiny" else 1,
+            "micro_batch_size": 4 if name == "tiny" else 2,
+        },
+    )
 
 
 def test_chat_tokenizer(hf_dir):
@@ -114,8 +127,13 @@ def test_one_step_of_the_real_smollm2(tmp_path):
     assert sum(any(c.isalpha() for c in r["response"]) for r in rows) >= 4  # words, not noise
     assert all(r["reward"] in (0.0, 1.0) for r in rows)
     out = tmp_path / "run" / "hf_model"
-    assert (out / "chat_template.jinja").read_text() == (Path(source) / "chat_template.jinja").read_text()
-    before, after = load_file(str(Path(source) / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert (out / "chat_template.jinja").read_text() == (
+        Path(source) / "chat_template.jinja"
+    ).read_text()
+    before, after = (
+        load_file(str(Path(source) / "model.safetensors")),
+        load_file(str(out / "model.safetensors")),
+    )
     assert set(before) == set(after)
     moved = [k for k in before if not torch.equal(before[k], after[k])]
     if len({r["reward"] for r in rows}) > 1:  # a group with a non-zero advantage: an update

@@ -126,7 +126,9 @@ def test_entropy_profile_matches_its_definitions(tmp_path):
     assert prof["top20_entropy_share"] == pytest.approx(sum(flat[:2]) / sum(flat))  # int(2.8)
     assert prof["mean_entropy"] == pytest.approx(sum(flat) / 14)
     curves = A.positional_bias(r, (3,))
-    assert prof["global_span"] == pytest.approx(float(curves["global"].max() - curves["global"].min()))
+    assert prof["global_span"] == pytest.approx(
+        float(curves["global"].max() - curves["global"].min())
+    )
     assert prof["proximal_3_max_abs"] == pytest.approx(float(curves["proximal_3"].abs().max()))
     # 80th percentile, linear interpolation between sorted values (numpy's default): position
     # 0.8 * 13 = 10.4 in the ascending order
@@ -135,7 +137,9 @@ def test_entropy_profile_matches_its_definitions(tmp_path):
     # first / last tenth: the tokens with floor(10 t / T) = 0 or 9, pooled over the rollouts
     g = torch.Generator().manual_seed(1)
     long_rows = [torch.rand(T, generator=g).tolist() for T in (10, 23, 37)]
-    prof2 = A.entropy_profile(A.load_dump(write_dump(tmp_path / "e.jsonl", long_rows)), windows=(3,))
+    prof2 = A.entropy_profile(
+        A.load_dump(write_dump(tmp_path / "e.jsonl", long_rows)), windows=(3,)
+    )
     first = [x for row in long_rows for t, x in enumerate(row) if 10 * t // len(row) == 0]
     last = [x for row in long_rows for t, x in enumerate(row) if 10 * t // len(row) == 9]
     assert len(first) == 1 + 3 + 4 and len(last) == 1 + 2 + 3
@@ -173,19 +177,32 @@ def test_command_writes_every_output(tmp_path):
         assert (out / name).stat().st_size > 0, name
     header = (out / "positional_bias.csv").read_text().splitlines()[0]
     assert header.startswith("percentile_bin_center,global,proximal_11,window_average_11")
-    bad = subprocess.run([sys.executable, "-m", "pepo.study.analysis", str(tmp_path / "nope"), "--out",
-                          str(out)], capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "pepo.study.analysis", str(tmp_path / "nope"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode != 0 and "no rollout dump" in bad.stderr
 
 
-@pytest.mark.parametrize("line, message", [
-    ("{not json", r"d.jsonl:2: not valid JSON"),
-    ("[1, 2]", r"d.jsonl:2: a record must be a JSON object, got list"),
-    ('{"reward": 1.0}', r"d.jsonl:2: 'entropies' must be a list of numbers, got None"),
-    ('{"entropies": [0.1, "x"], "reward": 1.0}', r"d.jsonl:2: 'entropies' must be a list of numbers"),
-    ('{"entropies": [0.1]}', r"d.jsonl:2: 'reward' must be a number, got None"),
-    ('{"entropies": [0.1, 0.2], "reward": 0, "tokens": ["a"]}', r"d.jsonl:2: 'tokens' must be a list as long"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("{not json", r"d.jsonl:2: not valid JSON"),
+        ("[1, 2]", r"d.jsonl:2: a record must be a JSON object, got list"),
+        ('{"reward": 1.0}', r"d.jsonl:2: 'entropies' must be a list of numbers, got None"),
+        (
+            '{"entropies": [0.1, "x"], "reward": 1.0}',
+            r"d.jsonl:2: 'entropies' must be a list of numbers",
+        ),
+        ('{"entropies": [0.1]}', r"d.jsonl:2: 'reward' must be a number, got None"),
+        (
+            '{"entropies": [0.1, 0.2], "reward": 0, "tokens": ["a"]}',
+            r"d.jsonl:2: 'tokens' must be a list as long",
+        ),
+    ],
+)
 def test_malformed_records_are_one_line_errors_naming_file_and_line(tmp_path, line, message):
     """Catches KeyError/IndexError tracebacks (or a silent skip) on a malformed dump."""
     path = write_dump(tmp_path / "d.jsonl", [[0.1, 0.2]])
@@ -193,7 +210,11 @@ def test_malformed_records_are_one_line_errors_naming_file_and_line(tmp_path, li
         f.write(line + "\n")
     with pytest.raises(ValueError, match=message):
         A.load_dump(path)
-    r = subprocess.run([sys.executable, "-m", "pepo.study.analysis", str(path), "--out", str(tmp_path / "o")],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "pepo.study.analysis", str(path), "--out", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "d.jsonl:2" in r.stderr

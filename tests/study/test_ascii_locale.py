@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = r'''
 import codecs, locale, sys
 from pathlib import Path
-assert codecs.lookup(locale.getpreferredencoding(False)).name == "ascii", locale.getpreferredencoding(False)
+ENCODING = locale.getpreferredencoding(False)
+assert codecs.lookup(ENCODING).name == "ascii", ENCODING
 from pepo.training.reporting import write_rollouts
 from pepo.training.evaluation import write_results
 from pepo.study import analysis
@@ -26,8 +27,9 @@ records = []
 for i in range(8):
     n = 6 + i % 4
     ent = [0.1 * ((i + t) % 5) for t in range(n)]
-    records.append({"step": 1, "prompt_id": f"p{i // 4}", "prompt": "R\u00e9soudre x\u00b2 = 4 \u2014 x ?",
-                    "answer": "2", "response": "".join(tokens[:n]), "token_ids": list(range(n)),
+    records.append({"step": 1, "prompt_id": f"p{i // 4}",
+                    "prompt": "R\u00e9soudre x\u00b2 = 4 \u2014 x ?", "answer": "2",
+                    "response": "".join(tokens[:n]), "token_ids": list(range(n)),
                     "tokens": tokens[:n], "entropies": ent, "reward": float(i % 2),
                     "success": bool(i % 2), "advantage": 1.0 if i % 2 else -1.0,
                     "token_advantages": [1.0] * n, "token_weights": [1.0] * n,

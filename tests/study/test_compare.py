@@ -35,10 +35,35 @@ def test_paired_statistics_match_their_definition(study):
 
 def test_two_step_one_seed_study(study, tmp_path, monkeypatch):
     out, docs = tmp_path / "runs", tmp_path / "docs"
-    argv = ["--tasks", "tiny", "--seeds", "0", "--only", "group", "--methods", "PEPO",
-            "--steps", "2", "--out", str(out), "--docs", str(docs), "--discussion", "",
-            "--set", "validation.samples=1", "val_dataset.size=4", "dump_rollouts_every=1",
-            "prompts_per_step=2", "micro_batch_size=8", "--budgets", "0", "100", "--intervention-k", "1"]
+    argv = [
+        "--tasks",
+        "tiny",
+        "--seeds",
+        "0",
+        "--only",
+        "group",
+        "--methods",
+        "PEPO",
+        "--steps",
+        "2",
+        "--out",
+        str(out),
+        "--docs",
+        str(docs),
+        "--discussion",
+        "",
+        "--set",
+        "validation.samples=1",
+        "val_dataset.size=4",
+        "dump_rollouts_every=1",
+        "prompts_per_step=2",
+        "micro_batch_size=8",
+        "--budgets",
+        "0",
+        "100",
+        "--intervention-k",
+        "1",
+    ]
     calls = []
     real = study.pepo_recipe.recipe_main
     monkeypatch.setattr(study.pepo_recipe, "recipe_main",

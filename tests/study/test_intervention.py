@@ -198,8 +198,12 @@ def test_budget_zero_is_the_base_model_and_full_budget_the_replacement(models):
                     progress=lambda: generations.append(1), **kw)
     # base, every token replaced, and one run per metric at 20%: nothing generated twice
     assert len(generations) == 4
-    want_base = avg_at_k(base, _Tok(), problems, 3, _digit_share, generator=eval_generator(11), **kw)
-    want_repl = avg_at_k(repl, _Tok(), problems, 3, _digit_share, generator=eval_generator(11), **kw)
+    want_base = avg_at_k(
+        base, _Tok(), problems, 3, _digit_share, generator=eval_generator(11), **kw
+    )
+    want_repl = avg_at_k(
+        repl, _Tok(), problems, 3, _digit_share, generator=eval_generator(11), **kw
+    )
     assert res["global"][0.0] == res["proximal"][0.0] == want_base
     assert res["global"][1.0] == res["proximal"][1.0] == res["replacement"][1.0] == want_repl
     assert want_base != want_repl  # the end points can tell the models apart
@@ -249,8 +253,11 @@ def test_each_metric_ranks_by_its_own_statistic(models, monkeypatch):
     base, repl = models
     seen = []
     real = iv.select_positions
-    monkeypatch.setattr(iv, "select_positions",
-                        lambda s, mk, b, w: seen.append((s.clone(), mk.clone(), b)) or real(s, mk, b, w))
+    monkeypatch.setattr(
+        iv,
+        "select_positions",
+        lambda s, mk, b, w: seen.append((s.clone(), mk.clone(), b)) or real(s, mk, b, w),
+    )
     problems = modsum_dataset(4, split="val")
     kw = dict(max_new_tokens=10, temperature=1.0, stop_tokens=STOP)
     intervene(base, repl, _Tok(), problems, _digit_share, budgets=[0.0, 0.3], k=2, window=5,

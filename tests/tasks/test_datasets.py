@@ -23,7 +23,11 @@ def test_deepmath(tmp_path):
 def test_dapo_strips_its_answer_format_instructions(tmp_path):
     path = F.write_parquet(tmp_path / "dapo.parquet", F.dapo_rows(3))
     probs = load_math_dataset(path, template=None)
-    assert [(p.id, p.prompt, p.answer) for p in probs][2] == ("dapo-0002", "Compute $2 \\times 3$.", "6")
+    assert [(p.id, p.prompt, p.answer) for p in probs][2] == (
+        "dapo-0002",
+        "Compute $2 \\times 3$.",
+        "6",
+    )
 
 
 @pytest.mark.parametrize("rows, answers, ids", [
@@ -46,7 +50,8 @@ def test_errors(tmp_path):
     with pytest.raises(ValueError, match="layout must be one of"):
         load_math_dataset(tmp_path, layout="gsm8k")
     bad = F.write_parquet(tmp_path / "bad.parquet", [{"text": "x"}])
-    with pytest.raises(ValueError, match="cannot tell the dataset layout from the columns \\['text'\\]"):
+    with pytest.raises(ValueError,
+                       match="cannot tell the dataset layout from the columns \\['text'\\]"):
         load_math_dataset(bad)
     with pytest.raises(ValueError, match="bad.parquet: row 0: field 'prompt' is missing for the "
                                          "'dapo' layout \\(columns: \\['text'\\]\\)"):

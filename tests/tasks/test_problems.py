@@ -1,4 +1,5 @@
-"""The embedded tasks (their solutions, splits and argument checks) and the boxed-answer verifier."""
+"""The embedded tasks (their solutions, splits and argument checks) and the boxed-answer
+verifier."""
 
 from __future__ import annotations
 
@@ -99,23 +100,36 @@ def test_reason_dataset_is_the_drift_task_with_more_easy_problems():
         reason_dataset(3, min_operands=9, max_operands=8)
 
 
-@pytest.mark.parametrize("kw, msg", [({"size": 0}, "size"), ({"size": 3, "split": "test"}, "split"),
-                                     ({"size": 3, "min_operands": 5, "max_operands": 4}, "operands")])
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        ({"size": 0}, "size"),
+        ({"size": 3, "split": "test"}, "split"),
+        ({"size": 3, "min_operands": 5, "max_operands": 4}, "operands"),
+    ],
+)
 def test_dataset_rejects_bad_values(kw, msg):
     with pytest.raises(ValueError, match=msg):
         modsum_dataset(**kw)
 
 
-@pytest.mark.parametrize("text, boxed", [
-    ("1+2=3\n\\boxed{3}", "3"), ("no box", None), ("\\boxed{1} then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
-    ("\\boxed{unclosed", None), ("\\boxed{}", ""),
-])
+@pytest.mark.parametrize(
+    "text, boxed",
+    [
+        ("1+2=3\n\\boxed{3}", "3"),
+        ("no box", None),
+        ("\\boxed{1} then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+        ("\\boxed{unclosed", None),
+        ("\\boxed{}", ""),
+    ],
+)
 def test_last_boxed(text, boxed):
     assert last_boxed(text) == boxed
 
 
 def test_boxed_match():
-    assert BoxedMatch()(["\\boxed{ 7 }", "\\boxed{7}x", "7", "\\boxed{8}"], ["7", "7", "7", "7"]) == [
-        1.0, 1.0, 0.0, 0.0]
+    assert BoxedMatch()(
+        ["\\boxed{ 7 }", "\\boxed{7}x", "7", "\\boxed{8}"], ["7", "7", "7", "7"]
+    ) == [1.0, 1.0, 0.0, 0.0]
     with pytest.raises(ValueError, match="2 responses but 1 answers"):
         boxed_match(["a", "b"], ["a"])

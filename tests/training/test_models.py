@@ -1,5 +1,6 @@
-"""pepo.training.models.qwen3 against a loop-free reference written from Hugging Face's Qwen3 formulas:
-q/k RMSNorm per head *before* rotate-half RoPE, GQA, SwiGLU, pre-norm residuals, tied head."""
+"""pepo.training.models.qwen3 against a loop-free reference written from Hugging Face's Qwen3
+formulas: q/k RMSNorm per head *before* rotate-half RoPE, GQA, SwiGLU, pre-norm residuals, tied
+head."""
 
 from __future__ import annotations
 

@@ -63,7 +63,9 @@ def test_conversion_keeps_the_logits_of_transformers_gguf_loader_and_pepo(tiny, 
     out = pre.convert_gguf(path, tmp_path / "hf")
     gguf_model = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    converted = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    converted = transformers.AutoModelForCausalLM.from_pretrained(
+        str(out), dtype=torch.float32
+    ).eval()
     tok = ChatTokenizer(out)
     ids = chat_ids(tok)
     # the converted tokenizer and template: SmolLM2's layout, token for token as the file's

@@ -1,4 +1,5 @@
-"""The recipe layer's one filter on what its dependencies print (collected with the recipe extra)."""
+"""The recipe layer's one filter on what its dependencies print (collected with the recipe
+extra)."""
 
 from __future__ import annotations
 

@@ -32,7 +32,8 @@ def test_wrong_count_and_non_lists_are_named():
     def score(responses, answers):
         return 1.0
 
-    with pytest.raises(RewardError, match=r"reward .*score must return a list of 3 numbers .* got float 1\.0"):
+    with pytest.raises(RewardError,
+                       match=r"reward .*score must return a list of 3 numbers .* got float 1\.0"):
         reward_tensor(score(None, None), 3, score)
     with pytest.raises(RewardError, match="returned 2 values for 3 responses"):
         reward_tensor([1.0, 0.0], 3, score)
