@@ -38,15 +38,11 @@ from pepo.training.evaluation import (RewardError, avg_at_k, eval_generator, for
 from pepo.training.checkpointing import resolve_marker
 from pepo.training.engines import build_engine, sequence_limit
 from pepo.training.config import (
-    check_checkpoint_dir,
-    config_error_exit,
-    check_device,
-    check_engine,
-    check_keys,
     check_output_dir,
+    config_error_exit,
     register_resolvers,
-    engine_options,
     resolve_config_arg,
+    validate_eval_config,
 )
 from pepo.training.run_lock import RunLock
 from pepo.training.tokenizers import stop_token_ids
@@ -54,38 +50,6 @@ from pepo.training.weights import load_model_weights
 
 log = utils.get_logger("INFO")
 register_resolvers()
-
-
-EVAL_SCHEMA = {
-    "output_dir": "value", "model_name": "value", "seed": "value", "device": "value",
-    "dtype": "value", "batch_size": "value", "tokenizer": None, "model": None,
-    "checkpoint_dir": "value", "reward": None,
-    "generation": {"max_new_tokens", "temperature", "top_k", "top_p", "stop_tokens", "engine",
-                   "vllm"},
-    "benchmarks": None,  # name -> {k, dataset}, checked below
-}
-
-
-def validate_eval_config(cfg: DictConfig) -> None:
-    """Checks an eval config before any model is built (``ValueError`` naming the key)."""
-    check_keys(cfg, EVAL_SCHEMA)
-    if not cfg.get("benchmarks"):
-        raise ValueError("config key 'benchmarks' is required (name -> {dataset, k})")
-    for name, b in cfg.benchmarks.items():
-        for key in b:
-            if key not in ("k", "dataset"):
-                raise ValueError(f"unknown config key 'benchmarks.{name}.{key}'; valid keys: ['dataset', 'k']")
-        k = b.get("k")
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"benchmarks.{name}.k must be an int >= 1, got {k!r}")
-        if b.get("dataset") is None:
-            raise ValueError(f"benchmarks.{name}.dataset is required")
-        path = b.dataset.get("path")
-        if path is not None and not Path(path).exists():
-            raise ValueError(f"benchmarks.{name}.dataset.path={path!r} does not exist")
-    check_checkpoint_dir(cfg.get("checkpoint_dir"))
-    check_device(cfg.get("device", "cpu"))
-    check_engine(cfg.generation)
 
 
 def evaluation_label(given: Any, resolved: Any) -> str:
@@ -148,32 +112,32 @@ def _setup(cfg: DictConfig) -> dict[str, Any]:
     tokenizer, reward, then the model. Raises ``ValueError`` for what the user must fix."""
     given = cfg.get("checkpoint_dir")
     cfg.checkpoint_dir = resolve_marker(given)  # RUN/checkpoints/best works
-    validate_eval_config(cfg)
-    label = cfg.get("model_name") or evaluation_label(given, cfg.checkpoint_dir)
+    c = validate_eval_config(cfg)  # typed, with every default filled in
+    label = c.model_name or evaluation_label(given, c.checkpoint_dir)
     lock = _check_results_dir(cfg, label)
     reward = None
     try:
-        device = utils.get_device(cfg.get("device", "cpu"))
-        dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=device)
+        device = utils.get_device(c.device)
+        dtype = training.get_dtype(c.dtype, device=device)
         tokenizer = config.instantiate(cfg.tokenizer)
-        stop_tokens = stop_token_ids(tokenizer, cfg.generation.get("stop_tokens"))
+        stop_tokens = stop_token_ids(tokenizer, c.generation.stop_tokens)
         data = {name: list(config.instantiate(b.dataset)) for name, b in cfg.benchmarks.items()}
         reward = config.instantiate(cfg.reward)
         with training.set_default_dtype(dtype), device:
             model = config.instantiate(cfg.model)
-        load_model_weights(model, cfg.checkpoint_dir)
+        load_model_weights(model, c.checkpoint_dir)
         model.eval()
-        name, options = engine_options(cfg.generation)
+        name, options = c.generation.engine, c.generation.engine_options
         sequence_limit(model, name, options)  # a bad max_model_len before vLLM starts
-        src = Path(str(cfg.checkpoint_dir))
-        engine = build_engine(name, model, compile=cfg.generation.get("compile", False), **(
+        src = Path(str(c.checkpoint_dir))
+        engine = build_engine(name, model, **(
             {**options, "hf_dir": src if (src / "config.json").is_file() else None,
-             "seed": cfg.seed} if name == "vllm" else {}))
+             "seed": c.seed} if name == "vllm" else {}))
     except BaseException:
         _close(reward, lock)
         raise
     return dict(device=device, tokenizer=tokenizer, stop_tokens=stop_tokens, data=data,
-                reward=reward, engine=engine, lock=lock, label=label)
+                reward=reward, engine=engine, lock=lock, label=label, config=c)
 
 
 def _close(*owners: Any) -> None:
@@ -184,7 +148,8 @@ def _close(*owners: Any) -> None:
 
 
 def _evaluate(cfg: DictConfig, setup: dict[str, Any]) -> dict[str, float]:
-    g = cfg.generation
+    c = setup["config"]
+    g = c.generation
     results: dict[str, float] = {}
     try:
         for name, b in cfg.benchmarks.items():
@@ -192,10 +157,10 @@ def _evaluate(cfg: DictConfig, setup: dict[str, Any]) -> dict[str, float]:
             t0 = time.perf_counter()
             results[name] = avg_at_k(
                 setup["engine"], setup["tokenizer"], problems, b.k, setup["reward"],
-                max_new_tokens=g.max_new_tokens, temperature=float(g.temperature),
-                top_k=g.get("top_k"), top_p=float(g.top_p),
-                generator=eval_generator(cfg.seed, setup["device"]),
-                batch_size=cfg.get("batch_size", 256), stop_tokens=setup["stop_tokens"],
+                max_new_tokens=g.max_new_tokens, temperature=g.temperature,
+                top_k=g.top_k, top_p=g.top_p,
+                generator=eval_generator(c.seed, setup["device"]),
+                batch_size=c.batch_size, stop_tokens=setup["stop_tokens"],
                 progress=f"{name} (avg@{b.k}, {len(problems)} problems)",
             )
             log.info(f"{name}: avg@{b.k} = {100 * results[name]:.2f} over {len(problems)} "
@@ -205,7 +170,7 @@ def _evaluate(cfg: DictConfig, setup: dict[str, Any]) -> dict[str, float]:
             results, _results_dir(cfg, label), label,
             meta={"checkpoint_dir": str(Path(str(cfg.checkpoint_dir)).resolve()),
                   "k": {n: b.k for n, b in cfg.benchmarks.items()},
-                  "generation": OmegaConf.to_container(g, resolve=True)})
+                  "generation": OmegaConf.to_container(cfg.generation, resolve=True)})
         table, everything = _write_summary(Path(str(cfg.output_dir)))
     finally:
         _close(setup["reward"], setup["engine"], setup["lock"])

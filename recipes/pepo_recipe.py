@@ -44,7 +44,6 @@ Deviations from the paper's setup, all deliberate:
 
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
 import time
@@ -70,7 +69,7 @@ from torchtune.modules import TiedLinear, TransformerSelfAttentionLayer
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
-from pepo import estimators, weighting
+from pepo import weighting
 from pepo.training import prior_cache
 from pepo.training.checkpointing import MODEL_FILE, AtomicCheckpointer, resolve_marker
 from pepo.training.distributed import Dist, minibatch_indices, shard_model, tile_rows
@@ -86,14 +85,11 @@ from pepo.training.config import (
     build,
     config_error_exit,
     check_world_size,
-    engine_options,
-    estimator_kwargs,
     experiment_changes,
     experiment_config,
     prior_fingerprint,
     register_resolvers,
     resolve_config_arg,
-    strategy_params,
     validate_config,
 )
 from pepo.training.reporting import plot_curves, truncate_metrics_log, write_rollouts
@@ -182,46 +178,39 @@ class PEPORecipe(FTRecipeInterface):
     def __init__(self, cfg: DictConfig) -> None:
         if cfg.get("checkpoint_dir") is not None:  # RUN/checkpoints/best or .../latest works
             cfg.checkpoint_dir = resolve_marker(cfg.checkpoint_dir)
-        validate_config(cfg)
-        dcfg = cfg.get("distributed") or {}
-        device_type = str(cfg.get("device", "cpu")).split(":")[0]
-        self.dist = Dist(device_type, timeout_s=float(dcfg.get("timeout_s", 1800)))
-        self.distributed_cfg = dict(dcfg)
-        check_world_size(cfg, self.dist.world_size)
+        c = self.config = validate_config(cfg)  # typed, with every default filled in
+        device_type = str(c.device).split(":")[0]
+        self.dist = Dist(device_type, timeout_s=c.distributed.timeout_s)
+        check_world_size(c, self.dist.world_size)
         self._device = (self.dist.device(device_type) if self.dist.enabled
-                        else utils.get_device(cfg.get("device", "cpu")))
-        self._dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=self._device)
-        self.seed = training.set_seed(seed=cfg.seed)
-        self.output_dir = Path(cfg.output_dir)
-        self.num_steps = cfg.num_steps
-        self.prompts_per_step = cfg.prompts_per_step
-        est_name, est_kwargs = estimator_kwargs(cfg)
-        self.estimator = estimators.build_estimator(est_name, **est_kwargs)
-        self.ppo_epochs = cfg.ppo_epochs
-        self.ppo_mini_batches = cfg.ppo_mini_batches
+                        else utils.get_device(c.device))
+        self._dtype = training.get_dtype(c.dtype, device=self._device)
+        self.seed = training.set_seed(seed=c.seed)
+        self.output_dir = Path(c.output_dir)
+        self.num_steps = c.num_steps
+        self.prompts_per_step = c.prompts_per_step
+        self.estimator = c.estimator.build()
+        self.ppo_epochs = c.ppo_epochs
+        self.ppo_mini_batches = c.ppo_mini_batches
         self.tile = tile_rows(self.estimator.rollouts_per_prompt, self.ppo_mini_batches)
-        self.micro_batch_size = cfg.micro_batch_size
-        self.eps_low, self.eps_high = float(cfg.loss.eps_low), float(cfg.loss.eps_high)
-        self.tis_cap = cfg.loss.get("tis_cap")
-        self.clip_grad_norm = cfg.get("clip_grad_norm")
-        self.max_nonfinite_steps = cfg.max_nonfinite_steps
-        g = cfg.generation
-        self.gen_kwargs = dict(
-            max_new_tokens=g.max_new_tokens,
-            temperature=float(g.temperature),
-            top_k=g.get("top_k"),
-            top_p=float(g.top_p),
-        )
-        self.logprob_chunk = cfg.get("logprob_chunk_size", 1024)
-        self.logprobs_from_hidden = bool(cfg.get("logprobs_from_hidden", False))
-        self.activation_checkpointing = bool(cfg.get("enable_activation_checkpointing", False))
-        self.gen_batch_size = cfg.generation.get("batch_size")
-        self.val_every = cfg.validation.every
-        self.val_samples = cfg.validation.samples
-        self.save_every = cfg.save_every
-        self.dump_every = cfg.dump_rollouts_every
-        self.resume = bool(cfg.get("resume_from_checkpoint", False))
-        self.plot = bool(cfg.get("plot", True))
+        self.micro_batch_size = c.micro_batch_size
+        self.eps_low, self.eps_high = float(c.loss.eps_low), float(c.loss.eps_high)
+        self.tis_cap = c.loss.tis_cap
+        self.clip_grad_norm = c.clip_grad_norm
+        self.max_nonfinite_steps = c.max_nonfinite_steps
+        g = c.generation
+        self.gen_kwargs = dict(max_new_tokens=g.max_new_tokens, temperature=g.temperature,
+                               top_k=g.top_k, top_p=g.top_p)
+        self.logprob_chunk = c.logprob_chunk_size
+        self.logprobs_from_hidden = c.logprobs_from_hidden
+        self.activation_checkpointing = c.enable_activation_checkpointing
+        self.gen_batch_size = g.batch_size
+        self.val_every = c.validation.every
+        self.val_samples = c.validation.samples
+        self.save_every = c.save_every
+        self.dump_every = c.dump_rollouts_every
+        self.resume = c.resume_from_checkpoint
+        self.plot = c.plot
         # one run per output_dir, from before the checkpoint check to the end of the run (rank 0
         # holds it for the job); a second run gets one config error naming the holder
         self.run_lock = RunLock(self.output_dir) if self.dist.is_main else None
@@ -241,7 +230,7 @@ class PEPORecipe(FTRecipeInterface):
             self._release_run_lock()
             raise
         self.experiment = experiment_config(cfg)
-        self.prior_path = cfg.get("prior_cache")
+        self.prior_path = c.prior_cache
         self.prior_fingerprint = prior_fingerprint(cfg)
         self._stop_requested = False
         self._stop_signals: list[int] = []  # in the order received
@@ -257,19 +246,20 @@ class PEPORecipe(FTRecipeInterface):
         """Builds everything; what fails fast (tokenizer, stop tokens, data files, reward) comes
         before the model, so a bad path or field costs seconds, not a model load."""
         self.tokenizer = build(cfg, "tokenizer")
-        self.stop_tokens = stop_token_ids(self.tokenizer, cfg.generation.get("stop_tokens"))
+        c = self.config
+        self.stop_tokens = stop_token_ids(self.tokenizer, c.generation.stop_tokens)
         train_data = list(build(cfg, "dataset"))
-        val_data = list(build(cfg, "val_dataset")) if cfg.get("val_dataset") else []
+        val_data = list(build(cfg, "val_dataset")) if c.val_dataset else []
         self.reward_fn = build(cfg, "reward")
-        name, params = strategy_params(cfg)
+        name, params = c.strategy.name, c.strategy.params
         self.strategy_name = name
         if self.dist.enabled and "process_group" in (weighting.strategy_parameters(name) or ()):
             params = {**params, "process_group": self.dist.group}  # batch-global statistics
         self.strategy = weighting.get_strategy(name, **params)
         # the newest keep_checkpoints, and (keep_best) the one of the best validation accuracy
-        self.keep_best = bool(cfg.get("keep_best", True)) and bool(self.val_every)
+        self.keep_best = c.keep_best and bool(self.val_every)
         self.checkpointer = AtomicCheckpointer(
-            self.output_dir / "checkpoints", keep=cfg.get("keep_checkpoints", 2),
+            self.output_dir / "checkpoints", keep=c.keep_checkpoints,
             best_metric="val_accuracy" if self.keep_best else None,
         )
         resume_state = self._find_checkpoint() if self.resume else None
@@ -281,35 +271,35 @@ class PEPORecipe(FTRecipeInterface):
             raise ValueError(
                 f"tokenizer has {self.tokenizer.vocab_size} tokens but the model embeds only {emb}"
             )
-        load_model_weights(self.model, cfg.checkpoint_dir)
+        load_model_weights(self.model, c.checkpoint_dir)
         self.model.eval()  # no dropout anywhere: rollout, old and new log-probs are one function
         if self.activation_checkpointing:
             training.set_activation_checkpointing(
                 self.model, auto_wrap_policy={TransformerSelfAttentionLayer}
             )
         if self.dist.enabled:  # FSDP2: each decoder layer, then the root
-            mp = self.distributed_cfg.get("mixed_precision")
+            mp = c.distributed.mixed_precision
             shard_model(self.model, (TransformerSelfAttentionLayer,),
-                        cpu_offload=bool(self.distributed_cfg.get("cpu_offload", False)),
+                        cpu_offload=c.distributed.cpu_offload,
                         mixed_precision=training.get_dtype(mp) if mp else None)
         self.optimizer = build(cfg, "optimizer", self.model.parameters())
         self.lr_scheduler = None
         self.schedule_steps = self.num_steps * self.ppo_epochs * self.ppo_mini_batches
-        if cfg.get("lr_scheduler") is not None:
+        if c.lr_scheduler is not None:
             self.lr_scheduler = build(
                 cfg, "lr_scheduler", self.optimizer, num_training_steps=self.schedule_steps
             )
         # a run that starts from a Hugging Face checkpoint also ends with one (for vLLM, HF)
-        src = Path(str(cfg.checkpoint_dir))
+        src = Path(str(c.checkpoint_dir))
         self.hf_source = src if (src / "config.json").is_file() else None
-        engine, options = engine_options(cfg.generation)
+        engine, options = c.generation.engine, c.generation.engine_options
         # prompts that do not fit are dropped before the engine starts (vLLM's max_model_len
         # is checked here too, not at the first generation)
         self.seq_limit = sequence_limit(self.model, engine, options)
         self.train_data = self._fitting(train_data, "dataset")
         self.val_data = self._fitting(val_data, "val_dataset") if val_data else []
         self.engine = build_engine(engine, self.model,
-                                   compile=cfg.generation.get("compile", False), **(
+                                   compile=c.generation.compile, **(
             {**options, "hf_dir": self.hf_source, "seed": self.seed,
              "state_dict": self._full_state_dict} if engine == "vllm" else {}))
         self.sampler = PromptSampler(len(self.train_data), seed=self.seed)
@@ -322,7 +312,7 @@ class PEPORecipe(FTRecipeInterface):
             self._truncate_metrics(cfg, resume_state[1]["step"])
         self.metric_logger = build(cfg, "metric_logger") if self.dist.is_main else _NoLogger()
         self.metric_logger.log_config(cfg)
-        self.config_name = cfg.get("name", "pepo")
+        self.config_name = c.name
         if resume_state is not None:
             self._load_checkpoint(*resume_state)
         else:
@@ -414,59 +404,23 @@ class PEPORecipe(FTRecipeInterface):
         return kept
 
     def _prepare_estimator(self) -> None:
-        """Whatever the estimator needs before training (SPO: its offline prior), with the
-        rollouts it asks for scored as training rollouts are. The prior's rollouts draw their
-        seeds from a generator of their own, so the training stream after it is the same
-        whether the prior was computed or read from ``prior_cache`` (:mod:`pepo.training.prior_cache`)."""
-        data, t0, count = self.train_data, time.perf_counter(), [0, 0.0]
+        """Whatever the estimator needs before training (SPO: its offline prior, or the one
+        kept in ``prior_cache``: :func:`pepo.training.prior_cache.prepare_estimator`), with the
+        rollouts it asks for scored as training rollouts are. They draw their seeds from a
+        generator of their own, so the training stream after it is the same whether the prior
+        was computed or read."""
+        data = self.train_data
         prior_rng = torch.Generator(device=self._device).manual_seed(self.seed + 2)
-        ids = [p.id for p in data]
-        # SPO's offline prior can take minutes before the first step: say so, and how far it is
-        total = int(getattr(self.estimator, "prior_samples", 0) or 0) * len(data)
-        shown = [0]
 
         def score(indices: list[int]) -> torch.Tensor:
-            if count[0] == 0 and total and self.dist.is_main:
-                log.info(f"Estimator {self.estimator.name!r}: sampling its offline prior, "
-                         f"{total} rollouts ({total // len(data)} per prompt) before step 1")
             seeds = draw_seeds(prior_rng, len(indices))
             part = self.dist.shard(len(indices))
             problems = [data[i] for i in indices]
-            rewards = self.dist.gather(self._rollout(problems[part], seeds[part])[1])
-            count[0] += len(indices)
-            count[1] += float(rewards.sum())
-            if total and self.dist.is_main and count[0] < total and \
-                    10 * count[0] // total > shown[0]:  # every tenth
-                shown[0] = 10 * count[0] // total
-                log.info(f"  prior: {count[0]}/{total} rollouts "
-                         f"({time.perf_counter() - t0:.0f}s)")
-            return rewards
+            return self.dist.gather(self._rollout(problems[part], seeds[part])[1])
 
-        if self.prior_path is None:
-            self.estimator.prepare(ids, score)
-        else:  # rank 0 holds the file lock and decides; every rank takes its answer
-            with (prior_cache.locked(self.prior_path) if self.dist.is_main
-                  else contextlib.nullcontext()):
-                found = None
-                if self.dist.is_main:
-                    found = prior_cache.read_prior(self.prior_path, self.prior_fingerprint, ids)
-                found = self.dist.gather_objects(found)[0]
-                if found is not None:
-                    self.estimator.set_prior(found)
-                    if self.dist.is_main:
-                        log.info(f"Estimator prior read from {self.prior_path} "
-                                 f"({len(found)} prompts)")
-                else:
-                    rates = self.estimator.prepare(ids, score)
-                    if self.dist.is_main:
-                        prior_cache.write_prior(self.prior_path, self.prior_fingerprint, rates)
-                        log.info(f"Estimator prior written to {self.prior_path}")
-        if count[0] and self.dist.is_main:
-            log.info(
-                f"Estimator {self.estimator.name!r} prepared on {count[0]} rollouts of "
-                f"{len(data)} prompts, mean reward {count[1] / count[0]:.3f} "
-                f"({time.perf_counter() - t0:.1f}s)"
-            )
+        prior_cache.prepare_estimator(self.estimator, [p.id for p in data], score,
+                                      path=self.prior_path, fingerprint=self.prior_fingerprint,
+                                      dist=self.dist, log=log)
 
     # -------------------------------------------------------------- one step
     def _rollout(self, problems: list, seeds: torch.Tensor):

@@ -3,10 +3,12 @@
 Both return one advantage per rollout, ``[N]`` fp32, which any strategy of
 :mod:`pepo.weighting` turns into token advantages unchanged.
 
-Both also implement one *step interface*, so a training loop reads the same in either mode
-(the recipe has no mode checks)::
+Both implement one *step interface*, the :class:`Estimator` protocol, so a training loop
+reads the same in either mode (the recipe has no mode checks)::
 
-    est.prepare(prompt_ids, score)                 # once, before training (SPO's offline prior)
+    est.prepare(prompt_ids, score)                 # once, before training (SPO's offline prior:
+                                                   # est.prior_samples rollouts per prompt)
+    est.set_prior(pass_rates)                      # or the prior prepare() returned, from a file
     picked = est.choose(pool_ids, k, generator)    # k prompts out of a candidate pool
     # ... generate est.rollouts_per_prompt responses for each picked prompt, score them ...
     adv = est.advantages(rollout_prompt_ids, rewards)       # [N]
@@ -15,7 +17,8 @@ Both also implement one *step interface*, so a training loop reads the same in e
     est.state_dict() / est.load_state_dict(...)             # exact resume
 
 :func:`build_estimator` makes either from a name and keyword arguments (the recipe's
-``estimator`` config section).
+``estimator`` config section); :func:`register_estimator` adds another to the same registry, as
+:func:`pepo.weighting.register_strategy` does for strategies.
 
 * :func:`group_advantages` — GRPO, Eq. (1): ``A_i = (r_i - mean_g r) / (std_g r + eps)`` over
   contiguous groups of ``group_size`` rollouts of the same prompt. ``std`` is Bessel-corrected
@@ -40,91 +43,26 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Any, Callable, Hashable, Iterable, Mapping, Optional, Sequence, Union
+from typing import (Any, Callable, Hashable, Iterable, Mapping, Optional, Protocol, Sequence,
+                    Union, runtime_checkable)
 
 import torch
 
 from pepo import _checks
+from pepo._group import group_advantages
 from pepo.sampling import prioritized_sample
 
 __all__ = [
     "ESTIMATORS",
+    "Estimator",
     "GroupEstimator",
     "SingleStreamEstimator",
     "build_estimator",
     "estimator_parameters",
     "group_advantages",
+    "list_estimators",
+    "register_estimator",
 ]
-
-
-def group_advantages(
-    rewards: torch.Tensor,
-    group_size: int,
-    *,
-    normalize_std: bool = True,
-    unbiased: bool = True,
-    eps: float = 1e-6,
-) -> torch.Tensor:
-    """GRPO advantages, Eq. (1), for rollouts laid out in contiguous groups.
-
-    Args:
-        rewards: rewards ``r``; rollouts ``g*G .. g*G + G - 1`` answer the same prompt.
-        group_size: ``G >= 2`` rollouts per prompt.
-        normalize_std: divide by the group's std (GRPO); False gives Dr. GRPO's ``r - mean``.
-        unbiased: Bessel-corrected std (``torch.std`` default, as TRL and verl use).
-        eps: added to the std (verl: 1e-6, TRL: 1e-4).
-
-    Shape:
-        rewards: ``[N]`` with ``N % G == 0``; returns ``[N]`` fp32 (fp64 for fp64 rewards).
-
-    Raises:
-        ValueError: bad shape, ``G < 2``, ``N`` not a multiple of ``G``, non-finite rewards,
-            advantages that overflow the output dtype (only without ``normalize_std``).
-    """
-    rewards = _checks.check_tensor("rewards", rewards)
-    if rewards.dim() != 1:
-        raise ValueError(f"rewards must be [N], got {_checks._shape(rewards)}")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
-        raise ValueError(
-            f"group_size must be an int >= 2 (GRPO needs several rollouts per prompt; use "
-            f"SingleStreamEstimator for one), got {group_size!r}"
-        )
-    n = rewards.shape[0]
-    if n % group_size != 0:
-        raise ValueError(
-            f"rewards has {n} entries, not a multiple of group_size={group_size}"
-        )
-    if eps < 0 or not math.isfinite(eps):
-        raise ValueError(f"eps must be a finite number >= 0, got {eps}")
-    out_dtype = torch.promote_types(rewards.dtype, torch.float32)  # fp64 stays fp64
-    r = rewards.detach().to(out_dtype).view(-1, group_size)  # [N/G, G]
-    bad = int((~torch.isfinite(r)).sum())
-    if bad:
-        raise ValueError(_checks.nonfinite_message("rewards", bad).split(";")[0])
-    # Scaled by a power of two per group (exact: the same numbers as unscaled wherever those do
-    # not overflow), so that rewards near the dtype's limit do not overflow the mean or the std
-    # (which gave a silent 0 advantage); fp64 is not used, as not every device has it.
-    amax = r.abs().amax(dim=1, keepdim=True)  # [N/G, 1]
-    # 2^(e-1) for |r|max = m 2^e, m in [0.5, 1): |r|/scale < 2 (a power in the rewards' dtype;
-    # torch.ldexp overflowed for float64 exponents above 127 before torch 2)
-    scale = torch.full_like(amax, 2.0).pow((torch.frexp(amax)[1] - 1).to(amax.dtype))
-    scale = torch.where(amax > 0, scale, 1.0)
-    rs = r / scale
-    centred = rs - rs.mean(dim=1, keepdim=True)
-    if normalize_std:
-        std = rs.std(dim=1, keepdim=True, unbiased=unbiased)
-        centred = centred / (std + eps / scale)
-    else:
-        centred = centred * scale
-    degenerate = (r.amax(dim=1) == r.amin(dim=1))[:, None]  # [N/G, 1]
-    out = torch.where(degenerate, 0.0, centred).reshape(-1)
-    if not bool(torch.isfinite(out).all()):
-        raise ValueError(
-            f"the advantages r - mean overflow {out_dtype} (rewards from "
-            f"{float(r.min()):.4g} to {float(r.max()):.4g}); scale the rewards down or "
-            f"use normalize_std=True"
-        )
-    return out
 
 
 PromptIds = Union[Sequence[Hashable], torch.Tensor]
@@ -133,10 +71,51 @@ PromptIds = Union[Sequence[Hashable], torch.Tensor]
 ScoreFn = Callable[[list[int]], torch.Tensor]
 
 
+@runtime_checkable
+class Estimator(Protocol):
+    """The step interface every estimator implements (see the module docstring).
+
+    Attributes:
+        name: the registry name.
+        rollouts_per_prompt: rollouts generated for each chosen prompt (laid out contiguously).
+        candidate_pool: :meth:`choose` picks ``k`` prompts out of ``candidate_pool * k``.
+        needs_drift: whether :meth:`observe` needs the step's policy drift.
+        prior_samples: rollouts of every prompt :meth:`prepare` draws before training (0: no
+            offline prior; :meth:`set_prior` then takes none).
+    """
+
+    name: str
+    rollouts_per_prompt: int
+    candidate_pool: int
+    needs_drift: bool
+    prior_samples: int
+
+    def prepare(self, prompt_ids: PromptIds, score: ScoreFn) -> dict[Hashable, float]:
+        """Samples the offline prior (``prior_samples`` rollouts of each prompt, scored by
+        ``score``), sets it and returns it (pass rate per prompt id; empty without one)."""
+
+    def set_prior(self, pass_rates: Mapping[Hashable, float]) -> None:
+        """Sets a prior :meth:`prepare` returned (read back from a cache)."""
+
+    def choose(self, prompt_ids: PromptIds, k: int, generator: torch.Generator) -> list[int]:
+        """Indices of ``k`` prompts out of the candidate pool ``prompt_ids``."""
+
+    def advantages(self, prompt_ids: PromptIds, rewards: torch.Tensor) -> torch.Tensor:
+        """Sequence advantages ``[N]`` fp32 of rollouts of ``prompt_ids`` with ``rewards``."""
+
+    def observe(self, prompt_ids: PromptIds, rewards: torch.Tensor,
+                drift: Optional[float] = None) -> None:
+        """Learns from a finished step (after the update; ``drift`` when ``needs_drift``)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
 def _ids(prompt_ids: PromptIds) -> list[Hashable]:
     if isinstance(prompt_ids, torch.Tensor):
         if prompt_ids.dim() != 1:
-            raise ValueError(f"prompt_ids must be [N], got {_checks._shape(prompt_ids)}")
+            raise ValueError(f"prompt_ids must be [N], got {_checks.format_shape(prompt_ids)}")
         return prompt_ids.tolist()
     if isinstance(prompt_ids, (str, bytes)):
         raise ValueError("prompt_ids must be a sequence of ids, got a single string")
@@ -147,7 +126,7 @@ def _rewards(rewards: Any, n: int) -> torch.Tensor:
     rewards = torch.as_tensor(rewards)
     if rewards.dim() != 1 or rewards.shape[0] != n:
         raise ValueError(
-            f"rewards must be [N]=[{n}] (one per prompt id), got {_checks._shape(rewards)}"
+            f"rewards must be [N]=[{n}] (one per prompt id), got {_checks.format_shape(rewards)}"
         )
     r = rewards.detach().double().cpu()
     if not torch.isfinite(r).all() or (r < 0).any() or (r > 1).any():
@@ -182,6 +161,7 @@ class GroupEstimator:
     name = "group"
     candidate_pool = 1
     needs_drift = False
+    prior_samples = 0  # no offline prior
 
     def __init__(
         self, group_size: int = 8, *, normalize_std: bool = True, unbiased: bool = True,
@@ -206,6 +186,13 @@ class GroupEstimator:
     def prepare(self, prompt_ids: PromptIds, score: ScoreFn) -> dict[Hashable, float]:
         """Nothing to prepare: group advantages need no prior."""
         return {}
+
+    def set_prior(self, pass_rates: Mapping[Hashable, float]) -> None:
+        """Takes only the empty prior :meth:`prepare` returns (group advantages use none)."""
+        if pass_rates:
+            raise ValueError(f"the group estimator takes no offline prior (its advantages are "
+                             f"relative to each group), got pass rates of {len(pass_rates)} "
+                             f"prompts")
 
     def choose(self, prompt_ids: PromptIds, k: int, generator: torch.Generator) -> list[int]:
         """The first ``k`` candidates, in order (the pool is already a shuffled draw)."""
@@ -408,7 +395,7 @@ class SingleStreamEstimator:
         """``rho = clip(2^(-D / d_half), rho_min, rho_max)``. Shape: ``[N]`` -> ``[N]`` fp64."""
         d = torch.as_tensor(kl).detach().double().cpu()
         if d.dim() != 1:
-            raise ValueError(f"kl must be [N], got {_checks._shape(d)}")
+            raise ValueError(f"kl must be [N], got {_checks.format_shape(d)}")
         if not torch.isfinite(d).all() or (d < 0).any():
             raise ValueError(f"kl must be finite and >= 0, got {d.tolist()}")
         return torch.pow(2.0, -d / self.d_half).clamp(self.rho_min, self.rho_max)
@@ -547,7 +534,44 @@ class SingleStreamEstimator:
         return [pid in self._alpha for pid in prompt_ids]
 
 
-ESTIMATORS = {"group": GroupEstimator, "single_stream": SingleStreamEstimator}
+# name -> factory (a class or a function) of an object implementing :class:`Estimator`
+ESTIMATORS: dict[str, Callable[..., Estimator]] = {}
+
+
+def register_estimator(name: str, *, overwrite: bool = False
+                       ) -> Callable[[Callable[..., Estimator]], Callable[..., Estimator]]:
+    """Decorator registering an estimator factory under ``name`` (as
+    :func:`pepo.weighting.register_strategy` does for strategies): its keyword arguments are
+    what the ``estimator`` config section may set, and :func:`build_estimator` refuses what it
+    returns unless that implements the whole :class:`Estimator` protocol.
+
+    Example::
+
+        @register_estimator("leave_one_out")
+        class LeaveOneOut(GroupEstimator):
+            name = "leave_one_out"
+            ...
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"estimator name must be a non-empty str, got {name!r}")
+
+    def decorator(factory: Callable[..., Estimator]) -> Callable[..., Estimator]:
+        if name in ESTIMATORS and not overwrite:
+            raise ValueError(
+                f"estimator {name!r} is already registered; pass overwrite=True to replace it")
+        ESTIMATORS[name] = factory
+        return factory
+
+    return decorator
+
+
+register_estimator("group")(GroupEstimator)
+register_estimator("single_stream")(SingleStreamEstimator)
+
+
+def list_estimators() -> list[str]:
+    """Names of all registered estimators, sorted."""
+    return sorted(ESTIMATORS)
 
 
 def estimator_parameters(name: str) -> list[str]:
@@ -557,14 +581,26 @@ def estimator_parameters(name: str) -> list[str]:
     return [p for p in inspect.signature(ESTIMATORS[name]).parameters if p != "prior_pass_rates"]
 
 
-def build_estimator(name: str, **kwargs: Any) -> Union[GroupEstimator, SingleStreamEstimator]:
-    """The estimator ``name`` (``"group"`` or ``"single_stream"``) with ``kwargs``.
+_MEMBERS = ("name", "rollouts_per_prompt", "candidate_pool", "needs_drift", "prior_samples",
+            "prepare", "set_prior", "choose", "advantages", "observe", "state_dict",
+            "load_state_dict")
+
+
+def build_estimator(name: str, **kwargs: Any) -> Estimator:
+    """The estimator ``name`` (``"group"``, ``"single_stream"`` or a registered one) with
+    ``kwargs``.
 
     Raises:
-        ValueError: unknown name or keyword (the message lists the valid ones), bad values.
+        ValueError: unknown name or keyword (the message lists the valid ones), bad values, or a
+            registered factory whose result lacks part of the :class:`Estimator` protocol.
     """
     valid = estimator_parameters(name)
     unknown = sorted(set(kwargs) - set(valid))
     if unknown:
         raise ValueError(f"unknown {name} estimator key(s) {unknown}; valid: {sorted(valid)}")
-    return ESTIMATORS[name](**kwargs)
+    made = ESTIMATORS[name](**kwargs)
+    missing = [m for m in _MEMBERS if not hasattr(made, m)]
+    if missing:
+        raise ValueError(f"estimator {name!r} does not implement the Estimator protocol: "
+                         f"it has no {missing}")
+    return made

@@ -31,12 +31,12 @@ def _check(
         _checks.check_tensor(name, t)
         _checks.check_float(name, t)
     if logprobs.dim() != 2:
-        raise ValueError(f"logprobs must be [B, T], got {_checks._shape(logprobs)}")
+        raise ValueError(f"logprobs must be [B, T], got {_checks.format_shape(logprobs)}")
     for name, t in (("old_logprobs", old_logprobs), ("advantages", advantages)):
         if t.shape != logprobs.shape:
             raise ValueError(
-                f"{name} must be [B, T]={_checks._shape(logprobs)} like logprobs, got "
-                f"{_checks._shape(t)}"
+                f"{name} must be [B, T]={_checks.format_shape(logprobs)} like logprobs, got "
+                f"{_checks.format_shape(t)}"
                 + (
                     "; expand sequence-level advantages with a strategy from pepo.weighting"
                     if name == "advantages" and t.dim() == 1
@@ -126,8 +126,8 @@ def clipped_policy_loss(
     if is_weights is not None:
         _checks.check_tensor("is_weights", is_weights)
         if is_weights.shape != logprobs.shape:
-            raise ValueError(f"is_weights must be [B, T]={_checks._shape(logprobs)} like logprobs, "
-                             f"got {_checks._shape(is_weights)}")
+            raise ValueError(f"is_weights must be [B, T]={_checks.format_shape(logprobs)} like logprobs, "
+                             f"got {_checks.format_shape(is_weights)}")
         if is_weights.requires_grad:
             raise ValueError("is_weights require grad; importance weights are constants, pass "
                              "is_weights.detach()")
@@ -137,7 +137,7 @@ def clipped_policy_loss(
         denom = mask.sum().clamp_min(1).float()
     elif isinstance(num_tokens, torch.Tensor):
         if num_tokens.numel() != 1:
-            raise ValueError(f"num_tokens must be a scalar, got shape {_checks._shape(num_tokens)}")
+            raise ValueError(f"num_tokens must be a scalar, got shape {_checks.format_shape(num_tokens)}")
         n = num_tokens.reshape(()).float()
         # 0 (an empty batch) divides by 1 and gives loss 0; a negative count is a caller's bug
         # that a host sync would be needed to raise on, so it makes the loss NaN instead
@@ -215,8 +215,8 @@ def truncated_is_weights(
     _checks.check_tensor("old_logprobs", old_logprobs)
     _checks.check_tensor("rollout_logprobs", rollout_logprobs)
     if rollout_logprobs.shape != old_logprobs.shape:
-        raise ValueError(f"rollout_logprobs must be [B, T]={_checks._shape(old_logprobs)} like "
-                         f"old_logprobs, got {_checks._shape(rollout_logprobs)}")
+        raise ValueError(f"rollout_logprobs must be [B, T]={_checks.format_shape(old_logprobs)} like "
+                         f"old_logprobs, got {_checks.format_shape(rollout_logprobs)}")
     _checks.check_bool_mask("mask", mask, old_logprobs.shape)
     cap = _checks.check_positive("cap", cap)
     log_ratio = torch.where(mask, old_logprobs.float() - rollout_logprobs.float(), 0.0)

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 import pepo.weighting as pw
 import pepo_recipe
 from pepo.estimators import SingleStreamEstimator
-from pepo.training.config import strategy_params
 from tests.recipe_helpers import tiny_cfg
 
 
@@ -78,7 +78,8 @@ def test_dumped_token_advantages_are_the_strategy_of_the_dumped_inputs(tmp_path,
     section = {"name": strategy, **({strategy: params[strategy]} if strategy in params else {})}
     cfg = tiny_cfg(tmp_path, name, num_steps=2, imports=["flow_custom_strategy"], strategy=section)
     recipe = run(cfg)
-    sname, sparams = strategy_params(cfg)
+    sname = cfg.strategy.name  # read from the config itself, not through the recipe's reader
+    sparams = OmegaConf.to_container(cfg.strategy.get(sname) or OmegaConf.create({}))
     assert sname == strategy and recipe.strategy.params == {
         **pw.get_strategy(strategy).params, **sparams}
     expected_fn = pw.get_strategy(strategy, **sparams)

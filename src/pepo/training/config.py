@@ -7,53 +7,53 @@
   pretrained model's HF checkpoint, converted from its package into the cache on first use.
 * :func:`validate_config` checks everything that can be checked without building a model and
   raises ``ValueError`` naming the key and value, so a bad config fails in a second, not after
-  the model is loaded. The config is a schema: a key the recipe does not know (a typo such as
-  ``num_stepz`` or ``strategy.proximal_sofmax``) is an error naming it and the closest valid
-  key. ``_component_`` sections are exempt: their arguments are checked by the callables they
-  name. A top-level key that the config uses as ``${key}`` is a variable, not a typo.
+  the model is loaded. It runs three phases in a fixed order, each once: the schema
+  (:mod:`pepo.training.schema`: a key the recipe does not know, such as ``num_stepz`` or
+  ``strategy.proximal_sofmax``, is an error naming the closest valid key; types, ranges, and
+  every ``_component_`` section's keys bound to its callable's signature), the rules between
+  keys (:func:`check_rules`), then the machine (:func:`check_machine`: paths, device, packages).
+  It returns the typed config (:class:`pepo.training.schema.RecipeConfig`) that the recipe
+  reads. A top-level key that the config uses as ``${key}`` is a variable, not a typo.
 """
 
 from __future__ import annotations
 
-import difflib
 import errno
-import importlib
-import inspect
-import os
 import importlib.resources
 import importlib.util
-import re
+import os
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Union
 
 from omegaconf import DictConfig, OmegaConf
 
-from pepo import estimators, weighting
-from pepo.loss import check_clip_range
+from pepo import weighting
+from pepo.training import schema
+from pepo.training.schema import PRIOR_IGNORES, RESUME_MAY_CHANGE, EvalConfig, RecipeConfig
 
 __all__ = [
+    "RESUME_MAY_CHANGE",
     "asset_dir",
     "build",
     "check_checkpoint_dir",
     "check_device",
-    "check_engine",
-    "check_keys",
+    "check_machine",
     "check_metric_logger",
     "check_output_dir",
-    "config_error_exit",
+    "check_rules",
+    "check_tokenizer_dir",
     "check_world_size",
-    "engine_options",
-    "estimator_kwargs",
-    "experiment_config",
+    "config_error_exit",
     "experiment_changes",
+    "experiment_config",
     "find_config",
     "list_configs",
     "prior_fingerprint",
     "register_resolvers",
     "resolve_config_arg",
-    "strategy_params",
     "validate_config",
+    "validate_eval_config",
 ]
 
 
@@ -139,13 +139,6 @@ def resolve_config_arg(argv: list[str]) -> list[str]:
     return argv
 
 
-def estimator_kwargs(cfg: DictConfig) -> tuple[str, dict[str, Any]]:
-    """The estimator name and its keyword arguments: the ``estimator`` section without ``name``."""
-    section = OmegaConf.to_container(cfg.estimator, resolve=True)
-    name = section.pop("name", None)
-    return name, section
-
-
 def check_checkpoint_dir(ckpt: Any, key: str = "checkpoint_dir") -> None:
     """Raises ``ValueError`` unless ``ckpt`` holds ``model.safetensors`` or a sharded index."""
     if ckpt is None:
@@ -204,29 +197,7 @@ def check_metric_logger(section: Any) -> None:
                          f"installed: pip install {package}")
 
 
-def engine_options(generation: Any) -> tuple[str, dict[str, Any]]:
-    """The rollout engine's name and options: ``generation.engine`` (default ``torchtune``) and
-    the ``generation.vllm`` section (the vLLM engine's keyword arguments)."""
-    name = generation.get("engine") or "torchtune"
-    options = generation.get("vllm")
-    options = {} if options is None else OmegaConf.to_container(options, resolve=True)
-    return name, options
-
-
-def check_engine(generation: Any, where: str = "generation") -> None:
-    """Raises ``ValueError`` for an unknown engine, vLLM not installed (naming the extra to
-    install), or an unknown ``generation.vllm`` key."""
-    from pepo.training.engines import VLLMEngine, check_engine_available
-
-    name, options = engine_options(generation)
-    check_engine_available(name)
-    valid = set(inspect.signature(VLLMEngine).parameters) - {"model", "hf_dir", "seed"}
-    for key in options:
-        if key not in valid:
-            raise _unknown(str(key), valid, f"{where}.vllm.")
-
-
-def check_world_size(cfg: DictConfig, world_size: int) -> None:
+def check_world_size(cfg: Union[RecipeConfig, DictConfig], world_size: int) -> None:
     """Raises ``ValueError`` unless the step's batch splits evenly over ``world_size``
     processes: whole prompt groups per process, and every process's share of each mini-batch
     a whole number of micro-batches (with the same number of forwards on every process, which
@@ -235,8 +206,9 @@ def check_world_size(cfg: DictConfig, world_size: int) -> None:
 
     if world_size == 1:
         return
-    est, kwargs = estimator_kwargs(cfg)
-    per_prompt = estimators.build_estimator(est, **kwargs).rollouts_per_prompt
+    if not isinstance(cfg, RecipeConfig):
+        cfg = schema.parse(cfg)
+    per_prompt = cfg.estimator.build().rollouts_per_prompt
     prompts, minis, micro = cfg.prompts_per_step, cfg.ppo_mini_batches, cfg.micro_batch_size
     rows = prompts * per_prompt
     tile = tile_rows(per_prompt, minis)
@@ -313,19 +285,6 @@ def check_output_dir(path: Any, key: str = "output_dir") -> None:
                 break
 
 
-# Keys a resume may change: where things go and how often, memory settings that do not change
-# the numbers beyond float reduction order, and the paths of the initial model (superseded by
-# the checkpoint). Everything else defines the experiment. `num_steps` is checked on its own.
-RESUME_MAY_CHANGE = (
-    "name", "output_dir", "resume_from_checkpoint", "imports", "checkpoint_dir",
-    "tokenizer.path", "model.model_dir", "num_steps", "validation", "val_dataset",
-    "save_every", "keep_checkpoints", "keep_best", "dump_rollouts_every", "plot", "metric_logger",
-    "generation.batch_size", "generation.compile", "micro_batch_size", "prior_cache",
-    "logprob_chunk_size", "logprobs_from_hidden", "enable_activation_checkpointing", "max_nonfinite_steps",
-    "reward.workers",
-)
-
-
 def _under(key: str, prefixes: tuple[str, ...]) -> bool:
     """Whether flattened ``key`` is one of ``prefixes`` or inside one of their sections."""
     return any(key == m or key.startswith(m + ".") for m in prefixes)
@@ -357,189 +316,35 @@ def experiment_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[s
 # policy) depends on: a ``prior_cache`` file made under other values is refused.
 PRIOR_KEYS = ("seed", "dtype", "tokenizer", "model", "checkpoint_dir", "dataset", "reward",
               "generation", "estimator.name", "estimator.prior_samples")
-PRIOR_IGNORES = ("generation.batch_size", "generation.compile", "reward.workers")
 
 
 def prior_fingerprint(cfg: DictConfig) -> dict[str, Any]:
     """The resolved, flattened config keys that determine the offline prior (``PRIOR_KEYS``,
-    less ``PRIOR_IGNORES``), stored in a ``prior_cache`` file and compared when it is read."""
+    less the schema's ``RUN`` keys, ``PRIOR_IGNORES``), stored in a ``prior_cache`` file and
+    compared when it is read."""
     flat = _flatten(OmegaConf.to_container(cfg, resolve=True))
     return {k: v for k, v in flat.items() if _under(k, PRIOR_KEYS) and not _under(k, PRIOR_IGNORES)}
 
 
-def strategy_params(cfg: DictConfig) -> tuple[str, dict[str, Any]]:
-    """The strategy name and its parameters: ``cfg.strategy.<name>`` (may be absent)."""
-    name = cfg.strategy.name
-    params = cfg.strategy.get(name)
-    params = {} if params is None else OmegaConf.to_container(params, resolve=True)
-    return name, params
 
 
-def _require(cfg: DictConfig, key: str) -> Any:
-    value = OmegaConf.select(cfg, key, default=None)
-    if value is None:
-        raise ValueError(f"config key {key!r} is required")
-    return value
-
-
-def _int(cfg: DictConfig, key: str, minimum: int) -> int:
-    value = _require(cfg, key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{key} must be an int >= {minimum}, got {value!r}")
-    return value
-
-
-def _float(cfg: DictConfig, key: str, low: float, high: Optional[float] = None) -> float:
-    value = _require(cfg, key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-        low < value and (high is None or value <= high)
-    ):
-        bound = f"in ({low}, {high}]" if high is not None else f"> {low}"
-        raise ValueError(f"{key} must be a number {bound}, got {value!r}")
-    return float(value)
-
-
-# The recipe's schema. Sections map to their keys; None marks a `_component_` section (or
-# null), whose arguments the named callable checks; "estimator" and "strategy" are checked
-# against the estimator's signature and the strategy registry.
-RECIPE_SCHEMA: dict[str, Any] = {
-    "name": "value", "output_dir": "value", "seed": "value", "device": "value",
-    "dtype": "value", "resume_from_checkpoint": "value", "imports": "value",
-    "tokenizer": None, "model": None, "checkpoint_dir": "value", "dataset": None,
-    "val_dataset": None, "reward": None, "estimator": "estimator", "strategy": "strategy",
-    "generation": {"max_new_tokens", "temperature", "top_k", "top_p", "stop_tokens", "batch_size",
-                   "engine", "vllm", "compile"},
-    "num_steps": "value", "prompts_per_step": "value", "ppo_epochs": "value",
-    "ppo_mini_batches": "value", "micro_batch_size": "value",
-    "logprobs_from_hidden": "value", "logprob_chunk_size": "value",
-    "enable_activation_checkpointing": "value",
-    "loss": {"eps_low", "eps_high", "tis_cap"},
-    "optimizer": None, "lr_scheduler": None, "clip_grad_norm": "value",
-    "max_nonfinite_steps": "value",
-    "validation": {"every", "samples"},
-    "save_every": "value", "keep_checkpoints": "value", "keep_best": "value",
-    "dump_rollouts_every": "value", "plot": "value", "metric_logger": None, "prior_cache": "value",
-    "distributed": {"timeout_s", "cpu_offload", "mixed_precision"},
-}
-
-
-def _hint(key: str, valid: Any, where: str) -> str:
-    close = difflib.get_close_matches(key, [str(v) for v in valid], n=1, cutoff=0.5)
-    return f"did you mean {where + close[0]!r}?" if close else f"valid keys: {sorted(valid)}"
-
-
-def _unknown(key: str, valid: Any, where: str) -> ValueError:
-    """``unknown config key 'loss.eps_hgh'; did you mean 'loss.eps_high'?``"""
-    return ValueError(f"unknown config key {where + key!r}; {_hint(key, valid, where)}")
-
-
-def _variables(cfg: DictConfig) -> set[str]:
-    """Top-level keys the config reads as ``${key}`` (interpolation variables)."""
-    text = OmegaConf.to_yaml(cfg, resolve=False)
-    return {k for k in cfg if re.search(r"\$\{\s*" + re.escape(str(k)) + r"\s*[}.\[]", text)}
-
-
-def check_keys(cfg: DictConfig, schema: dict[str, Any]) -> None:
-    """Raises ``ValueError`` on the first key of ``cfg`` that ``schema`` does not know.
-
-    ``schema`` maps top-level keys to ``"value"``, ``None`` (a ``_component_`` section, not
-    checked), a set of sub-keys, or ``"estimator"`` / ``"strategy"`` (checked against the
-    estimator's signature and the strategy registry; needs the config's ``imports`` done).
-    """
-    variables = _variables(cfg)
-    for key in cfg:
-        if key not in schema:
-            if key in variables:
-                continue
-            raise _unknown(str(key), schema, "")
-        kind = schema[key]
-        section = cfg.get(key)
-        if isinstance(kind, set) and isinstance(section, DictConfig):
-            for sub in section:
-                if sub not in kind:
-                    raise _unknown(str(sub), kind, f"{key}.")
-        elif kind == "estimator" and isinstance(section, DictConfig):
-            name = section.get("name")
-            valid = {"name", *estimators.estimator_parameters(name)}
-            for sub in section:
-                if sub not in valid:
-                    raise ValueError(
-                        f"unknown estimator key(s) {[str(sub)]} for estimator.name={name!r}; "
-                        f"{_hint(str(sub), valid, 'estimator.')}"
-                    )
-        elif kind == "strategy" and isinstance(section, DictConfig):
-            valid = {"name", *weighting.list_strategies()}
-            for sub in section:
-                if sub not in valid:
-                    raise _unknown(str(sub), valid, "strategy.")
-                if sub == "name" or section[sub] is None:
-                    continue
-                if not isinstance(section[sub], DictConfig):
-                    raise ValueError(f"strategy.{sub} must be a mapping of its parameters, got {section[sub]!r}")
-                params = weighting.strategy_parameters(str(sub))
-                for p in section[sub]:
-                    if params is not None and p not in params:
-                        raise _unknown(str(p), params, f"strategy.{sub}.")
-
-
-def validate_config(cfg: DictConfig) -> None:
-    """Checks the recipe config before anything is built.
-
-    Raises:
-        ValueError: naming the first bad key and its value.
-    """
-    for module in cfg.get("imports") or []:
-        try:
-            importlib.import_module(module)
-        except ImportError as e:
-            raise ValueError(f"imports: cannot import {module!r}: {e}") from None
-    est, est_kwargs = estimator_kwargs(cfg) if cfg.get("estimator") is not None else (None, {})
-    if est not in estimators.ESTIMATORS:
+def check_rules(rc: RecipeConfig) -> None:
+    """Phase 2: the rules between keys of a config that passed :func:`schema.parse`."""
+    est = rc.estimator.name
+    strategy = weighting.get_strategy(rc.strategy.name, **rc.strategy.params)
+    if strategy.needs_groups and est != "group":
         raise ValueError(
-            f"estimator.name must be one of {sorted(estimators.ESTIMATORS)}, got {est!r}"
-        )
-    if not isinstance(cfg.get("strategy"), DictConfig) or cfg.strategy.get("name") is None:
-        raise ValueError("config key 'strategy.name' is required")
-    if cfg.strategy.name not in weighting.list_strategies():
-        names = weighting.list_strategies()
-        close = difflib.get_close_matches(str(cfg.strategy.name), names, n=1)
-        raise ValueError(
-            f"strategy.name={cfg.strategy.name!r}: unknown strategy {cfg.strategy.name!r}; "
-            + (f"did you mean {close[0]!r}? " if close else "")
-            + f"registered strategies: {names}"
-        )
-    check_keys(cfg, RECIPE_SCHEMA)
-    for section in cfg.strategy:  # every section, not only the chosen one: a typo is a typo
-        if section != "name" and cfg.strategy[section] is not None:
-            params = OmegaConf.to_container(cfg.strategy[section], resolve=True)
-            try:
-                weighting.get_strategy(str(section), **params)
-            except ValueError as e:
-                raise ValueError(f"strategy.{section}: {e}") from None
-    name, params = strategy_params(cfg)
-    if weighting.get_strategy(str(name), **params).needs_groups and est != "group":
-        raise ValueError(
-            f"strategy.name={name!r} compares the rollouts of each prompt's group, "
+            f"strategy.name={rc.strategy.name!r} compares the rollouts of each prompt's group, "
             f"so it needs estimator.name=group, got estimator.name={est!r}"
         )
-    try:
-        estimator = estimators.build_estimator(est, **est_kwargs)
-    except ValueError as e:  # "estimator.group_size must be ..." or "estimator: need ..."
-        sep = "." if str(e).split(" ")[0] in est_kwargs else ": "
-        raise ValueError(f"estimator{sep}{e}") from None
-
-    cache = cfg.get("prior_cache")
-    if cache is not None:
-        if not isinstance(cache, str) or not cache:
-            raise ValueError(f"prior_cache must be a file path or null, got {cache!r}")
-        if getattr(estimator, "prior_samples", 0) < 1:
-            raise ValueError(
-                f"prior_cache={cache!r} is set but estimator.name={est!r} draws no offline prior "
-                f"(it needs estimator.name=single_stream with prior_samples >= 1)"
-            )
-    rollouts = estimator.rollouts_per_prompt * _int(cfg, "prompts_per_step", 1)
-    minis = _int(cfg, "ppo_mini_batches", 1)
-    micro = _int(cfg, "micro_batch_size", 1)
+    estimator = rc.estimator.build()
+    if rc.prior_cache is not None and estimator.prior_samples < 1:
+        raise ValueError(
+            f"prior_cache={rc.prior_cache!r} is set but estimator.name={est!r} draws no offline "
+            f"prior (it needs estimator.name=single_stream with prior_samples >= 1)"
+        )
+    rollouts = estimator.rollouts_per_prompt * rc.prompts_per_step
+    minis, micro = rc.ppo_mini_batches, rc.micro_batch_size
     if rollouts % minis:
         raise ValueError(
             f"ppo_mini_batches={minis} does not divide the {rollouts} rollouts of a step"
@@ -558,63 +363,65 @@ def validate_config(cfg: DictConfig) -> None:
             f"{rollouts} rollouts are not a whole number of tiles of {tile} (each mini-batch "
             f"takes the same share of every group)"
         )
-    dcfg = cfg.get("distributed") or {}
-    timeout = dcfg.get("timeout_s", 1800)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ValueError(f"distributed.timeout_s must be a number > 0, got {timeout!r}")
-    if dcfg.get("cpu_offload") and not str(cfg.get("device", "cpu")).startswith("cuda"):
+    if rc.distributed.cpu_offload and not str(rc.device).startswith("cuda"):
         raise ValueError("distributed.cpu_offload=true offloads from a GPU: it needs device=cuda")
-    if dcfg.get("mixed_precision") not in (None, "bf16", "fp16"):
-        raise ValueError(f"distributed.mixed_precision must be null, 'bf16' or 'fp16', got "
-                         f"{dcfg.get('mixed_precision')!r}")
-    _int(cfg, "ppo_epochs", 1)
-    _int(cfg, "num_steps", 1)
-    _int(cfg, "generation.max_new_tokens", 1)
-    _float(cfg, "generation.temperature", 0.0)
-    _float(cfg, "generation.top_p", 0.0, 1.0)
-    gen_bs = cfg.generation.get("batch_size")
-    if gen_bs is not None and (isinstance(gen_bs, bool) or not isinstance(gen_bs, int) or gen_bs < 1):
-        raise ValueError(f"generation.batch_size must be an int >= 1 or null, got {gen_bs!r}")
     from pepo.training.engines import check_compile
 
-    check_compile(engine_options(cfg.generation)[0], cfg.generation.get("compile", False))
-    top_k = cfg.generation.get("top_k")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"generation.top_k must be an int >= 1 or null, got {top_k!r}")
-    try:
-        check_clip_range(_require(cfg, "loss.eps_low"), _require(cfg, "loss.eps_high"))
-    except ValueError as e:
-        raise ValueError(f"loss.{e}") from None
-    check_engine(cfg.generation)
-    check_metric_logger(cfg.get("metric_logger"))
-    if cfg.loss.get("tis_cap") is not None:
-        _float(cfg, "loss.tis_cap", 0.0)
-    _int(cfg, "max_nonfinite_steps", 1)
-    _int(cfg, "validation.samples", 1)
-    for key in ("validation.every", "save_every", "dump_rollouts_every"):
-        _int(cfg, key, 0)
-    if cfg.get("clip_grad_norm") is not None:
-        _float(cfg, "clip_grad_norm", 0.0)
+    check_compile(rc.generation.engine, rc.generation.compile)
 
-    seed = cfg.get("seed")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed must be an int (exact resume replays the seeded shuffle), got {seed!r}")
-    for key in ("keep_checkpoints", "logprob_chunk_size"):
-        if cfg.get(key) is not None:
-            _int(cfg, key, 1)
-    if not isinstance(cfg.get("keep_best", True), bool):
-        raise ValueError(f"keep_best must be true or false, got {cfg.get('keep_best')!r}")
 
-    check_checkpoint_dir(_require(cfg, "checkpoint_dir"))
-    check_output_dir(cfg.get("output_dir"))
-    check_device(cfg.get("device", "cpu"))
-    lr = OmegaConf.select(cfg, "optimizer.lr", default=None)
-    if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float))
-                           or not (0 < lr < float("inf"))):
-        raise ValueError(f"optimizer.lr must be a finite number > 0, got {lr!r}")
-    tok = _require(cfg, "tokenizer.path")
+def check_tokenizer_dir(cfg: DictConfig) -> None:
+    """Raises ``ValueError`` unless ``tokenizer.path`` holds the tokenizer's two files."""
+    tok = cfg.tokenizer.get("path")
+    if tok is None:
+        raise ValueError("config key 'tokenizer.path' is required")
     for f in ("tokenizer.json", "tokenizer_config.json"):
         if not (Path(tok) / f).is_file():
             raise ValueError(f"tokenizer.path={tok!r} has no {f}")
-    if cfg.get("dtype", "fp32") not in ("fp32", "bf16"):
-        raise ValueError(f"dtype must be 'fp32' or 'bf16', got {cfg.get('dtype')!r}")
+
+
+def check_machine(rc: RecipeConfig, cfg: DictConfig) -> None:
+    """Phase 3: what this machine must have for the config: the initial checkpoint, a writable
+    output directory, the device, the tokenizer's files, the logger's and the engine's
+    packages."""
+    check_checkpoint_dir(rc.checkpoint_dir)
+    check_output_dir(rc.output_dir)
+    check_device(rc.device)
+    check_tokenizer_dir(cfg)
+    check_metric_logger(rc.metric_logger)
+    from pepo.training.engines import check_engine_available
+
+    check_engine_available(rc.generation.engine)
+
+
+def validate_config(cfg: DictConfig) -> RecipeConfig:
+    """Checks the recipe config before anything is built, in three phases, each once: the
+    schema (:func:`pepo.training.schema.parse`: unknown keys, types, ranges, every
+    ``_component_`` bound to its callable), the rules between keys (:func:`check_rules`), then
+    the machine (:func:`check_machine`).
+
+    Returns:
+        The typed config (every default filled in), which the recipe reads.
+
+    Raises:
+        ValueError: naming the first bad key and its value.
+    """
+    rc = schema.parse(cfg)
+    check_rules(rc)
+    check_machine(rc, cfg)
+    return rc
+
+
+def validate_eval_config(cfg: DictConfig) -> EvalConfig:
+    """Checks an eval config before any model is built (the same three phases)."""
+    ec = schema.parse_eval(cfg)
+    for name, b in ec.benchmarks.items():
+        path = b.dataset.get("path")
+        if path is not None and not Path(path).exists():
+            raise ValueError(f"benchmarks.{name}.dataset.path={path!r} does not exist")
+    check_checkpoint_dir(ec.checkpoint_dir)
+    check_device(ec.device)
+    from pepo.training.engines import check_engine_available
+
+    check_engine_available(ec.generation.engine)
+    return ec

@@ -8,22 +8,29 @@ settings (:func:`pepo.training.config.prior_fingerprint`), and otherwise compute
 ``PATH`` atomically. Its rollouts are drawn from a generator of their own, so a run is the
 same, token for token, whether its prior was computed or read.
 
-Concurrent runs may share one ``PATH``: :func:`locked` (:mod:`pepo.training.run_lock`) makes the second wait for the first's
-file instead of computing the prior again (an advisory ``fcntl`` lock on ``PATH.lock``).
+Concurrent runs may share one ``PATH``: :func:`locked` (:mod:`pepo.training.run_lock`) makes
+the second wait for the first's file instead of computing the prior again (an advisory
+``fcntl`` lock on ``PATH.lock``).
+
+:func:`prepare_estimator` is the whole protocol the recipe runs before its first step, for
+any estimator (one without an offline prior prepares nothing and reads no file).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import time
 from pathlib import Path
-from typing import Any, Hashable, Mapping, Optional, Sequence
+from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
 
 from pepo.training.checkpointing import atomic_write_text
 from pepo.training.config import experiment_changes
 from pepo.training.run_lock import locked, process_gone
 
-__all__ = ["locked", "read_prior", "write_prior"]
+__all__ = ["locked", "prepare_estimator", "read_prior", "write_prior"]
 
 VERSION = 1
 
@@ -87,3 +94,83 @@ def read_prior(path: str | os.PathLike, fingerprint: Mapping[str, Any],
             f"{len(set(prompt_ids))}" + (f" (e.g. {missing[0]!r} is missing)" if missing else "")
         )
     return rates
+
+
+class _Progress:
+    """Counts the prior's rollouts and logs its start, every tenth of it, and its end (SPO's
+    offline prior can take minutes before the first step)."""
+
+    def __init__(self, estimator: Any, prompts: int, log: Optional[logging.Logger]) -> None:
+        self.estimator, self.prompts, self.log = estimator, prompts, log
+        self.total = int(estimator.prior_samples) * prompts
+        self.count, self.reward, self.shown, self.t0 = 0, 0.0, 0, time.perf_counter()
+
+    def wrap(self, score: Callable[[list[int]], Any]) -> Callable[[list[int]], Any]:
+        def counted(indices: list[int]) -> Any:
+            log, total = self.log, self.total
+            if self.count == 0 and total and log is not None:
+                log.info(f"Estimator {self.estimator.name!r}: sampling its offline prior, "
+                         f"{total} rollouts ({total // self.prompts} per prompt) before step 1")
+            rewards = score(indices)
+            self.count += len(indices)
+            self.reward += float(rewards.sum())
+            if total and log is not None and self.count < total and \
+                    10 * self.count // total > self.shown:  # every tenth
+                self.shown = 10 * self.count // total
+                log.info(f"  prior: {self.count}/{total} rollouts "
+                         f"({time.perf_counter() - self.t0:.0f}s)")
+            return rewards
+
+        return counted
+
+    def done(self) -> None:
+        if self.count and self.log is not None:
+            self.log.info(
+                f"Estimator {self.estimator.name!r} prepared on {self.count} rollouts of "
+                f"{self.prompts} prompts, mean reward {self.reward / self.count:.3f} "
+                f"({time.perf_counter() - self.t0:.1f}s)"
+            )
+
+
+def prepare_estimator(estimator: Any, prompt_ids: Sequence[Hashable],
+                      score: Callable[[list[int]], Any], *, path: Optional[str] = None,
+                      fingerprint: Optional[Mapping[str, Any]] = None, dist: Any = None,
+                      log: Optional[logging.Logger] = None) -> Optional[str]:
+    """Whatever ``estimator`` (:class:`pepo.estimators.Estimator`) needs before training: its
+    offline prior, computed through ``score`` (indices into ``prompt_ids`` -> rewards) or, with
+    ``path``, read from that prior cache when it exists and matches ``fingerprint``, else
+    computed and written there.
+
+    With several processes (``dist``, a :class:`pepo.training.distributed.Dist`) every rank
+    calls this: rank 0 holds the file lock, reads or writes the file and decides, and every
+    rank takes its answer (``score`` is collective: each rank generates its share). ``log``
+    (rank 0's logger, or None) gets the progress lines.
+
+    Returns:
+        ``"read"`` or ``"written"`` with ``path``, else None.
+    """
+    main = dist is None or dist.is_main
+    progress = _Progress(estimator, len(prompt_ids), log if main else None)
+    score = progress.wrap(score)
+    outcome = None
+    if path is None or estimator.prior_samples < 1:
+        estimator.prepare(prompt_ids, score)
+    else:
+        with locked(path) if main else contextlib.nullcontext():
+            found = read_prior(path, fingerprint or {}, prompt_ids) if main else None
+            if dist is not None:
+                found = dist.gather_objects(found)[0]
+            if found is not None:
+                estimator.set_prior(found)
+                outcome = "read"
+                if main and log is not None:
+                    log.info(f"Estimator prior read from {path} ({len(found)} prompts)")
+            else:
+                rates = estimator.prepare(prompt_ids, score)
+                outcome = "written"
+                if main:
+                    write_prior(path, fingerprint or {}, rates)
+                    if log is not None:
+                        log.info(f"Estimator prior written to {path}")
+    progress.done()
+    return outcome

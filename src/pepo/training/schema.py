@@ -1,0 +1,662 @@
+"""The recipe's and the evaluation's config as one typed schema.
+
+Each section is a dataclass (as TRL's ``GRPOConfig`` and verl's ``ActorConfig``) with one field
+per key; each field carries its default (:data:`REQUIRED` where the config must set it), its rule
+(type and range, :class:`Int`, :class:`Number`, ...), its help (the meaning column of
+``docs/recipe.md``'s key table, which a test holds to this schema) and its role:
+
+* ``EXPERIMENT`` — defines the experiment; a resume may not change it;
+* ``RUN`` — where things go, how often, memory settings that change the numbers at most by
+  float reduction order: a resume may change it, and the offline prior ignores it;
+* ``INITIAL`` — the initial model's paths, superseded by a checkpoint: a resume may change it.
+
+:data:`RESUME_MAY_CHANGE` and :data:`PRIOR_IGNORES` are derived from the roles.
+
+:func:`parse` is the first of the three validation phases (:func:`pepo.training.config.
+validate_config` runs them in order): unknown keys (with the closest valid one), required keys,
+types and ranges, the estimator and strategy sections against their registries, and every
+``_component_`` section bound against its callable's signature (as torchtune's
+``config.validate``), so an optimizer typo fails before any model is loaded. It returns the
+typed config the recipes read, so every default lives here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import inspect
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from pepo import estimators, weighting
+from pepo.loss import check_clip_range
+
+__all__ = [
+    "EXPERIMENT",
+    "INITIAL",
+    "PRIOR_IGNORES",
+    "REQUIRED",
+    "RESUME_MAY_CHANGE",
+    "RUN",
+    "EvalConfig",
+    "RecipeConfig",
+    "fields_of",
+    "parse",
+    "unknown_key",
+]
+
+EXPERIMENT, RUN, INITIAL = "experiment", "run", "initial"
+ENGINE_NAMES = ("torchtune", "vllm")  # pepo.training.engines.ENGINES (a test holds them equal)
+
+
+class _Required:
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+
+REQUIRED: Any = _Required()  # the default of a key every config must set
+
+
+# ------------------------------------------------------------------------------ rules
+@dataclass(frozen=True)
+class Int:
+    """An int ``>= low`` (``nullable``: or null)."""
+
+    low: int
+    nullable: bool = False
+
+    def check(self, key: str, v: Any) -> Any:
+        if v is None and self.nullable:
+            return v
+        if isinstance(v, bool) or not isinstance(v, int) or v < self.low:
+            null = " or null" if self.nullable else ""
+            raise ValueError(f"{key} must be an int >= {self.low}{null}, got {v!r}")
+        return v
+
+
+@dataclass(frozen=True)
+class Number:
+    """A number ``> low`` (and ``<= high``); ``finite``: also finite; ``nullable``: or null."""
+
+    low: float
+    high: Optional[float] = None
+    nullable: bool = False
+    finite: bool = False
+
+    def check(self, key: str, v: Any) -> Any:
+        if v is None and self.nullable:
+            return v
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+            self.low < v and (self.high is None or v <= self.high)
+            and (not self.finite or v < math.inf)
+        ):
+            bound = f"in ({self.low}, {self.high}]" if self.high is not None else f"> {self.low}"
+            what = "a finite number" if self.finite else "a number"
+            raise ValueError(f"{key} must be {what} {bound}, got {v!r}")
+        return float(v)
+
+
+@dataclass(frozen=True)
+class Bool:
+    def check(self, key: str, v: Any) -> Any:
+        if not isinstance(v, bool):
+            raise ValueError(f"{key} must be true or false, got {v!r}")
+        return v
+
+
+@dataclass(frozen=True)
+class OneOf:
+    """One of ``values``; ``shown`` is how the message lists them."""
+
+    values: tuple
+    shown: str
+
+    def check(self, key: str, v: Any) -> Any:
+        if v not in self.values:
+            raise ValueError(f"{key} must be {self.shown}, got {v!r}")
+        return v
+
+
+@dataclass(frozen=True)
+class Text:
+    """A string (``what`` names it in the message), or null when ``nullable``."""
+
+    what: str = "a string"
+    nullable: bool = True
+    note: str = ""
+
+    def check(self, key: str, v: Any) -> Any:
+        if v is None and self.nullable:
+            return v
+        if not isinstance(v, str) or not v:
+            null = " or null" if self.nullable else ""
+            raise ValueError(f"{key} must be {self.what}{null}{self.note}, got {v!r}")
+        return v
+
+
+@dataclass(frozen=True)
+class StrictInt:
+    """Any int (``note`` says why it must be one)."""
+
+    note: str = ""
+
+    def check(self, key: str, v: Any) -> Any:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"{key} must be an int{self.note}, got {v!r}")
+        return v
+
+
+@dataclass(frozen=True)
+class Raw:
+    """Any value (a list, a mapping checked elsewhere); kept as the config holds it."""
+
+    def check(self, key: str, v: Any) -> Any:
+        return v
+
+
+@dataclass(frozen=True)
+class Component:
+    """A ``_component_`` section (or null when ``nullable``). ``positional`` and ``given`` are
+    the arguments the recipe passes itself when it builds the section (the optimizer gets the
+    model's parameters), so that binding the section's keys to the callable's signature
+    finds both unknown and missing arguments. ``args`` gives rules to some arguments, ``roles``
+    their roles (the rest have the field's)."""
+
+    nullable: bool = False
+    positional: int = 0
+    given: tuple[str, ...] = ()
+    args: tuple[tuple[str, Any], ...] = ()
+    roles: tuple[tuple[str, str], ...] = ()
+
+    def check(self, key: str, v: Any) -> Any:
+        if v is None:
+            if self.nullable:
+                return None
+            raise ValueError(f"config key {key!r} is required")
+        if not isinstance(v, DictConfig) or v.get("_component_") is None:
+            raise ValueError(f"{key} must be a section with a _component_, got {v!r}")
+        bind_component(key, v, self.positional, self.given)
+        for arg, rule in self.args:
+            value = v.get(arg)
+            if value is not None:
+                rule.check(f"{key}.{arg}", value)
+        return v
+
+
+def bind_component(key: str, node: DictConfig, positional: int = 0,
+                   given: tuple[str, ...] = ()) -> Callable:
+    """Imports ``node._component_`` and binds the section's keys (plus what the recipe passes,
+    ``positional`` arguments and the keywords ``given``) to its signature, as torchtune's
+    ``config.validate`` does; returns the callable.
+
+    Raises:
+        ValueError: ``optimizer: torch.optim.AdamW got an unexpected keyword argument 'lrr';
+            did you mean 'optimizer.lr'?``, a missing argument, or a path that does not import.
+    """
+    from torchtune.config._utils import _get_component_from_path
+
+    path = str(node.get("_component_"))
+    try:
+        target = _get_component_from_path(path)
+    except Exception as e:  # torchtune raises InstantiationError, wrapping the ImportError
+        raise ValueError(f"{key}: cannot import {path!r}: {e}") from None
+    try:
+        sig = inspect.signature(target)
+    except (TypeError, ValueError):  # a builtin without a signature: its call checks
+        return target
+    names = [str(k) for k in node if k != "_component_"]
+    try:
+        sig.bind(*([None] * positional), **{k: None for k in (*given, *names)})
+    except TypeError as e:
+        hint = ""
+        bad = re.search(r"unexpected keyword argument '([^']+)'", str(e))
+        if bad:
+            close = difflib.get_close_matches(bad.group(1), list(sig.parameters), n=1,
+                                              cutoff=0.5)
+            hint = f"; did you mean {key + '.' + close[0]!r}?" if close else ""
+        raise ValueError(f"{key}: {path} {e}{hint}") from None
+    return target
+
+
+def key(default: Any = REQUIRED, help: str = "", *, rule: Any = None, role: str = EXPERIMENT,
+        factory: Optional[Callable[[], Any]] = None) -> Any:
+    """One config key: its default, rule, help and role (see the module docstring)."""
+    meta = {"help": help, "rule": rule if rule is not None else Raw(), "role": role}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def section(cls: type, help: str = "", role: str = EXPERIMENT) -> Any:
+    """A sub-section of keys (its own dataclass)."""
+    return field(default_factory=cls, metadata={"help": help, "section": cls, "role": role})
+
+
+# --------------------------------------------------------------------------- sections
+@dataclass
+class SamplingConfig:
+    """``generation``: how responses are sampled (shared by training and evaluation)."""
+
+    max_new_tokens: int = key(help="response length limit", rule=Int(1))
+    temperature: float = key(help="sampling temperature (the paper: 0.6)", rule=Number(0.0))
+    top_k: Optional[int] = key(None, "top-k sampling (null: off)", rule=Int(1, nullable=True))
+    top_p: float = key(help="nucleus sampling (the paper: 0.6)", rule=Number(0.0, 1.0))
+    stop_tokens: Optional[list] = key(None, "extra stop tokens besides the tokenizer's eos "
+                                      "(strings in the vocabulary)")
+    engine: str = key("torchtune", "where rollouts come from: `torchtune` (pepo's in-process "
+                      "KV-cached decoder on the torchtune model) or `vllm` (a colocated vLLM "
+                      "engine; see below)", rule=OneOf(ENGINE_NAMES, f"one of {list(ENGINE_NAMES)}"))
+    vllm: Any = key(None, "the vLLM engine's options (below), with `engine: vllm`")
+
+    @property
+    def engine_options(self) -> dict[str, Any]:
+        """The vLLM engine's keyword arguments (``vllm``; empty when unset)."""
+        return dict(self.vllm or {})
+
+
+@dataclass
+class GenerationConfig(SamplingConfig):
+    """``generation`` of the training recipe."""
+
+    batch_size: Optional[int] = key(None, "rows decoded together (torchtune engine; null: all at "
+                                    "once); the KV cache grows with it",
+                                    rule=Int(1, nullable=True), role=RUN)
+    compile: bool = key(False, "`torch.compile` the in-process decoder's step (torchtune "
+                        "engine): faster decoding after a one-off compilation of tens of "
+                        "seconds, so it pays off on long runs only (docs/performance.md)",
+                        rule=Bool(), role=RUN)
+
+
+@dataclass
+class LossConfig:
+    eps_low: float = key(help="lower clip range ε_low", rule=Raw())
+    eps_high: float = key(help="upper clip range ε_high (DAPO's clip-higher)", rule=Raw())
+    tis_cap: Optional[float] = key(None, "cap `C` of truncated importance sampling: each "
+                                   "token's loss is weighted by `min(π_old / μ, C)`, the "
+                                   "trainer's over the engine's probability (null: off)",
+                                   rule=Number(0.0, nullable=True))
+
+
+@dataclass
+class ValidationConfig:
+    every: int = key(help="steps between validations (0 = never); also before step 1 and "
+                     "after the last", rule=Int(0), role=RUN)
+    samples: int = key(help="k of avg@k", rule=Int(1), role=RUN)
+
+
+@dataclass
+class DistributedConfig:
+    timeout_s: float = key(1800.0, "how long a collective waits for the other processes before "
+                           "it fails", rule=Number(0))
+    cpu_offload: bool = key(False, "FSDP2 keeps parameters and optimizer state on the CPU "
+                            "(needs device=cuda)", rule=Bool())
+    mixed_precision: Optional[str] = key(None, "FSDP2 compute dtype (`bf16`, `fp16`; null: the "
+                                         "model's)", rule=OneOf((None, "bf16", "fp16"),
+                                                                "null, 'bf16' or 'fp16'"))
+
+
+@dataclass
+class EstimatorConfig:
+    """``estimator``: ``name`` and the named estimator's keyword arguments."""
+
+    name: str
+    params: dict[str, Any]
+
+    def build(self) -> Any:
+        """The estimator (:func:`pepo.estimators.build_estimator`)."""
+        return estimators.build_estimator(self.name, **self.params)
+
+
+@dataclass
+class StrategyConfig:
+    """``strategy``: ``name`` and one parameter section per strategy (only the named one is
+    used; every one is checked)."""
+
+    name: str
+    sections: dict[str, Optional[dict[str, Any]]]
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return dict(self.sections.get(self.name) or {})
+
+
+_OPTIMIZER = Component(positional=1, args=(("lr", Number(0, finite=True)),))
+
+
+@dataclass
+class RecipeConfig:
+    """The training recipe's config (``recipes/configs/*.yaml``)."""
+
+    name: str = key("pepo", "run name (plot title)", role=RUN)
+    output_dir: str = key(help="everything the run writes goes here", role=RUN)
+    seed: int = key(help="seeds the model init, the prompt shuffle and the sampler",
+                    rule=StrictInt(" (exact resume replays the seeded shuffle)"))
+    device: str = key("cpu", "`cpu`, `cuda`")
+    dtype: str = key("fp32", "`fp32`, or `bf16` on GPUs", rule=OneOf(("fp32", "bf16"),
+                                                                  "'fp32' or 'bf16'"))
+    resume_from_checkpoint: bool = key(False, "continue from `output_dir/checkpoints/latest`",
+                                       rule=Bool(), role=RUN)
+    imports: list = key(help="modules imported first (custom strategies, rewards registering "
+                        "themselves)", factory=list, role=RUN)
+    tokenizer: Any = key(help="a directory with `tokenizer.json` and `tokenizer_config.json`",
+                         rule=Component(roles=(("path", INITIAL),)))
+    model: Any = key(help="any builder returning a torchtune `TransformerDecoder`",
+                     rule=Component(roles=(("model_dir", INITIAL),)))
+    checkpoint_dir: str = key(help="initial weights: `model.safetensors` in torchtune's key "
+                              "names, or a Hugging Face checkpoint directory", role=INITIAL)
+    dataset: Any = key(help="any component returning a list of objects with `id`, `prompt`, "
+                       "`answer`", rule=Component())
+    val_dataset: Any = key(None, "held-out prompts for validation (null: none)",
+                           rule=Component(nullable=True), role=RUN)
+    reward: Any = key(help="the verifier", rule=Component(roles=(("workers", RUN),)))
+    estimator: Any = key(help="`group` or `single_stream` and its keyword arguments")
+    strategy: Any = key(help="any name in `pepo.weighting.list_strategies()` and one parameter "
+                        "section per strategy")
+    prior_cache: Optional[str] = key(None, "a file keeping the offline prior (single-stream): "
+                                     "read when it exists and matches, else computed and "
+                                     "written", rule=Text("a file path"), role=RUN)
+    generation: GenerationConfig = section(GenerationConfig)
+    num_steps: int = key(help="training steps", rule=Int(1), role=RUN)
+    prompts_per_step: int = key(help="prompts per step", rule=Int(1))
+    ppo_epochs: int = key(help="passes over a step's rollouts", rule=Int(1))
+    ppo_mini_batches: int = key(help="optimizer steps per pass; must split every prompt group "
+                                "(single-stream: the step's rollouts) into equal shares",
+                                rule=Int(1))
+    micro_batch_size: int = key(help="rows per forward/backward; must divide the mini-batch",
+                                rule=Int(1), role=RUN)
+    logprob_chunk_size: int = key(1024, "positions per chunk in `pepo.entropy`", rule=Int(1),
+                                  role=RUN)
+    logprobs_from_hidden: bool = key(False, "apply the output projection chunk by chunk "
+                                     "(`logprobs_and_entropy_from_hidden`), so the `[b, S, V]` "
+                                     "logits are never held; same numbers", rule=Bool(), role=RUN)
+    enable_activation_checkpointing: bool = key(False, "recompute each transformer layer in "
+                                                "backward", rule=Bool(), role=RUN)
+    loss: LossConfig = section(LossConfig)
+    optimizer: Any = key(help="any `torch.optim` component", rule=_OPTIMIZER)
+    lr_scheduler: Any = key(None, "e.g. `torchtune.training.lr_schedulers."
+                            "get_cosine_schedule_with_warmup`; the recipe passes "
+                            "`num_training_steps`",
+                            rule=Component(nullable=True, positional=1,
+                                           given=("num_training_steps",)))
+    clip_grad_norm: Optional[float] = key(None, "null = no clipping (the norm is still computed "
+                                          "and logged)", rule=Number(0.0, nullable=True))
+    max_nonfinite_steps: int = key(help="stop after this many optimizer steps in a row with a "
+                                   "non-finite loss or gradient (each is skipped and counted)",
+                                   rule=Int(1), role=RUN)
+    validation: ValidationConfig = section(ValidationConfig, role=RUN)
+    save_every: int = key(help="checkpoint period (and always at the end; 0: only at the end)",
+                          rule=Int(0), role=RUN)
+    keep_checkpoints: int = key(2, "how many checkpoints to keep (the newest)", rule=Int(1),
+                                role=RUN)
+    keep_best: bool = key(True, "also keep the checkpoint of the best validation accuracy "
+                          "(`checkpoints/best`); needs `validation.every >= 1`", rule=Bool(),
+                          role=RUN)
+    dump_rollouts_every: int = key(help="rollout dump period (0 = never)", rule=Int(0),
+                                   role=RUN)
+    plot: bool = key(True, "write `training_curves.png` at the end", rule=Bool(), role=RUN)
+    metric_logger: Any = key(help="a torchtune metric logger", rule=Component(), role=RUN)
+    distributed: DistributedConfig = section(DistributedConfig)
+
+
+@dataclass
+class BenchmarkConfig:
+    k: int = key(help="k of avg@k", rule=Int(1))
+    dataset: Any = key(help="the benchmark's dataset component", rule=Component())
+
+
+@dataclass
+class EvalConfig:
+    """The evaluation recipe's config (``recipes/configs/eval_*.yaml``)."""
+
+    output_dir: str = key(help="results go to `output_dir/<label>/`")
+    model_name: Optional[str] = key(None, "the label of the evaluated model (null: from "
+                                    "`checkpoint_dir`)", rule=Text("a string"))
+    seed: int = key(help="the sampling seed", rule=StrictInt())
+    device: str = key("cpu", "`cpu`, `cuda`")
+    dtype: str = key("fp32", "`fp32`, or `bf16` on GPUs", rule=OneOf(("fp32", "bf16"),
+                                                                  "'fp32' or 'bf16'"))
+    batch_size: int = key(256, "rows sampled together", rule=Int(1))
+    tokenizer: Any = key(help="the tokenizer component", rule=Component())
+    model: Any = key(help="the model builder", rule=Component())
+    checkpoint_dir: str = key(help="the evaluated weights")
+    reward: Any = key(help="the verifier", rule=Component())
+    generation: SamplingConfig = section(SamplingConfig)
+    benchmarks: dict[str, BenchmarkConfig] = key(help="name -> {dataset, k}")
+
+
+# ------------------------------------------------------------------------- derived sets
+def fields_of(cls: type, prefix: str = "") -> list[tuple[str, dataclasses.Field]]:
+    """Every key of ``cls`` flattened (``generation.top_p``), in declaration order."""
+    out: list[tuple[str, dataclasses.Field]] = []
+    for f in dataclasses.fields(cls):
+        sub = f.metadata.get("section")
+        if sub is not None:
+            out.extend(fields_of(sub, f"{prefix}{f.name}."))
+        else:
+            out.append((prefix + f.name, f))
+    return out
+
+
+def _role_keys(cls: type, roles: tuple[str, ...]) -> tuple[str, ...]:
+    """The keys of ``cls`` (whole sections where the section has the role) in ``roles``."""
+    out: list[str] = []
+    for f in dataclasses.fields(cls):
+        sub, rule = f.metadata.get("section"), f.metadata.get("rule")
+        if f.metadata.get("role") in roles:
+            out.append(f.name)
+        elif sub is not None:
+            out.extend(f"{f.name}.{k}" for k in _role_keys(sub, roles))
+        elif isinstance(rule, Component):
+            out.extend(f"{f.name}.{a}" for a, role in rule.roles if role in roles)
+    return tuple(out)
+
+
+# Keys a resume may change: where things go and how often, memory settings that do not change
+# the numbers beyond float reduction order, and the paths of the initial model (superseded by
+# the checkpoint). Everything else defines the experiment. `num_steps` is checked on its own.
+RESUME_MAY_CHANGE: tuple[str, ...] = _role_keys(RecipeConfig, (RUN, INITIAL))
+# What the offline prior ignores inside the sections it depends on: the RUN keys.
+PRIOR_IGNORES: tuple[str, ...] = _role_keys(RecipeConfig, (RUN,))
+
+
+# ------------------------------------------------------------------------------- phase 1
+def _hint(name: str, valid: Any, where: str) -> str:
+    close = difflib.get_close_matches(name, [str(v) for v in valid], n=1, cutoff=0.5)
+    return f"did you mean {where + close[0]!r}?" if close else f"valid keys: {sorted(valid)}"
+
+
+def unknown_key(name: str, valid: Any, where: str) -> ValueError:
+    """``unknown config key 'loss.eps_hgh'; did you mean 'loss.eps_high'?``"""
+    return ValueError(f"unknown config key {where + name!r}; {_hint(name, valid, where)}")
+
+
+def _variables(cfg: DictConfig) -> set[str]:
+    """Top-level keys the config reads as ``${key}`` (interpolation variables)."""
+    text = OmegaConf.to_yaml(cfg, resolve=False)
+    return {k for k in cfg if re.search(r"\$\{\s*" + re.escape(str(k)) + r"\s*[}.\[]", text)}
+
+
+def _check_keys(node: Any, cls: type, where: str, variables: set[str] = frozenset()) -> None:
+    """The first key of ``node`` that section ``cls`` does not know is an error (its
+    sub-sections too)."""
+    if not isinstance(node, DictConfig):
+        return
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    for k in node:
+        f = known.get(str(k))
+        if f is None:
+            if where == "" and k in variables:
+                continue
+            raise unknown_key(str(k), known, where)
+        sub = f.metadata.get("section")
+        if sub is not None:
+            _check_keys(node.get(k), sub, f"{where}{k}.")
+
+
+def _read(node: Any, cls: type, where: str, skip: tuple[str, ...] = ()) -> Any:
+    """The typed section ``cls`` of ``node``: each key's rule applied, defaults filled in
+    (``skip``: keys read elsewhere, left None)."""
+    values: dict[str, Any] = {k: None for k in skip}
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        full = where + f.name
+        sub = f.metadata.get("section")
+        present = isinstance(node, DictConfig) and f.name in node
+        if sub is not None:
+            values[f.name] = _read(node.get(f.name) if present else None, sub, full + ".")
+            continue
+        rule = f.metadata["rule"]
+        if not present:
+            if f.default is not dataclasses.MISSING and f.default is not REQUIRED:
+                values[f.name] = f.default
+                continue
+            if f.default_factory is not dataclasses.MISSING:
+                values[f.name] = f.default_factory()
+                continue
+            value = None
+        elif isinstance(rule, Component):
+            value = node.get(f.name)  # the section itself, built later
+        else:
+            value = node.get(f.name)
+            if isinstance(value, DictConfig) or OmegaConf.is_list(value):
+                value = OmegaConf.to_container(value, resolve=True)
+        if value is None and f.default is REQUIRED and not isinstance(rule, (StrictInt,
+                                                                             Component)):
+            raise ValueError(f"config key {full!r} is required")
+        values[f.name] = rule.check(full, value)
+    return cls(**values)
+
+
+def _estimator(cfg: DictConfig) -> EstimatorConfig:
+    section = cfg.get("estimator")
+    params = (OmegaConf.to_container(section, resolve=True)
+              if isinstance(section, DictConfig) else {})
+    name = params.pop("name", None)
+    if name not in estimators.ESTIMATORS:
+        raise ValueError(
+            f"estimator.name must be one of {sorted(estimators.ESTIMATORS)}, got {name!r}")
+    valid = {"name", *estimators.estimator_parameters(name)}
+    for sub in section:
+        if sub not in valid:
+            raise ValueError(f"unknown estimator key(s) {[str(sub)]} for estimator.name="
+                             f"{name!r}; {_hint(str(sub), valid, 'estimator.')}")
+    try:
+        estimators.build_estimator(name, **params)
+    except ValueError as e:  # "estimator.group_size must be ..." or "estimator: need ..."
+        sep = "." if str(e).split(" ")[0] in params else ": "
+        raise ValueError(f"estimator{sep}{e}") from None
+    return EstimatorConfig(name, params)
+
+
+def _strategy_name(cfg: DictConfig) -> str:
+    if not isinstance(cfg.get("strategy"), DictConfig) or cfg.strategy.get("name") is None:
+        raise ValueError("config key 'strategy.name' is required")
+    name = cfg.strategy.name
+    names = weighting.list_strategies()
+    if name not in names:
+        close = difflib.get_close_matches(str(name), names, n=1)
+        raise ValueError(
+            f"strategy.name={name!r}: unknown strategy {name!r}; "
+            + (f"did you mean {close[0]!r}? " if close else "")
+            + f"registered strategies: {names}"
+        )
+    return str(name)
+
+
+def _strategy(cfg: DictConfig, name: str) -> StrategyConfig:
+    section = cfg.strategy
+    valid = {"name", *weighting.list_strategies()}
+    sections: dict[str, Optional[dict[str, Any]]] = {}
+    for sub in section:
+        if sub not in valid:
+            raise unknown_key(str(sub), valid, "strategy.")
+        if sub == "name" or section[sub] is None:
+            continue
+        if not isinstance(section[sub], DictConfig):
+            raise ValueError(f"strategy.{sub} must be a mapping of its parameters, got "
+                             f"{section[sub]!r}")
+        params = weighting.strategy_parameters(str(sub))
+        for p in section[sub]:
+            if params is not None and p not in params:
+                raise unknown_key(str(p), params, f"strategy.{sub}.")
+        sections[str(sub)] = OmegaConf.to_container(section[sub], resolve=True)
+    for sub, params in sections.items():  # every section, not only the chosen one
+        try:
+            weighting.get_strategy(sub, **params)
+        except ValueError as e:
+            raise ValueError(f"strategy.{sub}: {e}") from None
+    return StrategyConfig(name, sections)
+
+
+def _import_modules(cfg: DictConfig) -> None:
+    for module in cfg.get("imports") or []:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ValueError(f"imports: cannot import {module!r}: {e}") from None
+
+
+def _check_vllm(generation: SamplingConfig, where: str = "generation") -> None:
+    """An unknown ``generation.vllm`` key is an error naming the closest one."""
+    if generation.vllm is None:
+        return
+    if not isinstance(generation.vllm, dict):
+        raise ValueError(f"{where}.vllm must be a mapping of the engine's options, got "
+                         f"{generation.vllm!r}")
+    from pepo.training.engines import VLLMEngine
+
+    valid = set(inspect.signature(VLLMEngine).parameters) - {"model", "hf_dir", "seed"}
+    for k in generation.vllm:
+        if k not in valid:
+            raise unknown_key(str(k), valid, f"{where}.vllm.")
+
+
+def parse(cfg: DictConfig) -> RecipeConfig:
+    """Phase 1 of the recipe's validation: the schema (see the module docstring). Runs the
+    config's ``imports`` first (they register strategies and estimators).
+
+    Raises:
+        ValueError: naming the first bad key and its value.
+    """
+    _import_modules(cfg)
+    estimator = _estimator(cfg)
+    strategy_name = _strategy_name(cfg)
+    _check_keys(cfg, RecipeConfig, "", _variables(cfg))
+    _check_keys(cfg.get("generation"), GenerationConfig, "generation.")
+    strategy = _strategy(cfg, strategy_name)
+    typed = _read(cfg, RecipeConfig, "")
+    typed.estimator, typed.strategy = estimator, strategy
+    try:
+        check_clip_range(typed.loss.eps_low, typed.loss.eps_high)
+    except ValueError as e:
+        raise ValueError(f"loss.{e}") from None
+    _check_vllm(typed.generation)
+    return typed
+
+
+def parse_eval(cfg: DictConfig) -> EvalConfig:
+    """Phase 1 of the evaluation's validation (``benchmarks``: name -> {dataset, k})."""
+    _check_keys(cfg, EvalConfig, "", _variables(cfg))
+    _check_keys(cfg.get("generation"), SamplingConfig, "generation.")
+    if not cfg.get("benchmarks"):
+        raise ValueError("config key 'benchmarks' is required (name -> {dataset, k})")
+    benchmarks = {}
+    for name, b in cfg.benchmarks.items():
+        for k in b:
+            if k not in ("k", "dataset"):
+                raise ValueError(f"unknown config key 'benchmarks.{name}.{k}'; valid keys: "
+                                 f"['dataset', 'k']")
+        Int(1).check(f"benchmarks.{name}.k", b.get("k"))
+        if b.get("dataset") is None:
+            raise ValueError(f"benchmarks.{name}.dataset is required")
+        benchmarks[str(name)] = _read(b, BenchmarkConfig, f"benchmarks.{name}.")
+    typed = _read(cfg, EvalConfig, "", skip=("benchmarks",))
+    typed.benchmarks = benchmarks
+    _check_vllm(typed.generation)
+    return typed
