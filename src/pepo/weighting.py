@@ -82,41 +82,6 @@ class StrategyFn(Protocol):
     ) -> torch.Tensor: ...
 
 
-def _check_finite_clean(
-    *, output: Optional[tuple[str, torch.Tensor]] = None, **tensors: torch.Tensor
-) -> None:
-    """Raises if a tensor (already 0 at masked positions) holds NaN/inf, if ``entropies`` holds
-    a value below ``-NEGATIVE_TOLERANCE`` (an entropy is never negative: one rule for every
-    strategy), or if ``output`` (a strategy's name and its token advantages, computed from these
-    inputs) overflowed. One host sync: a sum per tensor is cheaper than an isfinite pass; the
-    counts are taken only on failure."""
-    stats = [t.sum() for t in tensors.values()]
-    ent = tensors.get("entropies")
-    if ent is not None:
-        stats.append(ent.amin() if ent.numel() else ent.new_zeros(()))
-    if output is not None:
-        stats.append(torch.isfinite(output[1]).all().float())
-    stats = torch.stack(stats).tolist()
-    if all(math.isfinite(x) for x in stats[: len(tensors)]) and (
-        ent is None or stats[len(tensors)] >= -_w.NEGATIVE_TOLERANCE
-    ) and (output is None or stats[-1] == 1.0):
-        return
-    for name, t in tensors.items():
-        bad = int((~torch.isfinite(t)).sum())
-        if bad:
-            raise ValueError(_checks.nonfinite_message(name, bad))
-    if ent is not None and stats[len(tensors)] < -_w.NEGATIVE_TOLERANCE:
-        raise ValueError(_w.negative_entropy_message(stats[len(tensors)]))
-    if output is not None and stats[-1] != 1.0:
-        name, out = output
-        adv = tensors["advantages"]
-        raise ValueError(
-            f"strategy {name!r} turned finite inputs into {int((~torch.isfinite(out)).sum())} "
-            f"non-finite token advantages (|A| up to {float(adv.abs().max()):.4g}): the weighted "
-            f"advantages overflow float32; scale the rewards or advantages down"
-        )
-
-
 def proximal_entropy(
     entropies: torch.Tensor,
     mask: torch.Tensor,
@@ -151,7 +116,7 @@ def proximal_entropy(
     with torch.no_grad():
         clean = _w.clean(entropies.detach(), mask)
         if check_finite:
-            _check_finite_clean(entropies=clean)
+            _checks.check_finite_clean(entropies=clean)
         return _w.proximal(clean, mask, window, temperature)
 
 
@@ -189,7 +154,7 @@ def window_average_entropy(
     with torch.no_grad():
         clean = _w.clean(entropies.detach(), mask)
         if check_finite:
-            _check_finite_clean(entropies=clean)
+            _checks.check_finite_clean(entropies=clean)
         return _w.window_average(clean, mask, window)
 
 
@@ -302,7 +267,7 @@ class Strategy:
                 )
             out = torch.where(mask, out.float(), 0.0)
             if check_finite:  # inputs and output in one host sync, after the strategy ran
-                _check_finite_clean(advantages=adv, entropies=ent, output=(self.name, out))
+                _checks.check_finite_clean(advantages=adv, entropies=ent, output=(self.name, out))
             return out
 
     @property
