@@ -323,7 +323,7 @@ class PEPORecipe(FTRecipeInterface):
         """A resumed run logs the steps after its checkpoint again: the disk log's lines for
         them (from the run that was stopped) go, so that the file has one line per step."""
         lc = cfg.get("metric_logger")
-        if lc is None or not str(lc.get("_component_", "")).endswith("DiskLogger") or \
+        if lc is None or not str(lc._component_).endswith("DiskLogger") or \
                 not lc.get("filename"):
             return  # DiskLogger without a filename starts a new file per run
         path = Path(str(lc.log_dir)) / str(lc.filename)

@@ -260,3 +260,57 @@ def test_spo_errors(call, match):
 def test_spo_bad_config():
     with pytest.raises(ValueError, match="rho_min"):
         est.SingleStreamEstimator(rho_min=0.97, rho_max=0.96)
+
+
+def test_both_estimators_implement_the_whole_protocol():
+    """Catches a loop that must special-case one estimator (``getattr(est, "prior_samples",
+    0)``, ``set_prior`` on one only): both are ``Estimator``s with every member, and the group
+    estimator takes the empty prior its ``prepare`` returns and refuses a real one."""
+    for name in ("group", "single_stream"):
+        e = est.build_estimator(name)
+        assert isinstance(e, est.Estimator), name
+    g = est.build_estimator("group", group_size=2)
+    assert g.prior_samples == 0
+    g.set_prior(g.prepare(["a"], lambda idx: torch.zeros(len(idx))))  # nothing to set
+    with pytest.raises(ValueError, match="the group estimator takes no offline prior"):
+        g.set_prior({"a": 0.5})
+    s = est.build_estimator("single_stream", prior_samples=2)
+    s.set_prior({"a": 0.5})  # k = 1 of n = 2: alpha = N0 (1 + 1/2) / 3, beta the same
+    assert s.values(["a"]).tolist() == pytest.approx([0.5])
+
+
+def test_register_estimator_mirrors_register_strategy():
+    """Catches a registry that only knows the two built-in names: a registered estimator is
+    listed, its keyword arguments are its config keys, build_estimator builds it, a second
+    registration under a taken name is refused, and a factory whose result lacks part of the
+    protocol is refused by name."""
+
+    @est.register_estimator("test_leave_one_out")
+    class LeaveOneOut(est.GroupEstimator):
+        name = "test_leave_one_out"
+
+        def __init__(self, group_size: int = 4, *, scale: float = 1.0) -> None:
+            super().__init__(group_size)
+            self.scale = scale
+
+    class Half:
+        name, rollouts_per_prompt, candidate_pool, needs_drift = "test_half", 1, 1, False
+
+        def advantages(self, prompt_ids, rewards):
+            return rewards - 0.5
+
+    try:
+        assert "test_leave_one_out" in est.list_estimators()
+        assert est.estimator_parameters("test_leave_one_out") == ["group_size", "scale"]
+        built = est.build_estimator("test_leave_one_out", scale=2.0)
+        assert isinstance(built, LeaveOneOut) and built.scale == 2.0
+        with pytest.raises(ValueError, match="estimator 'test_leave_one_out' is already "
+                                             "registered; pass overwrite=True"):
+            est.register_estimator("test_leave_one_out")(LeaveOneOut)
+        est.register_estimator("test_half")(Half)
+        with pytest.raises(ValueError, match=r"'test_half' does not implement the Estimator "
+                                             r"protocol: it has no \['prior_samples', 'prepare'"):
+            est.build_estimator("test_half")
+    finally:
+        est.ESTIMATORS.pop("test_leave_one_out", None)
+        est.ESTIMATORS.pop("test_half", None)

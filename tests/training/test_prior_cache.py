@@ -176,3 +176,55 @@ def test_a_failed_write_leaves_no_temp_file(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space"):
         prior_cache.write_prior(path, {"seed": 0}, {"a": 0.5})
     assert list(tmp_path.iterdir()) == []
+
+
+class _Counting:
+    """An estimator stand-in: a prior of ``prior_samples`` rollouts per prompt (the mean of
+    their rewards), with the calls recorded."""
+
+    name = "counting"
+
+    def __init__(self, prior_samples: int) -> None:
+        self.prior_samples, self.prior, self.prepared = prior_samples, None, 0
+
+    def prepare(self, ids, score):
+        self.prepared += 1
+        if not self.prior_samples:
+            return {}
+        n = self.prior_samples
+        rewards = score([i for i in range(len(ids)) for _ in range(n)])
+        self.prior = {pid: float(rewards[j * n:(j + 1) * n].mean()) for j, pid in enumerate(ids)}
+        return self.prior
+
+    def set_prior(self, rates):
+        self.prior = dict(rates)
+
+
+def test_prepare_estimator_computes_writes_then_reads_without_a_model(tmp_path):
+    """The prior-cache protocol alone (no model, no recipe). Catches a second run that samples
+    again although the file matches, a read prior that differs from the written one, a file
+    read under another fingerprint, and an estimator without a prior that touches the file."""
+    from pepo.training.distributed import Dist
+
+    ids, path = ["a", "b", "c"], str(tmp_path / "prior.json")
+    calls = []
+
+    def score(indices):
+        calls.append(list(indices))
+        return torch.tensor([float(i % 2) for i in range(len(indices))])
+
+    first = _Counting(2)
+    assert prior_cache.prepare_estimator(first, ids, score, path=path, fingerprint={"seed": 0},
+                                         dist=Dist("cpu")) == "written"
+    assert calls == [[0, 0, 1, 1, 2, 2]] and first.prior == {"a": 0.5, "b": 0.5, "c": 0.5}
+    second = _Counting(2)
+    assert prior_cache.prepare_estimator(second, ids, score, path=path,
+                                         fingerprint={"seed": 0}) == "read"
+    assert len(calls) == 1 and second.prepared == 0 and second.prior == first.prior
+    with pytest.raises(ValueError, match=r"made under other settings: seed \(0 -> 1\)"):
+        prior_cache.prepare_estimator(_Counting(2), ids, score, path=path,
+                                      fingerprint={"seed": 1})
+    none = _Counting(0)
+    other = str(tmp_path / "unused.json")
+    assert prior_cache.prepare_estimator(none, ids, score, path=other) is None
+    assert none.prepared == 1 and not (tmp_path / "unused.json").exists() and len(calls) == 1

@@ -198,13 +198,8 @@ def bind_component(key: str, node: DictConfig, positional: int = 0,
         ValueError: ``optimizer: torch.optim.AdamW got an unexpected keyword argument 'lrr';
             did you mean 'optimizer.lr'?``, a missing argument, or a path that does not import.
     """
-    from torchtune.config._utils import _get_component_from_path
-
     path = str(node.get("_component_"))
-    try:
-        target = _get_component_from_path(path)
-    except Exception as e:  # torchtune raises InstantiationError, wrapping the ImportError
-        raise ValueError(f"{key}: cannot import {path!r}: {e}") from None
+    target = _resolve(key, path)
     try:
         sig = inspect.signature(target)
     except (TypeError, ValueError):  # a builtin without a signature: its call checks
@@ -221,6 +216,31 @@ def bind_component(key: str, node: DictConfig, positional: int = 0,
             hint = f"; did you mean {key + '.' + close[0]!r}?" if close else ""
         raise ValueError(f"{key}: {path} {e}{hint}") from None
     return target
+
+
+def _resolve(key: str, path: str) -> Any:
+    """The object a ``_component_`` path names, or one ``ValueError`` line saying why not."""
+    parts = path.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        module = ".".join(parts[:i])
+        try:
+            obj = importlib.import_module(module)
+            break
+        except ModuleNotFoundError as e:  # this prefix is no module: try a shorter one
+            if not e.name or not module.startswith(e.name):
+                raise ValueError(f"{key}: cannot import {path!r}: {e}") from None
+        except Exception as e:  # the module exists but fails to import
+            raise ValueError(f"{key}: cannot import {path!r}: {type(e).__name__}: {e}") from None
+    else:
+        raise ValueError(f"{key}: cannot import {path!r}: no module {parts[0]!r}")
+    for j, attr in enumerate(parts[i:]):
+        if not hasattr(obj, attr):
+            close = difflib.get_close_matches(attr, [a for a in dir(obj) if not a.startswith("_")],
+                                              n=1)
+            raise ValueError(f"{key}: cannot import {path!r}: {'.'.join(parts[:i + j])} has no "
+                             f"{attr!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
+        obj = getattr(obj, attr)
+    return obj
 
 
 def key(default: Any = REQUIRED, help: str = "", *, rule: Any = None, role: str = EXPERIMENT,

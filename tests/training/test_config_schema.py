@@ -1,0 +1,192 @@
+"""The typed config schema (``pepo.training.schema``) and the three validation phases of
+``pepo.training.config.validate_config``: schema, then rules between keys, then the machine."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from pepo import estimators
+from pepo.training import schema
+from pepo.training.config import (RESUME_MAY_CHANGE, find_config, prior_fingerprint,
+                                  register_resolvers, validate_config, validate_eval_config)
+from tests.recipe_helpers import tiny_cfg
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _fmt(v) -> str:
+    """How docs/recipe.md writes a default."""
+    if v is schema.REQUIRED:
+        return "required"
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, str):
+        return f"`{v}`"
+    return str(v)
+
+
+def _key_table() -> dict[str, list[str]]:
+    """docs/recipe.md's key table: the first cell's key -> the default cell of each row."""
+    text = (ROOT / "docs" / "recipe.md").read_text(encoding="utf-8")
+    section = text[text.index("## Every key"):]
+    section = section[: section.index("\n## ", 5)]
+    rows: dict[str, list[str]] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not cells[0].startswith("`"):
+            continue
+        key = re.match(r"`([^`]+)`", cells[0]).group(1)
+        rows.setdefault(key, []).append(cells[1])
+    return rows
+
+
+def test_the_docs_key_table_names_every_field_and_its_default():
+    """Catches a key added to the schema (or a default changed) without its row in the docs:
+    every field of RecipeConfig, and every estimator's keyword argument, has a row whose
+    default is the schema's (the signature's for estimators)."""
+    rows = _key_table()
+    for key, f in schema.fields_of(schema.RecipeConfig):
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        assert key in rows, f"docs/recipe.md has no row for {key!r}"
+        assert _fmt(default) in rows[key], (key, rows[key])
+    for name in ("group", "single_stream"):
+        for p, param in inspect.signature(estimators.ESTIMATORS[name]).parameters.items():
+            if p == "prior_pass_rates":
+                continue
+            assert _fmt(param.default) in rows.get(f"estimator.{p}", []), (name, p)
+
+
+# RESUME_MAY_CHANGE as it was listed by hand before the schema's roles derived it
+LISTED_BY_HAND = {
+    "name", "output_dir", "resume_from_checkpoint", "imports", "checkpoint_dir",
+    "tokenizer.path", "model.model_dir", "num_steps", "validation", "val_dataset",
+    "save_every", "keep_checkpoints", "keep_best", "dump_rollouts_every", "plot", "metric_logger",
+    "generation.batch_size", "generation.compile", "micro_batch_size", "prior_cache",
+    "logprob_chunk_size", "logprobs_from_hidden", "enable_activation_checkpointing",
+    "max_nonfinite_steps", "reward.workers",
+}
+
+
+def test_the_resume_and_prior_sets_come_from_the_roles():
+    """Catches a role flag set wrong (a run setting that a resume would refuse, or an
+    experiment key a resume could silently change): the derived sets are the hand-kept ones,
+    and the prior ignores exactly the run settings inside the sections it depends on."""
+    assert set(RESUME_MAY_CHANGE) == LISTED_BY_HAND
+    assert len(RESUME_MAY_CHANGE) == len(LISTED_BY_HAND)
+    assert set(schema.PRIOR_IGNORES) == LISTED_BY_HAND - {
+        "checkpoint_dir", "tokenizer.path", "model.model_dir"}
+
+
+def test_the_prior_fingerprint_ignores_run_settings_only(tmp_path):
+    """A run setting inside the prior's sections (generation.batch_size) leaves the fingerprint
+    alone; an experiment setting beside it (generation.top_p) changes it."""
+    register_resolvers()
+    base = prior_fingerprint(tiny_cfg(tmp_path, "tiny_spo"))
+    assert prior_fingerprint(tiny_cfg(tmp_path, "tiny_spo", generation={"batch_size": 3})) == base
+    assert prior_fingerprint(tiny_cfg(tmp_path, "tiny_spo", generation={"top_p": 0.5})) != base
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"optimizer": {"lrr": 1e-3}},
+     "optimizer: torch.optim.AdamW got an unexpected keyword argument 'lrr'; did you mean "
+     "'optimizer.lr'?"),
+    ({"lr_scheduler": {"_component_":
+                       "torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup"}},
+     "lr_scheduler: torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup missing a "
+     "required argument: 'num_warmup_steps'"),
+    ({"model": {"_component_": "pepo.training.models.tiny_qwen4"}},
+     "model: cannot import 'pepo.training.models.tiny_qwen4'"),
+    ({"val_dataset": {"splt": "val"}}, "val_dataset: pepo.tasks.problems.modsum_dataset got an "
+                                       "unexpected keyword argument 'splt'; did you mean "
+                                       "'val_dataset.split'?"),
+])
+def test_a_component_typo_fails_at_validation_before_anything_is_built(tmp_path, override,
+                                                                        message):
+    """Catches components checked only when built (after the tokenizer, data and model): the
+    error comes from validate_config, with no recipe object set up."""
+    with pytest.raises(ValueError) as e:
+        validate_config(tiny_cfg(tmp_path, **override))
+    assert str(e.value).startswith(message), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_phases_run_in_order_schema_then_rules_then_machine(tmp_path):
+    """Catches checks interleaved across phases: a type error is reported before a batch that
+    does not split, and that before a missing checkpoint directory."""
+    missing = str(tmp_path / "no_such_ckpt")
+    with pytest.raises(ValueError, match="^dtype must be 'fp32' or 'bf16', got 'fp16'"):
+        validate_config(tiny_cfg(tmp_path, dtype="fp16", checkpoint_dir=missing))
+    with pytest.raises(ValueError, match="^plot must be true or false, got 'yes'"):
+        validate_config(tiny_cfg(tmp_path, plot="yes", micro_batch_size=3))
+    with pytest.raises(ValueError, match="^micro_batch_size=3 does not divide"):
+        validate_config(tiny_cfg(tmp_path, micro_batch_size=3, checkpoint_dir=missing))
+    with pytest.raises(ValueError, match="^checkpoint_dir=.* does not exist"):
+        validate_config(tiny_cfg(tmp_path, checkpoint_dir=missing))
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"plot": "yes"}, "plot must be true or false, got 'yes'"),
+    ({"logprobs_from_hidden": 1}, "logprobs_from_hidden must be true or false, got 1"),
+    ({"logprob_chunk_size": None}, "logprob_chunk_size must be an int >= 1, got None"),
+    ({"resume_from_checkpoint": "no"}, "resume_from_checkpoint must be true or false"),
+    ({"distributed": {"cpu_offload": "false"}}, "distributed.cpu_offload must be true or false"),
+])
+def test_every_key_is_typed(tmp_path, override, message):
+    """Catches keys read with ``bool(cfg.get(...))`` (``plot: "yes"``, or ``"false"`` that is
+    True) or passed on unchecked (a null chunk size failing at the first forward)."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        validate_config(tiny_cfg(tmp_path, **override))
+
+
+def test_defaults_are_the_schemas_and_the_recipes_read_none_of_their_own(tmp_path):
+    """Catches a default written a second time (``cfg.get("logprob_chunk_size", 1024)`` in the
+    recipe, ``timeout_s`` 1800 in three places): a config without these keys gets the
+    schema's values, and the recipe scripts call ``.get(key, default)`` nowhere."""
+    cfg = tiny_cfg(tmp_path)
+    for key in ("logprob_chunk_size", "keep_best", "distributed"):
+        cfg.pop(key, None)
+    cfg.generation.pop("engine")
+    typed = validate_config(cfg)
+    fields = {k: f for k, f in schema.fields_of(schema.RecipeConfig)}
+    assert typed.logprob_chunk_size == fields["logprob_chunk_size"].default == 1024
+    assert typed.keep_best is fields["keep_best"].default is True
+    assert typed.distributed.timeout_s == fields["distributed.timeout_s"].default == 1800.0
+    assert typed.generation.engine == "torchtune"
+    for script in ("pepo_recipe.py", "pepo_eval.py"):
+        tree = ast.parse((ROOT / "recipes" / script).read_text(encoding="utf-8"))
+        with_default = [ast.unparse(n) for n in ast.walk(tree)
+                        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                        and n.func.attr == "get" and len(n.args) == 2]
+        assert with_default == [], (script, with_default)
+
+
+def test_the_eval_recipe_shares_the_schema(tmp_path):
+    """Catches pepo_eval keeping a schema of its own that checks no values: its sampling keys
+    are the training recipe's (one dataclass, the same rules)."""
+    register_resolvers()
+    assert issubclass(schema.GenerationConfig, schema.SamplingConfig)
+    assert dataclasses.fields(schema.EvalConfig)[
+        [f.name for f in dataclasses.fields(schema.EvalConfig)].index("generation")
+    ].metadata["section"] is schema.SamplingConfig
+    cfg = OmegaConf.load(find_config("eval_tiny"))
+    cfg.output_dir = str(tmp_path / "out")
+    typed = validate_eval_config(cfg)
+    assert typed.batch_size == 256 and typed.generation.engine == "torchtune"
+    cfg.generation.top_k = 0
+    with pytest.raises(ValueError, match=r"^generation.top_k must be an int >= 1 or null, got 0"):
+        validate_eval_config(cfg)
+
+
+def test_the_schema_knows_the_engines():
+    from pepo.training.engines import ENGINES
+
+    assert tuple(ENGINES) == schema.ENGINE_NAMES
