@@ -272,6 +272,8 @@ PENDING_LAYERS = {"study/compare.py (study) imports pepo_recipe"}
 
 
 def test_no_import_circle():
+    """Catches two modules that import each other, at the top or inside a function (the
+    checkpointing/pretrained circle through _sha256 and follow_umask was one)."""
     assert import_cycles(project_files()) == []
 
 
@@ -290,6 +292,10 @@ def test_circle_check_catches_a_lazy_circle(tmp_path):
 
 
 def test_no_module_uses_another_modules_private_names():
+    """Catches a module reaching into another's private names (intervention.py and the decoder
+    benchmark importing generation's _decode, _decode_step, _FastPlan; _checks._shape across
+    the core) and a private module used by another layer (the training layer's hf.py and
+    weights.py importing the core's _checks)."""
     files = project_files()
     known = set(files)
     bad = []
@@ -301,6 +307,8 @@ def test_no_module_uses_another_modules_private_names():
 
 
 def test_private_name_check_catches_each_form(tmp_path):
+    """The check itself, on files that break it in each form it must see, and on files that do
+    not: a check that matched only ``from x import _y`` would miss ``module._y``."""
     known = {"pepo._checks", "pepo.training.generation", "pepo.training", "pepo._extras",
              "pepo.weighting"}
     cases = {
@@ -331,6 +339,8 @@ def test_private_name_check_catches_each_form(tmp_path):
 
 
 def test_no_source_file_over_650_lines():
+    """Catches a module that grew past the limit instead of splitting by concept (generation.py
+    at 881 lines with the fast decoder inside it, weighting.py at 781)."""
     long = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert {k: n for k, n in long.items() if k not in PENDING_LENGTH} == {}
