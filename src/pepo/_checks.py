@@ -22,10 +22,6 @@ def format_shape(t: torch.Tensor) -> str:
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
 
 
-# the old private name, until pepo.loss and pepo.estimators call format_shape
-_shape = format_shape
-
-
 def check_tensor(name: str, value: Any) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
