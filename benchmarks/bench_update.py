@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from machine import cpu_name
@@ -65,8 +66,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = ap.parse_args()
     if args.rows < 1 or args.seq <= args.prompt or args.prompt < 1 or args.repeats < 1:
-        raise SystemExit(f"need rows >= 1, seq > prompt >= 1 and repeats >= 1; got rows={args.rows} "
-                         f"seq={args.seq} prompt={args.prompt} repeats={args.repeats}")
+        raise SystemExit(f"need rows >= 1, seq > prompt >= 1 and repeats >= 1; got "
+                         f"rows={args.rows} seq={args.seq} prompt={args.prompt} "
+                         f"repeats={args.repeats}")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
@@ -81,7 +83,9 @@ def main() -> None:
     tokens = args.rows * args.seq
     shapes = gemm_shapes(cfg, tokens)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    flags = open("/proc/cpuinfo").read() if device.type == "cpu" else ""
+    flags = ""
+    if device.type == "cpu" and Path("/proc/cpuinfo").is_file():
+        flags = Path("/proc/cpuinfo").read_text(encoding="utf-8")
     units = [f for f in ("amx_bf16", "avx512_bf16") if f" {f}" in flags]
     print(f"machine: {cpu_name() if device.type == 'cpu' else torch.cuda.get_device_name()}, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}"
