@@ -132,6 +132,9 @@ def model_dir(tmp_path_factory):
 
 
 def test_uniform_trains_exactly_as_plain_grpo(model_dir, tmp_path):
+    """Catches any change uniform makes to TRL's training (completions, advantages, losses,
+    weights, forward passes), and pepo/ metrics missing or off their exact uniform values (a
+    top-fifth share that counts whole boundary tokens is not 0.2 on rows of 7 tokens)."""
     plain = train(RecordingGRPO, model_dir, config(tmp_path / "a"))
     ours = train(RecordingPepo, model_dir, config(tmp_path / "b"), pepo_strategy="uniform")
     assert len(plain.losses) == len(ours.losses) == 2
