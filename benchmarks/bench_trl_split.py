@@ -74,7 +74,7 @@ def main() -> None:
     a = ap.parse_args()
 
     recorder_cpu = [0.0]
-    record = pepo_trl._EntropyRecorder.__call__
+    record = pepo_trl.EntropyRecorder.__call__
 
     def timed_record(self, input_ids, scores):
         start = time.process_time()
@@ -82,7 +82,7 @@ def main() -> None:
         recorder_cpu[0] += time.process_time() - start
         return out
 
-    pepo_trl._EntropyRecorder.__call__ = timed_record
+    pepo_trl.EntropyRecorder.__call__ = timed_record
     tok = transformers.PreTrainedTokenizerFast(
         tokenizer_file=str(files("pepo") / "assets" / "tiny" / "tokenizer.json"),
         eos_token="<|im_end|>", pad_token="<|endoftext|>")

@@ -75,14 +75,14 @@ except ImportError as e:  # pragma: no cover - exercised in an environment witho
         "pepo.integrations.trl needs TRL (tested with 1.16.0): pip install trl==1.16.0"
     ) from e
 
-__all__ = ["PepoGRPOTrainer", "top_fifth_weight_share"]
+__all__ = ["EntropyRecorder", "PepoGRPOTrainer", "top_fifth_weight_share"]
 
 # Strategies whose weights for a row depend on that row's entropies alone: weighted inside
 # _compute_loss when the loss's policy is the rollout policy, with no forward of their own.
 ROW_WISE = frozenset({"proximal_softmax", "window_average", "entropy_bonus"})
 
 
-class _EntropyRecorder(LogitsProcessor):
+class EntropyRecorder(LogitsProcessor):
     """Records the entropy of each generation step's distribution at ``temperature``, changing
     nothing.
 
@@ -180,7 +180,7 @@ class PepoGRPOTrainer(GRPOTrainer):
         self._pepo_uses_entropy = pepo_strategy != "uniform"
         self._pepo_capture = False
         self._pepo_captured: Optional[torch.Tensor] = None
-        self._pepo_recorder: Optional[_EntropyRecorder] = None
+        self._pepo_recorder: Optional[EntropyRecorder] = None
         self._pepo_rewards: Optional[torch.Tensor] = None
         self._pepo_loss_inputs: Optional[dict] = None
         super().__init__(*args, **kwargs)
@@ -277,7 +277,7 @@ class PepoGRPOTrainer(GRPOTrainer):
         self._pepo_capture = train and old_logps_pass
         if (train and not old_logps_pass and not row_wise
                 and self._pepo_generates_with_transformers()):
-            self._pepo_recorder = _EntropyRecorder(self.temperature)
+            self._pepo_recorder = EntropyRecorder(self.temperature)
         try:
             output = super()._generate_and_score_completions(inputs)
         finally:
@@ -310,7 +310,7 @@ class PepoGRPOTrainer(GRPOTrainer):
 
     def _pepo_generates_with_transformers(self) -> bool:
         """Whether this generation samples every completion in one ``transformers`` ``generate``
-        call (TRL's default), where :class:`_EntropyRecorder` can see each step."""
+        call (TRL's default), where :class:`EntropyRecorder` can see each step."""
         return not (self.use_vllm or self.use_transformers_continuous_batching
                     or self.rollout_func is not None or self.tools)
 
