@@ -65,26 +65,19 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torchtune import config, training, utils
-from torchtune.modules import TiedLinear, TransformerSelfAttentionLayer
+from torchtune.modules import TransformerSelfAttentionLayer
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
 from pepo import weighting
+from pepo.loss import clipped_policy_loss, policy_loss_metrics, truncated_is_weights
+from pepo.sampling import PromptSampler
 from pepo.training import prior_cache
 from pepo.training.checkpointing import MODEL_FILE, AtomicCheckpointer, resolve_marker
-from pepo.training.distributed import Dist, minibatch_indices, shard_model, tile_rows
-from pepo.training.engines import build_engine, sequence_limit
-from pepo.entropy import logprobs_and_entropy, logprobs_and_entropy_from_hidden
-from pepo.training.evaluation import (RewardError, avg_at_k, eval_generator, is_success,
-                                      sample_and_score)
-from pepo.training.generation import Rollouts, draw_seeds, sequence_inputs
-from pepo.training.hf import save_hf
-from pepo.training.models import check_state_matches
-from pepo.loss import clipped_policy_loss, policy_loss_metrics, truncated_is_weights
 from pepo.training.config import (
     build,
-    config_error_exit,
     check_world_size,
+    config_error_exit,
     experiment_changes,
     experiment_config,
     prior_fingerprint,
@@ -92,35 +85,28 @@ from pepo.training.config import (
     resolve_config_arg,
     validate_config,
 )
+from pepo.training.distributed import Dist, minibatch_indices, shard_model, tile_rows
+from pepo.training.engines import build_engine, sequence_limit
+from pepo.training.evaluation import (RewardError, avg_at_k, eval_generator, is_success,
+                                      sample_and_score)
+from pepo.training.generation import Rollouts, draw_seeds
+from pepo.training.hf import save_hf
+from pepo.training.models import check_state_matches
 from pepo.training.reporting import plot_curves, truncate_metrics_log, write_rollouts
 from pepo.training.run_lock import RunLock
-from pepo.sampling import PromptSampler
+from pepo.training.step import (StepStats, Trajectory, closing_summary, dump_records,
+                                policy_logprobs, step_metrics, validation_summary)
+from pepo.training.stopping import (CheckpointFailed, NonFiniteError, NonFiniteGuard,
+                                    StopSignals, TrainingStopped, checkpoint_failure)
 from pepo.training.tokenizers import stop_token_ids
 from pepo.training.weights import load_model_weights
+
+__all__ = ["CheckpointFailed", "NonFiniteError", "PEPORecipe", "TrainingStopped",
+           "recipe_main", "validation_summary"]
 
 log = utils.get_logger("INFO")
 
 register_resolvers()
-
-
-def validation_summary(history: list[dict], samples: int) -> str | None:
-    """The run's closing line: validation accuracy before and after training and, when an
-    intermediate validation scored higher than the last one, that step (its checkpoint may
-    still be on disk)."""
-    vals = [(h["step"], h["val_accuracy"]) for h in history if "val_accuracy" in h]
-    if not vals or history[0].get("val_accuracy") is None:
-        return None
-    first, (_, last) = history[0]["val_accuracy"], vals[-1]
-    line = f"Validation accuracy (avg@{samples}): {first:.3f} before -> {last:.3f} after"
-    best_step, best = max(vals, key=lambda sv: sv[1])  # the earliest of equal scores
-    if best > last:
-        line += f" (highest {best:.3f} at step {best_step})"
-    return line
-
-
-class NonFiniteError(RuntimeError):
-    """Raised after ``max_nonfinite_steps`` consecutive optimizer steps with a non-finite loss
-    or gradient."""
 
 
 class _NoLogger:
@@ -134,42 +120,6 @@ class _NoLogger:
 
     def close(self) -> None:
         pass
-
-
-class CheckpointFailed(RuntimeError):
-    """A checkpoint could not be written (a full disk); the message names the last intact one."""
-
-
-def _out_of_space(error: BaseException, where: Path) -> bool:
-    """Whether a failed write was the disk filling up: ENOSPC/EDQUOT, or (torch.save's C++
-    stream errors say nothing about why) less than 1 MiB left where it was writing."""
-    import errno
-    import shutil
-
-    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    try:
-        return shutil.disk_usage(where).free < 2**20
-    except OSError:
-        return False
-
-
-def _stop_signal(signum: Optional[int]) -> tuple[str, int]:
-    """How a stop signal is named to the user, and the exit code a process killed by it reports
-    (SIGTERM's for None: a stop another rank asked for)."""
-    import signal
-
-    return ("Ctrl-C", 130) if signum == signal.SIGINT else ("SIGTERM", 143)
-
-
-class TrainingStopped(RuntimeError):
-    """Raised when SIGTERM or Ctrl-C (SIGINT) stopped the run: at a step boundary after its
-    checkpoint, or at once on a second signal of the same kind. ``exit_code`` is what a process
-    killed by that signal reports (143 for SIGTERM, 130 for SIGINT)."""
-
-    def __init__(self, message: str, exit_code: int = 143) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 class PEPORecipe(FTRecipeInterface):
@@ -197,7 +147,6 @@ class PEPORecipe(FTRecipeInterface):
         self.eps_low, self.eps_high = float(c.loss.eps_low), float(c.loss.eps_high)
         self.tis_cap = c.loss.tis_cap
         self.clip_grad_norm = c.clip_grad_norm
-        self.max_nonfinite_steps = c.max_nonfinite_steps
         g = c.generation
         self.gen_kwargs = dict(max_new_tokens=g.max_new_tokens, temperature=g.temperature,
                                top_k=g.top_k, top_p=g.top_p)
@@ -232,14 +181,11 @@ class PEPORecipe(FTRecipeInterface):
         self.experiment = experiment_config(cfg)
         self.prior_path = c.prior_cache
         self.prior_fingerprint = prior_fingerprint(cfg)
-        self._stop_requested = False
-        self._stop_signals: list[int] = []  # in the order received
-        self._stepping = False  # True from the first training step of this process on
+        self.signals = StopSignals(lambda: self.step, lambda: self.checkpointer.marked(), log)
+        self.nonfinite = NonFiniteGuard(c.max_nonfinite_steps, log)
         self._diagnostic_failures: set[str] = set()
         self.step = 0
         self.history: list[dict[str, Any]] = []
-        self.nonfinite_total = 0
-        self.nonfinite_in_a_row = 0
 
     # ------------------------------------------------------------------ setup
     def setup(self, cfg: DictConfig) -> None:
@@ -253,8 +199,6 @@ class PEPORecipe(FTRecipeInterface):
         self.reward_fn = build(cfg, "reward")
         name, params = c.strategy.name, c.strategy.params
         self.strategy_name = name
-        if self.dist.enabled and "process_group" in (weighting.strategy_parameters(name) or ()):
-            params = {**params, "process_group": self.dist.group}  # batch-global statistics
         self.strategy = weighting.get_strategy(name, **params)
         # the newest keep_checkpoints, and (keep_best) the one of the best validation accuracy
         self.keep_best = c.keep_best and bool(self.val_every)
@@ -381,8 +325,8 @@ class PEPORecipe(FTRecipeInterface):
         self.estimator.load_state_dict(state["estimator"])
         self.step = state["step"]
         self.history = list(state["history"])
-        self.nonfinite_total = state["nonfinite_total"]
-        self.nonfinite_in_a_row = state["nonfinite_in_a_row"]
+        self.nonfinite.total = state["nonfinite_total"]
+        self.nonfinite.in_a_row = state["nonfinite_in_a_row"]
         log.info(f"Resumed from {path} at step {self.step}")
 
     def _fitting(self, problems: list, key: str) -> list:
@@ -431,35 +375,13 @@ class PEPORecipe(FTRecipeInterface):
             seeds=seeds, batch_size=self.gen_batch_size, **self.gen_kwargs,
         )
 
-    def _forward_logprobs(self, ro: Rollouts, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs and entropies ``[b, T]`` of the responses of ``rows``.
-
-        The attention mask is built for these rows only (``[b, S, S]``). With
-        ``logprobs_from_hidden`` the model's output step is replaced, for this forward, by
-        ``logprobs_and_entropy_from_hidden``, which applies the output projection chunk by
-        chunk, so the ``[b, S, V]`` logits are never held. It runs inside the model's own
-        forward, where FSDP2 has gathered the root's parameters (the tied embedding).
-        """
-        plen = ro.prompt_tokens.shape[1]
-        seq = torch.cat([ro.prompt_tokens[rows], ro.tokens[rows]], dim=1)  # [b, S]
-        attn, pos = sequence_inputs(ro.prompt_mask[rows], ro.tokens.shape[1])  # [b,S,S], [b,S]
-        targets = ro.tokens[rows]  # [b, T]
-        kw = dict(chunk_size=self.logprob_chunk, temperature=self.gen_kwargs["temperature"])
-        if not self.logprobs_from_hidden:
-            logits = self.model(seq, mask=attn, input_pos=pos)  # [b, S, V]
-            return logprobs_and_entropy(logits[:, plen - 1 : -1], targets, **kw)
-        m = self.model
-
-        def head(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            out = m.output
-            weight = out.tied_module.weight if isinstance(out, TiedLinear) else out.weight  # [V, D]
-            return logprobs_and_entropy_from_hidden(m.norm(h)[:, plen - 1 : -1], weight, targets, **kw)
-
-        m.unembed = head  # an instance attribute: shadows TransformerDecoder.unembed
-        try:
-            return m(seq, mask=attn, input_pos=pos)
-        finally:
-            del m.unembed
+    def _forward_logprobs(self, ro: Rollouts, rows: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropies ``[b, T]`` of the responses of ``rows`` (the policy forward,
+        :func:`pepo.training.step.policy_logprobs`)."""
+        return policy_logprobs(self.model, ro, rows, chunk_size=self.logprob_chunk,
+                               temperature=self.gen_kwargs["temperature"],
+                               from_hidden=self.logprobs_from_hidden)
 
     def _all_logprobs(self, ro: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
         """No-grad log-probs and entropies ``[B, T]`` in the micro-batches training uses."""
@@ -484,110 +406,81 @@ class PEPORecipe(FTRecipeInterface):
         return total / max(count, 1.0)
 
     def train_step(self) -> dict[str, float]:
-        """One RL step; returns its metrics (over the whole batch, the same on every rank)."""
+        """One RL step (PEPO paper, Sec. 3); returns its metrics (over the whole batch, the
+        same on every rank)."""
         t0 = time.perf_counter()
-        problems = self._next_problems()  # the whole step's, on every rank
-        seeds = draw_seeds(self.sample_rng, len(problems))  # one per rollout, rank-independent
-        part = self.dist.shard(len(problems))  # this rank's rollouts: whole prompt groups
-        ro, local_rewards, texts = self._rollout(problems[part], seeds[part])
+        traj = self._generate()  # prompts -> rollouts -> rewards
         t_gen = time.perf_counter() - t0
-        ids = [p.id for p in problems]
-        rewards = self.dist.gather(local_rewards)  # [B], the whole batch
-        adv_all = self.estimator.advantages(ids, rewards)  # [B]
-        success_all = is_success(self.reward_fn, rewards)  # [B] bool
-        adv, success = adv_all[part], success_all[part]  # [b]
-
-        mask = ro.mask  # [b, T]
+        traj.advantages_all = self.estimator.advantages(traj.prompt_ids, traj.rewards_all)  # [B]
+        traj.success_all = is_success(self.reward_fn, traj.rewards_all)  # [B] bool
+        traj.groups = (torch.arange(traj.batch, device=traj.advantages_all.device)[traj.part]
+                       // self.estimator.rollouts_per_prompt)  # [b] prompt groups (GTPO)
         t_lp = time.perf_counter()
-        old_lp, entropies = self._all_logprobs(ro)  # [b, T] each
+        traj.old_logprobs, traj.entropies = self._all_logprobs(traj.rollouts)  # [b, T] each
         t_lp = time.perf_counter() - t_lp
-        # the rollout engine's log-probs against the trainer's, for the same policy
-        gap = torch.where(mask, (old_lp - ro.logprobs).abs(), 0.0)  # [b, T]
-        is_weights = (truncated_is_weights(old_lp, ro.logprobs, mask, self.tis_cap)
-                      if self.tis_cap is not None else None)
+        if self.tis_cap is not None:
+            traj.is_weights = truncated_is_weights(traj.old_logprobs, traj.rollouts.logprobs,
+                                                   traj.mask, self.tis_cap)
         # non-finite log-probs (a NaN logit) give NaN token advantages, so the loss guard
-        # below skips the optimizer steps they reach instead of the strategy raising
-        groups = torch.arange(len(problems), device=adv.device)[part] // self.estimator.rollouts_per_prompt
-        token_adv = self.strategy(adv, entropies, mask, positive=success, groups=groups,
-                                  check_finite=False)
+        # skips the optimizer steps they reach instead of the strategy raising
+        traj.token_advantages = self.strategy(
+            traj.advantages, traj.entropies, traj.mask, positive=traj.success,
+            groups=traj.groups, process_group=self.dist.group, check_finite=False)  # [b, T]
         t_update = time.perf_counter()
-        losses, sums, grad_norms = self._update(ro, old_lp, token_adv, is_weights, part,
-                                                len(problems))
-        t_update = time.perf_counter() - t_update
-        drift = self._policy_drift(ro, old_lp) if self.estimator.needs_drift else None
-        if drift is not None and not math.isfinite(drift):  # NaN log-probs: steps were skipped
-            drift = 0.0
-        self.estimator.observe(ids, rewards, drift)
-
-        dt = time.perf_counter() - t0
-        totals = self.dist.sum(torch.stack([
-            mask.sum().float(), torch.where(mask, entropies, 0.0).sum(), gap.sum(),
-            (~ro.finished).float().sum(),
-        ]))
-        ntok, ent_sum, gap_sum, truncated = totals.tolist()
-        gap_max = self.dist.max(gap.amax().reshape(1) if gap.numel() else gap.new_zeros(1))
-        n_valid = max(ntok, 1.0)
-        grad_norms = torch.stack(grad_norms)
-        metrics = {
-            "reward": float(rewards.mean()),
-            "accuracy": float(success_all.float().mean()),
-            "loss": float(torch.stack(losses).mean()),
-            "grad_norm": float(grad_norms.mean()),
-            "grad_norm_max": float(grad_norms.max()),
-            "lr": self.optimizer.param_groups[0]["lr"],
-            "entropy": ent_sum / n_valid,
-            "response_len": ntok / len(problems),
-            "truncated": truncated / len(problems),
-            "zero_advantage": float((adv_all == 0).float().mean()),
-            "clip_fraction": sums["clip_fraction"] / max(sums["tokens"], 1.0),
-            "approx_kl": sums["approx_kl"] / max(sums["tokens"], 1.0),
-            "rollout_logprob_gap": gap_sum / n_valid,
-            "rollout_logprob_gap_max": float(gap_max),
-            "nonfinite_skipped": self.nonfinite_total,
-            "tokens_per_s": ntok / dt,
-            "step_time": dt,
-            "gen_time": t_gen,
-            "logprob_time": t_lp,
-            "update_time": t_update,
-        }
-        if drift is not None:
-            metrics["policy_drift"] = drift
+        stats = self._update(traj)
+        stats.times = {"gen_time": t_gen, "logprob_time": t_lp,
+                       "update_time": time.perf_counter() - t_update}
+        if self.estimator.needs_drift:
+            drift = self._policy_drift(traj.rollouts, traj.old_logprobs)
+            stats.drift = drift if math.isfinite(drift) else 0.0  # NaN: steps were skipped
+        self.estimator.observe(traj.prompt_ids, traj.rewards_all, stats.drift)
+        metrics = step_metrics(traj, stats, self.dist, lr=self.optimizer.param_groups[0]["lr"],
+                               nonfinite_skipped=self.nonfinite.total,
+                               step_time=time.perf_counter() - t0)
         if self.dump_every and self.step % self.dump_every == 0:
-            self._dump(problems[part], ro, texts, local_rewards, success, adv, entropies, token_adv)
+            self._dump(traj)
         return metrics
 
-    def _update(self, ro: Rollouts, old_lp: torch.Tensor, token_adv: torch.Tensor,
-                is_weights: Optional[torch.Tensor], part: slice, batch: int):
+    def _generate(self) -> Trajectory:
+        """This step's prompts (the same on every rank), this rank's share of their rollouts
+        (whole prompt groups, each rollout with its own seed) and the whole batch's rewards."""
+        problems = self._next_problems()
+        seeds = draw_seeds(self.sample_rng, len(problems))  # one per rollout, rank-independent
+        part = self.dist.shard(len(problems))  # this rank's rollouts: whole prompt groups
+        ro, rewards, texts = self._rollout(problems[part], seeds[part])
+        return Trajectory(prompt_ids=[p.id for p in problems], problems=problems[part],
+                          part=part, rollouts=ro, texts=texts, rewards=rewards,
+                          rewards_all=self.dist.gather(rewards))
+
+    def _update(self, traj: Trajectory) -> StepStats:
         """``ppo_epochs`` x ``ppo_mini_batches`` optimizer steps on this step's rollouts.
 
-        Mini-batches are drawn on the whole batch of ``batch`` rows (every rank draws the same)
-        and this rank trains on its rows of each (``part``); each loss is divided by the whole
-        mini-batch's token count and gradients are summed across ranks, so the update is the
-        one a single process would make. Returns the mini-batch losses (summed over ranks), the
-        token-weighted sums of the loss metrics, and the gradient norm of every optimizer step.
+        Mini-batches are drawn on the whole batch (every rank draws the same) and this rank
+        trains on its rows of each; each loss is divided by the whole mini-batch's token count
+        and gradients are summed across ranks, so the update is the one a single process would
+        make. The stats hold the mini-batch losses (summed over ranks), the token-weighted sums
+        of the loss metrics, and the gradient norm of every optimizer step.
         """
-        mask = ro.mask
-        losses, grad_norms = [], []
+        mask, part, old_lp, adv = traj.mask, traj.part, traj.old_logprobs, traj.token_advantages
+        stats = StepStats()
         sums = torch.zeros(3, device=mask.device)  # clip_fraction and approx_kl token sums, tokens
         for _ in range(self.ppo_epochs):
-            for mb in minibatch_indices(batch, self.tile, self.ppo_mini_batches, self.rng):
+            for mb in minibatch_indices(traj.batch, self.tile, self.ppo_mini_batches, self.rng):
                 mb = mb[(mb >= part.start) & (mb < part.stop)] - part.start  # this rank's rows
                 num_tokens = self.dist.sum(mask[mb].sum())
                 self.optimizer.zero_grad(set_to_none=True)
                 mb_loss = torch.zeros((), device=mask.device)
                 for micro in mb.split(self.micro_batch_size):
-                    lp, _ = self._forward_logprobs(ro, micro)
+                    lp, _ = self._forward_logprobs(traj.rollouts, micro)
                     loss = clipped_policy_loss(
-                        lp, old_lp[micro], token_adv[micro], mask[micro],
+                        lp, old_lp[micro], adv[micro], mask[micro],
                         eps_low=self.eps_low, eps_high=self.eps_high, num_tokens=num_tokens,
-                        is_weights=None if is_weights is None else is_weights[micro],
+                        is_weights=None if traj.is_weights is None else traj.is_weights[micro],
                     )
                     (loss * self.dist.grad_scale).backward()  # FSDP averages: sum instead
                     mb_loss += loss.detach()
-                    s = policy_loss_metrics(
-                        lp.detach(), old_lp[micro], token_adv[micro], mask[micro],
-                        self.eps_low, self.eps_high,
-                    )
+                    s = policy_loss_metrics(lp.detach(), old_lp[micro], adv[micro], mask[micro],
+                                            self.eps_low, self.eps_high)
                     n = s["num_tokens"].float()
                     sums += torch.stack([s["clip_fraction"] * n, s["approx_kl"] * n, n])
                 grad_norm = torch.nn.utils.clip_grad_norm_(
@@ -598,56 +491,29 @@ class PEPORecipe(FTRecipeInterface):
                     grad_norm = grad_norm.full_tensor()
                 mb_loss = self.dist.sum(mb_loss)  # the whole mini-batch's loss
                 self._optimizer_step(mb_loss, grad_norm)
-                losses.append(mb_loss)
-                grad_norms.append(grad_norm.detach())
-        clip, kl, tokens = self.dist.sum(sums).tolist()
-        return losses, {"clip_fraction": clip, "approx_kl": kl, "tokens": tokens}, grad_norms
+                stats.losses.append(mb_loss)
+                stats.grad_norms.append(grad_norm.detach())
+        stats.clip_fraction, stats.approx_kl, stats.tokens = self.dist.sum(sums).tolist()
+        return stats
 
     def _optimizer_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        if bool(torch.isfinite(loss) & torch.isfinite(grad_norm)):  # one host sync
+        if self.nonfinite.finite(loss, grad_norm):
             self.optimizer.step()
             self.engine.weights_changed()  # a vLLM engine re-syncs before it next generates
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
-            self.nonfinite_in_a_row = 0
             return
         self.optimizer.zero_grad(set_to_none=True)
-        self.nonfinite_total += 1
-        self.nonfinite_in_a_row += 1
-        log.warning(
-            f"step {self.step}: non-finite loss ({float(loss)}) or gradient norm "
-            f"({float(grad_norm)}); optimizer step skipped ({self.nonfinite_in_a_row} in a row)"
-        )
-        if self.nonfinite_in_a_row >= self.max_nonfinite_steps:
-            raise NonFiniteError(
-                f"{self.nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or "
-                f"gradient (max_nonfinite_steps={self.max_nonfinite_steps}); stopping at step "
-                f"{self.step}. The last checkpoint is in {self.checkpointer.root}."
-            )
+        self.nonfinite.skipped(self.step, loss, grad_norm, self.checkpointer.root)
 
-    def _dump(self, problems, ro, texts, rewards, success, adv, entropies, token_adv) -> None:
-        records = []
-        for i, p in enumerate(problems):
-            m = ro.mask[i]
-            ids = ro.tokens[i][m].tolist()
-            a = float(adv[i])
-            ta = token_adv[i][m].tolist()
-            records.append({
-                "step": self.step,
-                "prompt_id": p.id,
-                "prompt": p.prompt,
-                "answer": p.answer,
-                "response": texts[i],
-                "token_ids": ids,
-                "tokens": [self.tokenizer.id_to_token(t) for t in ids],
-                "entropies": entropies[i][m].tolist(),
-                "reward": float(rewards[i]),
-                "success": bool(success[i]),
-                "advantage": a,
-                "token_advantages": ta,
-                "token_weights": [x / a for x in ta] if a != 0 else None,
-                "strategy": self.strategy_name,
-            })
+    @property
+    def nonfinite_total(self) -> int:
+        """Optimizer steps skipped so far for a non-finite loss or gradient."""
+        return self.nonfinite.total
+
+    def _dump(self, traj: Trajectory) -> None:
+        records = dump_records(traj, step=self.step, strategy=self.strategy_name,
+                               id_to_token=self.tokenizer.id_to_token)
         records = [r for part in self.dist.gather_objects(records) for r in part]  # rank order
         if self.dist.is_main:
             path = self.output_dir / "rollouts" / f"step_{self.step:06d}.jsonl"
@@ -682,52 +548,14 @@ class PEPORecipe(FTRecipeInterface):
 
     # -------------------------------------------------------------- the loop
     def run(self) -> None:
-        """:meth:`train`, then :meth:`cleanup` however it ends. SIGTERM (what ``timeout``,
-        Slurm preemption and ``docker stop`` send) and Ctrl-C (SIGINT) stop the run after the
-        current step and its checkpoint; a second signal of the same kind stops it at once,
-        naming the last checkpoint."""
-        import signal
-        import threading
-
-        previous = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                previous[sig] = signal.signal(sig, self._on_stop_signal)
-        try:
-            self.train()
-        finally:
+        """:meth:`train`, then :meth:`cleanup` however it ends, under the stop-signal handlers
+        (:class:`pepo.training.stopping.StopSignals`: SIGTERM or Ctrl-C stop the run after the
+        current step and its checkpoint, a second signal of the same kind at once)."""
+        with self.signals:
             try:
-                self.cleanup()  # still under the handlers: a second press during it is clean
+                self.train()
             finally:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
-
-    def _on_stop_signal(self, signum: int, frame: Any) -> None:
-        name, code = _stop_signal(signum)
-        if not self._stepping:
-            # before the first step (the opening validation): nothing to finish or save, so stop
-            # at once; every process of a torchrun job gets the terminal's Ctrl-C, and torchrun
-            # stops the others when one exits
-            self._stop_signals.append(signum)
-            raise TrainingStopped(self._stopped_before_training(name), exit_code=code)
-        if signum in self._stop_signals:
-            latest = self.checkpointer.marked()
-            where = (f"the last checkpoint is {latest} (resume with resume_from_checkpoint=True)"
-                     if latest else "no checkpoint was written yet")
-            raise TrainingStopped(f"a second {name} stopped the run during step {self.step}; "
-                                  f"{where}", exit_code=code)
-        self._stop_signals.append(signum)
-        self._stop_requested = True
-        log.warning(f"{name}: stopping after step {self.step} and its checkpoint ({name} again "
-                    f"stops at once)")
-
-    def _stopped_before_training(self, name: str) -> str:
-        if self.step == 0:
-            return (f"stopped by {name} before the first training step: nothing was trained "
-                    f"and no checkpoint was written")
-        latest = self.checkpointer.marked()
-        return (f"stopped by {name} before step {self.step + 1}: nothing more was trained and "
-                f"no checkpoint was written; the last checkpoint is still {latest}")
+                self.cleanup()  # still under the handlers: a second press during it is clean
 
     def train(self) -> None:
         if self.step == 0 and self.val_every:
@@ -739,7 +567,7 @@ class PEPORecipe(FTRecipeInterface):
         bar = tqdm(total=self.num_steps, initial=self.step, desc=f"pepo[{self.strategy_name}]",
                    dynamic_ncols=True, file=sys.stdout, disable=not self.dist.is_main)
         while self.step < self.num_steps:
-            self._stepping = True
+            self.signals.stepping = True
             self.step += 1
             m = self.train_step()
             new_best = False
@@ -756,33 +584,22 @@ class PEPORecipe(FTRecipeInterface):
                 tok_s=f"{m['tokens_per_s']:.0f}", step_s=f"{m['step_time']:.2f}",
                 **({"val": f"{m['val_accuracy']:.3f}"} if "val_accuracy" in m else {}),
             )
-            self._stop_requested = self.dist.any(self._stop_requested)  # every rank stops together
+            stop = self.signals.requested = self.dist.any(self.signals.requested)  # all ranks
             if (
                 (self.save_every and self.step % self.save_every == 0)
-                or self.step == self.num_steps or self._stop_requested
+                or self.step == self.num_steps or stop
                 or new_best  # the best validation so far: its weights are kept
             ):
                 self.save_checkpoint(self.step, {"val_accuracy": m["val_accuracy"]}
                                      if "val_accuracy" in m else None)
-            if self._stop_requested:
+            if self.signals.requested:  # (also one that came during the checkpoint)
                 bar.close()
-                # the first signal this process got (on a rank that got none: another rank's)
-                name, code = _stop_signal(self._stop_signals[0] if self._stop_signals else None)
-                raise TrainingStopped(
-                    f"stopped by {name} at step {self.step}; its checkpoint is in "
-                    f"{self.checkpointer.root} (resume with resume_from_checkpoint=True)",
-                    exit_code=code,
-                )
+                self.signals.check(self.checkpointer.root)
         bar.close()
-        summary = validation_summary(self.history, self.val_samples)
-        if summary is not None and self.dist.is_main:
-            log.info(summary)
-            best = self.checkpointer.best() if self.keep_best else None
-            if best is not None:
-                meta = self.checkpointer.metadata(best)
-                log.info(f"Best validation checkpoint (kept with the newest "
-                         f"{self.checkpointer.keep}): {best} (avg@{self.val_samples} "
-                         f"{meta['val_accuracy']:.3f} at step {meta['step']})")
+        if self.dist.is_main:
+            for line in closing_summary(self.history, self.val_samples,
+                                        self.checkpointer if self.keep_best else None):
+                log.info(line)
         if self.hf_source is not None:
             weights = self._full_state_dict(cpu_offload=True)
             if self.dist.is_main:
@@ -817,8 +634,8 @@ class PEPORecipe(FTRecipeInterface):
             "sample_rng": self.sample_rng.get_state().cpu(),
             "torch_rng": torch.get_rng_state(),
             "history": self.history,
-            "nonfinite_total": self.nonfinite_total,
-            "nonfinite_in_a_row": self.nonfinite_in_a_row,
+            "nonfinite_total": self.nonfinite.total,
+            "nonfinite_in_a_row": self.nonfinite.in_a_row,
         }
         if self.lr_scheduler is not None:
             state["lr_scheduler"] = self.lr_scheduler.state_dict()
@@ -829,16 +646,11 @@ class PEPORecipe(FTRecipeInterface):
             try:
                 self.checkpointer.save(step, weights, state, metrics)
             except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a C++ error
-                if not _out_of_space(e, self.checkpointer.root):
+                failed = checkpoint_failure(e, step, self.checkpointer.root,
+                                            self.checkpointer.marked())
+                if failed is None:
                     raise
-                latest = self.checkpointer.marked()
-                raise CheckpointFailed(
-                    f"could not write the checkpoint of step {step} in {self.checkpointer.root}: "
-                    f"no space left on device; "
-                    + (f"the last intact checkpoint is {latest}: free some space and resume with "
-                       f"resume_from_checkpoint=True" if latest else
-                       "no checkpoint was written before it: free some space and start again")
-                ) from None
+                raise failed from None
         self.dist.barrier()
 
     def cleanup(self) -> None:

@@ -28,15 +28,17 @@ def _leave():
     os._exit(0)
 
 
-def _worker(rank, world, init_file, out_dir, score):
+def _worker(rank, world, init_file, out_dir, score, given):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         shard = _shards()[rank]
+        group = {"process_group": dist.group.WORLD}
         strategy = pw.get_strategy(
-            "global_topk", fraction=0.3, score=score, window=5, process_group=dist.group.WORLD,
-            normalize="selected_tokens",
+            "global_topk", fraction=0.3, score=score, window=5, normalize="selected_tokens",
+            **(group if given == "built" else {}),
         )
-        torch.save(strategy(*shard), os.path.join(out_dir, f"rank{rank}.pt"))
+        out = strategy(*shard, **(group if given == "called" else {}))
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     except BaseException:
         dist.destroy_process_group()
@@ -44,11 +46,14 @@ def _worker(rank, world, init_file, out_dir, score):
     _leave()
 
 
-@pytest.mark.parametrize("score", ["entropy", "proximal"])
-def test_two_ranks_equal_concatenation(score):
+@pytest.mark.parametrize("score, given", [("entropy", "built"), ("proximal", "built"),
+                                          ("proximal", "called")])
+def test_two_ranks_equal_concatenation(score, given):
+    """``given="called"``: the process group passed at the call, as ``groups`` is (what the
+    recipe does); catches a Strategy that drops it there (each rank's own threshold)."""
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        mp.spawn(_worker, args=(2, init_file, tmp, score), nprocs=2, join=True)
+        mp.spawn(_worker, args=(2, init_file, tmp, score, given), nprocs=2, join=True)
         outs = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2)]
     (a0, e0, m0), (a1, e1, m1) = _shards()
     whole = pw.get_strategy(

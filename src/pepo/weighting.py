@@ -203,6 +203,10 @@ class Strategy:
         # a fn that names ``groups`` without a default needs them; one that takes them through
         # ``**kwargs`` (or ``groups=None``) gets them when the caller has them, else None
         self._pass_groups, self._needs_groups = _declares(fn, "groups")
+        try:  # only a fn that names it (not one taking **kwargs) gets the process group
+            self._pass_process_group = "process_group" in inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            self._pass_process_group = False
 
     def __call__(
         self,
@@ -213,6 +217,7 @@ class Strategy:
         positive: Optional[torch.Tensor] = None,
         groups: Optional[torch.Tensor] = None,
         check_finite: bool = True,
+        process_group: Optional[Any] = None,
     ) -> torch.Tensor:
         """Token advantages for one batch.
 
@@ -233,6 +238,8 @@ class Strategy:
                 input a strategy reads reaches its output as NaN, never as a finite value
                 (for ``global_topk``, whose threshold is over the batch, the whole output):
                 a loss built on it is NaN.
+            process_group: the data-parallel ranks sharing the batch, read (like ``groups``)
+                only by strategies with batch-global statistics (``global_topk``'s threshold).
 
         Shape:
             advantages: ``[B]``; entropies, mask: ``[B, T]``; positive: ``[B]`` bool; groups:
@@ -257,6 +264,8 @@ class Strategy:
                 kwargs["positive"] = pos
             if self._pass_groups:
                 kwargs["groups"] = groups
+            if self._pass_process_group and process_group is not None:
+                kwargs["process_group"] = process_group
             out = self._fn(adv, ent, mask, **kwargs)
             if not isinstance(out, torch.Tensor) or out.shape != mask.shape:
                 got = (_checks.format_shape(out) if isinstance(out, torch.Tensor)
@@ -483,7 +492,8 @@ def global_topk(
     normalize = _checks.check_choice("normalize", normalize, ("all_tokens", "selected_tokens"))
     q = 1.0 - float(fraction)
 
-    def fn(advantages: torch.Tensor, entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def fn(advantages: torch.Tensor, entropies: torch.Tensor, mask: torch.Tensor,
+           process_group: Optional[Any] = process_group) -> torch.Tensor:  # call's, or bound
         if score == "proximal":
             s = _w.proximal(entropies, mask, window, temperature)
         else:

@@ -215,7 +215,7 @@ def test_prepare_estimator_computes_writes_then_reads_without_a_model(tmp_path):
 
     first = _Counting(2)
     assert prior_cache.prepare_estimator(first, ids, score, path=path, fingerprint={"seed": 0},
-                                         dist=Dist("cpu")) == "written"
+                                         dist=Dist("cpu", timeout_s=60)) == "written"
     assert calls == [[0, 0, 1, 1, 2, 2]] and first.prior == {"a": 0.5, "b": 0.5, "c": 0.5}
     second = _Counting(2)
     assert prior_cache.prepare_estimator(second, ids, score, path=path,

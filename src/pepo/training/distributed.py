@@ -37,10 +37,11 @@ class Dist:
     Args:
         device_type: ``"cpu"`` (gloo) or ``"cuda"`` (nccl, one GPU per process).
         timeout_s: how long a collective may wait for the other ranks before it fails, so a rank
-            that dies never leaves the others hanging.
+            that dies never leaves the others hanging (the recipe's
+            ``distributed.timeout_s``, whose default the config schema holds).
     """
 
-    def __init__(self, device_type: str = "cpu", timeout_s: float = 1800.0) -> None:
+    def __init__(self, device_type: str = "cpu", *, timeout_s: float) -> None:
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.group: Optional[Any] = None
         self._owns_group = False

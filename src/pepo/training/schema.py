@@ -26,7 +26,6 @@ import dataclasses
 import difflib
 import importlib
 import inspect
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -35,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pepo import estimators, weighting
 from pepo.loss import check_clip_range
+from pepo.training.config_rules import Bool, Component, Int, Number, OneOf, Raw, StrictInt, Text
 
 __all__ = [
     "EXPERIMENT",
@@ -60,187 +60,6 @@ class _Required:
 
 
 REQUIRED: Any = _Required()  # the default of a key every config must set
-
-
-# ------------------------------------------------------------------------------ rules
-@dataclass(frozen=True)
-class Int:
-    """An int ``>= low`` (``nullable``: or null)."""
-
-    low: int
-    nullable: bool = False
-
-    def check(self, key: str, v: Any) -> Any:
-        if v is None and self.nullable:
-            return v
-        if isinstance(v, bool) or not isinstance(v, int) or v < self.low:
-            null = " or null" if self.nullable else ""
-            raise ValueError(f"{key} must be an int >= {self.low}{null}, got {v!r}")
-        return v
-
-
-@dataclass(frozen=True)
-class Number:
-    """A number ``> low`` (and ``<= high``); ``finite``: also finite; ``nullable``: or null."""
-
-    low: float
-    high: Optional[float] = None
-    nullable: bool = False
-    finite: bool = False
-
-    def check(self, key: str, v: Any) -> Any:
-        if v is None and self.nullable:
-            return v
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
-            self.low < v and (self.high is None or v <= self.high)
-            and (not self.finite or v < math.inf)
-        ):
-            bound = f"in ({self.low}, {self.high}]" if self.high is not None else f"> {self.low}"
-            what = "a finite number" if self.finite else "a number"
-            raise ValueError(f"{key} must be {what} {bound}, got {v!r}")
-        return float(v)
-
-
-@dataclass(frozen=True)
-class Bool:
-    def check(self, key: str, v: Any) -> Any:
-        if not isinstance(v, bool):
-            raise ValueError(f"{key} must be true or false, got {v!r}")
-        return v
-
-
-@dataclass(frozen=True)
-class OneOf:
-    """One of ``values``; ``shown`` is how the message lists them."""
-
-    values: tuple
-    shown: str
-
-    def check(self, key: str, v: Any) -> Any:
-        if v not in self.values:
-            raise ValueError(f"{key} must be {self.shown}, got {v!r}")
-        return v
-
-
-@dataclass(frozen=True)
-class Text:
-    """A string (``what`` names it in the message), or null when ``nullable``."""
-
-    what: str = "a string"
-    nullable: bool = True
-    note: str = ""
-
-    def check(self, key: str, v: Any) -> Any:
-        if v is None and self.nullable:
-            return v
-        if not isinstance(v, str) or not v:
-            null = " or null" if self.nullable else ""
-            raise ValueError(f"{key} must be {self.what}{null}{self.note}, got {v!r}")
-        return v
-
-
-@dataclass(frozen=True)
-class StrictInt:
-    """Any int (``note`` says why it must be one)."""
-
-    note: str = ""
-
-    def check(self, key: str, v: Any) -> Any:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ValueError(f"{key} must be an int{self.note}, got {v!r}")
-        return v
-
-
-@dataclass(frozen=True)
-class Raw:
-    """Any value (a list, a mapping checked elsewhere); kept as the config holds it."""
-
-    def check(self, key: str, v: Any) -> Any:
-        return v
-
-
-@dataclass(frozen=True)
-class Component:
-    """A ``_component_`` section (or null when ``nullable``). ``positional`` and ``given`` are
-    the arguments the recipe passes itself when it builds the section (the optimizer gets the
-    model's parameters), so that binding the section's keys to the callable's signature
-    finds both unknown and missing arguments. ``args`` gives rules to some arguments, ``roles``
-    their roles (the rest have the field's)."""
-
-    nullable: bool = False
-    positional: int = 0
-    given: tuple[str, ...] = ()
-    args: tuple[tuple[str, Any], ...] = ()
-    roles: tuple[tuple[str, str], ...] = ()
-
-    def check(self, key: str, v: Any) -> Any:
-        if v is None:
-            if self.nullable:
-                return None
-            raise ValueError(f"config key {key!r} is required")
-        if not isinstance(v, DictConfig) or v.get("_component_") is None:
-            raise ValueError(f"{key} must be a section with a _component_, got {v!r}")
-        bind_component(key, v, self.positional, self.given)
-        for arg, rule in self.args:
-            value = v.get(arg)
-            if value is not None:
-                rule.check(f"{key}.{arg}", value)
-        return v
-
-
-def bind_component(key: str, node: DictConfig, positional: int = 0,
-                   given: tuple[str, ...] = ()) -> Callable:
-    """Imports ``node._component_`` and binds the section's keys (plus what the recipe passes,
-    ``positional`` arguments and the keywords ``given``) to its signature, as torchtune's
-    ``config.validate`` does; returns the callable.
-
-    Raises:
-        ValueError: ``optimizer: torch.optim.AdamW got an unexpected keyword argument 'lrr';
-            did you mean 'optimizer.lr'?``, a missing argument, or a path that does not import.
-    """
-    path = str(node.get("_component_"))
-    target = _resolve(key, path)
-    try:
-        sig = inspect.signature(target)
-    except (TypeError, ValueError):  # a builtin without a signature: its call checks
-        return target
-    names = [str(k) for k in node if k != "_component_"]
-    try:
-        sig.bind(*([None] * positional), **{k: None for k in (*given, *names)})
-    except TypeError as e:
-        hint = ""
-        bad = re.search(r"unexpected keyword argument '([^']+)'", str(e))
-        if bad:
-            close = difflib.get_close_matches(bad.group(1), list(sig.parameters), n=1,
-                                              cutoff=0.5)
-            hint = f"; did you mean {key + '.' + close[0]!r}?" if close else ""
-        raise ValueError(f"{key}: {path} {e}{hint}") from None
-    return target
-
-
-def _resolve(key: str, path: str) -> Any:
-    """The object a ``_component_`` path names, or one ``ValueError`` line saying why not."""
-    parts = path.split(".")
-    for i in range(len(parts) - 1, 0, -1):
-        module = ".".join(parts[:i])
-        try:
-            obj = importlib.import_module(module)
-            break
-        except ModuleNotFoundError as e:  # this prefix is no module: try a shorter one
-            if not e.name or not module.startswith(e.name):
-                raise ValueError(f"{key}: cannot import {path!r}: {e}") from None
-        except Exception as e:  # the module exists but fails to import
-            raise ValueError(f"{key}: cannot import {path!r}: {type(e).__name__}: {e}") from None
-    else:
-        raise ValueError(f"{key}: cannot import {path!r}: no module {parts[0]!r}")
-    for j, attr in enumerate(parts[i:]):
-        if not hasattr(obj, attr):
-            close = difflib.get_close_matches(attr, [a for a in dir(obj) if not a.startswith("_")],
-                                              n=1)
-            raise ValueError(f"{key}: cannot import {path!r}: {'.'.join(parts[:i + j])} has no "
-                             f"{attr!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
-        obj = getattr(obj, attr)
-    return obj
 
 
 def key(default: Any = REQUIRED, help: str = "", *, rule: Any = None, role: str = EXPERIMENT,

@@ -1,0 +1,250 @@
+"""The records one training step passes along, and the step's parts that need no loop state.
+
+A step of ``recipes/pepo_recipe.py`` runs generate → score → advantages → weights → update →
+observe; :class:`Trajectory` (as torchtune's ``GRPOTrajectory``) carries what each part adds,
+:class:`StepStats` (as torchtune's ``GRPOStats``) what the update measured. The rest of this
+module is what the recipe does with them and could do without a model: the policy forward
+(:func:`policy_logprobs`), the step's metrics (:func:`step_metrics`), the rollout dump's records
+(:func:`dump_records`) and the run's closing validation line (:func:`validation_summary`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from pepo.entropy import logprobs_and_entropy, logprobs_and_entropy_from_hidden
+from pepo.training.generation import Rollouts, sequence_inputs
+
+__all__ = [
+    "StepStats",
+    "Trajectory",
+    "closing_summary",
+    "dump_records",
+    "policy_logprobs",
+    "step_metrics",
+    "validation_summary",
+]
+
+
+@dataclass
+class Trajectory:
+    """One step's rollouts and what the step computes from them.
+
+    The whole batch has ``B`` rows (every rank chooses the same problems); this process
+    generates and trains on rows ``part`` of it (``b`` rows, whole prompt groups). Fields that
+    end in ``_all`` are the whole batch's, gathered from every rank.
+
+    Attributes:
+        prompt_ids: ``[B]`` the prompt of each row (rollouts of a prompt are contiguous).
+        problems: this rank's ``b`` problems.
+        part: this rank's rows of the whole batch.
+        rollouts: this rank's responses (``tokens``, ``mask`` ``[b, T]``, the engine's
+            ``logprobs``).
+        texts: this rank's decoded responses.
+        rewards: ``[b]`` this rank's rewards; ``rewards_all`` ``[B]``.
+        advantages_all: ``[B]`` sequence advantages (the estimator's).
+        success_all: ``[B]`` bool, the reward's success flags.
+        groups: ``[b]`` prompt-group ids of this rank's rows (GTPO's ``groups``).
+        old_logprobs, entropies: ``[b, T]`` of the rollout policy (the trainer's forward).
+        is_weights: ``[b, T]`` truncated importance weights (``loss.tis_cap``) or None.
+        token_advantages: ``[b, T]`` the strategy's (detached).
+    """
+
+    prompt_ids: list
+    problems: list
+    part: slice
+    rollouts: Rollouts
+    texts: list
+    rewards: torch.Tensor
+    rewards_all: torch.Tensor
+    advantages_all: Optional[torch.Tensor] = None
+    success_all: Optional[torch.Tensor] = None
+    groups: Optional[torch.Tensor] = None
+    old_logprobs: Optional[torch.Tensor] = None
+    entropies: Optional[torch.Tensor] = None
+    is_weights: Optional[torch.Tensor] = None
+    token_advantages: Optional[torch.Tensor] = None
+
+    @property
+    def batch(self) -> int:
+        """Rows of the whole batch ``B``."""
+        return len(self.prompt_ids)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """``[b, T]`` bool, True at generated tokens."""
+        return self.rollouts.mask
+
+    @property
+    def advantages(self) -> torch.Tensor:
+        """``[b]`` this rank's sequence advantages."""
+        return self.advantages_all[self.part]
+
+    @property
+    def success(self) -> torch.Tensor:
+        """``[b]`` this rank's success flags."""
+        return self.success_all[self.part]
+
+
+@dataclass
+class StepStats:
+    """What the update measured (the same on every rank).
+
+    Attributes:
+        losses: each optimizer step's mini-batch loss (summed over ranks), scalar tensors.
+        grad_norms: each optimizer step's gradient norm, scalar tensors.
+        clip_fraction, approx_kl: token-weighted sums over the update (divide by ``tokens``).
+        tokens: valid tokens the sums are over.
+        drift: mean |Δ log-prob| across the update (when the estimator needs it).
+        times: seconds of the step's parts (``gen_time``, ``logprob_time``, ``update_time``).
+    """
+
+    losses: list = field(default_factory=list)
+    grad_norms: list = field(default_factory=list)
+    clip_fraction: float = 0.0
+    approx_kl: float = 0.0
+    tokens: float = 0.0
+    drift: Optional[float] = None
+    times: dict = field(default_factory=dict)
+
+
+def policy_logprobs(model: Any, ro: Rollouts, rows: torch.Tensor, *, chunk_size: int,
+                    temperature: float, from_hidden: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies ``[b, T]`` of the responses of ``rows`` under ``model`` (a
+    torchtune ``TransformerDecoder``), at the sampling ``temperature``.
+
+    The attention mask is built for these rows only (``[b, S, S]``). With ``from_hidden`` the
+    model's output step is replaced, for this forward, by
+    :func:`pepo.entropy.logprobs_and_entropy_from_hidden`, which applies the output projection
+    chunk by chunk, so the ``[b, S, V]`` logits are never held. It runs inside the model's own
+    forward, where FSDP2 has gathered the root's parameters (the tied embedding).
+    """
+    from torchtune.modules import TiedLinear
+
+    plen = ro.prompt_tokens.shape[1]
+    seq = torch.cat([ro.prompt_tokens[rows], ro.tokens[rows]], dim=1)  # [b, S]
+    attn, pos = sequence_inputs(ro.prompt_mask[rows], ro.tokens.shape[1])  # [b,S,S], [b,S]
+    targets = ro.tokens[rows]  # [b, T]
+    kw = dict(chunk_size=chunk_size, temperature=temperature)
+    if not from_hidden:
+        logits = model(seq, mask=attn, input_pos=pos)  # [b, S, V]
+        return logprobs_and_entropy(logits[:, plen - 1 : -1], targets, **kw)
+
+    def head(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = model.output
+        weight = out.tied_module.weight if isinstance(out, TiedLinear) else out.weight  # [V, D]
+        return logprobs_and_entropy_from_hidden(model.norm(h)[:, plen - 1 : -1], weight,
+                                                targets, **kw)
+
+    model.unembed = head  # an instance attribute: shadows TransformerDecoder.unembed
+    try:
+        return model(seq, mask=attn, input_pos=pos)
+    finally:
+        del model.unembed
+
+
+def step_metrics(traj: Trajectory, stats: StepStats, dist: Any, *, lr: float,
+                 nonfinite_skipped: int, step_time: float) -> dict[str, float]:
+    """The step's metrics over the whole batch (the same on every rank: ``dist`` reduces the
+    per-rank sums; ``docs/recipe.md`` names each)."""
+    mask, ro = traj.mask, traj.rollouts
+    # the rollout engine's log-probs against the trainer's, for the same policy
+    gap = torch.where(mask, (traj.old_logprobs - ro.logprobs).abs(), 0.0)  # [b, T]
+    totals = dist.sum(torch.stack([
+        mask.sum().float(), torch.where(mask, traj.entropies, 0.0).sum(), gap.sum(),
+        (~ro.finished).float().sum(),
+    ]))
+    ntok, ent_sum, gap_sum, truncated = totals.tolist()
+    gap_max = dist.max(gap.amax().reshape(1) if gap.numel() else gap.new_zeros(1))
+    n_valid, rows = max(ntok, 1.0), traj.batch
+    grad_norms = torch.stack(stats.grad_norms)
+    metrics = {
+        "reward": float(traj.rewards_all.mean()),
+        "accuracy": float(traj.success_all.float().mean()),
+        "loss": float(torch.stack(stats.losses).mean()),
+        "grad_norm": float(grad_norms.mean()),
+        "grad_norm_max": float(grad_norms.max()),
+        "lr": lr,
+        "entropy": ent_sum / n_valid,
+        "response_len": ntok / rows,
+        "truncated": truncated / rows,
+        "zero_advantage": float((traj.advantages_all == 0).float().mean()),
+        "clip_fraction": stats.clip_fraction / max(stats.tokens, 1.0),
+        "approx_kl": stats.approx_kl / max(stats.tokens, 1.0),
+        "rollout_logprob_gap": gap_sum / n_valid,
+        "rollout_logprob_gap_max": float(gap_max),
+        "nonfinite_skipped": nonfinite_skipped,
+        "tokens_per_s": ntok / step_time,
+        "step_time": step_time,
+        **stats.times,
+    }
+    if stats.drift is not None:
+        metrics["policy_drift"] = stats.drift
+    return metrics
+
+
+def dump_records(traj: Trajectory, *, step: int, strategy: str,
+                 id_to_token: Any) -> list[dict[str, Any]]:
+    """One record per rollout of this rank (``rollouts/step_NNNNNN.jsonl``): the inputs of the
+    strategy and its token advantages, so that ``get_strategy(strategy, **params)(advantage,
+    entropies, mask, positive=success)`` over a step's file gives back ``token_advantages``.
+    ``token_weights`` is token advantage / advantage (None where the advantage is 0)."""
+    records = []
+    adv, success = traj.advantages, traj.success
+    for i, p in enumerate(traj.problems):
+        m = traj.mask[i]
+        ids = traj.rollouts.tokens[i][m].tolist()
+        a = float(adv[i])
+        ta = traj.token_advantages[i][m].tolist()
+        records.append({
+            "step": step,
+            "prompt_id": p.id,
+            "prompt": p.prompt,
+            "answer": p.answer,
+            "response": traj.texts[i],
+            "token_ids": ids,
+            "tokens": [id_to_token(t) for t in ids],
+            "entropies": traj.entropies[i][m].tolist(),
+            "reward": float(traj.rewards[i]),
+            "success": bool(success[i]),
+            "advantage": a,
+            "token_advantages": ta,
+            "token_weights": [x / a for x in ta] if a != 0 else None,
+            "strategy": strategy,
+        })
+    return records
+
+
+def validation_summary(history: list[dict], samples: int) -> Optional[str]:
+    """The run's closing line: validation accuracy before and after training and, when an
+    intermediate validation scored higher than the last one, that step (its checkpoint may
+    still be on disk)."""
+    vals = [(h["step"], h["val_accuracy"]) for h in history if "val_accuracy" in h]
+    if not vals or history[0].get("val_accuracy") is None:
+        return None
+    first, (_, last) = history[0]["val_accuracy"], vals[-1]
+    line = f"Validation accuracy (avg@{samples}): {first:.3f} before -> {last:.3f} after"
+    best_step, best = max(vals, key=lambda sv: sv[1])  # the earliest of equal scores
+    if best > last:
+        line += f" (highest {best:.3f} at step {best_step})"
+    return line
+
+
+def closing_summary(history: list[dict], samples: int, checkpointer: Any = None) -> list[str]:
+    """The lines a run ends with: :func:`validation_summary` and, given the ``checkpointer``
+    that keeps the best validation's checkpoint, where that checkpoint is (none without a
+    validation before and after training)."""
+    summary = validation_summary(history, samples)
+    if summary is None:
+        return []
+    lines = [summary]
+    best = checkpointer.best() if checkpointer is not None else None
+    if best is not None:
+        meta = checkpointer.metadata(best)
+        lines.append(f"Best validation checkpoint (kept with the newest {checkpointer.keep}): "
+                     f"{best} (avg@{samples} {meta['val_accuracy']:.3f} at step {meta['step']})")
+    return lines

@@ -1,0 +1,153 @@
+"""The step's records and parts that need no training loop (pepo.training.step): the rollout
+dump's records, the step's metrics, the closing lines, and the policy forward."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pepo.training.generation import Rollouts, pad_prompts
+from pepo.training.step import (
+    StepStats,
+    Trajectory,
+    closing_summary,
+    dump_records,
+    policy_logprobs,
+    step_metrics,
+)
+
+
+def _trajectory() -> Trajectory:
+    """4 rollouts of 2 prompts; this rank holds rows 2-3 (the second prompt), with lengths 3
+    and 1 of T = 3. Numbers chosen so that every metric is a small exact fraction."""
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    ro = Rollouts(prompt_tokens=torch.zeros(2, 1, dtype=torch.long),
+                  prompt_mask=torch.ones(2, 1, dtype=torch.bool),
+                  tokens=torch.tensor([[5, 6, 7], [8, 0, 0]]), mask=mask,
+                  finished=torch.tensor([False, True]),
+                  logprobs=torch.tensor([[-1.0, -2.0, -0.5], [-0.25, 9.0, 9.0]]))
+    problems = [SimpleNamespace(id="q", prompt="2+2", answer="4")] * 2
+    return Trajectory(
+        prompt_ids=["p", "p", "q", "q"], problems=problems, part=slice(2, 4), rollouts=ro,
+        texts=["abc", "d"], rewards=torch.tensor([1.0, 0.0]),
+        rewards_all=torch.tensor([0.0, 0.0, 1.0, 0.0]),
+        advantages_all=torch.tensor([0.0, 0.0, 0.5, -0.5]),
+        success_all=torch.tensor([False, False, True, False]),
+        old_logprobs=torch.tensor([[-1.5, -2.0, -0.25], [-0.25, 7.0, 7.0]]),
+        entropies=torch.tensor([[1.0, 2.0, 3.0], [4.0, 50.0, 50.0]]),
+        token_advantages=torch.tensor([[0.25, 0.5, 0.75], [-0.5, 0.0, 0.0]]))
+
+
+def test_dump_records_hold_the_strategys_inputs_and_output_of_valid_tokens():
+    """Catches padding in a record, the whole batch's advantage instead of this rank's row,
+    and token weights divided by a zero advantage."""
+    traj = _trajectory()
+    recs = dump_records(traj, step=7, strategy="s", id_to_token=lambda t: f"<{t}>")
+    assert [r["tokens"] for r in recs] == [["<5>", "<6>", "<7>"], ["<8>"]]
+    assert recs[0]["entropies"] == [1.0, 2.0, 3.0] and recs[1]["entropies"] == [4.0]
+    assert [r["advantage"] for r in recs] == [0.5, -0.5]
+    assert [r["success"] for r in recs] == [True, False]
+    assert [r["reward"] for r in recs] == [1.0, 0.0]
+    assert recs[0]["token_weights"] == [0.5, 1.0, 1.5] and recs[1]["token_weights"] == [1.0]
+    assert {r["step"] for r in recs} == {7} and recs[1]["response"] == "d"
+    traj.advantages_all = torch.tensor([0.0, 0.0, 0.0, -0.5])
+    assert dump_records(traj, step=7, strategy="s", id_to_token=str)[0]["token_weights"] is None
+
+
+class _OneRank:
+    def sum(self, t):
+        return t
+
+    def max(self, t):
+        return t
+
+
+def test_step_metrics_against_hand_sums():
+    """Each metric from the arithmetic in the comments (one rank). Catches a mean over padding,
+    a per-rank instead of whole-batch denominator, and gaps taken at padding (9 vs 7 there)."""
+    traj = _trajectory()
+    stats = StepStats(losses=[torch.tensor(0.5), torch.tensor(1.5)],
+                      grad_norms=[torch.tensor(1.0), torch.tensor(3.0)],
+                      clip_fraction=1.0, approx_kl=0.5, tokens=4.0, drift=0.125,
+                      times={"gen_time": 1.0, "logprob_time": 2.0, "update_time": 3.0})
+    m = step_metrics(traj, stats, _OneRank(), lr=0.01, nonfinite_skipped=2, step_time=8.0)
+    assert m["reward"] == 0.25 and m["accuracy"] == 0.25  # [0, 0, 1, 0]
+    assert m["loss"] == 1.0 and m["grad_norm"] == 2.0 and m["grad_norm_max"] == 3.0
+    assert m["entropy"] == (1 + 2 + 3 + 4) / 4  # valid tokens only
+    assert m["response_len"] == 4 / 4  # 4 valid tokens over the whole batch's 4 rows
+    assert m["truncated"] == 1 / 4  # one unfinished row of 4
+    assert m["zero_advantage"] == 2 / 4
+    assert m["clip_fraction"] == 1.0 / 4 and m["approx_kl"] == 0.5 / 4
+    assert m["rollout_logprob_gap"] == (0.5 + 0 + 0.25 + 0) / 4
+    assert m["rollout_logprob_gap_max"] == 0.5
+    assert m["tokens_per_s"] == 4 / 8.0 and m["step_time"] == 8.0
+    assert (m["gen_time"], m["logprob_time"], m["update_time"]) == (1.0, 2.0, 3.0)
+    assert m["policy_drift"] == 0.125 and m["nonfinite_skipped"] == 2 and m["lr"] == 0.01
+    stats.drift = None
+    assert "policy_drift" not in step_metrics(traj, stats, _OneRank(), lr=0.01,
+                                              nonfinite_skipped=0, step_time=1.0)
+
+
+class _Checkpoints:
+    keep = 2
+
+    def __init__(self, best):
+        self._best = best
+
+    def best(self):
+        return self._best
+
+    def metadata(self, path):
+        return {"val_accuracy": 0.75, "step": 4}
+
+
+def test_closing_summary():
+    history = [{"step": 0, "val_accuracy": 0.5}, {"step": 4, "val_accuracy": 0.75},
+               {"step": 8, "val_accuracy": 0.625}]
+    assert closing_summary(history, 8, _Checkpoints("run/step_4")) == [
+        "Validation accuracy (avg@8): 0.500 before -> 0.625 after (highest 0.750 at step 4)",
+        "Best validation checkpoint (kept with the newest 2): run/step_4 (avg@8 0.750 at step 4)"]
+    assert closing_summary(history, 8) == closing_summary(history, 8, _Checkpoints(None))[:1]
+    assert closing_summary([{"step": 1, "loss": 0.0}], 8) == []
+
+
+@pytest.fixture(scope="module")
+def model():
+    from pepo.training.models import tiny_qwen3
+
+    torch.manual_seed(0)
+    m = tiny_qwen3(embed_dim=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                   intermediate_dim=64, head_dim=16)
+    return m.eval()
+
+
+def test_policy_forward_masked_equals_sliced_and_hidden_equals_logits(model):
+    """A row's log-probs and entropies in a padded batch are those of the row alone, unpadded
+    (catches an attention mask or positions that let padding in), and the chunked output
+    projection (``from_hidden``) gives the logits path's numbers (a reference from
+    ``log_softmax`` of the model's own logits at temperature 0.5)."""
+    prompts = [[3, 4, 5, 6], [7, 8]]
+    responses = torch.tensor([[9, 10, 11], [12, 13, 0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    ptok, pmask = pad_prompts(prompts, pad_id=0)
+    ro = Rollouts(ptok, pmask, responses, mask, torch.tensor([True, True]))
+    rows = torch.arange(2)
+    with torch.no_grad():
+        lp, ent = policy_logprobs(model, ro, rows, chunk_size=2, temperature=0.5)
+        lp_h, ent_h = policy_logprobs(model, ro, rows, chunk_size=2, temperature=0.5,
+                                      from_hidden=True)
+        torch.testing.assert_close(lp_h, lp, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent_h, ent, rtol=1e-5, atol=1e-5)
+        for i, prompt in enumerate(prompts):
+            n = int(mask[i].sum())
+            seq = torch.tensor([prompt + responses[i, :n].tolist()])
+            logits = model(seq)[0, len(prompt) - 1: len(prompt) - 1 + n].double() / 0.5
+            ref = torch.log_softmax(logits, -1)
+            ref_lp = ref.gather(-1, responses[i, :n, None])[:, 0]
+            ref_ent = -(ref.exp() * ref).sum(-1)
+            torch.testing.assert_close(lp[i, :n].double(), ref_lp, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(ent[i, :n].double(), ref_ent, rtol=1e-4, atol=1e-5)
+    assert not math.isnan(float(lp[mask].sum()))

@@ -1,0 +1,124 @@
+"""How a run stops early (pepo.training.stopping), without a model or a recipe: the stop-signal
+protocol, the non-finite step guard and a full disk's checkpoint error."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from pepo.training import stopping
+from pepo.training.stopping import (
+    CheckpointFailed,
+    NonFiniteError,
+    NonFiniteGuard,
+    StopSignals,
+    TrainingStopped,
+    checkpoint_failure,
+)
+
+
+def _signals(step=0, latest=None):
+    state = {"step": step}
+    return StopSignals(lambda: state["step"], lambda: latest), state
+
+
+def test_a_signal_before_the_first_step_stops_at_once():
+    """Catches a stop request that waits for a step that has not begun (the opening
+    validation can take minutes): the first signal raises, with the signal's exit code."""
+    s, _ = _signals()
+    with pytest.raises(TrainingStopped, match="^stopped by Ctrl-C before the first training "
+                                              "step: nothing was trained and no checkpoint was "
+                                              "written$") as e:
+        s.handle(signal.SIGINT)
+    assert e.value.exit_code == 130
+    resumed, _ = _signals(step=3, latest=Path("ckpt/step_3"))  # a resumed run's validation
+    with pytest.raises(TrainingStopped, match=r"^stopped by SIGTERM before step 4: nothing more "
+                                              r"was trained .* still ckpt/step_3$") as e:
+        resumed.handle(signal.SIGTERM)
+    assert e.value.exit_code == 143
+
+
+def test_while_stepping_the_first_signal_asks_and_a_second_of_its_kind_stops(caplog):
+    """Catches a first signal that stops mid-step (losing the step), a second one that is
+    ignored, and a stop message naming another signal than the one received."""
+    s, state = _signals(latest=None)
+    s.stepping, state["step"] = True, 5
+    log = logging.getLogger("test_stopping")
+    s._log = log
+    with caplog.at_level(logging.WARNING, logger="test_stopping"):
+        s.handle(signal.SIGINT)
+    assert s.requested and s.received == [signal.SIGINT]
+    assert "Ctrl-C: stopping after step 5 and its checkpoint" in caplog.text
+    s.handle(signal.SIGTERM)  # another kind: still the stop after the step
+    with pytest.raises(TrainingStopped, match="^a second Ctrl-C stopped the run during step 5; "
+                                              "no checkpoint was written yet$") as e:
+        s.handle(signal.SIGINT)
+    assert e.value.exit_code == 130
+    with pytest.raises(TrainingStopped, match=r"^stopped by Ctrl-C at step 5; its checkpoint is "
+                                              r"in run/checkpoints \(resume with") as e:
+        s.check(Path("run/checkpoints"))
+    assert e.value.exit_code == 130
+
+
+def test_a_stop_another_rank_asked_for_reports_sigterm():
+    s, state = _signals()
+    s.check(Path("x"))  # nothing requested: nothing happens
+    s.requested, state["step"] = True, 2  # set by the ranks' vote, no signal here
+    with pytest.raises(TrainingStopped, match="^stopped by SIGTERM at step 2") as e:
+        s.check(Path("x"))
+    assert e.value.exit_code == 143
+
+
+def test_the_handlers_are_installed_for_the_run_and_restored_after():
+    """Catches handlers left installed after the run (a later Ctrl-C in the same process would
+    raise TrainingStopped) and a real signal that does not reach the protocol."""
+    before = signal.getsignal(signal.SIGTERM)
+    s, _ = _signals()
+    s.stepping = True
+    with s:
+        assert signal.getsignal(signal.SIGTERM) == s.handle
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert s.requested and s.received == [signal.SIGTERM]
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_non_finite_guard_counts_and_stops_after_too_many_in_a_row():
+    """Catches a count that a finite step does not reset, and a stop after the wrong number."""
+    g = NonFiniteGuard(max_in_a_row=2)
+    nan, one = torch.tensor(float("nan")), torch.tensor(1.0)
+    assert not g.finite(nan, one)
+    g.skipped(1, nan, one, Path("ckpts"))  # one in a row: a warning only
+    assert g.finite(one, one) and (g.total, g.in_a_row) == (1, 0)
+    assert not g.finite(one, torch.tensor(float("inf")))
+    g.skipped(2, one, one, Path("ckpts"))
+    assert not g.finite(nan, one)
+    with pytest.raises(NonFiniteError, match=r"^2 optimizer steps in a row had a non-finite loss "
+                                             r"or gradient \(max_nonfinite_steps=2\); stopping "
+                                             r"at step 3. The last checkpoint is in ckpts.$"):
+        g.skipped(3, nan, one, Path("ckpts"))
+    assert (g.total, g.in_a_row) == (3, 2)
+
+
+def test_a_full_disk_is_a_checkpoint_error_naming_the_last_intact_one(tmp_path, monkeypatch):
+    """Catches a full disk reported as a traceback, and another error (a bug) swallowed as a
+    full disk."""
+    full = OSError(errno.ENOSPC, "No space left on device")
+    got = checkpoint_failure(full, 7, tmp_path, tmp_path / "step_5")
+    assert isinstance(got, CheckpointFailed)
+    assert str(got) == (f"could not write the checkpoint of step 7 in {tmp_path}: no space left "
+                        f"on device; the last intact checkpoint is {tmp_path / 'step_5'}: free "
+                        f"some space and resume with resume_from_checkpoint=True")
+    first = checkpoint_failure(full, 1, tmp_path, None)
+    assert str(first).endswith("no checkpoint was written before it: free some space and "
+                               "start again")
+    assert checkpoint_failure(RuntimeError("a bug"), 7, tmp_path, None) is None
+    # torch.save's C++ error says nothing: a disk with less than 1 MiB left is taken as full
+    monkeypatch.setattr(stopping.shutil, "disk_usage", lambda p: type("U", (), {"free": 10})())
+    assert isinstance(checkpoint_failure(RuntimeError("stream"), 7, tmp_path, None),
+                      CheckpointFailed)
