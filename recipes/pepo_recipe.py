@@ -70,10 +70,11 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
 from pepo import weighting
-from pepo.loss import clipped_policy_loss, policy_loss_metrics, truncated_is_weights
+from pepo.loss import policy_loss_metrics, truncated_is_weights
 from pepo.sampling import PromptSampler
 from pepo.training import prior_cache
 from pepo.training.checkpointing import MODEL_FILE, AtomicCheckpointer, resolve_marker
+from pepo.training.config_rules import resolve_component
 from pepo.training.config import (
     build,
     check_world_size,
@@ -145,6 +146,9 @@ class PEPORecipe(FTRecipeInterface):
         self.tile = tile_rows(self.estimator.rollouts_per_prompt, self.ppo_mini_batches)
         self.micro_batch_size = c.micro_batch_size
         self.eps_low, self.eps_high = float(c.loss.eps_low), float(c.loss.eps_high)
+        # the loss component (pepo.loss.ClippedPolicyLoss unless loss._component_ names another)
+        self.loss = resolve_component("loss", c.loss._component_)(eps_low=self.eps_low,
+                                                                   eps_high=self.eps_high)
         self.tis_cap = c.loss.tis_cap
         self.clip_grad_norm = c.clip_grad_norm
         g = c.generation
@@ -181,7 +185,8 @@ class PEPORecipe(FTRecipeInterface):
         self.experiment = experiment_config(cfg)
         self.prior_path = c.prior_cache
         self.prior_fingerprint = prior_fingerprint(cfg)
-        self.signals = StopSignals(lambda: self.step, lambda: self.checkpointer.marked(), log)
+        self.signals = StopSignals(lambda: self.step, lambda: self.checkpointer.marked(), log,
+                                   any_rank=self.dist.any if self.dist.enabled else None)
         self.nonfinite = NonFiniteGuard(c.max_nonfinite_steps, log)
         self._diagnostic_failures: set[str] = set()
         self.step = 0
@@ -472,9 +477,8 @@ class PEPORecipe(FTRecipeInterface):
                 mb_loss = torch.zeros((), device=mask.device)
                 for micro in mb.split(self.micro_batch_size):
                     lp, _ = self._forward_logprobs(traj.rollouts, micro)
-                    loss = clipped_policy_loss(
-                        lp, old_lp[micro], adv[micro], mask[micro],
-                        eps_low=self.eps_low, eps_high=self.eps_high, num_tokens=num_tokens,
+                    loss = self.loss(
+                        lp, old_lp[micro], adv[micro], mask[micro], num_tokens=num_tokens,
                         is_weights=None if traj.is_weights is None else traj.is_weights[micro],
                     )
                     (loss * self.dist.grad_scale).backward()  # FSDP averages: sum instead
@@ -584,7 +588,7 @@ class PEPORecipe(FTRecipeInterface):
                 tok_s=f"{m['tokens_per_s']:.0f}", step_s=f"{m['step_time']:.2f}",
                 **({"val": f"{m['val_accuracy']:.3f}"} if "val_accuracy" in m else {}),
             )
-            stop = self.signals.requested = self.dist.any(self.signals.requested)  # all ranks
+            stop = self.signals.vote()  # every rank stops together
             if (
                 (self.save_every and self.step % self.save_every == 0)
                 or self.step == self.num_steps or stop
@@ -592,7 +596,7 @@ class PEPORecipe(FTRecipeInterface):
             ):
                 self.save_checkpoint(self.step, {"val_accuracy": m["val_accuracy"]}
                                      if "val_accuracy" in m else None)
-            if self.signals.requested:  # (also one that came during the checkpoint)
+            if self.signals.stopping:
                 bar.close()
                 self.signals.check(self.checkpointer.root)
         bar.close()

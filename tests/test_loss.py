@@ -251,3 +251,25 @@ def test_truncated_is_weights_and_weighted_loss_match_a_loop_reference():
     assert got.item() != pytest.approx(clipped_policy_loss(lp, old, adv, mask).item(), rel=1e-3)
     with pytest.raises(ValueError, match="cap must be a finite number > 0"):
         truncated_is_weights(old, rollout, mask, cap=0.0)
+
+
+def test_the_loss_component_is_clipped_policy_loss_with_its_clip_range_bound():
+    """Catches a component that drops the configured clip range (the defaults 0.2/0.28 would
+    be used: a ratio of 1.5 is clipped differently at eps_high 0.1) or the call's num_tokens
+    and is_weights."""
+    from pepo.loss import ClippedPolicyLoss, clipped_policy_loss
+
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(3, 5, generator=g)
+    lp = old + torch.tensor([0.4, -0.4, 0.0, 0.1, -0.1]).expand(3, 5)  # ratios up to 1.49
+    adv, mask = torch.randn(3, 5, generator=g), torch.rand(3, 5, generator=g) > 0.3
+    w = torch.rand(3, 5, generator=g)
+    loss = ClippedPolicyLoss(eps_low=0.05, eps_high=0.1)
+    got = loss(lp, old, adv, mask, num_tokens=40, is_weights=w)
+    want = clipped_policy_loss(lp, old, adv, mask, eps_low=0.05, eps_high=0.1, num_tokens=40,
+                               is_weights=w)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, clipped_policy_loss(lp, old, adv, mask, num_tokens=40,
+                                                    is_weights=w))
+    with pytest.raises(ValueError, match="eps_low must be < 1"):
+        ClippedPolicyLoss(eps_low=1.0)

@@ -16,7 +16,13 @@ import torch
 
 from pepo import _checks
 
-__all__ = ["check_clip_range", "clipped_policy_loss", "policy_loss_metrics", "truncated_is_weights"]
+__all__ = [
+    "ClippedPolicyLoss",
+    "check_clip_range",
+    "clipped_policy_loss",
+    "policy_loss_metrics",
+    "truncated_is_weights",
+]
 
 
 def _check(
@@ -147,6 +153,39 @@ def clipped_policy_loss(
             raise ValueError(f"num_tokens must be an int >= 1, got {num_tokens!r}")
         denom = float(num_tokens)
     return per_token.sum() / denom
+
+
+class ClippedPolicyLoss:
+    """:func:`clipped_policy_loss` with its clip range bound: the recipe's ``loss`` component
+    (``loss._component_``, this one by default), built with the config's ``loss.eps_low`` and
+    ``loss.eps_high``.
+
+    Another loss, or another aggregation of the same per-token terms (a sequence mean, a
+    constant normaliser), is a config change: a component taking ``eps_low`` and
+    ``eps_high`` whose result is called as this one is,
+    ``loss(logprobs, old_logprobs, advantages, mask, num_tokens=..., is_weights=...)`` -> a
+    0-dim tensor, with ``num_tokens`` the whole mini-batch's valid-token count (the recipe
+    accumulates gradients over micro-batches and ranks by summing the calls' results).
+
+    Raises:
+        ValueError: a clip range :func:`check_clip_range` refuses.
+    """
+
+    def __init__(self, eps_low: float = 0.2, eps_high: float = 0.28) -> None:
+        check_clip_range(eps_low, eps_high)
+        self.eps_low, self.eps_high = float(eps_low), float(eps_high)
+
+    def __call__(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+                 advantages: torch.Tensor, mask: torch.Tensor, *,
+                 num_tokens: Optional[Union[int, torch.Tensor]] = None,
+                 is_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """:func:`clipped_policy_loss` with the bound clip range. Shape: as there."""
+        return clipped_policy_loss(logprobs, old_logprobs, advantages, mask,
+                                   eps_low=self.eps_low, eps_high=self.eps_high,
+                                   num_tokens=num_tokens, is_weights=is_weights)
+
+    def __repr__(self) -> str:
+        return f"ClippedPolicyLoss(eps_low={self.eps_low}, eps_high={self.eps_high})"
 
 
 @torch.no_grad()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
+import pepo.loss
 import pepo.training.engines
 import pepo_eval
 import pepo_recipe
@@ -175,8 +176,8 @@ def test_config_values_reach_the_objects_that_use_them(name, tmp_path, stand_ins
         assert original.generation.max_new_tokens == want["max_new_tokens"]
         return
 
-    real_loss = pepo_recipe.clipped_policy_loss
-    monkeypatch.setattr(pepo_recipe, "clipped_policy_loss",
+    real_loss = pepo.loss.clipped_policy_loss
+    monkeypatch.setattr(pepo.loss, "clipped_policy_loss",
                         lambda *a, **k: loss_calls.append(k) or real_loss(*a, **k))
     cfg, original = _recipe_cfg(name, tmp_path, stand_ins)
     recipe = pepo_recipe.PEPORecipe(cfg)

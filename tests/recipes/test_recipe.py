@@ -9,6 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+import pepo.loss
 import pepo.weighting as pw
 import pepo_recipe
 from pepo.training.config import find_config, list_configs, register_resolvers, validate_config
@@ -170,8 +171,8 @@ def test_nonfinite_steps_are_skipped_then_stop(tmp_path, monkeypatch):
     recipe = pepo_recipe.PEPORecipe(cfg)
     recipe.setup(cfg)
     before = {k: v.clone() for k, v in recipe.model.state_dict().items()}
-    real = pepo_recipe.clipped_policy_loss
-    monkeypatch.setattr(pepo_recipe, "clipped_policy_loss",
+    real = pepo.loss.clipped_policy_loss
+    monkeypatch.setattr(pepo.loss, "clipped_policy_loss",
                         lambda *a, **k: real(*a, **k) * float("nan"))
     with pytest.raises(pepo_recipe.NonFiniteError, match="3 optimizer steps in a row"):
         recipe.train()
@@ -360,3 +361,33 @@ def test_the_best_validation_checkpoint_is_saved_and_kept(tmp_path, monkeypatch,
         assert AtomicCheckpointer.metadata(ckpts / "step_2") == {"step": 2, "val_accuracy": 0.9}
     else:
         assert kept == ["step_4"] and not (ckpts / "best").exists()
+
+
+class HalfLoss:
+    """A loss component (``loss._component_``): half the default loss."""
+
+    def __init__(self, eps_low: float, eps_high: float) -> None:
+        self.inner = pepo.loss.ClippedPolicyLoss(eps_low, eps_high)
+
+    def __call__(self, *args, **kwargs):
+        return 0.5 * self.inner(*args, **kwargs)
+
+
+class NoClipRange:
+    def __init__(self, scale: float = 1.0) -> None:
+        self.scale = scale
+
+
+def test_the_loss_is_a_component_named_in_the_config(tmp_path):
+    """Another aggregation is a config change. Catches a recipe that calls
+    clipped_policy_loss itself whatever ``loss._component_`` says: with one optimizer step per
+    training step the first step's loss (taken before the update, on the same rollouts) is
+    exactly half the default's; a component that takes no clip range fails at validation."""
+    a = run(tiny_cfg(tmp_path / "a", num_steps=1, ppo_mini_batches=1))
+    b = run(tiny_cfg(tmp_path / "b", num_steps=1, ppo_mini_batches=1,
+                     loss={"_component_": "tests.recipes.test_recipe.HalfLoss"}))
+    assert losses(a)[0] != 0 and losses(b)[0] == pytest.approx(0.5 * losses(a)[0], rel=1e-6)
+    with pytest.raises(ValueError, match="^loss: tests.recipes.test_recipe.NoClipRange got an "
+                                         "unexpected keyword argument 'eps_low'"):
+        validate_config(tiny_cfg(tmp_path / "c", loss={
+            "_component_": "tests.recipes.test_recipe.NoClipRange"}))

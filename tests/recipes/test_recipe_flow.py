@@ -60,7 +60,8 @@ def flow_test_custom(boost: float = 3.0):
 @pytest.mark.parametrize("strategy, name", [
     (s, n) for s in [*pw.list_strategies(), "flow_test_custom"] for n in ["tiny", "tiny_spo"]
     if not (s == "gtpo" and n == "tiny_spo")])  # gtpo needs group mode (a config error)
-def test_dumped_token_advantages_are_the_strategy_of_the_dumped_inputs(tmp_path, monkeypatch, strategy, name):
+def test_dumped_token_advantages_are_the_strategy_of_the_dumped_inputs(tmp_path, monkeypatch,
+                                                                       strategy, name):
     """After a step, the dumped token advantages equal ``get_strategy(name, **params)`` applied
     to the dumped advantages, entropies and mask with the reward's success flags.
 
@@ -88,7 +89,8 @@ def test_dumped_token_advantages_are_the_strategy_of_the_dumped_inputs(tmp_path,
         adv, ent, mask, success, got = dump_batch(rows)
         # the dump keeps the batch's order: consecutive prompt groups
         groups = torch.arange(len(rows)) // recipe.estimator.rollouts_per_prompt
-        assert all(r["prompt_id"] == rows[int(g) * recipe.estimator.rollouts_per_prompt]["prompt_id"]
+        per_prompt = recipe.estimator.rollouts_per_prompt
+        assert all(r["prompt_id"] == rows[int(g) * per_prompt]["prompt_id"]
                    for r, g in zip(rows, groups))
         expected = expected_fn(adv, ent, mask, positive=success, groups=groups)
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
@@ -255,7 +257,8 @@ def test_resume_refuses_changed_estimator_hyper_parameters(tmp_path):
     cfg = tiny_cfg(tmp_path, "tiny_spo", num_steps=2, resume_from_checkpoint=True,
                    estimator={"rho_min": 0.9})
     recipe = pepo_recipe.PEPORecipe(cfg)
-    with pytest.raises(ValueError, match=r"would change the experiment: estimator.rho_min \(0.875 -> 0.9\)"):
+    with pytest.raises(ValueError, match=r"would change the experiment: "
+                                         r"estimator.rho_min \(0.875 -> 0.9\)"):
         recipe.setup(cfg)
     recipe.cleanup()
 
@@ -264,12 +267,15 @@ def test_resume_refuses_changed_estimator_hyper_parameters(tmp_path):
     ({"strategy": {"proximal_sofmax": {"window": 5}}},
      "unknown config key 'strategy.proximal_sofmax'; did you mean 'strategy.proximal_softmax'"),
     ({"strategy": {"proximal_softmax": {"windw": 5}}},
-     "unknown config key 'strategy.proximal_softmax.windw'; did you mean 'strategy.proximal_softmax.window'"),
-    ({"strategy": {"global_topk": {"fraction": 2.0}}}, r"strategy.global_topk: fraction must be in \(0, 1\]"),
+     "unknown config key 'strategy.proximal_softmax.windw'; did you mean "
+     "'strategy.proximal_softmax.window'"),
+    ({"strategy": {"global_topk": {"fraction": 2.0}}},
+     r"strategy.global_topk: fraction must be in \(0, 1\]"),
     ({"generation": {"temprature": 0.6}},
      "unknown config key 'generation.temprature'; did you mean 'generation.temperature'"),
     ({"loss": {"eps_hgh": 0.4}}, "unknown config key 'loss.eps_hgh'; did you mean 'loss.eps_high'"),
-    ({"validation": {"evry": 1}}, "unknown config key 'validation.evry'; did you mean 'validation.every'"),
+    ({"validation": {"evry": 1}},
+     "unknown config key 'validation.evry'; did you mean 'validation.every'"),
     ({"num_stepz": 200}, "unknown config key 'num_stepz'; did you mean 'num_steps'"),
     ({"estimator": {"rho_mn": 0.5}},
      r"unknown estimator key\(s\) \['rho_mn'\] for estimator.name='group'; valid keys"),

@@ -14,8 +14,14 @@ from omegaconf import OmegaConf
 
 from pepo import estimators
 from pepo.training import schema
-from pepo.training.config import (RESUME_MAY_CHANGE, find_config, prior_fingerprint,
-                                  register_resolvers, validate_config, validate_eval_config)
+from pepo.training.config import (
+    RESUME_MAY_CHANGE,
+    find_config,
+    prior_fingerprint,
+    register_resolvers,
+    validate_config,
+    validate_eval_config,
+)
 from tests.recipe_helpers import tiny_cfg
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -67,12 +67,38 @@ def test_while_stepping_the_first_signal_asks_and_a_second_of_its_kind_stops(cap
 
 
 def test_a_stop_another_rank_asked_for_reports_sigterm():
-    s, state = _signals()
-    s.check(Path("x"))  # nothing requested: nothing happens
-    s.requested, state["step"] = True, 2  # set by the ranks' vote, no signal here
+    state = {"step": 2}
+    s = StopSignals(lambda: state["step"], lambda: None, any_rank=lambda mine: True)
+    s.check(Path("x"))  # no vote yet: nothing happens
+    assert s.vote() and not s.requested  # another rank got the signal
     with pytest.raises(TrainingStopped, match="^stopped by SIGTERM at step 2") as e:
         s.check(Path("x"))
     assert e.value.exit_code == 143
+
+
+def test_a_signal_during_the_vote_is_kept_for_the_next_one():
+    """The ranks' vote is a collective, where a rank waits for the others; a signal handled as
+    it returns was lost when the vote's result overwrote the request (a two-process run told
+    to stop at step 2 trained to the end). Catches that overwrite, and a rank that stops alone
+    on a request the others did not vote on (it would leave them waiting in a collective)."""
+    s, state = _signals()
+    s.stepping, state["step"] = True, 2
+
+    def vote_then_signal(mine: bool) -> bool:
+        s.handle(signal.SIGTERM)  # arrives while this rank waits in the collective
+        return mine  # every rank voted False
+
+    s._any_rank = vote_then_signal
+    assert not s.vote() and s.requested
+    assert not s.stopping  # several processes: only what all agreed on stops them
+    s.check(Path("x"))
+    s._any_rank = lambda mine: mine
+    assert s.vote() and s.stopping  # the next step's vote carries it
+    one, state = _signals()  # one process: a signal after the vote stops after the checkpoint
+    one.stepping = True
+    assert not one.vote()
+    one.handle(signal.SIGTERM)
+    assert one.stopping
 
 
 def test_the_handlers_are_installed_for_the_run_and_restored_after():

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 from omegaconf import DictConfig
 
 __all__ = ["Bool", "Component", "Int", "Number", "OneOf", "Raw", "StrictInt", "Text",
-           "bind_component"]
+           "bind_component", "bind_names", "resolve_component"]
 
 
 @dataclass(frozen=True)
@@ -155,12 +155,21 @@ def bind_component(key: str, node: DictConfig, positional: int = 0,
             did you mean 'optimizer.lr'?``, a missing argument, or a path that does not import.
     """
     path = str(node.get("_component_"))
-    target = _resolve(key, path)
+    target = resolve_component(key, path)
+    bind_names(key, path, target, [str(k) for k in node if k != "_component_"], positional,
+               given)
+    return target
+
+
+def bind_names(key: str, path: str, target: Callable, names: Any, positional: int = 0,
+               given: tuple[str, ...] = ()) -> None:
+    """Binds keyword ``names`` (and ``positional`` arguments, keywords ``given``) to the
+    signature of ``target`` (the component ``path`` of section ``key``); see
+    :func:`bind_component`."""
     try:
         sig = inspect.signature(target)
     except (TypeError, ValueError):  # a builtin without a signature: its call checks
-        return target
-    names = [str(k) for k in node if k != "_component_"]
+        return
     try:
         sig.bind(*([None] * positional), **{k: None for k in (*given, *names)})
     except TypeError as e:
@@ -171,10 +180,9 @@ def bind_component(key: str, node: DictConfig, positional: int = 0,
                                               cutoff=0.5)
             hint = f"; did you mean {key + '.' + close[0]!r}?" if close else ""
         raise ValueError(f"{key}: {path} {e}{hint}") from None
-    return target
 
 
-def _resolve(key: str, path: str) -> Any:
+def resolve_component(key: str, path: str) -> Any:
     """The object a ``_component_`` path names, or one ``ValueError`` line saying why not."""
     parts = path.split(".")
     for i in range(len(parts) - 1, 0, -1):

@@ -34,7 +34,18 @@ from omegaconf import DictConfig, OmegaConf
 
 from pepo import estimators, weighting
 from pepo.loss import check_clip_range
-from pepo.training.config_rules import Bool, Component, Int, Number, OneOf, Raw, StrictInt, Text
+from pepo.training.config_rules import (
+    Bool,
+    Component,
+    Int,
+    Number,
+    OneOf,
+    Raw,
+    StrictInt,
+    Text,
+    bind_names,
+    resolve_component,
+)
 
 __all__ = [
     "EXPERIMENT",
@@ -113,6 +124,9 @@ class GenerationConfig(SamplingConfig):
 
 @dataclass
 class LossConfig:
+    _component_: str = key("pepo.loss.ClippedPolicyLoss", "the loss, built with `eps_low` and "
+                           "`eps_high` (another aggregation is another component: see "
+                           "`pepo.loss.ClippedPolicyLoss`)", rule=Text("an import path", False))
     eps_low: float = key(help="lower clip range ε_low", rule=Raw())
     eps_high: float = key(help="upper clip range ε_high (DAPO's clip-higher)", rule=Raw())
     tis_cap: Optional[float] = key(None, "cap `C` of truncated importance sampling: each "
@@ -475,6 +489,8 @@ def parse(cfg: DictConfig) -> RecipeConfig:
         check_clip_range(typed.loss.eps_low, typed.loss.eps_high)
     except ValueError as e:
         raise ValueError(f"loss.{e}") from None
+    path = typed.loss._component_
+    bind_names("loss", path, resolve_component("loss", path), ("eps_low", "eps_high"))
     _check_vllm(typed.generation)
     return typed
 

@@ -65,9 +65,12 @@ class StopSignals:
     """
 
     def __init__(self, step: Callable[[], int], latest: Callable[[], Optional[Path]],
-                 log: Optional[logging.Logger] = None) -> None:
+                 log: Optional[logging.Logger] = None,
+                 any_rank: Optional[Callable[[bool], bool]] = None) -> None:
         self._step, self._latest, self._log = step, latest, log
-        self.requested = False
+        self._any_rank = any_rank  # None: one process
+        self.requested = False  # a signal reached this process
+        self.agreed = False  # the last vote: some rank was asked to stop
         self.received: list[int] = []  # in the order received
         self.stepping = False  # True from the first training step of this process on
         self._previous: dict[int, Any] = {}
@@ -112,11 +115,26 @@ class StopSignals:
         return (f"stopped by {name} before step {step + 1}: nothing more was trained and "
                 f"no checkpoint was written; the last checkpoint is still {self._latest()}")
 
+    def vote(self) -> bool:
+        """Whether the run stops after this step: True on every rank when a signal reached
+        some rank (``any_rank``, a collective, so that every rank stops together). A signal
+        that arrives during the vote is not lost: it is this process's request until the next
+        vote."""
+        self.agreed = (self._any_rank(self.requested) if self._any_rank is not None
+                       else self.requested)
+        return self.agreed
+
+    @property
+    def stopping(self) -> bool:
+        """Whether :meth:`check` raises: the ranks agreed to stop (one process: also a signal
+        that came after the vote, during the step's checkpoint)."""
+        return self.agreed or (self._any_rank is None and self.requested)
+
     def check(self, where: Path) -> None:
-        """Raises :class:`TrainingStopped` when a stop was requested (call it after the step's
-        checkpoint, in ``where``), named after the first signal this process got (on a rank
-        that got none, another rank's: SIGTERM's exit code)."""
-        if not self.requested:
+        """Raises :class:`TrainingStopped` when the run stops (:attr:`stopping`; call it after
+        the step's checkpoint, in ``where``), named after the first signal this process got
+        (on a rank that got none, another rank's: SIGTERM's exit code)."""
+        if not self.stopping:
             return
         name, code = signal_name(self.received[0] if self.received else None)
         raise TrainingStopped(
