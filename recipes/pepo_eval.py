@@ -6,8 +6,8 @@
 
 Each entry of ``benchmarks`` names a dataset component and its ``k``; the model samples ``k``
 responses per problem with ``generation``'s settings and a fixed seed, ``reward`` scores them,
-and avg@k is the mean share of correct responses (``pepo.training.evaluation.avg_at_k``, the function
-the training recipe validates with).
+and avg@k is the mean share of correct responses (``pepo.training.evaluation.avg_at_k``, the
+function the training recipe validates with).
 
 Each evaluated checkpoint has a label (``model_name``, default :func:`evaluation_label`: ``tiny
 (base)`` for a packaged or converted base model, else the ``checkpoint_dir`` as given, with the
@@ -33,16 +33,21 @@ _extras.require("pepo_eval")  # before torchtune: a missing extra gets the line 
 from omegaconf import DictConfig, OmegaConf
 from torchtune import config, training, utils
 
-from pepo.training.evaluation import (RewardError, avg_at_k, eval_generator, format_tables,
-                                      write_results)
 from pepo.training.checkpointing import resolve_marker
-from pepo.training.engines import build_engine, sequence_limit
 from pepo.training.config import (
     check_output_dir,
     config_error_exit,
     register_resolvers,
     resolve_config_arg,
     validate_eval_config,
+)
+from pepo.training.engines import build_engine, sequence_limit
+from pepo.training.evaluation import (
+    RewardError,
+    avg_at_k,
+    eval_generator,
+    format_tables,
+    write_results,
 )
 from pepo.training.run_lock import RunLock
 from pepo.training.tokenizers import stop_token_ids

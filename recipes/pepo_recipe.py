@@ -9,7 +9,8 @@ One step (PEPO paper, Sec. 3-4 and App. C.1; ``docs/recipe.md`` has the details)
    prioritised draw by ``sqrt(p(1-p)) + eps`` from a pool ``candidate_pool`` times larger);
 2. generate the estimator's rollouts per prompt (``group_size``, or 1) with a KV cache,
    temperature, top-k and top-p (``pepo.training.generation``);
-3. verify → rewards (``reward`` component) and success flags (``pepo.training.evaluation.is_success``)
+3. verify → rewards (``reward`` component) and success flags
+   (``pepo.training.evaluation.is_success``)
    → sequence advantages (``pepo.estimators``);
 4. one no-grad forward of the rollout policy → old log-probs and entropies
    (``pepo.entropy.logprobs_and_entropy``, at the sampling temperature);
@@ -28,8 +29,8 @@ Deviations from the paper's setup, all deliberate:
 * Log-probs and entropies ignore top-k/top-p truncation (as verl and TRL do): they are those of
   the temperature-scaled softmax.
 * Rollouts come from ``generation.engine``: pepo's KV-cached decoder on the torchtune model
-  in the training process (the default) or a colocated vLLM engine that
-  receives the trainer's weights after every optimizer step (``pepo.training.engines``). Either way the
+  in the training process (the default) or a colocated vLLM engine that receives the
+  trainer's weights after every optimizer step (``pepo.training.engines``). Either way the
   trainer recomputes the old log-probs itself; the engine's own log-probs only measure the
   mismatch (``rollout_logprob_gap``) and, with ``loss.tis_cap``, weight the loss by the capped
   ratio trainer / engine (truncated importance sampling).
@@ -74,7 +75,6 @@ from pepo.loss import policy_loss_metrics, truncated_is_weights
 from pepo.sampling import PromptSampler
 from pepo.training import prior_cache
 from pepo.training.checkpointing import MODEL_FILE, AtomicCheckpointer, resolve_marker
-from pepo.training.config_rules import resolve_component
 from pepo.training.config import (
     build,
     check_world_size,
@@ -86,19 +86,38 @@ from pepo.training.config import (
     resolve_config_arg,
     validate_config,
 )
+from pepo.training.config_rules import resolve_component
 from pepo.training.distributed import Dist, minibatch_indices, shard_model, tile_rows
 from pepo.training.engines import build_engine, sequence_limit
-from pepo.training.evaluation import (RewardError, avg_at_k, eval_generator, is_success,
-                                      sample_and_score)
+from pepo.training.evaluation import (
+    RewardError,
+    avg_at_k,
+    eval_generator,
+    is_success,
+    sample_and_score,
+)
 from pepo.training.generation import Rollouts, draw_seeds
 from pepo.training.hf import save_hf
 from pepo.training.models import check_state_matches
 from pepo.training.reporting import plot_curves, truncate_metrics_log, write_rollouts
 from pepo.training.run_lock import RunLock
-from pepo.training.step import (StepStats, Trajectory, closing_summary, dump_records,
-                                policy_logprobs, step_metrics, validation_summary)
-from pepo.training.stopping import (CheckpointFailed, NonFiniteError, NonFiniteGuard,
-                                    StopSignals, TrainingStopped, checkpoint_failure)
+from pepo.training.step import (
+    StepStats,
+    Trajectory,
+    closing_summary,
+    dump_records,
+    policy_logprobs,
+    step_metrics,
+    validation_summary,
+)
+from pepo.training.stopping import (
+    CheckpointFailed,
+    NonFiniteError,
+    NonFiniteGuard,
+    StopSignals,
+    TrainingStopped,
+    checkpoint_failure,
+)
 from pepo.training.tokenizers import stop_token_ids
 from pepo.training.weights import load_model_weights
 
@@ -343,7 +362,8 @@ class PEPORecipe(FTRecipeInterface):
         kept = [p for p in problems if len(self.tokenizer.encode_prompt(p.prompt)) <= budget]
         if not kept:
             raise ValueError(
-                f"no prompt of {key} fits {what}={limit} with generation.max_new_tokens={self.gen_kwargs['max_new_tokens']}"
+                f"no prompt of {key} fits {what}={limit} with generation.max_new_tokens="
+                f"{self.gen_kwargs['max_new_tokens']}"
             )
         if len(kept) < len(problems):
             log.warning(
@@ -398,7 +418,8 @@ class PEPORecipe(FTRecipeInterface):
     def _next_problems(self) -> list:
         """This step's problems, each repeated for the estimator's rollouts per prompt."""
         est = self.estimator
-        pool = [self.train_data[i] for i in self.sampler.next(self.prompts_per_step * est.candidate_pool)]
+        drawn = self.sampler.next(self.prompts_per_step * est.candidate_pool)
+        pool = [self.train_data[i] for i in drawn]
         picked = est.choose([p.id for p in pool], self.prompts_per_step, self.rng)
         return [pool[i] for i in picked for _ in range(est.rollouts_per_prompt)]
 
@@ -538,7 +559,8 @@ class PEPORecipe(FTRecipeInterface):
 
     # ------------------------------------------------------------ validation
     def validate(self) -> float:
-        """avg@k on the held-out prompts (``pepo.training.evaluation.avg_at_k``, as ``pepo_eval``)."""
+        """avg@k on the held-out prompts (``pepo.training.evaluation.avg_at_k``, as
+        ``pepo_eval``)."""
         if not self.val_data:
             return float("nan")
         return avg_at_k(

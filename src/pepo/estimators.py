@@ -43,8 +43,18 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import (Any, Callable, Hashable, Iterable, Mapping, Optional, Protocol, Sequence,
-                    Union, runtime_checkable)
+from typing import (
+    Any,
+    Callable,
+    Hashable,
+    Iterable,
+    Mapping,
+    Optional,
+    Protocol,
+    Sequence,
+    Union,
+    runtime_checkable,
+)
 
 import torch
 
@@ -143,7 +153,8 @@ def _check_config(own: Mapping[str, Any], saved: Mapping[str, Any], what: str) -
     diff = {k: (saved.get(k), v) for k, v in own.items() if saved.get(k) != v}
     diff.update({k: (v, None) for k, v in saved.items() if k not in own})
     if diff:
-        details = ", ".join(f"{k}: saved {a!r}, configured {b!r}" for k, (a, b) in sorted(diff.items()))
+        details = ", ".join(f"{k}: saved {a!r}, configured {b!r}"
+                            for k, (a, b) in sorted(diff.items()))
         raise ValueError(f"{what} state_dict was saved with other hyper-parameters ({details})")
 
 
@@ -202,7 +213,8 @@ class GroupEstimator:
         """Group advantages of rollouts in contiguous groups. Shape: ``[N]`` -> ``[N]``."""
         ids = _ids(prompt_ids)
         g = self.group_size
-        if len(ids) != rewards.shape[0] or any(len(set(ids[i : i + g])) != 1 for i in range(0, len(ids), g)):
+        if len(ids) != rewards.shape[0] or any(len(set(ids[i : i + g])) != 1
+                                               for i in range(0, len(ids), g)):
             raise ValueError(
                 f"group mode needs rollouts in contiguous groups of {g} with one prompt id each, "
                 f"got prompt ids {ids[: 2 * g]}{' ...' if len(ids) > 2 * g else ''}"
@@ -211,7 +223,8 @@ class GroupEstimator:
             rewards, g, normalize_std=self.normalize_std, unbiased=self.unbiased, eps=self.eps
         )
 
-    def observe(self, prompt_ids: PromptIds, rewards: torch.Tensor, drift: Optional[float] = None) -> None:
+    def observe(self, prompt_ids: PromptIds, rewards: torch.Tensor,
+                drift: Optional[float] = None) -> None:
         """Nothing to learn after a step."""
 
     def _config(self) -> dict[str, Any]:
@@ -285,7 +298,8 @@ class SingleStreamEstimator:
     ):
         for key, value in (("rho_min", rho_min), ("rho_max", rho_max), ("rho", rho),
                            ("d_half", d_half), ("sampling_eps", sampling_eps), ("eps", eps)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value):
                 raise ValueError(f"{key} must be a finite number, got {value!r}")
         if not (0.0 < rho_min <= rho_max <= 1.0):
             raise ValueError(

@@ -33,7 +33,8 @@ def _check(
     eps_low: float,
     eps_high: float,
 ) -> None:
-    for name, t in (("logprobs", logprobs), ("old_logprobs", old_logprobs), ("advantages", advantages)):
+    for name, t in (("logprobs", logprobs), ("old_logprobs", old_logprobs),
+                    ("advantages", advantages)):
         _checks.check_tensor(name, t)
         _checks.check_float(name, t)
     if logprobs.dim() != 2:
@@ -65,7 +66,8 @@ def check_clip_range(eps_low: Any, eps_high: Any) -> None:
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 <= eps < math.inf):
             raise ValueError(f"{name} must be a finite number >= 0, got {eps!r}")
     if eps_low >= 1:
-        raise ValueError(f"eps_low must be < 1 (the ratio floor 1 - eps_low must be > 0), got {eps_low}")
+        raise ValueError(f"eps_low must be < 1 (the ratio floor 1 - eps_low must be > 0), got "
+                         f"{eps_low}")
 
 
 def _ratio_terms(
@@ -132,7 +134,8 @@ def clipped_policy_loss(
     if is_weights is not None:
         _checks.check_tensor("is_weights", is_weights)
         if is_weights.shape != logprobs.shape:
-            raise ValueError(f"is_weights must be [B, T]={_checks.format_shape(logprobs)} like logprobs, "
+            raise ValueError(f"is_weights must be [B, T]={_checks.format_shape(logprobs)} like "
+                             f"logprobs, "
                              f"got {_checks.format_shape(is_weights)}")
         if is_weights.requires_grad:
             raise ValueError("is_weights require grad; importance weights are constants, pass "
@@ -143,7 +146,8 @@ def clipped_policy_loss(
         denom = mask.sum().clamp_min(1).float()
     elif isinstance(num_tokens, torch.Tensor):
         if num_tokens.numel() != 1:
-            raise ValueError(f"num_tokens must be a scalar, got shape {_checks.format_shape(num_tokens)}")
+            raise ValueError(f"num_tokens must be a scalar, got shape "
+                             f"{_checks.format_shape(num_tokens)}")
         n = num_tokens.reshape(()).float()
         # 0 (an empty batch) divides by 1 and gives loss 0; a negative count is a caller's bug
         # that a host sync would be needed to raise on, so it makes the loss NaN instead
@@ -254,7 +258,8 @@ def truncated_is_weights(
     _checks.check_tensor("old_logprobs", old_logprobs)
     _checks.check_tensor("rollout_logprobs", rollout_logprobs)
     if rollout_logprobs.shape != old_logprobs.shape:
-        raise ValueError(f"rollout_logprobs must be [B, T]={_checks.format_shape(old_logprobs)} like "
+        raise ValueError(f"rollout_logprobs must be [B, T]={_checks.format_shape(old_logprobs)} "
+                         f"like "
                          f"old_logprobs, got {_checks.format_shape(rollout_logprobs)}")
     _checks.check_bool_mask("mask", mask, old_logprobs.shape)
     cap = _checks.check_positive("cap", cap)

@@ -309,7 +309,8 @@ def experiment_config(cfg: DictConfig) -> dict[str, Any]:
 def experiment_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """``key (saved -> current)`` for every experiment key that differs."""
     return [f"{k} ({saved.get(k, '<unset>')!r} -> {current.get(k, '<unset>')!r})"
-            for k in sorted(set(saved) | set(current)) if saved.get(k, "<unset>") != current.get(k, "<unset>")]
+            for k in sorted(set(saved) | set(current))
+            if saved.get(k, "<unset>") != current.get(k, "<unset>")]
 
 
 # What an offline prior (SPO's ``prior_samples`` rollouts of every training prompt by the initial

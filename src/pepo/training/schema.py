@@ -100,7 +100,8 @@ class SamplingConfig:
                                       "(strings in the vocabulary)")
     engine: str = key("torchtune", "where rollouts come from: `torchtune` (pepo's in-process "
                       "KV-cached decoder on the torchtune model) or `vllm` (a colocated vLLM "
-                      "engine; see below)", rule=OneOf(ENGINE_NAMES, f"one of {list(ENGINE_NAMES)}"))
+                      "engine; see below)",
+                      rule=OneOf(ENGINE_NAMES, f"one of {list(ENGINE_NAMES)}"))
     vllm: Any = key(None, "the vLLM engine's options (below), with `engine: vllm`")
 
     @property
