@@ -8,10 +8,13 @@ update (``--rows`` sequences of ``--seq`` tokens: the projections of every layer
 head, forward shapes; the backward runs the same products transposed), in each precision. Then
 the bound: the time those GEMMs would take at the measured rates, three times over (forward,
 and the two products of the backward), i.e. about 6 x parameters x tokens FLOPs. Then the
-update as the recipe runs it (one forward with the log-probs taken from the hidden states in
-chunks, as ``logprobs_from_hidden: true``, the clipped loss, the backward), timed, and its
-achieved rate against the bound. bf16 is ``torch.autocast`` over fp32 weights (master weights
-stay fp32). Every figure is the median of ``--repeats`` after one warm-up, measured in this run.
+update of one micro-batch, timed, and its achieved rate against the bound, two ways: as the
+recipe runs it (``pepo.training.step.policy_logprobs``: the ``[b, S, S]`` attention mask and
+positions of the rows, the log-probs taken from the hidden states in chunks as
+``logprobs_from_hidden: true``; then the clipped loss and the backward), and the same with the
+model's plain causal attention (no mask passed), which shows what the explicit mask costs.
+bf16 is ``torch.autocast`` over fp32 weights (master weights stay fp32). Every figure is the
+median of ``--repeats`` after one warm-up, measured in this run.
 """
 
 from __future__ import annotations
@@ -75,8 +78,10 @@ def main() -> None:
 
     from pepo.entropy import logprobs_and_entropy_from_hidden
     from pepo.loss import clipped_policy_loss
+    from pepo.training.generation import Rollouts
     from pepo.training.hf import architecture_from_hf, load_hf_config
     from pepo.training.pretrained import pretrained_dir
+    from pepo.training.step import policy_logprobs
 
     model_dir = args.model_dir or pretrained_dir(args.model)
     cfg = load_hf_config(model_dir)
@@ -116,6 +121,10 @@ def main() -> None:
     old_lp = torch.full(targets.shape, -2.0, device=device)
     adv = torch.randn(targets.shape, generator=g).to(device)
     plen = args.prompt
+    ro = Rollouts(prompt_tokens=seq[:, :plen],
+                  prompt_mask=torch.ones_like(seq[:, :plen], dtype=torch.bool),
+                  tokens=targets, mask=mask, finished=torch.ones(args.rows, dtype=torch.bool))
+    rows = torch.arange(args.rows)
 
     def head(h: torch.Tensor):
         out = model.output
@@ -123,27 +132,34 @@ def main() -> None:
         return logprobs_and_entropy_from_hidden(model.norm(h)[:, plen - 1 : -1], weight, targets,
                                                 chunk_size=1024, temperature=1.0)
 
-    def update(precision: str) -> None:
+    def update(precision: str, recipe: bool) -> None:
         model.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-            model.unembed = head
-            try:
-                lp, _ = model(seq)
-            finally:
-                del model.unembed
+            if recipe:
+                lp, _ = policy_logprobs(model, ro, rows, chunk_size=1024, temperature=1.0,
+                                        from_hidden=True)
+            else:
+                model.unembed = head
+                try:
+                    lp, _ = model(seq)
+                finally:
+                    del model.unembed
             loss = clipped_policy_loss(lp.float(), old_lp, adv, mask, num_tokens=mask.sum())
         loss.backward()
 
     flops = 6 * params * tokens
     print(f"\n{params / 1e6:.1f}M parameters: 6 x parameters x tokens = {flops / 1e9:.0f} GFLOP "
           f"per micro-batch update (forward + backward)\n")
-    print("| precision | update s | achieved GFLOP/s | GEMM bound s | of the bound |")
-    print("|---|---:|---:|---:|---:|")
+    print("| precision | attention | update s | achieved GFLOP/s | GEMM bound s | of the bound |")
+    print("|---|---|---:|---:|---:|---:|")
     for p in args.precisions:
         bound = sum(3 * count * 2 * m * k * n / (rates[p][name] * 1e9)
                     for name, m, k, n, count in shapes)
-        t = _median_time(lambda: update(p), args.repeats, device)
-        print(f"| {p} | {t:.3f} | {flops / t / 1e9:.0f} | {bound:.3f} | {100 * bound / t:.0f} % |")
+        for recipe in (True, False):
+            t = _median_time(lambda: update(p, recipe), args.repeats, device)
+            how = "the recipe's mask" if recipe else "causal, no mask"
+            print(f"| {p} | {how} | {t:.3f} | {flops / t / 1e9:.0f} | {bound:.3f} | "
+                  f"{100 * bound / t:.0f} % |")
 
 
 if __name__ == "__main__":
