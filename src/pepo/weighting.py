@@ -43,9 +43,12 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 
-from pepo import _checks, _gtpo, _topk
+from pepo import _checks
 from pepo import _windows as _w
-from pepo._gtpo import gtpo_rewards
+from pepo._gtpo import NORMALIZE as GTPO_NORMALIZE
+from pepo._gtpo import check_params as check_gtpo_params
+from pepo._gtpo import dense_ids, gtpo_rewards, shaped, standardized
+from pepo._topk import global_count, select_top
 
 __all__ = [
     "Strategy",
@@ -498,12 +501,12 @@ def global_topk(
             s = _w.proximal(entropies, mask, window, temperature)
         else:
             s = entropies
-        selected, n_valid = _topk.select_top(s, mask, q, process_group)
+        selected, n_valid = select_top(s, mask, q, process_group)
         out = torch.where(selected, advantages[:, None], 0.0)
         # the threshold is over the whole batch: a NaN/inf score anywhere makes all of it NaN
         out = torch.where(torch.isfinite(torch.where(mask, s, 0.0)).all(), out, math.nan)
         if normalize == "selected_tokens":
-            n_selected = _topk.global_count(selected, process_group)
+            n_selected = global_count(selected, process_group)
             if n_selected > 0:
                 out = out * (n_valid / n_selected)
         return out
@@ -552,13 +555,13 @@ def gtpo(alpha1: float = 1.0, alpha2: float = 0.1, normalize: str = "group",
     Needs ``groups=`` (the prompt group of each rollout) when called, and group mode in the
     recipe (a single-stream "group" of one rollout is always all-success or all-failure).
     """
-    alpha1, alpha2, eps = _gtpo.check_params(alpha1, alpha2, eps)
-    normalize = _checks.check_choice("normalize", normalize, _gtpo.NORMALIZE)
+    alpha1, alpha2, eps = check_gtpo_params(alpha1, alpha2, eps)
+    normalize = _checks.check_choice("normalize", normalize, GTPO_NORMALIZE)
 
     def fn(advantages, entropies, mask, positive, groups):
-        gid, n = _gtpo.dense_ids(groups)
-        r = _gtpo.shaped(entropies, mask, positive, gid, n, alpha1, alpha2, eps)  # [B, T] f64
-        return _gtpo.standardized(r, mask, positive, gid, n, normalize)
+        gid, n = dense_ids(groups)
+        r = shaped(entropies, mask, positive, gid, n, alpha1, alpha2, eps)  # [B, T] f64
+        return standardized(r, mask, positive, gid, n, normalize)
 
     return fn
 
