@@ -120,6 +120,10 @@ def direct_uniform(adv, ent, mask):
     return torch.where(mask, adv[:, None], 0.0)
 
 
+def direct_gtpo(adv, ent, mask):  # no direct formulation to compare with: a dash
+    return None
+
+
 STRATEGIES: dict[str, tuple[Callable, Callable]] = {
     "uniform": (pw.get_strategy("uniform"), direct_uniform),
     "entropy_bonus": (pw.get_strategy("entropy_bonus"), direct_entropy_bonus),
@@ -207,6 +211,7 @@ def memory_child(spec: dict) -> None:
     if spec["what"] == "strategy":
         adv, ent, mask = ragged_batch(spec["b"], spec["t"], device)
         fn = STRATEGIES[spec["name"]][0 if spec["impl"] == "ours" else 1]
+        pw.set_compile(False)  # the memory of the strategies as written (compiled: less or equal)
         run = lambda: fn(adv, ent, mask)  # noqa: E731
     else:
         inputs, targets = _entropy_workload(spec["kind"], device, spec["b"], spec["t"], spec["v"],
@@ -281,6 +286,121 @@ def bench_weighting(device: str, repeats: int, shapes: list[tuple[int, int]], me
             )
 
 
+# ------------------------------------------------------------------------------ GPU: syncs, floor
+
+
+def time_calls(fn: Callable[[], object], calls: int = 50, rounds: int = 5) -> float:
+    """Median over ``rounds`` of the mean seconds per call of ``calls`` back-to-back calls,
+    timed with CUDA events: what a training loop sees, launches and host waits included."""
+    fn()
+    if not torch.cuda.is_available():  # the table's CPU rehearsal: host clock
+        times = []
+        for _ in range(rounds):
+            s = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times.append((time.perf_counter() - s) / calls)
+        return statistics.median(times)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    return statistics.median(times)
+
+
+def time_synced(fn: Callable[[], object], calls: int = 15) -> float:
+    """Median seconds of single calls, each between two device syncs (host clock): a call
+    made alone, launch latency and host waits included."""
+    fn()
+    times = []
+    for _ in range(calls):
+        _sync("cuda" if torch.cuda.is_available() else "cpu")
+        s = time.perf_counter()
+        fn()
+        _sync("cuda" if torch.cuda.is_available() else "cpu")
+        times.append(time.perf_counter() - s)
+    return statistics.median(times)
+
+
+def count_syncs(fn: Callable[[], object]) -> int:
+    """Host syncs of one call, as ``torch.cuda.set_sync_debug_mode("warn")`` reports them."""
+    import warnings
+
+    if not torch.cuda.is_available():
+        return -1
+    fn()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def bench_weighting_gpu(device: str, shapes: list[tuple[int, int]], calls: int) -> None:
+    """Each strategy unvalidated (compiled, and as written), validated, and its direct
+    formulation, against the read-once floor ``(H * mask).sum()``; host syncs per call."""
+    gpu = torch.cuda.get_device_name() if device.startswith("cuda") else device
+    print(f"\n## Weighting strategies on {gpu} (W = {WINDOW}, fp32, "
+          f"ragged 25-100% of T; µs per call, mean of {calls} back-to-back calls, median of 5)"
+          f"\n")
+    print("| strategy | shape | floor | validate=False | ×floor | as written | validate=True | "
+          "direct | direct/pepo | alone: floor / False / direct | syncs False / True / direct |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|")
+    rows = []
+    for b, t in shapes:
+        adv, ent, mask = ragged_batch(b, t, device)
+        groups = torch.arange(b, device=device) // 8
+        positive = adv > 0
+        floor = time_calls(lambda: (ent * mask).sum(), calls)
+        floor_alone = time_synced(lambda: (ent * mask).sum())
+        for name, (ours, direct) in [*STRATEGIES.items(), ("gtpo", (pw.get_strategy("gtpo"),
+                                                                     direct_gtpo))]:
+            kw = {"positive": positive, "groups": groups}
+            def unchecked():
+                return ours(adv, ent, mask, validate=False, **kw)
+            def checked():
+                return ours(adv, ent, mask, **kw)
+            d_fn = (lambda: direct(adv, ent, mask)) if direct(adv, ent, mask) is not None else None
+            if d_fn is not None and not name.startswith("global_topk"):
+                torch.testing.assert_close(unchecked(), d_fn(), rtol=1e-4, atol=1e-5)
+            t_false = time_calls(unchecked, calls)
+            pw.set_compile(False)
+            t_eager = time_calls(unchecked, calls)
+            pw.set_compile(True)
+            t_true = time_calls(checked, calls)
+            t_direct = time_calls(d_fn, calls) if d_fn else math.nan
+            alone = (time_synced(unchecked), time_synced(d_fn) if d_fn else math.nan)
+            syncs = (count_syncs(unchecked), count_syncs(checked),
+                     count_syncs(d_fn) if d_fn else "-")
+            row = {"strategy": name, "shape": [b, t], "floor_us": floor * 1e6,
+                   "validate_false_us": t_false * 1e6, "as_written_us": t_eager * 1e6,
+                   "validate_true_us": t_true * 1e6, "direct_us": t_direct * 1e6,
+                   "syncs": syncs, "floor_alone_us": floor_alone * 1e6,
+                   "validate_false_alone_us": alone[0] * 1e6, "direct_alone_us": alone[1] * 1e6}
+            rows.append(row)
+            direct_txt = "—" if d_fn is None else f"{t_direct * 1e6:,.0f}"
+            ratio = "—" if d_fn is None else f"{t_direct / t_false:.2f}x"
+            print(f"| {name} | [{b}, {t}] | {floor * 1e6:,.0f} | {t_false * 1e6:,.0f} | "
+                  f"{t_false / floor:.1f} | {t_eager * 1e6:,.0f} | {t_true * 1e6:,.0f} | "
+                  f"{direct_txt} | {ratio} | {floor_alone * 1e6:,.0f} / {alone[0] * 1e6:,.0f} / "
+                  f"{alone[1] * 1e6:,.0f} | {syncs[0]} / {syncs[1]} / {syncs[2]} |",
+                  flush=True)
+    out = os.environ.get("PEPO_BENCH_JSON")
+    if out:
+        with open(out, "w", encoding="utf-8") as f:
+            json.dump(rows, f, indent=1)
+
+
 def bench_topk_large(device: str) -> None:
     n = 2**25
     b = 1024
@@ -348,6 +468,7 @@ def main() -> None:
                         "no memory runs (the full run takes about 5 minutes and 12.5 GB of RAM "
                         "on a 2-core CPU)")
     p.add_argument("--memory-child", help=argparse.SUPPRESS)
+    p.add_argument("--sync-table", action="store_true", help=argparse.SUPPRESS)  # CPU rehearsal
     args = p.parse_args()
     if args.quick:
         args.repeats, args.no_memory = 1, True
@@ -364,7 +485,10 @@ def main() -> None:
               "--quick checks that it runs in seconds)\n", flush=True)
     if args.only in (None, "weighting"):
         shapes = [(16, 512)] if args.quick else [(256, 4096), (32, 32768)]
-        bench_weighting(args.device, args.repeats, shapes, memory)
+        if args.device.startswith("cuda") or args.sync_table:
+            bench_weighting_gpu(args.device, shapes, 5 if args.quick else 50)
+        if not args.device.startswith("cuda") or memory:  # on a GPU: for its memory columns
+            bench_weighting(args.device, args.repeats, shapes, memory)
     if args.only in (None, "topk") and not args.quick:
         bench_topk_large(args.device)
     if args.only in (None, "entropy"):

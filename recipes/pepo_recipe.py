@@ -451,7 +451,7 @@ class PEPORecipe(FTRecipeInterface):
         # skips the optimizer steps they reach instead of the strategy raising
         traj.token_advantages = self.strategy(
             traj.advantages, traj.entropies, traj.mask, positive=traj.success,
-            groups=traj.groups, process_group=self.dist.group, check_finite=False)  # [b, T]
+            groups=traj.groups, process_group=self.dist.group, validate=False)  # [b, T]
         t_update = time.perf_counter()
         stats = self._update(traj)
         stats.times = {"gen_time": t_gen, "logprob_time": t_lp,

@@ -120,7 +120,7 @@ def test_fast_and_log_paths_agree():
     from pepo._windows import Rows, proximal_compact
 
     _, ent, mask = ragged_batch([1, 5, 50, 300], 300, seed=9)
-    rows = Rows(torch.where(mask, ent, 0.0), mask, is_prefix=True)
+    rows = Rows(torch.where(mask, ent, 0.0), mask)
     shift = rows.x.amax(dim=1)
     fast = proximal_compact(rows, 101, 1.0, exact_log=False, shift=shift)
     slow = proximal_compact(rows, 101, 1.0, exact_log=True, shift=shift)
@@ -339,7 +339,7 @@ def test_the_old_name_linear_proximal_entropy_is_the_same_function_and_warns():
         pw.linear_proximal_entropy(bad, ones, window=3)
     with pytest.warns(FutureWarning):
         assert torch.isnan(
-            pw.linear_proximal_entropy(bad, ones, window=3, check_finite=False)
+            pw.linear_proximal_entropy(bad, ones, window=3, check_finite=False)  # its own name
         ).any()
 
 
@@ -347,10 +347,12 @@ def test_window_average_entropy_refuses_negative_entropies():
     mask = torch.ones(1, 3, dtype=torch.bool)
     with pytest.raises(ValueError, match="entropies must be >= 0 .* value of -0.5"):
         pw.window_average_entropy(torch.tensor([[0.2, -0.5, 0.1]]), mask, window=3)
-    with pytest.raises(ValueError, match="entropies must be >= 0 .* value of -0.5"):  # unchecked
-        pw.window_average_entropy(
-            torch.tensor([[0.2, -0.5, 0.1]]), mask, window=3, check_finite=False
-        )
+    # validate=False reads no value on the host, so it cannot refuse: a negative entropy counts
+    # as 0 (windows [0, .2, 0], [.2, 0, .1], [0, .1, 0]); catches a sync-free path that lets it
+    # through (r_1 = -0.5 / -0.2 = 2.5)
+    r = pw.window_average_entropy(torch.tensor([[0.2, -0.5, 0.1]]), mask, window=3,
+                                  validate=False)
+    torch.testing.assert_close(r, torch.tensor([[1.0, 0.0, 1.0]]))
     # fp32 rounding just below 0 counts as 0
     r = pw.window_average_entropy(torch.tensor([[0.2, -1e-7, 0.1]]), mask, window=3)
     assert r[0, 1] == 0.0
@@ -596,7 +598,7 @@ def test_check_finite_false_skips_the_check():
     s = pw.get_strategy("uniform")
     adv, ent, mask = ragged_batch([4], 4)
     ent[0, 1] = float("nan")
-    out = s(adv, ent, mask, check_finite=False)  # uniform ignores entropies
+    out = s(adv, ent, mask, validate=False)  # uniform ignores entropies
     assert torch.isfinite(out).all()
 
 
@@ -629,7 +631,7 @@ def test_check_finite_false_propagates_nan_never_a_finite_guess(name, bad):
     adv = torch.tensor([1.0, 0.5])
     ent[0, 2] = bad
     out = pw.get_strategy(name, **({"window": 3} if name != "entropy_bonus" else {}))(
-        adv, ent, mask, check_finite=False)
+        adv, ent, mask, validate=False)
     if name == "entropy_bonus":  # token-local: only the bad token
         assert not torch.isfinite(out[0, 2]) and torch.isfinite(out[1][mask[1]]).all()
     elif name == "global_topk":  # batch threshold: everything
@@ -745,7 +747,7 @@ def test_weighted_advantages_that_overflow_are_refused_not_inf(name, a):
                        match=rf"strategy '{name}' turned finite inputs into \d+ non-finite "
                              r"token advantages \(\|A\| up to 3e\+38\)"):
         pw.get_strategy(name, **params)(torch.tensor([a]), ent, mask)
-    out = pw.get_strategy(name, **params)(torch.tensor([a]), ent, mask, check_finite=False)
+    out = pw.get_strategy(name, **params)(torch.tensor([a]), ent, mask, validate=False)
     assert not torch.isfinite(out).all()  # what the check stops
 
 
@@ -917,6 +919,6 @@ def test_gtpo_propagates_a_bad_entropy_to_its_group_as_nan(bad):
     groups = torch.tensor([0, 0, 1, 1])
     ent[1, 2] = bad  # a failure's token: 1/inf would be a finite 0
     out = pw.get_strategy("gtpo")(
-        adv, ent, mask, positive=positive, groups=groups, check_finite=False
+        adv, ent, mask, positive=positive, groups=groups, validate=False
     )
     assert torch.isnan(out[:2][mask[:2]]).all() and torch.isfinite(out[2:]).all()

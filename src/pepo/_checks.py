@@ -164,40 +164,43 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
 def nonfinite_message(name: str, count: int) -> str:
     return (
         f"{name} holds {count} NaN/inf value(s) at valid (mask=True) positions; "
-        f"fix the producer, or pass check_finite=False to skip this check"
+        f"fix the producer, or pass validate=False to skip this check"
     )
 
 
 def check_finite_clean(
-    *, output: Optional[tuple[str, torch.Tensor]] = None, **tensors: torch.Tensor
-) -> None:
-    """Raises if a tensor (already 0 at masked positions) holds NaN/inf, if ``entropies`` holds
-    a value below ``-NEGATIVE_TOLERANCE`` (an entropy is never negative: one rule for every
-    strategy), or if ``output`` (a strategy's name and its token advantages, computed from these
-    inputs) overflowed. One host sync: a sum per tensor is cheaper than an isfinite pass; the
-    counts are taken only on failure."""
+    *, output: Optional[torch.Tensor] = None, **tensors: torch.Tensor
+) -> bool:
+    """Raises if a tensor (already 0 at masked positions) holds NaN/inf, or if ``entropies``
+    holds a value below ``-NEGATIVE_TOLERANCE`` (an entropy is never negative: one rule for
+    every strategy). Returns whether ``output`` (computed from these inputs; None: not checked)
+    is finite everywhere, for the caller to redo or refuse.
+
+    One host sync: a sum per tensor is cheaper than an isfinite pass; the counts are taken only
+    on failure."""
     stats = [t.sum() for t in tensors.values()]
     ent = tensors.get("entropies")
     if ent is not None:
         stats.append(ent.amin() if ent.numel() else ent.new_zeros(()))
     if output is not None:
-        stats.append(torch.isfinite(output[1]).all().float())
-    stats = torch.stack(stats).tolist()
-    if all(math.isfinite(x) for x in stats[: len(tensors)]) and (
-        ent is None or stats[len(tensors)] >= -_windows.NEGATIVE_TOLERANCE
-    ) and (output is None or stats[-1] == 1.0):
-        return
-    for name, t in tensors.items():
-        bad = int((~torch.isfinite(t)).sum())
-        if bad:
-            raise ValueError(nonfinite_message(name, bad))
-    if ent is not None and stats[len(tensors)] < -_windows.NEGATIVE_TOLERANCE:
-        raise ValueError(_windows.negative_entropy_message(stats[len(tensors)]))
-    if output is not None and stats[-1] != 1.0:
-        name, out = output
-        adv = tensors["advantages"]
-        raise ValueError(
-            f"strategy {name!r} turned finite inputs into {int((~torch.isfinite(out)).sum())} "
-            f"non-finite token advantages (|A| up to {float(adv.abs().max()):.4g}): the weighted "
-            f"advantages overflow float32; scale the rewards or advantages down"
-        )
+        stats.append(torch.isfinite(output).all().float())
+    stats = torch.stack([x.float() for x in stats]).tolist()
+    inputs_ok = all(math.isfinite(x) for x in stats[: len(tensors)]) and (
+        ent is None or stats[len(tensors)] >= -_windows.NEGATIVE_TOLERANCE)
+    if not inputs_ok:
+        for name, t in tensors.items():
+            bad = int((~torch.isfinite(t)).sum())
+            if bad:
+                raise ValueError(nonfinite_message(name, bad))
+        if ent is not None and stats[len(tensors)] < -_windows.NEGATIVE_TOLERANCE:
+            raise ValueError(_windows.negative_entropy_message(stats[len(tensors)]))
+        # else only a sum of finite values overflowed: the inputs are fine
+    return output is None or stats[-1] == 1.0
+
+
+def overflow_message(name: str, out: torch.Tensor, adv: torch.Tensor) -> str:
+    return (
+        f"strategy {name!r} turned finite inputs into {int((~torch.isfinite(out)).sum())} "
+        f"non-finite token advantages (|A| up to {float(adv.abs().max()):.4g}): the weighted "
+        f"advantages overflow float32; scale the rewards or advantages down"
+    )

@@ -19,6 +19,7 @@ def group_advantages(
     normalize_std: bool = True,
     unbiased: bool = True,
     eps: float = 1e-6,
+    validate: bool = True,
 ) -> torch.Tensor:
     """GRPO advantages, Eq. (1), for rollouts laid out in contiguous groups.
 
@@ -28,6 +29,9 @@ def group_advantages(
         normalize_std: divide by the group's std (GRPO); False gives Dr. GRPO's ``r - mean``.
         unbiased: Bessel-corrected std (``torch.std`` default, as TRL and verl use).
         eps: added to the std (verl: 1e-6, TRL: 1e-4).
+        validate: refuse non-finite rewards and advantages that overflow, in one host sync.
+            With False the call reads no value on the host (a GPU never waits on it): a
+            non-finite reward makes its group's advantages NaN.
 
     Shape:
         rewards: ``[N]`` with ``N % G == 0``; returns ``[N]`` fp32 (fp64 for fp64 rewards).
@@ -53,9 +57,6 @@ def group_advantages(
         raise ValueError(f"eps must be a finite number >= 0, got {eps}")
     out_dtype = torch.promote_types(rewards.dtype, torch.float32)  # fp64 stays fp64
     r = rewards.detach().to(out_dtype).view(-1, group_size)  # [N/G, G]
-    bad = int((~torch.isfinite(r)).sum())
-    if bad:
-        raise ValueError(_checks.nonfinite_message("rewards", bad).split(";")[0])
     # Scaled by a power of two per group (exact: the same numbers as unscaled wherever those do
     # not overflow), so that rewards near the dtype's limit do not overflow the mean or the std
     # (which gave a silent 0 advantage); fp64 is not used, as not every device has it.
@@ -72,8 +73,16 @@ def group_advantages(
     else:
         centred = centred * scale
     degenerate = (r.amax(dim=1) == r.amin(dim=1))[:, None]  # [N/G, 1]
-    out = torch.where(degenerate, 0.0, centred).reshape(-1)
-    if not bool(torch.isfinite(out).all()):
+    # a non-finite reward makes its whole group NaN (an inf group is otherwise "degenerate")
+    finite = torch.isfinite(r).all(dim=1, keepdim=True)
+    out = torch.where(finite, torch.where(degenerate, 0.0, centred), math.nan).reshape(-1)
+    if not validate:
+        return out
+    bad, ok = torch.stack([(~torch.isfinite(r)).sum().to(out_dtype),
+                           torch.isfinite(out).all().to(out_dtype)]).tolist()  # one sync
+    if bad:
+        raise ValueError(_checks.nonfinite_message("rewards", int(bad)).split(";")[0])
+    if not ok:
         raise ValueError(
             f"the advantages r - mean overflow {out_dtype} (rewards from "
             f"{float(r.min()):.4g} to {float(r.max()):.4g}); scale the rewards down or "

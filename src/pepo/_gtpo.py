@@ -80,17 +80,21 @@ def check_params(alpha1: Any, alpha2: Any, eps: Any) -> tuple[float, float, floa
 
 
 def dense_ids(groups: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``groups`` renumbered 0..n-1, and n."""
-    if groups.numel() == 0:
+    """``groups`` renumbered ``0 .. m-1`` in sorted order of the ids (``m`` distinct ids), and a
+    bound on ``m`` from the shape alone (``B``), so that nothing is read on the host."""
+    b = groups.numel()
+    if b == 0:
         return groups.long(), 0
-    uniq, inverse = torch.unique(groups, return_inverse=True)
-    return inverse, int(uniq.numel())
+    ordered, perm = torch.sort(groups.reshape(-1))
+    new = torch.ones_like(ordered, dtype=torch.long)
+    new[1:] = (ordered[1:] != ordered[:-1]).long()
+    return torch.empty_like(new).scatter_(0, perm, new.cumsum(0) - 1), b
 
 
 def shaped(ent: torch.Tensor, mask: torch.Tensor, positive: torch.Tensor, gid: torch.Tensor,
                  n: int, alpha1: float, alpha2: float, eps: float) -> torch.Tensor:
     """Eqs. 3 and 5 in float64: ``[B, T]``, 0 where ``mask`` is False. ``gid`` are the rows'
-    groups numbered ``0 .. n-1`` (:func:`_dense_ids`)."""
+    groups numbered below ``n`` (:func:`dense_ids`)."""
     t_max = mask.shape[1]
     h = ent.double()
     # what each token contributes to its side's share: H on O+, 1/(H + eps) on O-; an inf
@@ -101,9 +105,9 @@ def shaped(ent: torch.Tensor, mask: torch.Tensor, positive: torch.Tensor, gid: t
     side = (~positive).long()  # 0: O+, 1: O-
     index = mask.long().cumsum(1) - 1  # [B, T]
     bucket = torch.where(mask, (gid * 2 + side)[:, None] * t_max + index, 0)
-    keys, vals = bucket[mask], val[mask]
+    keys, vals = bucket.reshape(-1), torch.where(mask, val, 0.0).reshape(-1)  # masked: add 0
     total = vals.new_zeros(max(n * 2 * t_max, 1)).index_add_(0, keys, vals)
-    count = vals.new_zeros(total.shape).index_add_(0, keys, torch.ones_like(vals))
+    count = vals.new_zeros(total.shape).index_add_(0, keys, mask.reshape(-1).double())
     s, c = total[bucket], count[bucket]  # [B, T]: the token's side at its position
     uniform = torch.where(torch.isnan(s), math.nan, 1.0)  # NaN stays NaN, never uniform
     share_x_count = torch.where(s > 0, val / torch.where(s > 0, s, 1.0) * c, uniform)

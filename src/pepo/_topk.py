@@ -1,5 +1,11 @@
 """Batch-global top-k selection for ``global_topk`` (80/20): the threshold over every valid token
-of the batch, and of every rank of a process group, never per row."""
+of the batch, and of every rank of a process group, never per row.
+
+Nothing here reads a value on the host: counts stay on the device, the number of tokens to keep
+is computed there, and the threshold is read off a ``topk`` whose size depends on the batch's
+shape alone (one process) or found by a bisection over the scores' bit patterns, one
+``all_reduce`` of a count per bit (a process group, where the ranks' batches differ in size).
+"""
 
 from __future__ import annotations
 
@@ -7,47 +13,69 @@ import math
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 
 __all__: list[str] = []
 
 
+def keep_count(n: torch.Tensor, q: float) -> torch.Tensor:
+    """How many of ``n`` scores ``s >= torch.quantile(s, q)`` keeps, on the device (int64).
+
+    ``torch.quantile``'s linear interpolation puts the threshold between ``sorted[floor(q(n-1))]``
+    and ``sorted[ceil(q(n-1))]``; ``s >= threshold`` then keeps exactly the elements from sorted
+    index ``ceil(q(n-1))`` up: the ``k = n - ceil(q(n-1))`` largest, ties at the k-th included.
+    ``q(n-1)`` is one float64 product, as in Python. ``k`` never decreases as ``n`` grows.
+    """
+    return n - torch.ceil((n - 1).double() * q).long()
+
+
+def _keep_count_int(n: int, q: float) -> int:
+    return n - math.ceil(q * (n - 1))
+
+
+def order_keys(scores: torch.Tensor) -> torch.Tensor:
+    """int64 keys in ``[0, 2^32)`` ordered as the fp32 ``scores`` (``-0.0`` as ``+0.0``, NaN
+    above ``+inf``)."""
+    bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into +0.0
+    keys = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negatives: reverse their order
+    return keys.long() + 2**31
+
+
 def select_top(
     scores: torch.Tensor, mask: torch.Tensor, q: float, process_group: Optional[Any]
-) -> tuple[torch.Tensor, int]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens with ``score >= quantile_q(valid scores)`` over the batch (and all ranks).
 
-    Returns the ``[B, T]`` bool selection and the global valid count.
+    Returns the ``[B, T]`` bool selection and the global valid count (a 0-dim int64 tensor).
     """
-    flat = torch.where(mask, scores.float(), -math.inf).reshape(-1)  # [B*T]
     n = global_count(mask, process_group)
-    if n == 0:
-        return torch.zeros_like(mask), 0
-    # torch.quantile's linear interpolation puts the threshold between sorted[floor(q(n-1))] and
-    # sorted[ceil(q(n-1))]; `s >= threshold` then keeps exactly the elements from sorted index
-    # ceil(q(n-1)) up, i.e. the k largest with ties at the k-th included.
-    k = n - math.ceil(q * (n - 1))
-    if process_group is None:
-        threshold = flat.kthvalue(flat.numel() - k + 1).values
-    else:
+    k = keep_count(n, q)
+    if process_group is not None:
+        keys = torch.where(mask, order_keys(scores), -1)  # masked keys count for nothing
+        threshold = torch.zeros((), dtype=torch.long, device=keys.device)
         import torch.distributed as dist
 
-        k_local = min(k, flat.numel())
-        top = flat.topk(k_local).values if k_local > 0 else flat.new_empty(0)
-        if k_local < k:
-            top = F.pad(top, (0, k - k_local), value=-math.inf)
-        gathered = [torch.empty_like(top) for _ in range(dist.get_world_size(process_group))]
-        dist.all_gather(gathered, top, group=process_group)
-        everything = torch.cat(gathered)
-        threshold = everything.kthvalue(everything.numel() - k + 1).values
-    return mask & (scores.float() >= threshold), n
+        for bit in range(31, -1, -1):  # the largest key with >= k keys at or above it
+            candidate = threshold + (1 << bit)
+            count = (keys >= candidate).sum().reshape(1)  # gloo reduces 1-dim tensors
+            dist.all_reduce(count, group=process_group)
+            threshold = torch.where(count[0] >= k, candidate, threshold)
+        return mask & (keys >= threshold) & (n > 0), n
+    flat = torch.where(mask, scores.float(), -math.inf).reshape(-1)  # [B*T]
+    if flat.numel() == 0:
+        return torch.zeros_like(mask), n
+    # k <= k_max: the count at n = B*T, a bound from the shape alone
+    k_max = _keep_count_int(flat.numel(), q)
+    top = flat.topk(k_max, sorted=True).values  # [k_max], descending
+    threshold = top.gather(0, (k - 1).clamp(0, k_max - 1).reshape(1))  # [1]: no host read
+    return mask & (scores.float() >= threshold) & (n > 0), n
 
 
-def global_count(flags: torch.Tensor, process_group: Optional[Any]) -> int:
-    """Number of True entries of ``flags``, summed over the ranks of ``process_group``."""
-    total = flags.sum().reshape(1)
+def global_count(flags: torch.Tensor, process_group: Optional[Any]) -> torch.Tensor:
+    """Number of True entries of ``flags``, summed over the ranks of ``process_group``: a 0-dim
+    int64 tensor on ``flags``' device."""
+    total = flags.sum().reshape(1)  # gloo reduces 1-dim tensors
     if process_group is not None:
         import torch.distributed as dist
 
         dist.all_reduce(total, group=process_group)
-    return int(total)
+    return total[0]

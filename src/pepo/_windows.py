@@ -19,8 +19,9 @@ Every function here works on *cleaned* entropies: fp32, 0 where ``mask`` is Fals
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -29,6 +30,11 @@ __all__: list[str] = []
 # exp(-80) ~ 1.8e-35 is still a normal fp32 number; a row whose scaled entropies span more than
 # this could underflow a whole window to 0 in the shifted-exp path.
 EXP_SAFE_RANGE = 80.0
+
+# The entropy of a distribution over V tokens is at most log V: 24 nats is a vocabulary of
+# 2.6e10 tokens. Where EXP_SAFE_RANGE * τ covers this span the shifted exp is exact for every
+# real entropy, so :func:`proximal` chooses its path from the temperature, on no value.
+ENTROPY_SPAN = 24.0
 
 # Entropies computed in fp32 can come out a few ulps below 0; the linear statistic treats
 # values down to this as 0 and refuses anything more negative (an entropy is never negative).
@@ -65,58 +71,24 @@ class Rows:
         x: ``[B, T]`` fp32; row ``i`` holds its ``L_i`` valid values in order, then values no
             valid token's window reaches.
         lengths: ``[B]`` int64, ``L_i``.
-        pos: ``[B, T]`` int64, for each original position the index of its value in ``x``;
-            ``None`` when every mask is already a prefix (``x`` is then the input as given).
+        pos: ``[B, T]`` int64, for each original position the index of its value in ``x``.
+
+    The compaction runs whatever the mask (a prefix mask included): deciding that it could be
+    skipped would read the mask on the host.
     """
 
-    def __init__(self, clean: torch.Tensor, mask: torch.Tensor, is_prefix: bool):
+    def __init__(self, clean: torch.Tensor, mask: torch.Tensor):
         self.lengths = mask.sum(dim=1)  # [B]
-        if is_prefix:
-            self.x = clean
-            self.pos = None
-        else:
-            b, t = mask.shape
-            pos = mask.long().cumsum(dim=1) - 1  # [B, T]
-            buf = clean.new_zeros(b, t + 1)  # column t is a sink for masked positions
-            buf.scatter_(1, torch.where(mask, pos, t), clean)
-            self.x = buf[:, :t]
-            self.pos = pos.clamp_min(0)
+        b, t = mask.shape
+        pos = mask.long().cumsum(dim=1) - 1  # [B, T]
+        buf = clean.new_zeros(b, t + 1)  # column t is a sink for masked positions
+        buf.scatter_(1, torch.where(mask, pos, t), clean)
+        self.x = buf[:, :t]
+        self.pos = pos.clamp_min(0)
 
     def expand(self, compact: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Maps a ``[B, T]`` result on compact positions back to the original positions."""
-        out = compact if self.pos is None else compact.gather(1, self.pos)
-        return torch.where(mask, out, 0.0)
-
-
-class Scan(NamedTuple):
-    """What one host sync tells about a cleaned batch (see :func:`scan`)."""
-
-    is_prefix: bool  # every row's mask is a prefix (no compaction needed)
-    exact_log: bool  # some row's H/τ range exceeds what the shifted exp can hold
-    shift: Optional[torch.Tensor]  # [B] each row's maximum of H/τ (the exp shift)
-    minimum: float  # the smallest cleaned value (0 at padding included)
-
-
-def scan(clean: torch.Tensor, mask: torch.Tensor, temperature: Optional[float] = None) -> Scan:
-    """One host sync for everything the kernels need to know before they run.
-
-    The range is taken over whole rows, padding zeros included: an over-estimate, so the exact
-    log path is taken whenever the shifted exp could underflow (and a little more often).
-    """
-    lo, hi = torch.aminmax(clean, dim=1)  # [B] each
-    flags = [
-        (mask[:, 1:] > mask[:, :-1]).any().float(),  # a valid token after a masked one
-        lo.amin() if lo.numel() else clean.new_zeros(()),
-    ]
-    if temperature is not None:
-        flags.append(((hi - lo) > EXP_SAFE_RANGE * temperature).any().float())
-    values = torch.stack(flags).tolist()
-    return Scan(
-        is_prefix=not values[0],
-        exact_log=bool(values[2]) if temperature is not None else False,
-        shift=hi / temperature if temperature is not None else None,
-        minimum=values[1],
-    )
+        return torch.where(mask, compact.gather(1, self.pos), 0.0)
 
 
 def padded_buffer(x: torch.Tensor, lengths: torch.Tensor, window: int,
@@ -179,7 +151,8 @@ def window_logsumexp(buf: torch.Tensor, window: int, t: int) -> torch.Tensor:
 
 
 def proximal_compact(
-    rows: Rows, window: int, temperature: float, exact_log: bool, shift: torch.Tensor
+    rows: Rows, window: int, temperature: float, exact_log: bool,
+    shift: Optional[torch.Tensor],
 ) -> torch.Tensor:
     """Eq. (6) on compact rows: ``e_t = exp(H_t/τ) / Σ_{k∈W(t)} exp(H_k/τ)``. ``[B, T]``.
 
@@ -200,30 +173,53 @@ def _empty(mask: torch.Tensor) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
 
 
+_EXACT = False
+
+
+@contextlib.contextmanager
+def exact_windows() -> Iterator[None]:
+    """Within it, :func:`proximal` takes the log-domain path at every temperature: the redo of a
+    call whose rows were too wide for the shifted exp (see :func:`proximal`). A module global,
+    not per thread: the redo is rare and short."""
+    global _EXACT
+    before, _EXACT = _EXACT, True
+    try:
+        yield
+    finally:
+        _EXACT = before
+
+
 def proximal(clean: torch.Tensor, mask: torch.Tensor, window: int,
              temperature: float) -> torch.Tensor:
-    """Proximal entropy (Eq. 6) of cleaned entropies. ``[B, T]``, 0 where masked."""
+    """Proximal entropy (Eq. 6) of cleaned entropies. ``[B, T]``, 0 where masked.
+
+    Reads no value on the host. The path is chosen from the temperature alone: where
+    ``EXP_SAFE_RANGE * τ`` covers ``ENTROPY_SPAN`` (every entropy of a real vocabulary) the
+    shifted exp, else the exact log-domain path. A row whose ``H/τ`` range exceeds what the
+    shifted exp holds (entropies above ``ENTROPY_SPAN`` nats, which no vocabulary has) comes out
+    NaN rather than imprecise; the validating callers then redo the call inside
+    :func:`exact_windows`, which gives the exact values.
+    """
     if mask.numel() == 0:
         return _empty(mask)
-    s = scan(clean, mask, temperature)
-    rows = Rows(clean, mask, s.is_prefix)
-    return rows.expand(proximal_compact(rows, window, temperature, s.exact_log, s.shift), mask)
+    rows = Rows(clean, mask)
+    if _EXACT or EXP_SAFE_RANGE * temperature < ENTROPY_SPAN:
+        return rows.expand(proximal_compact(rows, window, temperature, True, None), mask)
+    lo, hi = torch.aminmax(clean, dim=1)  # [B] each, padding zeros included (an over-estimate)
+    e = proximal_compact(rows, window, temperature, False, hi / temperature)
+    wide = (hi - lo) > EXP_SAFE_RANGE * temperature  # [B]
+    return rows.expand(torch.where(wide[:, None], math.nan, e), mask)
 
 
 def window_average(clean: torch.Tensor, mask: torch.Tensor, window: int) -> torch.Tensor:
     """``r_t = H_t / Σ_{k∈W(t)} H_k`` of cleaned entropies, ``1/W`` where the window sums to 0.
 
-    ``[B, T]``, 0 where masked.
-
-    Raises:
-        ValueError: a valid entropy below ``-NEGATIVE_TOLERANCE`` (the ratio needs H >= 0).
+    ``[B, T]``, 0 where masked. Reads no value on the host: valid entropies below 0 count as 0
+    here, and the validating callers refuse those below ``-NEGATIVE_TOLERANCE``.
     """
     if mask.numel() == 0:
         return _empty(mask)
-    s = scan(clean, mask)
-    if s.minimum < -NEGATIVE_TOLERANCE:
-        raise ValueError(negative_entropy_message(s.minimum))
-    rows = Rows(clean.clamp_min(0.0), mask, s.is_prefix)
+    rows = Rows(clean.clamp_min(0.0), mask)
     t = rows.x.shape[1]
     total = window_sum(padded_buffer(rows.x, rows.lengths, window, 1.0), window, t)  # [B, T]
     positive = total > 0

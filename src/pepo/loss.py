@@ -95,6 +95,8 @@ def clipped_policy_loss(
     eps_high: float = 0.28,
     num_tokens: Optional[Union[int, torch.Tensor]] = None,
     is_weights: Optional[torch.Tensor] = None,
+    *,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Clipped policy-gradient loss (to minimise), token-level mean, Eq. (2)/(8).
 
@@ -114,6 +116,9 @@ def clipped_policy_loss(
             :func:`truncated_is_weights`) multiplying each token's clipped term: the
             correction for rollouts sampled by an engine whose probabilities differ from the
             trainer's.
+        validate: check shapes, dtypes, the mask, the clip range and that ``advantages`` and
+            ``is_weights`` carry no grad (Python checks: no value is read on the host either
+            way). False skips them, for a loop that has checked its tensors once.
 
     Shape:
         logprobs, old_logprobs, advantages, mask: ``[B, T]``; returns a 0-dim fp32 tensor.
@@ -121,8 +126,9 @@ def clipped_policy_loss(
     Raises:
         ValueError: mismatched shapes, non-bool mask, advantages that require grad, bad eps.
     """
-    _check(logprobs, old_logprobs, advantages, mask, eps_low, eps_high)
-    if advantages.requires_grad:
+    if validate:
+        _check(logprobs, old_logprobs, advantages, mask, eps_low, eps_high)
+    if validate and advantages.requires_grad:
         raise ValueError(
             "advantages require grad; token advantages are constants of the objective, "
             "pass advantages.detach() (pepo.weighting strategies already return detached tensors)"
@@ -131,7 +137,7 @@ def clipped_policy_loss(
         logprobs, old_logprobs, advantages, mask, eps_low, eps_high
     )
     per_token = torch.maximum(unclipped, clipped)  # [B, T]
-    if is_weights is not None:
+    if is_weights is not None and validate:
         _checks.check_tensor("is_weights", is_weights)
         if is_weights.shape != logprobs.shape:
             raise ValueError(f"is_weights must be [B, T]={_checks.format_shape(logprobs)} like "
@@ -140,6 +146,7 @@ def clipped_policy_loss(
         if is_weights.requires_grad:
             raise ValueError("is_weights require grad; importance weights are constants, pass "
                              "is_weights.detach()")
+    if is_weights is not None:
         per_token = per_token * is_weights.float()
     per_token = torch.where(mask, per_token, 0.0)
     if num_tokens is None:

@@ -39,7 +39,7 @@ from __future__ import annotations
 import inspect
 import math
 import warnings
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -48,11 +48,13 @@ from pepo import _windows as _w
 from pepo._gtpo import NORMALIZE as GTPO_NORMALIZE
 from pepo._gtpo import check_params as check_gtpo_params
 from pepo._gtpo import dense_ids, gtpo_rewards, shaped, standardized
+from pepo._strategy import Strategy, StrategyFn, compile_enabled, set_compile, validate_flag
 from pepo._topk import global_count, select_top
 
 __all__ = [
     "Strategy",
     "StrategyFn",
+    "compile_enabled",
     "entropy_bonus",
     "get_strategy",
     "global_topk",
@@ -64,25 +66,12 @@ __all__ = [
     "proximal_entropy",
     "proximal_softmax",
     "register_strategy",
+    "set_compile",
     "uniform",
     "weight_rows",
     "window_average",
     "window_average_entropy",
 ]
-
-
-class StrategyFn(Protocol):
-    """What a registered factory returns. ``positive`` may be left out of the signature by
-    strategies that treat every row alike; :class:`Strategy` passes it (and ``groups``) only
-    when declared, by name or through ``**kwargs``."""
-
-    def __call__(
-        self,
-        advantages: torch.Tensor,
-        entropies: torch.Tensor,
-        mask: torch.Tensor,
-        positive: torch.Tensor,
-    ) -> torch.Tensor: ...
 
 
 def proximal_entropy(
@@ -91,7 +80,8 @@ def proximal_entropy(
     window: int = 101,
     temperature: float = 1.0,
     *,
-    check_finite: bool = True,
+    validate: bool = True,
+    check_finite: Optional[bool] = None,
 ) -> torch.Tensor:
     """Proximal entropy, Eq. (6), with the softmax temperature of Appendix F.3.
 
@@ -103,8 +93,10 @@ def proximal_entropy(
         mask: True at valid (generated) tokens.
         window: odd window size ``W >= 1`` (paper: 101).
         temperature: softmax temperature ``τ > 0`` (paper: 1.0).
-        check_finite: raise if ``entropies`` holds NaN/inf at a valid position (one host
-            sync, which this function needs anyway).
+        validate: raise if ``entropies`` holds NaN/inf or a negative value at a valid position
+            (one host sync). With False the call reads no value on the host, and a NaN/inf
+            reaches the output as NaN.
+        check_finite: deprecated name of ``validate``.
 
     Shape:
         entropies: ``[B, T]``; mask: ``[B, T]`` bool; returns ``[B, T]`` fp32, 0 where mask
@@ -113,14 +105,17 @@ def proximal_entropy(
     Raises:
         ValueError: on bad shapes, dtypes, hyper-parameters or non-finite valid entropies.
     """
+    validate = validate_flag(validate, check_finite)
     entropies, mask = _checks.check_entropies_mask(entropies, mask)
     window = _checks.check_window(window)
     temperature = _checks.check_temperature(temperature)
     with torch.no_grad():
         clean = _w.clean(entropies.detach(), mask)
-        if check_finite:
-            _checks.check_finite_clean(entropies=clean)
-        return _w.proximal(clean, mask, window, temperature)
+        e = _w.proximal(clean, mask, window, temperature)
+        if validate and not _checks.check_finite_clean(entropies=clean, output=e):
+            with _w.exact_windows():  # rows too wide for the shifted exp (entropies > 24 nats)
+                e = _w.proximal(clean, mask, window, temperature)
+        return e
 
 
 def window_average_entropy(
@@ -128,7 +123,8 @@ def window_average_entropy(
     mask: torch.Tensor,
     window: int = 101,
     *,
-    check_finite: bool = True,
+    validate: bool = True,
+    check_finite: Optional[bool] = None,
 ) -> torch.Tensor:
     """The ``window_average`` strategy's statistic, Eq. (6) without its softmax (this library's
     reading of App. E's windowed-average diagnostic): ``r_t = H_t / Σ_{k∈W(t)} H_k``.
@@ -143,7 +139,10 @@ def window_average_entropy(
             near-zero entropies, count as 0).
         mask: True at valid (generated) tokens.
         window: odd window size ``W >= 1``.
-        check_finite: raise if ``entropies`` holds NaN/inf at a valid position.
+        validate: raise if ``entropies`` holds NaN/inf or a negative value at a valid position
+            (one host sync). With False the call reads no value on the host: a NaN/inf reaches
+            the output as NaN and negative entropies count as 0.
+        check_finite: deprecated name of ``validate``.
 
     Shape:
         entropies: ``[B, T]``; mask: ``[B, T]`` bool; returns ``[B, T]`` fp32, 0 where mask
@@ -152,11 +151,12 @@ def window_average_entropy(
     Raises:
         ValueError: on bad shapes, dtypes, window, non-finite or negative valid entropies.
     """
+    validate = validate_flag(validate, check_finite)
     entropies, mask = _checks.check_entropies_mask(entropies, mask)
     window = _checks.check_window(window)
     with torch.no_grad():
         clean = _w.clean(entropies.detach(), mask)
-        if check_finite:
+        if validate:
             _checks.check_finite_clean(entropies=clean)
         return _w.window_average(clean, mask, window)
 
@@ -168,7 +168,7 @@ def linear_proximal_entropy(entropies: torch.Tensor, mask: torch.Tensor, window:
     warnings.warn("pepo.weighting.linear_proximal_entropy is deprecated: use "
                   "pepo.weighting.window_average_entropy (the same function)", FutureWarning,
                   stacklevel=2)
-    return window_average_entropy(entropies, mask, window, check_finite=check_finite)
+    return window_average_entropy(entropies, mask, window, validate=check_finite)
 
 
 # --------------------------------------------------------------------------------------------
@@ -176,122 +176,7 @@ def linear_proximal_entropy(entropies: torch.Tensor, mask: torch.Tensor, window:
 # --------------------------------------------------------------------------------------------
 
 _REGISTRY: dict[str, Callable[..., StrategyFn]] = {}
-
-
-def _declares(fn: Callable[..., Any], name: str) -> tuple[bool, bool]:
-    """Whether ``fn`` takes a keyword ``name`` (by that name, or through ``**kwargs``), and
-    whether it requires it (a parameter of that name with no default)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # builtins without a signature
-        return False, False
-    named = [p for p in params if p.name == name and p.kind is not p.VAR_POSITIONAL]
-    takes = bool(named) or any(p.kind is p.VAR_KEYWORD for p in params)
-    return takes, any(p.default is p.empty for p in named)
-
-
-class Strategy:
-    """A weighting strategy bound to its hyper-parameters; call it on a batch.
-
-    ``strategy(advantages, entropies, mask, positive=None)`` validates its inputs (shapes, bool
-    mask, finite values at valid positions), runs the strategy in fp32 without autograd, and
-    returns ``[B, T]`` fp32 token advantages, detached, 0 where ``mask`` is False.
-    """
-
-    def __init__(self, name: str, params: dict[str, Any], fn: StrategyFn):
-        self.name = name
-        self.params = dict(params)
-        self._fn = fn
-        self._pass_positive = _declares(fn, "positive")[0]
-        # a fn that names ``groups`` without a default needs them; one that takes them through
-        # ``**kwargs`` (or ``groups=None``) gets them when the caller has them, else None
-        self._pass_groups, self._needs_groups = _declares(fn, "groups")
-        try:  # only a fn that names it (not one taking **kwargs) gets the process group
-            self._pass_process_group = "process_group" in inspect.signature(fn).parameters
-        except (TypeError, ValueError):
-            self._pass_process_group = False
-
-    def __call__(
-        self,
-        advantages: torch.Tensor,
-        entropies: torch.Tensor,
-        mask: torch.Tensor,
-        *,
-        positive: Optional[torch.Tensor] = None,
-        groups: Optional[torch.Tensor] = None,
-        check_finite: bool = True,
-        process_group: Optional[Any] = None,
-    ) -> torch.Tensor:
-        """Token advantages for one batch.
-
-        Args:
-            advantages: sequence-level advantages ``A_i``.
-            entropies: per-token entropies ``H_{i,t}`` (any float dtype; fp32 inside).
-            mask: True at valid (generated) tokens.
-            positive: the rollouts that count as successful (positive reward); strategies with
-                ``apply_to="positive"`` weight only these. Default: ``advantages > 0``.
-            groups: one integer id per rollout, equal for the rollouts of one prompt. Only
-                strategies that compare rollouts within their group read it (``gtpo``, which
-                refuses to run without it, as does any strategy whose ``fn`` has a ``groups``
-                parameter without a default); the others ignore it, so a loop may always pass
-                it.
-            check_finite: raise ``ValueError`` if ``advantages`` or the valid entropies hold
-                NaN/inf, a valid entropy is negative, or the weighted advantages overflow
-                float32 (one host sync). With False nothing is checked, and a NaN/inf in an
-                input a strategy reads reaches its output as NaN, never as a finite value
-                (for ``global_topk``, whose threshold is over the batch, the whole output):
-                a loss built on it is NaN.
-            process_group: the data-parallel ranks sharing the batch, read (like ``groups``)
-                only by strategies with batch-global statistics (``global_topk``'s threshold).
-
-        Shape:
-            advantages: ``[B]``; entropies, mask: ``[B, T]``; positive: ``[B]`` bool; groups:
-            ``[B]`` integer; returns ``[B, T]`` fp32.
-        """
-        advantages, entropies, mask = _checks.check_batch(advantages, entropies, mask)
-        if positive is not None:
-            positive = _checks.check_row_flags("positive", positive, advantages)
-        if groups is not None:
-            groups = _checks.check_row_ids("groups", groups, advantages)
-        elif self._needs_groups:
-            raise ValueError(
-                f"strategy {self.name!r} compares the rollouts of each prompt's group: pass "
-                f"groups= (a [B] integer tensor, equal ids for the rollouts of one prompt)"
-            )
-        with torch.no_grad():
-            adv = advantages.detach().float()
-            ent = _w.clean(entropies.detach(), mask)
-            pos = adv > 0 if positive is None else positive
-            kwargs: dict[str, torch.Tensor] = {}
-            if self._pass_positive:
-                kwargs["positive"] = pos
-            if self._pass_groups:
-                kwargs["groups"] = groups
-            if self._pass_process_group and process_group is not None:
-                kwargs["process_group"] = process_group
-            out = self._fn(adv, ent, mask, **kwargs)
-            if not isinstance(out, torch.Tensor) or out.shape != mask.shape:
-                got = (_checks.format_shape(out) if isinstance(out, torch.Tensor)
-                       else type(out).__name__)
-                raise ValueError(
-                    f"strategy {self.name!r} returned {got}, expected "
-                    f"{_checks.format_shape(mask)} (the shape of mask)"
-                )
-            out = torch.where(mask, out.float(), 0.0)
-            if check_finite:  # inputs and output in one host sync, after the strategy ran
-                _checks.check_finite_clean(advantages=adv, entropies=ent, output=(self.name, out))
-            return out
-
-    @property
-    def needs_groups(self) -> bool:
-        """Whether the strategy compares the rollouts of a group (it must get ``groups=``)."""
-        return self._needs_groups
-
-    def __repr__(self) -> str:
-        params = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
-        return f"Strategy({self.name!r}{', ' if params else ''}{params})"
-
-
+_BUILTIN: dict[str, Callable[..., StrategyFn]] = {}  # set at the end of this module
 def register_strategy(
     name: str, *, overwrite: bool = False
 ) -> Callable[[Callable[..., StrategyFn]], Callable[..., StrategyFn]]:
@@ -370,7 +255,8 @@ def get_strategy(name: str, **params: Any) -> Strategy:
         )
     bound = inspect.signature(factory).bind(**params)
     bound.apply_defaults()
-    return Strategy(name, dict(bound.arguments), factory(**params))
+    builtin = _BUILTIN.get(name) is factory
+    return Strategy(name, dict(bound.arguments), factory(**params), builtin=builtin)
 
 
 # --------------------------------------------------------------------------------------------
@@ -383,8 +269,12 @@ def uniform() -> StrategyFn:
     """GRPO: ``Â_{i,t} = A_i`` on every valid token (Eq. 2)."""
 
     def fn(advantages: torch.Tensor, entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return advantages[:, None].expand(mask.shape)
+        return torch.where(mask, advantages[:, None], 0.0)
 
+    # one kernel: the entropies are not read (no cleaning), the output is already fp32 and
+    # masked (no final where), and there is nothing for torch.compile to fuse
+    fn.reads_entropies = fn.masked_output = fn.compile = False  # type: ignore[attr-defined]
+    fn.masked_output = True  # type: ignore[attr-defined]
     return fn
 
 
@@ -506,9 +396,9 @@ def global_topk(
         # the threshold is over the whole batch: a NaN/inf score anywhere makes all of it NaN
         out = torch.where(torch.isfinite(torch.where(mask, s, 0.0)).all(), out, math.nan)
         if normalize == "selected_tokens":
-            n_selected = global_count(selected, process_group)
-            if n_selected > 0:
-                out = out * (n_valid / n_selected)
+            n_selected = global_count(selected, process_group)  # on the device: no sync
+            scale = n_valid.double() / n_selected.clamp_min(1).double()
+            out = out * torch.where(n_selected > 0, scale, 1.0).float()
         return out
 
     return fn
@@ -625,3 +515,6 @@ def _apply(advantages: torch.Tensor, c: torch.Tensor, apply_to: str,
            positive: torch.Tensor) -> torch.Tensor:
     """``c A`` on the weighted rows (all, or those flagged ``positive``), ``A`` on the rest."""
     return weight_rows(advantages, c, positive if apply_to == "positive" else None)
+
+
+_BUILTIN = dict(_REGISTRY)  # the strategies registered above: the ones compiled on CUDA

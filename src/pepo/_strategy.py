@@ -1,0 +1,245 @@
+"""The :class:`Strategy` wrapper behind :func:`pepo.weighting.get_strategy` (public there): input
+checks, cleaned entropies, masked output, the one validating host sync, and ``torch.compile`` of
+the built-in strategies on CUDA."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import warnings
+from typing import Any, Callable, Optional, Protocol
+
+import torch
+
+from pepo import _checks
+from pepo import _windows as _w
+
+__all__ = ["Strategy", "StrategyFn", "compile_enabled", "declares", "set_compile",
+           "validate_flag"]
+
+_COMPILE = {"on": os.environ.get("PEPO_COMPILE", "1") != "0"}
+
+
+def set_compile(enabled: bool) -> None:
+    """Whether the built-in strategies run ``torch.compile``-d on CUDA tensors: a few fused
+    kernels instead of dozens, after a first call that compiles for tens of seconds. On by
+    default; ``PEPO_COMPILE=0`` in the environment turns it off at import. CPU tensors never
+    compile."""
+    _COMPILE["on"] = bool(enabled)
+
+
+def compile_enabled() -> bool:
+    """See :func:`set_compile`."""
+    return _COMPILE["on"]
+
+
+class StrategyFn(Protocol):
+    """What a registered factory returns. ``positive`` may be left out of the signature by
+    strategies that treat every row alike; :class:`Strategy` passes it (and ``groups``) only
+    when declared, by name or through ``**kwargs``."""
+
+    def __call__(
+        self,
+        advantages: torch.Tensor,
+        entropies: torch.Tensor,
+        mask: torch.Tensor,
+        positive: torch.Tensor,
+    ) -> torch.Tensor: ...
+
+
+def validate_flag(validate: bool, check_finite: Optional[bool]) -> bool:
+    """``validate``, or the deprecated ``check_finite`` when given (with a FutureWarning)."""
+    if check_finite is None:
+        return bool(validate)
+    warnings.warn("check_finite= is deprecated: use validate= (the same switch)", FutureWarning,
+                  stacklevel=3)
+    return bool(check_finite)
+
+
+def declares(fn: Callable[..., Any], name: str) -> tuple[bool, bool]:
+    """Whether ``fn`` takes a keyword ``name`` (by that name, or through ``**kwargs``), and
+    whether it requires it (a parameter of that name with no default)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # builtins without a signature
+        return False, False
+    named = [p for p in params if p.name == name and p.kind is not p.VAR_POSITIONAL]
+    takes = bool(named) or any(p.kind is p.VAR_KEYWORD for p in params)
+    return takes, any(p.default is p.empty for p in named)
+
+
+def _same_layout(adv: Any, ent: Any, mask: Any) -> bool:
+    """The shapes, dtypes and devices :func:`_checks.check_batch` asks for, in one expression
+    (the unvalidated call's check; the full check runs only to word the error)."""
+    return (isinstance(ent, torch.Tensor) and isinstance(adv, torch.Tensor)
+            and isinstance(mask, torch.Tensor) and ent.dim() == 2
+            and adv.shape == ent.shape[:1] and mask.shape == ent.shape
+            and mask.dtype == torch.bool and ent.is_floating_point()
+            and adv.is_floating_point() and adv.device == ent.device == mask.device)
+
+
+class Strategy:
+    """A weighting strategy bound to its hyper-parameters; call it on a batch.
+
+    ``strategy(advantages, entropies, mask, positive=None)`` checks its inputs (shapes, bool
+    mask; with ``validate``, finite values at valid positions), runs the strategy in fp32
+    without autograd, and returns ``[B, T]`` fp32 token advantages, detached, 0 where ``mask``
+    is False.
+    """
+
+    def __init__(self, name: str, params: dict[str, Any], fn: StrategyFn,
+                 builtin: bool = False):
+        self.name = name
+        self.params = dict(params)
+        self._fn = fn
+        self._pass_positive = declares(fn, "positive")[0]
+        # a fn that names ``groups`` without a default needs them; one that takes them through
+        # ``**kwargs`` (or ``groups=None``) gets them when the caller has them, else None
+        self._pass_groups, self._needs_groups = declares(fn, "groups")
+        try:  # only a fn that names it (not one taking **kwargs) gets the process group
+            self._pass_process_group = "process_group" in inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            self._pass_process_group = False
+        self._builtin = builtin
+        # built-in fns may say they ignore the entropies (no cleaning) and that their output is
+        # already fp32 and 0 where masked (no final where): one kernel for ``uniform``
+        self._reads_entropies = getattr(fn, "reads_entropies", True) or not builtin
+        self._masked = builtin and getattr(fn, "masked_output", False)
+        self._compile_ok = builtin and getattr(fn, "compile", True)
+        self._compiled: Optional[Callable[..., torch.Tensor]] = None
+
+    def __call__(
+        self,
+        advantages: torch.Tensor,
+        entropies: torch.Tensor,
+        mask: torch.Tensor,
+        *,
+        positive: Optional[torch.Tensor] = None,
+        groups: Optional[torch.Tensor] = None,
+        validate: bool = True,
+        process_group: Optional[Any] = None,
+        check_finite: Optional[bool] = None,
+    ) -> torch.Tensor:
+        """Token advantages for one batch.
+
+        Args:
+            advantages: sequence-level advantages ``A_i``.
+            entropies: per-token entropies ``H_{i,t}`` (any float dtype; fp32 inside).
+            mask: True at valid (generated) tokens.
+            positive: the rollouts that count as successful (positive reward); strategies with
+                ``apply_to="positive"`` weight only these. Default: ``advantages > 0``.
+            groups: one integer id per rollout, equal for the rollouts of one prompt. Only
+                strategies that compare rollouts within their group read it (``gtpo``, which
+                refuses to run without it, as does any strategy whose ``fn`` has a ``groups``
+                parameter without a default); the others ignore it, so a loop may always pass
+                it.
+            validate: raise ``ValueError`` if ``advantages`` or the valid entropies hold
+                NaN/inf, a valid entropy is negative, or the weighted advantages overflow
+                float32: all in one host sync, after the strategy ran. With False the call
+                reads no tensor value on the host at all (the built-in strategies: a GPU never
+                waits on it), nothing is checked, and a NaN/inf in an input a strategy reads
+                reaches its output as NaN, never as a finite value (for ``global_topk``, whose
+                threshold is over the batch, the whole output): a loss built on it is NaN.
+                Shapes, dtypes and devices are checked either way (that reads no values).
+            process_group: the data-parallel ranks sharing the batch, read (like ``groups``)
+                only by strategies with batch-global statistics (``global_topk``'s threshold).
+            check_finite: deprecated name of ``validate``.
+
+        Shape:
+            advantages: ``[B]``; entropies, mask: ``[B, T]``; positive: ``[B]`` bool; groups:
+            ``[B]`` integer; returns ``[B, T]`` fp32.
+        """
+        validate = validate_flag(validate, check_finite)
+        if validate or not _same_layout(advantages, entropies, mask):
+            advantages, entropies, mask = _checks.check_batch(advantages, entropies, mask)
+        if positive is not None and (validate or not isinstance(positive, torch.Tensor)
+                                     or positive.shape != advantages.shape
+                                     or positive.dtype != torch.bool
+                                     or positive.device != advantages.device):
+            positive = _checks.check_row_flags("positive", positive, advantages)
+        if groups is not None and validate:
+            groups = _checks.check_row_ids("groups", groups, advantages)
+        elif groups is None and self._needs_groups:
+            raise ValueError(
+                f"strategy {self.name!r} compares the rollouts of each prompt's group: pass "
+                f"groups= (a [B] integer tensor, equal ids for the rollouts of one prompt)"
+            )
+        adv = advantages.detach()
+        adv = adv if adv.dtype == torch.float32 else adv.float()
+        ent = entropies.detach()
+        kwargs: dict[str, Any] = {}
+        if self._pass_positive:
+            kwargs["positive"] = adv > 0 if positive is None else positive
+        if self._pass_groups:
+            kwargs["groups"] = groups
+        if self._pass_process_group and process_group is not None:
+            kwargs["process_group"] = process_group
+        if self._builtin:  # no autograd on detached inputs: skip the context's cost
+            out = self._run(adv, ent, mask, kwargs)
+        else:
+            with torch.no_grad():
+                out = self._run(adv, ent, mask, kwargs)
+        if validate:  # inputs and output in one host sync, after the strategy ran
+            if not _checks.check_finite_clean(advantages=adv, entropies=_w.clean(ent, mask),
+                                              output=out):
+                with torch.no_grad(), _w.exact_windows():  # rows too wide, or an overflow
+                    out = self._run(adv, ent, mask, kwargs, eager=True)
+                if not bool(torch.isfinite(out).all()):
+                    raise ValueError(_checks.overflow_message(self.name, out, adv))
+        return out
+
+    def _run(self, adv: torch.Tensor, entropies: torch.Tensor, mask: torch.Tensor,
+             kwargs: dict[str, Any], eager: bool = False) -> torch.Tensor:
+        """The strategy on cleaned entropies, 0 at masked positions; compiled on CUDA (the
+        built-in strategies, while :func:`compile_enabled`)."""
+        fn = self._body
+        if not eager and entropies.is_cuda and "process_group" not in kwargs:
+            fn = self._compiled_body()
+        out = fn(adv, entropies, mask, **kwargs)
+        if not isinstance(out, torch.Tensor) or out.shape != mask.shape:
+            got = (_checks.format_shape(out) if isinstance(out, torch.Tensor)
+                   else type(out).__name__)
+            raise ValueError(
+                f"strategy {self.name!r} returned {got}, expected "
+                f"{_checks.format_shape(mask)} (the shape of mask)"
+            )
+        return out
+
+    def _body(self, adv: torch.Tensor, entropies: torch.Tensor, mask: torch.Tensor,
+              **kwargs: Any) -> torch.Tensor:
+        ent = _w.clean(entropies, mask) if self._reads_entropies else entropies
+        out = self._fn(adv, ent, mask, **kwargs)
+        if self._masked or not isinstance(out, torch.Tensor) or out.shape != mask.shape:
+            return out  # a wrong result is refused by _run, with the strategy's name
+        return torch.where(mask, out.float(), 0.0)
+
+    def _compiled_body(self) -> Callable[..., torch.Tensor]:
+        """``torch.compile`` of :meth:`_body` (a few fused kernels instead of dozens), for the
+        built-in strategies while :func:`compile_enabled`; the plain body otherwise, and for
+        good once compiling failed (with a warning naming the error)."""
+        if not (_COMPILE["on"] and self._compile_ok):
+            return self._body
+        if self._compiled is None:
+            compiled = torch.compile(self._body, dynamic=True)
+
+            def guarded(*args: Any, **kwargs: Any) -> torch.Tensor:
+                try:
+                    return compiled(*args, **kwargs)
+                except Exception as err:  # no compiler, or it failed: run the plain body
+                    self._compile_ok = False
+                    warnings.warn(f"torch.compile of strategy {self.name!r} failed "
+                                  f"({type(err).__name__}: {str(err)[:200]}); it runs "
+                                  f"uncompiled", RuntimeWarning, stacklevel=4)
+                    return self._body(*args, **kwargs)
+
+            self._compiled = guarded
+        return self._compiled
+
+    @property
+    def needs_groups(self) -> bool:
+        """Whether the strategy compares the rollouts of a group (it must get ``groups=``)."""
+        return self._needs_groups
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
+        return f"Strategy({self.name!r}{', ' if params else ''}{params})"

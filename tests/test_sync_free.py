@@ -1,0 +1,230 @@
+"""``validate=False``: the core reads no tensor value on the host, so a GPU never waits on it.
+
+The proof runs on ``meta`` tensors, which hold no data: ``.item()``, ``.tolist()``, ``bool()``,
+boolean indexing, ``torch.unique`` and ``nonzero`` all raise there. A call that completes on
+meta tensors therefore makes no host sync on any device. Today's code (before ``validate``)
+failed every one of these: the window scan read its flags with ``.tolist()``, ``global_topk``
+counted its tokens with ``int()``, GTPO renumbered groups with ``torch.unique`` and indexed with
+the mask, ``group_advantages`` read its finite count with ``int()``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import pepo.weighting as pw
+from pepo.estimators import group_advantages
+from pepo.loss import clipped_policy_loss
+from tests import reference as ref
+from tests.conftest import ragged_batch
+
+STRATEGIES = {
+    "uniform": {},
+    "proximal_softmax": {"window": 5},
+    "proximal_softmax(τ=0.1)": {"window": 5, "temperature": 0.1},  # the log-domain path
+    "window_average": {"window": 5},
+    "entropy_bonus": {},
+    "global_topk": {},
+    "global_topk(proximal, selected)": {"score": "proximal", "window": 5,
+                                        "normalize": "selected_tokens"},
+    "gtpo": {},
+    "gtpo(side)": {"normalize": "side"},
+}
+
+
+def _strategy(key: str) -> pw.Strategy:
+    return pw.get_strategy(key.split("(")[0], **STRATEGIES[key])
+
+
+def _meta_batch(b: int = 6, t: int = 40):
+    dev = "meta"
+    return (torch.empty(b, device=dev), torch.empty(b, t, device=dev),
+            torch.empty(b, t, dtype=torch.bool, device=dev),
+            torch.empty(b, dtype=torch.bool, device=dev),
+            torch.empty(b, dtype=torch.long, device=dev))
+
+
+@pytest.mark.parametrize("key", list(STRATEGIES))
+def test_strategies_read_nothing_on_the_host_without_validation(key):
+    """Catches any host read in a strategy's path: a flag read with ``.tolist()``, a count with
+    ``int()``, ``torch.unique``, boolean indexing (all raise on meta tensors)."""
+    adv, ent, mask, positive, groups = _meta_batch()
+    out = _strategy(key)(adv, ent, mask, positive=positive, groups=groups, validate=False)
+    assert out.shape == mask.shape and out.dtype == torch.float32 and out.device.type == "meta"
+
+
+@pytest.mark.parametrize("key", list(STRATEGIES))
+def test_validation_reads_on_the_host_so_meta_tensors_refuse_it(key):
+    """The other side: with ``validate=True`` the call does read values (its one sync), so the
+    meta test above would catch a ``validate`` flag that is ignored."""
+    adv, ent, mask, positive, groups = _meta_batch()
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        _strategy(key)(adv, ent, mask, positive=positive, groups=groups, validate=True)
+
+
+def test_statistics_group_advantages_and_loss_read_nothing_on_the_host():
+    """The public statistics, ``group_advantages`` and ``clipped_policy_loss`` with
+    ``validate=False``. Catches ``group_advantages``' finite checks (``int()``, ``bool()``)
+    left in the unvalidated path."""
+    _, ent, mask, _, _ = _meta_batch()
+    assert pw.proximal_entropy(ent, mask, window=5, validate=False).device.type == "meta"
+    assert pw.window_average_entropy(ent, mask, window=5, validate=False).device.type == "meta"
+    rewards = torch.empty(8, device="meta")
+    assert group_advantages(rewards, 4, validate=False).shape == (8,)
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        group_advantages(rewards, 4)  # validating reads the counts
+    lp = torch.empty(3, 7, device="meta", requires_grad=True)
+    old, a = torch.empty(3, 7, device="meta"), torch.empty(3, 7, device="meta")
+    m = torch.empty(3, 7, dtype=torch.bool, device="meta")
+    loss = clipped_policy_loss(lp, old, a, m, num_tokens=torch.empty((), device="meta"),
+                               is_weights=torch.empty(3, 7, device="meta"), validate=False)
+    assert loss.shape == ()
+
+
+class _HostReads:
+    """Counts the host reads of a CPU call: ``.tolist()``, ``.item()`` and the scalar
+    conversions (``bool``/``int``/``float`` of a tensor go through ``_local_scalar_dense``)."""
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        for name in ("tolist", "item", "__bool__", "__int__", "__float__"):
+            original = getattr(torch.Tensor, name)
+
+            def counting(t, *a, _original=original, **k):
+                self.count += 1
+                return _original(t, *a, **k)
+
+            monkeypatch.setattr(torch.Tensor, name, counting)
+
+
+@pytest.mark.parametrize("key", list(STRATEGIES))
+def test_validation_is_one_host_read_and_no_validation_none(key, monkeypatch):
+    """With ``validate=True`` exactly one read (inputs and output checked together); catches a
+    second sync (a scan before the kernels, a separate output check). With False, zero."""
+    adv, ent, mask = ragged_batch([3, 7, 12, 12, 1, 9], 12, holes=True, seed=4)
+    positive = torch.tensor([True, False, True, False, True, False])
+    groups = torch.tensor([5, 5, 2, 2, 9, 9])
+    s = _strategy(key)
+    reads = _HostReads(monkeypatch)
+    s(adv, ent, mask, positive=positive, groups=groups, validate=False)
+    assert reads.count == 0
+    s(adv, ent, mask, positive=positive, groups=groups, validate=True)
+    assert reads.count == 1
+
+
+@pytest.mark.parametrize("key", list(STRATEGIES))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_unvalidated_output_is_the_validated_one(key, seed):
+    """Same values with and without validation, on rows with holes, a one-token row and an
+    empty row; catches a sync-free path that computes something else (a count read from the
+    wrong rank of a sort, groups renumbered differently)."""
+    adv, ent, mask = ragged_batch([0, 1, 5, 17, 30, 30, 8, 2], 30, holes=bool(seed), seed=seed)
+    positive = torch.tensor([True, False, True, True, False, True, False, False])
+    groups = torch.tensor([40, 40, 7, 7, 7, -3, -3, 40])
+    s = _strategy(key)
+    checked = s(adv, ent, mask, positive=positive, groups=groups)
+    unchecked = s(adv, ent, mask, positive=positive, groups=groups, validate=False)
+    assert torch.equal(checked, unchecked)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.1])
+def test_rows_wider_than_the_shifted_exp_are_exact_validated_and_nan_unvalidated(temperature):
+    """Entropies spanning 0..100 nats (no vocabulary has them) at τ = 1 overflow the shifted
+    exp's range. Validated: the call is redone on the log-domain path and matches the float64
+    formula; unvalidated: that row is NaN, never a finite wrong value, and the other row is
+    exact. At τ = 0.1 the log-domain path is taken from the temperature alone. Catches a
+    sync-free path that returns the underflowed windows (0/0, or 0 for a true ~1e-40)."""
+    h = torch.tensor([[0.0, 100.0, 0.5, 90.0, 0.0, 3.0, 99.0],
+                      [0.1, 0.7, 0.3, 1.9, 0.0, 1.2, 0.4]])
+    mask = torch.ones_like(h, dtype=torch.bool)
+    want = torch.tensor(np.stack([ref.proximal_entropy_row(row.double().numpy(), 3, temperature)
+                                  for row in h]))
+    got = pw.proximal_entropy(h, mask, window=3, temperature=temperature)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-30)
+    raw = pw.proximal_entropy(h, mask, window=3, temperature=temperature, validate=False)
+    if temperature == 1.0:
+        assert torch.isnan(raw[0]).all()
+    else:
+        torch.testing.assert_close(raw[0].double(), want[0], rtol=1e-5, atol=1e-30)
+    torch.testing.assert_close(raw[1].double(), want[1], rtol=1e-5, atol=1e-30)
+    adv = torch.tensor([1.0, 1.0])
+    s = pw.get_strategy("proximal_softmax", window=3, temperature=temperature, apply_to="all")
+    c = want / want.sum(1, keepdim=True) * 7
+    torch.testing.assert_close(s(adv, h, mask).double(), c, rtol=1e-5, atol=1e-30)
+
+
+@pytest.mark.parametrize("fraction", [0.2, 0.5, 1.0, 1e-6])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_global_topk_selects_what_torch_quantile_selects(fraction, seed):
+    """The device-side count and threshold against ``torch.quantile`` of the valid scores (the
+    loop reference of tests/reference.py), with ties (scores rounded to 1/8) and ``-0.0``
+    beside ``0.0``. Catches an off-by-one in ``k``, a threshold read at the wrong rank of the
+    ``topk``, masked scores counted, or ties split."""
+    adv, ent, mask = ragged_batch([0, 3, 11, 20, 20, 6], 20, holes=True, seed=seed)
+    ent = torch.round(ent * 8) / 8
+    ent[1, :] = torch.where(mask[1], -0.0, ent[1])
+    s = pw.get_strategy("global_topk", fraction=fraction)
+    got = s(adv, ent, mask, validate=False)
+    want = ref.global_topk(adv.numpy(), torch.where(mask, ent, 0).numpy(), mask.numpy(),
+                           fraction)
+    np.testing.assert_array_equal(got.numpy(), want.astype(np.float32))
+    thr = torch.quantile(ent[mask].double(), 1 - fraction)
+    assert torch.equal(got != 0, mask & (ent >= thr) & (adv[:, None] != 0))
+
+
+def test_global_topk_on_an_all_masked_batch_and_the_selected_tokens_scale():
+    """No valid token: all zeros (no threshold exists). ``selected_tokens``: the selected
+    advantages scaled by N_valid / N_selected, computed on the device."""
+    adv, ent, mask = ragged_batch([0, 0], 5)
+    for normalize in ("all_tokens", "selected_tokens"):
+        out = pw.get_strategy("global_topk", normalize=normalize)(adv, ent, mask, validate=False)
+        assert torch.equal(out, torch.zeros(2, 5))
+    adv, ent, mask = ragged_batch([10, 7, 3], 10, seed=3)
+    out = pw.get_strategy("global_topk", fraction=0.25, normalize="selected_tokens")(
+        adv, ent, mask, validate=False)
+    plain = pw.get_strategy("global_topk", fraction=0.25)(adv, ent, mask)
+    n_sel = int((plain != 0).sum())
+    torch.testing.assert_close(out, plain * (20 / n_sel))
+
+
+def test_gtpo_group_ids_need_not_be_contiguous_or_sorted():
+    """GTPO renumbers groups on the device (a sort, no ``torch.unique``): ids 900 / -5 / 3 in
+    any order give what ids 0 / 1 / 2 give. Catches a renumbering that depends on the ids'
+    order or leaks one group's statistics into another."""
+    adv, ent, mask = ragged_batch([4, 9, 2, 7, 7, 3], 9, holes=True, seed=8)
+    positive = torch.tensor([True, False, True, False, False, True])
+    s = pw.get_strategy("gtpo")
+    a = s(adv, ent, mask, positive=positive, groups=torch.tensor([900, -5, 900, 3, -5, 3]),
+          validate=False)
+    b = s(adv, ent, mask, positive=positive, groups=torch.tensor([0, 1, 0, 2, 1, 2]))
+    assert torch.equal(a, b)
+    want = ref.gtpo(ent.numpy(), mask.numpy(), positive.numpy(),
+                    np.array([0, 1, 0, 2, 1, 2]), 1.0, 0.1, 1e-8, "group")
+    np.testing.assert_allclose(a.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_group_advantages_unvalidated_gives_nan_for_a_bad_group_only():
+    """Without validation a non-finite reward makes its own group NaN (never a finite guess:
+    an all-inf group would otherwise count as degenerate and get 0) and leaves the others."""
+    r = torch.tensor([1.0, 0.0, 1.0, 1.0, math.inf, math.inf, 0.0, 1.0])
+    out = group_advantages(r, 2, validate=False)
+    assert torch.isnan(out[4:6]).all()
+    want = group_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0]), 2)
+    assert torch.equal(out[[0, 1, 2, 3, 6, 7]], want)
+    with pytest.raises(ValueError, match="rewards holds 2 NaN/inf"):
+        group_advantages(r, 2)
+
+
+def test_check_finite_is_the_deprecated_name_of_validate():
+    """The old keyword still works, warns, and means the same switch."""
+    adv, ent, mask = ragged_batch([3, 2], 3)
+    ent[0, 0] = math.nan
+    s = pw.get_strategy("entropy_bonus")
+    with pytest.warns(FutureWarning, match="use validate="):
+        assert torch.isnan(s(adv, ent, mask, check_finite=False)[0, 0])
+    with pytest.warns(FutureWarning), pytest.raises(ValueError, match="NaN/inf"):
+        s(adv, ent, mask, check_finite=True)
