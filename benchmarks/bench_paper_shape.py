@@ -260,6 +260,18 @@ def check_checkpoint(path: Path, max_seq_len: int) -> dict[str, Any]:
             "stop_tokens": tok.stop_tokens, "example_prompt_tokens": len(ids)}
 
 
+def prompt_lengths(ckpt: Path, data: Path) -> dict[str, Any]:
+    """The data's prompts as the recipe gives them to the model (chat template, boxed-answer
+    instruction): count and token lengths."""
+    from pepo.tasks.datasets import load_math_dataset
+    from pepo.training.tokenizers import ChatTokenizer
+
+    tok = ChatTokenizer(ckpt, enable_thinking=True)
+    lengths = [len(tok.encode_prompt(p.prompt)) for p in load_math_dataset(data)]
+    return {"rows": len(lengths), "prompt_tokens_mean": statistics.mean(lengths),
+            "prompt_tokens_max": max(lengths)}
+
+
 # ----------------------------------------------------------------------- the recipe runs
 class HashedVerdict:
     """The config's reward, called and timed as in training, with a synthetic verdict: 1.0 for
@@ -384,7 +396,9 @@ def recipe_cfg(args: argparse.Namespace, ckpt: Path, data: Path, out_dir: Path, 
 
     register_resolvers()
     rows = args.prompts * args.group_size
-    cfg = OmegaConf.merge(OmegaConf.load(find_config("qwen3_1_7b_pepo")), {
+    name = ROOT / "recipes" / "configs" / "qwen3_1_7b_pepo.yaml"  # this checkout's config
+    cfg = OmegaConf.merge(OmegaConf.load(find_config(str(name) if name.is_file()
+                                                     else "qwen3_1_7b_pepo")), {
         "checkpoint_dir": str(ckpt), "train_data": str(data), "output_dir": str(out_dir),
         "device": args.device, "dtype": args.dtype, "num_steps": steps,
         "prompts_per_step": args.prompts, "estimator": {"group_size": args.group_size},
@@ -541,7 +555,7 @@ def table(res: dict[str, Any]) -> str:
     row("strategy ms", "strategy_time", 1e3, ".1f")
     row("update s", "update_time")
     row("other s (estimator, metrics)", "other_time", 1.0, ".3f")
-    row("decode tokens/s", "decode_tokens_per_s", 1.0, ",.0f")
+    row("decode tokens/s (generation - rewards)", "decode_tokens_per_s", 1.0, ",.0f")
     row("response tokens", "response_tokens", 1.0, ",.0f")
     row("peak GPU memory GiB, generation", "peak_mem_gen_gib")
     row("peak GPU memory GiB, old log-probs", "peak_mem_logprob_gib")
@@ -628,7 +642,7 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
     args.entropy_tokens = args.entropy_tokens or (256 if tiny else 4096)
     args.dtype = "fp32" if tiny else "bf16"
     args.reward_workers = 1 if tiny else 8
-    args.max_seq_len = 512 + args.max_new_tokens  # prompts are about 250 tokens
+    args.max_seq_len = 512 + args.max_new_tokens  # prompts are about 250 tokens (res["data"])
     if args.steps < 1:
         ap.error(f"--steps must be >= 1, got {args.steps}")
     return args, overrides
@@ -661,6 +675,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         res["checkpoint"] = build_checkpoint(ckpt, shape, device)
         write_data(data, n=64)
         res["checkpoint"]["check"] = check_checkpoint(ckpt, args.max_seq_len)
+        res["data"] = prompt_lengths(ckpt, data)
         print(f"checkpoint: {res['checkpoint']['params'] / 1e6:,.1f} M parameters "
               f"({res['checkpoint']['bytes'] / GIB:.2f} GiB) in "
               f"{res['checkpoint']['seconds']:.1f} s", flush=True)
