@@ -1,6 +1,6 @@
 """The paper's shape on one GPU: Qwen3-1.7B's GRPO and PEPO steps at 2,048-token responses.
 
-    python benchmarks/bench_paper_shape.py --out paper_shape.json     # one GPU, about 4 minutes
+    python benchmarks/bench_paper_shape.py --out paper_shape.json     # one GPU, a few minutes
     python benchmarks/bench_paper_shape.py --tiny --out tiny.json     # the same pipeline on a CPU
 
 Everything it needs is made in a scratch directory (``--workdir``, default a temporary one,
@@ -17,15 +17,18 @@ removed at the end):
    compilation per parameter shape, and warms up CUDA), then ``--steps`` steps with
    ``strategy.name=uniform`` (GRPO) and the same with ``strategy.name=proximal_softmax`` (PEPO),
    same seed. Random weights never stop on their own, and the stop tokens are switched off, so
-   every response is ``--max-new-tokens`` long. With one step both runs decode the same
-   rollouts (same seed, same initial weights): the two steps differ only by the strategy.
+   every response is ``--max-new-tokens`` long. With one step (the default) both runs draw the
+   same prompts and seeds from the same weights, so they decode the same rollouts (up to the
+   GPU's non-determinism) and their steps differ by the strategy alone; the warm-up run takes
+   the first step's one-off costs that a second step per run would otherwise be needed for.
 4. a micro-benchmark of ``pepo.entropy.logprobs_and_entropy_from_hidden`` at V = 151,936
    against the naive ``log_softmax`` over the whole logits, in time and memory.
 
 What it changes in the recipe, for measuring only (instance attributes of this process's
 recipe objects; the recipe's code is untouched):
 
-* no checkpoint and no Hugging Face export is written (3.4 GB of weights and 10 GB of state);
+* no checkpoint (about 10 GB of weights and optimizer state) and no Hugging Face export
+  (3.4 GB) is written;
 * the reward is the config's ``MathVerify`` (timed, as in training) with a synthetic verdict:
   a random policy answers nothing right, and all-zero rewards give zero advantages, so each
   response scores 1.0 or 0.0 by a hash of its text (about half succeed, as early in training);
