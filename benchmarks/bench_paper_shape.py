@@ -32,6 +32,9 @@ recipe objects; the recipe's code is untouched):
 * the reward is the config's ``MathVerify`` (timed, as in training) with a synthetic verdict:
   a random policy answers nothing right, and all-zero rewards give zero advantages, so each
   response scores 1.0 or 0.0 by a hash of its text (about half succeed, as early in training);
+* the strategy is called once before the first step on a batch of the step's shape, so that
+  its one-off ``torch.compile`` on CUDA (``pepo._strategy``; ``PEPO_COMPILE=0`` turns it off)
+  is reported apart (``strategy_first_call_s``) instead of inside the measured step;
 * the old log-probs, the strategy call and each part's peak memory are read with a
   ``torch.cuda.synchronize()`` at the end of each part, so that the recipe's host-side timers
   (``gen_time``, ``logprob_time``, ``update_time``) hold the GPU work they launched, and the
@@ -350,6 +353,28 @@ def _instrument(recipe: Any, cuda: bool) -> dict[str, float]:
     return run
 
 
+def first_strategy_call(recipe: Any, rows: int, width: int, cuda: bool) -> float:
+    """Calls the run's strategy once on a batch of the step's shape, dtypes and keywords (as
+    ``train_step`` calls it) and returns the seconds: on CUDA the built-in strategies are
+    ``torch.compile``-d at their first call (``pepo._strategy``), once per run, which would
+    otherwise land in the measured step's ``strategy_time``."""
+    dev = recipe._device
+    g = torch.Generator(device=dev).manual_seed(0)
+    adv = torch.randn(rows, generator=g, device=dev)
+    ent = torch.rand(rows, width, generator=g, device=dev) * 2
+    mask = torch.ones(rows, width, dtype=torch.bool, device=dev)
+    positive = torch.arange(rows, device=dev) % 2 == 0
+    groups = torch.arange(rows, device=dev) // recipe.estimator.rollouts_per_prompt
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    recipe.strategy(adv, ent, mask, positive=positive, groups=groups,
+                    process_group=recipe.dist.group, validate=False)
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def run_recipe(cfg: Any, cuda: bool, label: str) -> dict[str, Any]:
     """Sets up and runs the recipe on ``cfg`` in this process; its metrics per step."""
     import pepo_recipe
@@ -369,14 +394,17 @@ def run_recipe(cfg: Any, cuda: bool, label: str) -> dict[str, Any]:
         recipe.cleanup()
         raise
     setup_s = time.perf_counter() - t0
+    rows = recipe.prompts_per_step * recipe.estimator.rollouts_per_prompt
+    first_call_s = first_strategy_call(recipe, rows, recipe.gen_kwargs["max_new_tokens"], cuda)
     peaks = _instrument(recipe, cuda)
     t1 = time.perf_counter()
     recipe.run()
     out = {
         "label": label,
         "strategy": recipe.strategy_name,
-        "rollouts_per_step": recipe.prompts_per_step * recipe.estimator.rollouts_per_prompt,
+        "rollouts_per_step": rows,
         "setup_s": setup_s,
+        "strategy_first_call_s": first_call_s,
         "run_s": time.perf_counter() - t1,
         "steps": [dict(h) for h in recipe.history if "loss" in h],
     }
@@ -436,6 +464,7 @@ def summarize_run(run: dict[str, Any], cuda: bool) -> dict[str, Any]:
         "token_adv_vs_uniform": s["token_adv_vs_uniform"],
         "loss": s["loss"],
         "accuracy": s["accuracy"],
+        "strategy_first_call_s": run["strategy_first_call_s"],
     }
     if cuda:
         out.update({k: s[k] for k in ("peak_mem_gen_gib", "peak_mem_logprob_gib",
@@ -558,6 +587,8 @@ def table(res: dict[str, Any]) -> str:
     row("strategy ms", "strategy_time", 1e3, ".1f")
     row("update s", "update_time")
     row("other s (estimator, metrics)", "other_time", 1.0, ".3f")
+    row("strategy's first call s (compiles on CUDA; once per run, before step 1)",
+        "strategy_first_call_s", 1.0, ".2f")
     row("decode tokens/s (generation - rewards)", "decode_tokens_per_s", 1.0, ",.0f")
     row("response tokens", "response_tokens", 1.0, ",.0f")
     row("peak GPU memory GiB, generation", "peak_mem_gen_gib")

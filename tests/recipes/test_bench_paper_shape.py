@@ -69,6 +69,7 @@ def test_tiny_split_sums_within_the_step(tiny):
         assert sum(parts) <= r["step_time"]
         assert r["other_time"] == pytest.approx(r["step_time"] - sum(parts), abs=1e-9)
         assert 0 < r["reward_time"] < r["gen_time"]
+        assert r["strategy_first_call_s"] > 0  # called (compiled on CUDA) before step 1
         assert r["decode_tokens_per_s"] == pytest.approx(
             r["response_tokens"] / (r["gen_time"] - r["reward_time"]))
 
