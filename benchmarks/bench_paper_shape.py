@@ -158,7 +158,7 @@ def build_tokenizer(path: Path, vocab_size: int) -> int:
         "bos_token_id": vocab["<|endoftext|>"], "do_sample": True,
         "eos_token_id": [vocab["<|im_end|>"], vocab["<|endoftext|>"]],
         "pad_token_id": vocab["<|endoftext|>"],
-    }, indent=2))
+    }, indent=2), encoding="utf-8")
     return len(fast)
 
 
@@ -189,7 +189,7 @@ def build_checkpoint(path: Path, cfg: dict[str, Any], device: torch.device,
     path.mkdir(parents=True, exist_ok=True)
     tok_len = build_tokenizer(path, cfg["vocab_size"])
     t_tok = time.perf_counter() - t0
-    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    (path / "config.json").write_text(json.dumps(cfg, indent=2), encoding="utf-8")
     gen = torch.Generator(device=device).manual_seed(seed)
     state = {}
     for name, shape in hf_shapes(cfg).items():
@@ -257,7 +257,7 @@ def check_checkpoint(path: Path, max_seq_len: int) -> dict[str, Any]:
     with safe_open(str(path / "model.safetensors"), framework="pt", device="cpu") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     params = check_shapes(path, shapes, max_seq_len)
-    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    vocab = json.loads((path / "config.json").read_text(encoding="utf-8"))["vocab_size"]
     tok = ChatTokenizer(path, enable_thinking=True)
     ids = tok.encode_prompt("What is $1+1$?")
     if tok.vocab_size != vocab:
@@ -633,7 +633,7 @@ def table(res: dict[str, Any]) -> str:
 def _save(path: Optional[Path], res: dict[str, Any]) -> None:
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(res, indent=2, default=str))
+        path.write_text(json.dumps(res, indent=2, default=str), encoding="utf-8")
 
 
 # --------------------------------------------------------------------------------- main

@@ -1,0 +1,125 @@
+"""Where a GPU's time goes in pepo.weighting's strategies, unvalidated (``validate=False``).
+
+Each strategy is timed as the library runs it (``torch.compile``, default mode), compiled with
+CUDA graphs (``mode="reduce-overhead"``, its output cloned, since a graph's output is
+overwritten by its next replay), and as written (no compile); ``global_topk``'s threshold also
+from a full ``torch.sort`` instead of a ``topk`` of the shape's bound. The first table gives the
+fixed costs of this host: one eager op, one compiled call, one CUDA-graph replay. Times are
+mean µs per call of 50 back-to-back calls, median of 5 rounds (CUDA events), all in one run.
+
+    python benchmarks/bench_weighting_variants.py              # on a GPU
+    python benchmarks/bench_weighting_variants.py --quick      # that it runs (CPU: no graphs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+
+import torch
+from bench_weighting import ragged_batch, time_calls
+
+import pepo.weighting as pw
+
+STRATEGIES = {
+    "uniform": {},
+    "entropy_bonus": {},
+    "global_topk": {},
+    "window_average": {"window": 101},
+    "proximal_softmax": {"window": 101},
+    "gtpo": {},
+}
+
+
+def topk_by_sort(adv, ent, mask, q: float = 0.8):
+    """``global_topk``'s selection with the threshold read off a full descending sort."""
+    n = mask.sum()
+    k = n - torch.ceil((n - 1).double() * q).long()
+    flat = torch.where(mask, ent.float(), -math.inf).reshape(-1)
+    top = torch.sort(flat, descending=True).values
+    thr = top.gather(0, (k - 1).clamp(0, flat.numel() - 1).reshape(1))
+    return torch.where(mask & (ent >= thr) & (n > 0), adv[:, None], 0.0)
+
+
+def graphed(fn):
+    """``fn`` compiled with CUDA graphs; each call starts a new step and clones the output."""
+    compiled = torch.compile(fn, dynamic=True, mode="reduce-overhead")
+
+    def call(*args, **kwargs):
+        if torch.cuda.is_available():
+            torch.compiler.cudagraph_mark_step_begin()
+        return compiled(*args, **kwargs).clone()
+
+    return call
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default=None, help="JSON file for the figures")
+    args = p.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shapes = [(16, 512)] if args.quick else [(256, 4096), (32, 32768)]
+    calls = 5 if args.quick else 50
+    rows: list[dict] = []
+
+    def save():
+        if args.out:
+            with open(args.out, "w", encoding="utf-8") as f:
+                json.dump(rows, f, indent=1)
+
+    x = torch.randn(256, 4096, device=device)
+    one = torch.compile(lambda t: t + 1, dynamic=True)
+    fixed = {"eager op": time_calls(lambda: x + 1, calls),
+             "compiled call (one kernel)": time_calls(lambda: one(x), calls)}
+    if device == "cuda":
+        g1 = graphed(lambda t: t + 1)
+        fixed["CUDA-graph replay (one kernel, then the clone)"] = time_calls(lambda: g1(x), calls)
+    print(f"# fixed costs on {torch.cuda.get_device_name() if device == 'cuda' else device}\n")
+    for k, v in fixed.items():
+        print(f"- {k}: {v * 1e6:,.1f} µs")
+    rows.append({"fixed_us": {k: v * 1e6 for k, v in fixed.items()}})
+    save()
+    print("\n| strategy | shape | floor | library (compiled) | CUDA graphs | as written | sort "
+          "threshold: eager / compiled |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    for b, t in shapes:
+        adv, ent, mask = ragged_batch(b, t, device)
+        kw = {"positive": adv > 0, "groups": torch.arange(b, device=device) // 8}
+        floor = time_calls(lambda: (ent * mask).sum(), calls)
+        for name, params in STRATEGIES.items():
+            s = pw.get_strategy(name, **params)
+            lib = time_calls(lambda: s(adv, ent, mask, validate=False, **kw), calls)
+            pw.set_compile(False)
+            eager = time_calls(lambda: s(adv, ent, mask, validate=False, **kw), calls)
+            try:
+                g = graphed(lambda a, e, m, **k: s(a, e, m, validate=False, **k))
+                want = s(adv, ent, mask, validate=False, **kw)
+                torch.testing.assert_close(g(adv, ent, mask, **kw), want)
+                cg = time_calls(lambda: g(adv, ent, mask, **kw), calls)
+            except Exception as err:  # report, go on
+                print(f"({name}: CUDA graphs failed: {type(err).__name__}: {str(err)[:120]})")
+                cg = math.nan
+            pw.set_compile(True)
+            sort_txt, sorts = "", (math.nan, math.nan)
+            if name == "global_topk":
+                want = s(adv, ent, mask, validate=False)
+                assert torch.equal(topk_by_sort(adv, ent, mask), want)
+                compiled_sort = torch.compile(topk_by_sort, dynamic=True)
+                sorts = (time_calls(lambda: topk_by_sort(adv, ent, mask), calls),
+                         time_calls(lambda: compiled_sort(adv, ent, mask), calls))
+                sort_txt = f"{sorts[0] * 1e6:,.0f} / {sorts[1] * 1e6:,.0f}"
+            rows.append({"strategy": name, "shape": [b, t], "floor_us": floor * 1e6,
+                         "library_us": lib * 1e6, "cuda_graphs_us": cg * 1e6,
+                         "as_written_us": eager * 1e6, "sort_eager_us": sorts[0] * 1e6,
+                         "sort_compiled_us": sorts[1] * 1e6})
+            save()
+            print(f"| {name} | [{b}, {t}] | {floor * 1e6:,.0f} | {lib * 1e6:,.0f} | "
+                  f"{cg * 1e6:,.0f} | {eager * 1e6:,.0f} | {sort_txt} |", flush=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "8")
+    main()
