@@ -66,8 +66,7 @@ def gtpo_rewards(
     alpha1, alpha2, eps = check_params(alpha1, alpha2, eps)
     ent = _w.clean(entropies.detach(), mask)
     with torch.no_grad():
-        gid, n = dense_ids(groups)
-        return shaped(ent, mask, positive, gid, n, alpha1, alpha2, eps).float()
+        return shaped(ent, mask, positive, groups, alpha1, alpha2, eps).float()
 
 
 def check_params(alpha1: Any, alpha2: Any, eps: Any) -> tuple[float, float, float]:
@@ -79,57 +78,62 @@ def check_params(alpha1: Any, alpha2: Any, eps: Any) -> tuple[float, float, floa
     return float(alpha1), float(alpha2), _checks.check_positive("eps", eps)
 
 
-def dense_ids(groups: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``groups`` renumbered ``0 .. m-1`` in sorted order of the ids (``m`` distinct ids), and a
-    bound on ``m`` from the shape alone (``B``), so that nothing is read on the host."""
-    b = groups.numel()
-    if b == 0:
-        return groups.long(), 0
-    ordered, perm = torch.sort(groups.reshape(-1))
-    new = torch.ones_like(ordered, dtype=torch.long)
-    new[1:] = (ordered[1:] != ordered[:-1]).long()
-    return torch.empty_like(new).scatter_(0, perm, new.cumsum(0) - 1), b
+def members(groups: torch.Tensor, positive: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, B]`` bool: rows ``i`` and ``j`` answer the same prompt; and the same and share an
+    outcome (``positive``). Group sums become matrix products over these, so that nothing is
+    renumbered, indexed by value or read on the host."""
+    group = groups[:, None] == groups[None, :]
+    return group, group & (positive[:, None] == positive[None, :])
 
 
-def shaped(ent: torch.Tensor, mask: torch.Tensor, positive: torch.Tensor, gid: torch.Tensor,
-                 n: int, alpha1: float, alpha2: float, eps: float) -> torch.Tensor:
-    """Eqs. 3 and 5 in float64: ``[B, T]``, 0 where ``mask`` is False. ``gid`` are the rows'
-    groups numbered below ``n`` (:func:`dense_ids`)."""
-    t_max = mask.shape[1]
+def _rows_sum(member: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``[B]``: for each row, the sum of ``x`` (``[B]``) over the rows ``member`` pairs it with;
+    a NaN/inf stays within those rows (a ``where``, not ``0 * x``)."""
+    return torch.where(member, x[None, :], 0.0).sum(dim=1)
+
+
+def shaped(ent: torch.Tensor, mask: torch.Tensor, positive: torch.Tensor, groups: torch.Tensor,
+           alpha1: float, alpha2: float, eps: float) -> torch.Tensor:
+    """Eqs. 3 and 5 in float64: ``[B, T]``, 0 where ``mask`` is False.
+
+    Position ``t`` is a row's ``t``-th valid token: each row's valid values are moved to the
+    front, and the sums over a side's rows at every position are one product with the
+    ``[B, B]`` same-group-and-outcome matrix (a non-finite value counted apart, so that it
+    turns its own group's rows NaN and no other's)."""
     h = ent.double()
     # what each token contributes to its side's share: H on O+, 1/(H + eps) on O-; an inf
     # entropy must reach the output as NaN (1/inf would be a finite 0)
     val = torch.where(positive[:, None], h, 1.0 / (h + eps))
     val = torch.where(torch.isinf(h), math.nan, val)
-    # one bucket per (group, side, valid-token index)
-    side = (~positive).long()  # 0: O+, 1: O-
-    index = mask.long().cumsum(1) - 1  # [B, T]
-    bucket = torch.where(mask, (gid * 2 + side)[:, None] * t_max + index, 0)
-    keys, vals = bucket.reshape(-1), torch.where(mask, val, 0.0).reshape(-1)  # masked: add 0
-    total = vals.new_zeros(max(n * 2 * t_max, 1)).index_add_(0, keys, vals)
-    count = vals.new_zeros(total.shape).index_add_(0, keys, mask.reshape(-1).double())
-    s, c = total[bucket], count[bucket]  # [B, T]: the token's side at its position
-    uniform = torch.where(torch.isnan(s), math.nan, 1.0)  # NaN stays NaN, never uniform
-    share_x_count = torch.where(s > 0, val / torch.where(s > 0, s, 1.0) * c, uniform)
+    rows = _w.Rows(torch.where(mask, val, 0.0), mask)  # [B, T] compact, 0 past each length
+    t = mask.shape[1]
+    present = (torch.arange(t, device=mask.device)[None, :] < rows.lengths[:, None]).float()
+    _, side = members(groups, positive)
+    bad = ~torch.isfinite(rows.x)
+    s = side.double() @ torch.where(bad, 0.0, rows.x)  # [B, T]: the sum over the row's side at t
+    # counts in fp32 (exact below 2^24 rows), a third of the float64 products' cost
+    s = torch.where(side.float() @ bad.float() > 0, math.nan, s)  # NaN stays NaN, never uniform
+    c = (side.float() @ present).double()  # [B, T]: how many of the side's rows have a token
+    uniform = torch.where(torch.isnan(s), math.nan, 1.0)
+    share_x_count = torch.where(s > 0, rows.x / torch.where(s > 0, s, 1.0) * c, uniform)
     sign = (positive.double() * 2 - 1)[:, None]  # +1 on O+, -1 on O-
-    return torch.where(mask, sign * (alpha1 + alpha2 * share_x_count), 0.0)
+    return rows.expand(sign * (alpha1 + alpha2 * share_x_count), mask)
 
 
-def standardized(r: torch.Tensor, mask: torch.Tensor, positive: torch.Tensor, gid: torch.Tensor,
-                 n: int, normalize: str) -> torch.Tensor:
+def standardized(r: torch.Tensor, mask: torch.Tensor, positive: torch.Tensor,
+                 groups: torch.Tensor, normalize: str) -> torch.Tensor:
     """Eq. 6: the shaped rewards ``r`` ``[B, T]`` (float64, :func:`shaped`) standardised over each
     group's valid tokens (``normalize="group"``) or over each side of it (``"side"``), with
     population std plus ``1e-6``; 0 in a group whose rollouts all succeeded or all failed.
     Returns ``[B, T]`` fp32."""
-    ones = torch.ones_like(gid, dtype=torch.float64)
-    n_rows = ones.new_zeros(n).index_add_(0, gid, ones)
-    n_pos = ones.new_zeros(n).index_add_(0, gid, positive.double())
-    mixed = ((n_pos > 0) & (n_pos < n_rows))[gid]  # [B]: the group has both outcomes
-    unit = gid if normalize == "group" else gid * 2 + (~positive).long()
-    units = n if normalize == "group" else 2 * n
-    tokens = ones.new_zeros(units).index_add_(0, unit, mask.sum(1).double()).clamp_min(1.0)
-    mean = ones.new_zeros(units).index_add_(0, unit, r.sum(1)) / tokens
-    dev = torch.where(mask, r - mean[unit][:, None], 0.0)
-    std = (ones.new_zeros(units).index_add_(0, unit, (dev * dev).sum(1)) / tokens).sqrt()
-    out = dev / (std[unit][:, None] + 1e-6)
+    group, side = members(groups, positive)
+    n_rows = group.sum(dim=1)  # [B]: the rollouts of the row's group
+    n_pos = (group & positive[None, :]).sum(dim=1)
+    mixed = (n_pos > 0) & (n_pos < n_rows)  # [B]: the row's group has both outcomes
+    unit = group if normalize == "group" else side
+    tokens = _rows_sum(unit, mask.sum(1).double()).clamp_min(1.0)  # [B]
+    mean = _rows_sum(unit, r.sum(1)) / tokens
+    dev = torch.where(mask, r - mean[:, None], 0.0)
+    std = (_rows_sum(unit, (dev * dev).sum(1)) / tokens).sqrt()
+    out = dev / (std[:, None] + 1e-6)
     return torch.where(mixed[:, None], out, 0.0).float()

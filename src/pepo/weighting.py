@@ -47,7 +47,7 @@ from pepo import _checks
 from pepo import _windows as _w
 from pepo._gtpo import NORMALIZE as GTPO_NORMALIZE
 from pepo._gtpo import check_params as check_gtpo_params
-from pepo._gtpo import dense_ids, gtpo_rewards, shaped, standardized
+from pepo._gtpo import gtpo_rewards, shaped, standardized
 from pepo._strategy import Strategy, StrategyFn, compile_enabled, set_compile, validate_flag
 from pepo._topk import global_count, select_top
 
@@ -449,9 +449,8 @@ def gtpo(alpha1: float = 1.0, alpha2: float = 0.1, normalize: str = "group",
     normalize = _checks.check_choice("normalize", normalize, GTPO_NORMALIZE)
 
     def fn(advantages, entropies, mask, positive, groups):
-        gid, n = dense_ids(groups)
-        r = shaped(entropies, mask, positive, gid, n, alpha1, alpha2, eps)  # [B, T] f64
-        return standardized(r, mask, positive, gid, n, normalize)
+        r = shaped(entropies, mask, positive, groups, alpha1, alpha2, eps)  # [B, T] f64
+        return standardized(r, mask, positive, groups, normalize)
 
     return fn
 
