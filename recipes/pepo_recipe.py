@@ -79,11 +79,11 @@ from pepo.training.config import (
     build,
     check_world_size,
     config_error_exit,
-    experiment_changes,
     experiment_config,
     prior_fingerprint,
     register_resolvers,
     resolve_config_arg,
+    resumable_checkpoint,
     validate_config,
 )
 from pepo.training.config_rules import resolve_component
@@ -99,7 +99,13 @@ from pepo.training.evaluation import (
 from pepo.training.generation import Rollouts, draw_seeds
 from pepo.training.hf import save_hf
 from pepo.training.models import check_state_matches
-from pepo.training.reporting import plot_curves, truncate_metrics_log, write_rollouts
+from pepo.training.reporting import (
+    NullLogger,
+    plot_curves,
+    truncate_metrics_log,
+    write_rollouts,
+    write_summary,
+)
 from pepo.training.run_lock import RunLock
 from pepo.training.step import (
     StepStats,
@@ -127,19 +133,6 @@ __all__ = ["CheckpointFailed", "NonFiniteError", "PEPORecipe", "TrainingStopped"
 log = utils.get_logger("INFO")
 
 register_resolvers()
-
-
-class _NoLogger:
-    """The metric logger of ranks other than 0."""
-
-    def log_config(self, cfg: Any) -> None:
-        pass
-
-    def log_dict(self, metrics: Any, step: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class PEPORecipe(FTRecipeInterface):
@@ -230,7 +223,8 @@ class PEPORecipe(FTRecipeInterface):
             self.output_dir / "checkpoints", keep=c.keep_checkpoints,
             best_metric="val_accuracy" if self.keep_best else None,
         )
-        resume_state = self._find_checkpoint() if self.resume else None
+        resume_state = resumable_checkpoint(self.checkpointer, self.experiment, self.num_steps,
+                                            log.warning) if self.resume else None
 
         with training.set_default_dtype(self._dtype), self._device:
             self.model = build(cfg, "model")
@@ -278,7 +272,7 @@ class PEPORecipe(FTRecipeInterface):
         # logs, plots, dumps and checkpoint files come from rank 0 only
         if resume_state is not None and self.dist.is_main:
             self._truncate_metrics(cfg, resume_state[1]["step"])
-        self.metric_logger = build(cfg, "metric_logger") if self.dist.is_main else _NoLogger()
+        self.metric_logger = build(cfg, "metric_logger") if self.dist.is_main else NullLogger()
         self.metric_logger.log_config(cfg)
         self.config_name = c.name
         if resume_state is not None:
@@ -299,33 +293,6 @@ class PEPORecipe(FTRecipeInterface):
         if dropped:
             log.info(f"{path}: dropped {dropped} line(s) logged after step {step}, which this "
                      f"resumed run logs again")
-
-    def _find_checkpoint(self) -> tuple[Path, dict[str, Any]]:
-        """The newest intact checkpoint and its state, refused when resuming from it would
-        change the experiment or do nothing."""
-        found = self.checkpointer.load_latest()  # the newest intact one (warns about others)
-        if found is None:
-            raise ValueError(
-                f"resume_from_checkpoint=True but {self.checkpointer.root} holds no intact "
-                f"checkpoint (see the warnings above)"
-            )
-        path, state = found
-        saved = state.get("experiment")
-        if saved is None:
-            log.warning(f"{path} records no experiment config; the resume cannot check it")
-        else:
-            changes = experiment_changes(saved, self.experiment)
-            if changes:
-                raise ValueError(
-                    f"resuming {path} would change the experiment: {', '.join(changes)}; keep "
-                    f"these values, or start a new run in another output_dir"
-                )
-        if state["step"] >= self.num_steps:
-            raise ValueError(
-                f"{path} is at step {state['step']}, and num_steps={self.num_steps} asks for no "
-                f"more; raise num_steps to train further"
-            )
-        return path, state
 
     def _load_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
         """Loads a whole (unsharded) checkpoint, written with any number of processes."""
@@ -626,6 +593,8 @@ class PEPORecipe(FTRecipeInterface):
             for line in closing_summary(self.history, self.val_samples,
                                         self.checkpointer if self.keep_best else None):
                 log.info(line)
+            write_summary(self.output_dir, self.history, val_problems=len(self.val_data),
+                          val_samples=self.val_samples, num_steps=self.num_steps)
         if self.hf_source is not None:
             weights = self._full_state_dict(cpu_offload=True)
             if self.dist.is_main:

@@ -65,9 +65,8 @@ def test_two_step_one_seed_study(study, tmp_path, monkeypatch):
         "1",
     ]
     calls = []
-    real = study.pepo_recipe.recipe_main
-    monkeypatch.setattr(study.pepo_recipe, "recipe_main",
-                        lambda cfg, **kw: calls.append(cfg) or real(cfg, **kw))
+    real = study.run_recipe  # the recipe in a child process; its summary read back
+    monkeypatch.setattr(study, "run_recipe", lambda cfg, d: calls.append(cfg) or real(cfg, d))
     results = study.main(argv)
     # the baseline is always run; each run used its strategy, seed and the overrides
     assert [(c.strategy.name, c.seed, c.num_steps, c.val_dataset.size) for c in calls] == [
@@ -135,10 +134,10 @@ def test_max_runs_trains_that_many_per_call_and_the_last_call_reports(study, tmp
     assert sorted(ran) == sorted(label for label, _ in study.METHODS["single_stream"])
 
 
-class _FakeRecipe:
-    val_data = [None] * 4  # the validation prompts the run used
-    history = [{"step": 0, "val_accuracy": 0.5}, {"step": 1, "step_time": 1.0},
-               {"step": 2, "step_time": 3.0, "val_accuracy": 0.75}]
+_FAKE_SUMMARY = {  # what a run's summary.json holds: 4 validation prompts, 2 steps
+    "val_problems": 4,
+    "history": [{"step": 0, "val_accuracy": 0.5}, {"step": 1, "step_time": 1.0},
+                {"step": 2, "step_time": 3.0, "val_accuracy": 0.75}]}
 
 
 def test_runs_held_by_another_process_are_left_to_it(study, tmp_path, monkeypatch, capsys):
@@ -146,8 +145,7 @@ def test_runs_held_by_another_process_are_left_to_it(study, tmp_path, monkeypatc
     written from a partial set); what a killed run left is removed before it runs again; the
     single-stream runs of a seed share one prior file, the group runs have none."""
     calls = []
-    monkeypatch.setattr(study.pepo_recipe, "recipe_main",
-                        lambda cfg, **kw: calls.append(cfg) or _FakeRecipe)
+    monkeypatch.setattr(study, "run_recipe", lambda cfg, d: calls.append(cfg) or _FAKE_SUMMARY)
     out, docs = tmp_path / "runs", tmp_path / "docs"
     held = study.run_dir(out, "tiny", "single_stream", "SPO", 0)
     (held / "checkpoints" / "step_1").mkdir(parents=True)  # what a killed run left
@@ -173,3 +171,29 @@ def test_runs_held_by_another_process_are_left_to_it(study, tmp_path, monkeypatc
     assert not (held / "checkpoints").exists()
     assert json.loads((held / "result.json").read_text())["val_after"] == 0.75
     assert len(results) == n_methods and (docs / "results.md").is_file()
+
+
+def test_a_failed_run_raises_with_the_end_of_its_log(study, tmp_path):
+    """The recipe runs in a child process: a run that fails (here a config the recipe refuses)
+    raises naming the run and quoting its log, instead of reading a summary that is not there.
+    Catches an exit code ignored (a missing summary.json would be the only sign)."""
+    from omegaconf import OmegaConf
+
+    study.register_resolvers()
+    cfg = OmegaConf.load(study.find_config("tiny"))
+    cfg = OmegaConf.merge(cfg, {"output_dir": str(tmp_path), "num_steps": 0})
+    with pytest.raises(RuntimeError, match=r"failed \(exit code 1\).*\n.*num_steps"):
+        study.run_recipe(cfg, tmp_path)
+    assert (tmp_path / "recipe.log").is_file() and not (tmp_path / "summary.json").exists()
+
+
+def test_summary_round_trip_and_a_missing_summary(tmp_path):
+    """write_summary / read_summary keep the history and the facts; reading a run that did not
+    finish names the file."""
+    from pepo.training.reporting import read_summary, write_summary
+
+    history = [{"step": 0, "val_accuracy": 0.25}, {"step": 1, "step_time": 1.5, "loss": -0.1}]
+    write_summary(tmp_path, history, val_problems=3)
+    assert read_summary(tmp_path) == {"history": history, "val_problems": 3}
+    with pytest.raises(FileNotFoundError, match="summary.json does not exist"):
+        read_summary(tmp_path / "nowhere")

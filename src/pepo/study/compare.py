@@ -15,8 +15,8 @@ model's entropy scale, decision points and meaningless forks) it runs the group-
 Entropy Adv., PEPO, window_average, GTPO and PEPO at τ 0.5 and 2, and the single-stream
 config (``tiny_spo``, ``tiny_drift_spo``, ``tiny_reason_spo``) with SPO, S-80/20, S-Entropy Adv.
 and PESPO, once per seed (the seed sets the prompt order and the sampling; the warm-start
-checkpoint is the same). Each run is the recipe in this process, as ``tune run pepo_recipe``
-would run it. Then, per task, the token intervention of ``pepo.study.intervention`` (base: the
+checkpoint is the same). Each run is the recipe in a child process, as ``tune run pepo_recipe``
+runs it (its output in the run's ``recipe.log``). Then, per task, the token intervention of ``pepo.study.intervention`` (base: the
 warm-start checkpoint, replacement: the final GRPO checkpoint of the first seed).
 
 The report gives validation avg@k before and after as mean ± sample SD over seeds, the paired
@@ -41,6 +41,7 @@ import math
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -48,9 +49,9 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
-import pepo_recipe
 from pepo.study import analysis, intervention
 from pepo.training.config import check_output_dir, find_config, register_resolvers
+from pepo.training.reporting import read_summary
 
 METHODS = {
     "group": [
@@ -144,13 +145,14 @@ def _run(task: str, mode: str, label: str, strategy: dict, seed: int, out: Path,
         fixed["prior_cache"] = str(out / task / mode / f"prior_seed_{seed}.json")
     cfg = OmegaConf.merge(cfg, fixed, overrides)
     t0 = time.perf_counter()
-    recipe = pepo_recipe.recipe_main(cfg, log_config=False)
-    val = [[h["step"], h["val_accuracy"]] for h in recipe.history if "val_accuracy" in h]
-    steps = [h["step_time"] for h in recipe.history if "step_time" in h]
+    summary = run_recipe(cfg, d)
+    history = summary["history"]
+    val = [[h["step"], h["val_accuracy"]] for h in history if "val_accuracy" in h]
+    steps = [h["step_time"] for h in history if "step_time" in h]
     result = {
         "task": task, "mode": mode, "method": label, "seed": seed, "val_curve": val,
         "val_before": val[0][1], "val_after": val[-1][1], "val_k": int(cfg.validation.samples),
-        "val_problems": len(recipe.val_data), "num_steps": int(cfg.num_steps),
+        "val_problems": summary["val_problems"], "num_steps": int(cfg.num_steps),
         "step_time_median": statistics.median(steps), "wall_s": time.perf_counter() - t0,
         "checkpoint": str(d / "checkpoints" / f"step_{int(cfg.num_steps)}"),
     }
@@ -160,6 +162,27 @@ def _run(task: str, mode: str, label: str, strategy: dict, seed: int, out: Path,
     print(f"{task:10s} {mode:13s} {label:22s} seed {seed}: {result['val_before']:.3f} -> "
           f"{result['val_after']:.3f}  ({result['wall_s']:.0f}s)", flush=True)
     return result
+
+
+def run_recipe(cfg: Any, d: Path) -> dict[str, Any]:
+    """Runs the training recipe on ``cfg`` in a child process, as ``tune run pepo_recipe --config
+    d/config.yaml`` would, with its output in ``d/recipe.log``; returns the summary the run
+    wrote (:func:`pepo.training.reporting.read_summary`).
+
+    Raises:
+        RuntimeError: the run failed; the message ends with the last lines of its log.
+    """
+    OmegaConf.save(cfg, d / "config.yaml")
+    log_path = d / "recipe.log"
+    with open(log_path, "w", encoding="utf-8") as log_file:
+        code = subprocess.run([sys.executable, "-m", "pepo_recipe", "--config",
+                               str(d / "config.yaml")], stdout=log_file,
+                              stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        tail = log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-12:]
+        raise RuntimeError(f"the recipe run in {d} failed (exit code {code}); the end of "
+                           f"{log_path}:\n" + "\n".join(tail))
+    return read_summary(str(cfg.output_dir))
 
 
 def mean_sd(xs: list[float], scale: float = 100.0) -> str:

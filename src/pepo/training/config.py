@@ -313,6 +313,34 @@ def experiment_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[s
             if saved.get(k, "<unset>") != current.get(k, "<unset>")]
 
 
+def resumable_checkpoint(checkpointer: Any, experiment: dict[str, Any], num_steps: int,
+                         warn: Any) -> tuple[Path, dict[str, Any]]:
+    """The newest intact checkpoint of ``checkpointer`` (a
+    :class:`pepo.training.checkpointing.Checkpointer`) and its state, for a resume.
+
+    ``warn`` (a callable taking one message) hears about a checkpoint with no saved experiment.
+
+    Raises:
+        ValueError: no intact checkpoint, one whose experiment keys differ from
+            ``experiment`` (naming each change), or one already at ``num_steps``.
+    """
+    found = checkpointer.load_latest()  # the newest intact one (warns about others)
+    if found is None:
+        raise ValueError(f"resume_from_checkpoint=True but {checkpointer.root} holds no intact "
+                         f"checkpoint (see the warnings above)")
+    path, state = found
+    saved = state.get("experiment")
+    if saved is None:
+        warn(f"{path} records no experiment config; the resume cannot check it")
+    elif changes := experiment_changes(saved, experiment):
+        raise ValueError(f"resuming {path} would change the experiment: {', '.join(changes)}; "
+                         f"keep these values, or start a new run in another output_dir")
+    if state["step"] >= num_steps:
+        raise ValueError(f"{path} is at step {state['step']}, and num_steps={num_steps} asks for "
+                         f"no more; raise num_steps to train further")
+    return path, state
+
+
 # What an offline prior (SPO's ``prior_samples`` rollouts of every training prompt by the initial
 # policy) depends on: a ``prior_cache`` file made under other values is refused.
 PRIOR_KEYS = ("seed", "dtype", "tokenizer", "model", "checkpoint_dir", "dataset", "reward",

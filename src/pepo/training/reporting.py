@@ -14,7 +14,8 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
-__all__ = ["plot_curves", "write_rollouts"]
+__all__ = ["SUMMARY_FILE", "NullLogger", "plot_curves", "read_summary", "write_rollouts",
+           "write_summary"]
 
 
 def write_rollouts(path: Union[str, Path], records: Sequence[Mapping[str, Any]]) -> Path:
@@ -32,6 +33,48 @@ def write_rollouts(path: Union[str, Path], records: Sequence[Mapping[str, Any]])
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+SUMMARY_FILE = "summary.json"
+
+
+class NullLogger:
+    """A metric logger that keeps nothing: the one of every rank but the first."""
+
+    def log_config(self, cfg: Any) -> None:
+        pass
+
+    def log_dict(self, metrics: Any, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def write_summary(output_dir: Union[str, Path], history: Sequence[Mapping[str, Any]],
+                  **facts: Any) -> Path:
+    """Writes ``output_dir/summary.json`` atomically at the end of a run: ``history`` (one dict
+    of metrics per step, ``step`` 0 the validation before training) and ``facts`` (the number of
+    validation problems, say), for tools that read a finished run without importing the recipe
+    (``pepo.study.compare``). Returns the path."""
+    from pepo.training.checkpointing import atomic_write_text
+
+    path = Path(output_dir) / SUMMARY_FILE
+    text = json.dumps({"history": list(history), **facts}, indent=1, default=float)
+    atomic_write_text(path, text + "\n")
+    return path
+
+
+def read_summary(output_dir: Union[str, Path]) -> dict[str, Any]:
+    """The ``summary.json`` a finished run wrote in ``output_dir``.
+
+    Raises:
+        FileNotFoundError: the run did not finish (no summary), naming the path.
+    """
+    path = Path(output_dir) / SUMMARY_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: the run in {output_dir} did not finish")
+    return json.loads(path.read_text(encoding="utf-8"))
 
 
 def truncate_metrics_log(path: Union[str, Path], step: int) -> int:
