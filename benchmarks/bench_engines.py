@@ -1,6 +1,6 @@
 """Rollout engines compared on one config: generation throughput and step time.
 
-    python benchmarks/bench_engines.py [--config tiny] [--steps 10] [--engines torchtune vllm]
+    python benchmarks/bench_engines.py [--config tiny] [--steps 10] [--engines inprocess vllm]
         [key=value ...]
 
 Runs the recipe for ``--steps`` steps with each engine (same seed, no validation, no
@@ -60,7 +60,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="tiny")
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--engines", nargs="+", default=["torchtune", "vllm"])
+    ap.add_argument("--engines", nargs="+", default=["inprocess", "vllm"])
     args, overrides = ap.parse_known_args()
     print(f"# {cpu_name()}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}, config {args.config}, {args.steps} steps "

@@ -28,12 +28,12 @@ Deviations from the paper's setup, all deliberate:
 
 * Log-probs and entropies ignore top-k/top-p truncation (as verl and TRL do): they are those of
   the temperature-scaled softmax.
-* Rollouts come from ``generation.engine``: pepo's KV-cached decoder on the torchtune model
-  in the training process (the default) or a colocated vLLM engine that receives the
-  trainer's weights after every optimizer step (``pepo.training.engines``). Either way the
-  trainer recomputes the old log-probs itself; the engine's own log-probs only measure the
-  mismatch (``rollout_logprob_gap``) and, with ``loss.tis_cap``, weight the loss by the capped
-  ratio trainer / engine (truncated importance sampling).
+* Rollouts come from ``generation.engine``: pepo's own KV-cached decoder (``inprocess``) on the
+  torchtune model in the training process (the default) or a colocated vLLM engine that receives the
+  trainer's weights after every optimizer step (``pepo.training.engines``). Either way the trainer
+  recomputes the old log-probs itself; the engine's own log-probs only measure the mismatch
+  (``rollout_logprob_gap``) and, with ``loss.tis_cap``, weight the loss by the capped ratio trainer
+  / engine (truncated importance sampling).
 * Single-stream forgetting: SPO's ``D(x)`` (the policy change since prompt ``x`` was last
   seen) is measured as the sum, over the steps in between, of each step's mean |Δ log-prob|
   across its update on that step's batch, a cheap stand-in for the KL between the two policies.

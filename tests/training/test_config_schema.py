@@ -166,7 +166,7 @@ def test_defaults_are_the_schemas_and_the_recipes_read_none_of_their_own(tmp_pat
     assert typed.logprob_chunk_size == fields["logprob_chunk_size"].default == 1024
     assert typed.keep_best is fields["keep_best"].default is True
     assert typed.distributed.timeout_s == fields["distributed.timeout_s"].default == 1800.0
-    assert typed.generation.engine == "torchtune"
+    assert typed.generation.engine == "inprocess"
     for script in ("pepo_recipe.py", "pepo_eval.py"):
         tree = ast.parse((ROOT / "recipes" / script).read_text(encoding="utf-8"))
         with_default = [ast.unparse(n) for n in ast.walk(tree)
@@ -186,13 +186,43 @@ def test_the_eval_recipe_shares_the_schema(tmp_path):
     cfg = OmegaConf.load(find_config("eval_tiny"))
     cfg.output_dir = str(tmp_path / "out")
     typed = validate_eval_config(cfg)
-    assert typed.batch_size == 256 and typed.generation.engine == "torchtune"
+    assert typed.batch_size == 256 and typed.generation.engine == "inprocess"
     cfg.generation.top_k = 0
     with pytest.raises(ValueError, match=r"^generation.top_k must be an int >= 1 or null, got 0"):
         validate_eval_config(cfg)
 
 
 def test_the_schema_knows_the_engines():
-    from pepo.training.engines import ENGINES
+    from pepo.training.engines import ENGINES, OLD_NAMES
 
     assert tuple(ENGINES) == schema.ENGINE_NAMES
+    assert {("generation.engine", old): new for old, new in OLD_NAMES.items()} == {
+        k: v for k, v in schema.ALIASES.items() if k[0] == "generation.engine"}
+
+
+def test_the_engines_old_name_still_works_with_a_one_line_notice(tmp_path, caplog):
+    """``generation.engine=torchtune`` (the in-process engine's name before it was called
+    ``inprocess``): the config is validated under the new name with one notice, a checkpoint or
+    prior cache saved under the old name is not a change of experiment, and ``build_engine``
+    takes it. Catches an alias that is refused, silently kept (two names for one engine in the
+    experiment record), or that makes old checkpoints unresumable."""
+    import logging
+
+    from pepo.training.config import experiment_changes, experiment_config
+    from pepo.training.engines import InProcessEngine, build_engine
+    from pepo.training.models import tiny_qwen3
+
+    cfg = tiny_cfg(tmp_path)
+    cfg.generation.engine = "torchtune"
+    with caplog.at_level(logging.WARNING, logger="pepo"):
+        typed = validate_config(cfg)
+    assert typed.generation.engine == "inprocess" and cfg.generation.engine == "inprocess"
+    notices = [r.getMessage() for r in caplog.records if "torchtune" in r.getMessage()]
+    assert notices == ["generation.engine=torchtune is now called inprocess; the old name still "
+                       "works"]
+    now = experiment_config(cfg)
+    saved = {**now, "generation.engine": "torchtune"}
+    assert experiment_changes(saved, now) == []
+    assert experiment_changes({**now, "generation.engine": "vllm"}, now) == [
+        "generation.engine ('vllm' -> 'inprocess')"]
+    assert isinstance(build_engine("torchtune", tiny_qwen3()), InProcessEngine)

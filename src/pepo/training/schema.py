@@ -26,6 +26,7 @@ import dataclasses
 import difflib
 import importlib
 import inspect
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -56,13 +57,16 @@ __all__ = [
     "RUN",
     "EvalConfig",
     "RecipeConfig",
+    "canonical",
     "fields_of",
     "parse",
     "unknown_key",
 ]
 
 EXPERIMENT, RUN, INITIAL = "experiment", "run", "initial"
-ENGINE_NAMES = ("torchtune", "vllm")  # pepo.training.engines.ENGINES (a test holds them equal)
+ENGINE_NAMES = ("inprocess", "vllm")  # pepo.training.engines.ENGINES (a test holds them equal)
+# old names of config values, still accepted with a one-line notice: (key, old) -> new
+ALIASES = {("generation.engine", "torchtune"): "inprocess"}
 
 
 class _Required:
@@ -98,9 +102,9 @@ class SamplingConfig:
     top_p: float = key(help="nucleus sampling (the paper: 0.6)", rule=Number(0.0, 1.0))
     stop_tokens: Optional[list] = key(None, "extra stop tokens besides the tokenizer's eos "
                                       "(strings in the vocabulary)")
-    engine: str = key("torchtune", "where rollouts come from: `torchtune` (pepo's in-process "
-                      "KV-cached decoder on the torchtune model) or `vllm` (a colocated vLLM "
-                      "engine; see below)",
+    engine: str = key("inprocess", "where rollouts come from: `inprocess` (pepo's own "
+                      "KV-cached decoder on the training model; `torchtune`, its old name, still "
+                      "works) or `vllm` (a colocated vLLM engine; see below)",
                       rule=OneOf(ENGINE_NAMES, f"one of {list(ENGINE_NAMES)}"))
     vllm: Any = key(None, "the vLLM engine's options (below), with `engine: vllm`")
 
@@ -114,7 +118,7 @@ class SamplingConfig:
 class GenerationConfig(SamplingConfig):
     """``generation`` of the training recipe."""
 
-    batch_size: Optional[int] = key(None, "rows decoded together (torchtune engine; null: all at "
+    batch_size: Optional[int] = key(None, "rows decoded together (in-process engine; null: all at "
                                     "once); the KV cache grows with it",
                                     rule=Int(1, nullable=True), role=RUN)
     compile: bool = key(False, "`torch.compile` the in-process decoder's step (torchtune "
@@ -471,6 +475,24 @@ def _check_vllm(generation: SamplingConfig, where: str = "generation") -> None:
             raise unknown_key(str(k), valid, f"{where}.vllm.")
 
 
+def renamed(cfg: DictConfig) -> None:
+    """Replaces, in place, each config value that has a new name (``ALIASES``) by that name,
+    with a one-line notice on the ``pepo`` logger."""
+    for (dotted, old), new in ALIASES.items():
+        section, leaf = dotted.rsplit(".", 1)
+        node = OmegaConf.select(cfg, section)
+        if node is not None and node.get(leaf) == old:
+            logging.getLogger("pepo").warning(
+                f"{dotted}={old} is now called {new}; the old name still works")
+            node[leaf] = new
+
+
+def canonical(key: str, value: Any) -> Any:
+    """``value`` of config key ``key`` under its current name (``ALIASES``): what a checkpoint
+    or a prior cache saved under an old name is compared as."""
+    return ALIASES.get((key, value), value) if isinstance(value, str) else value
+
+
 def parse(cfg: DictConfig) -> RecipeConfig:
     """Phase 1 of the recipe's validation: the schema (see the module docstring). Runs the
     config's ``imports`` first (they register strategies and estimators).
@@ -479,6 +501,7 @@ def parse(cfg: DictConfig) -> RecipeConfig:
         ValueError: naming the first bad key and its value.
     """
     _import_modules(cfg)
+    renamed(cfg)
     estimator = _estimator(cfg)
     strategy_name = _strategy_name(cfg)
     _check_keys(cfg, RecipeConfig, "", _variables(cfg))
@@ -498,6 +521,7 @@ def parse(cfg: DictConfig) -> RecipeConfig:
 
 def parse_eval(cfg: DictConfig) -> EvalConfig:
     """Phase 1 of the evaluation's validation (``benchmarks``: name -> {dataset, k})."""
+    renamed(cfg)
     _check_keys(cfg, EvalConfig, "", _variables(cfg))
     _check_keys(cfg.get("generation"), SamplingConfig, "generation.")
     if not cfg.get("benchmarks"):
