@@ -78,7 +78,7 @@ LISTED_BY_HAND = {
     "save_every", "keep_checkpoints", "keep_best", "dump_rollouts_every", "plot", "metric_logger",
     "generation.batch_size", "generation.compile", "micro_batch_size", "prior_cache",
     "logprob_chunk_size", "logprobs_from_hidden", "enable_activation_checkpointing",
-    "max_nonfinite_steps", "reward.workers",
+    "max_nonfinite_steps", "reward.workers", "distributed.timeout_s",
 }
 
 
@@ -226,3 +226,15 @@ def test_the_engines_old_name_still_works_with_a_one_line_notice(tmp_path, caplo
     assert experiment_changes({**now, "generation.engine": "vllm"}, now) == [
         "generation.engine ('vllm' -> 'inprocess')"]
     assert isinstance(build_engine("torchtune", tiny_qwen3()), InProcessEngine)
+
+
+def test_a_resume_may_change_how_long_ranks_wait(tmp_path):
+    """``distributed.timeout_s`` changes no number of the run (a resumed run on a slower cluster
+    needs a longer one); ``distributed.mixed_precision`` does. Catches the timeout recorded as
+    part of the experiment, which refused such a resume."""
+    from pepo.training.config import experiment_config
+
+    keys = experiment_config(tiny_cfg(tmp_path))
+    assert "distributed.timeout_s" not in keys and "distributed.timeout_s" in \
+        schema.RESUME_MAY_CHANGE
+    assert "distributed.mixed_precision" not in schema.RESUME_MAY_CHANGE

@@ -150,7 +150,7 @@ class ValidationConfig:
 @dataclass
 class DistributedConfig:
     timeout_s: float = key(1800.0, "how long a collective waits for the other processes before "
-                           "it fails", rule=Number(0))
+                           "it fails", rule=Number(0), role=RUN)
     cpu_offload: bool = key(False, "FSDP2 keeps parameters and optimizer state on the CPU "
                             "(needs device=cuda)", rule=Bool())
     mixed_precision: Optional[str] = key(None, "FSDP2 compute dtype (`bf16`, `fp16`; null: the "
