@@ -236,6 +236,11 @@ class Strategy:
         return self._compiled
 
     @property
+    def reads_positive(self) -> bool:
+        """Whether the strategy's function reads the success flags (``positive``)."""
+        return self._pass_positive
+
+    @property
     def needs_groups(self) -> bool:
         """Whether the strategy compares the rollouts of a group (it must get ``groups=``)."""
         return self._needs_groups

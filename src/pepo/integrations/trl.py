@@ -184,16 +184,7 @@ class PepoGRPOTrainer(GRPOTrainer):
         self._pepo_rewards: Optional[torch.Tensor] = None
         self._pepo_loss_inputs: Optional[dict] = None
         super().__init__(*args, **kwargs)
-        if self.accelerator.num_processes > 1 and "process_group" in (
-            pw.strategy_parameters(pepo_strategy) or []
-        ):
-            import torch.distributed as dist
-
-            self._pepo_strategy = pw.get_strategy(
-                pepo_strategy, **params, process_group=dist.group.WORLD
-            )
-        # Strategy records whether its function reads the success flags (pepo's own helper)
-        reads_success = getattr(self._pepo_strategy, "_pass_positive", True)
+        reads_success = self._pepo_strategy.reads_positive
         if pepo_success is None and len(self.reward_funcs) > 1 and reads_success:
             warnings.warn(
                 f"PepoGRPOTrainer counts a completion as successful when TRL's weighted sum of "
@@ -377,7 +368,15 @@ class PepoGRPOTrainer(GRPOTrainer):
         if self._pepo_strategy.needs_groups:
             out = self._pepo_weigh_groups(advantages, entropies, mask, positive)
         else:
-            out = self._pepo_strategy(advantages, entropies, mask, positive=positive)
+            # batch-global statistics (global_topk's threshold) span every process; the strategy
+            # passes the group only to a function that declares it
+            group = None
+            if self.accelerator.num_processes > 1:
+                import torch.distributed as dist
+
+                group = dist.group.WORLD
+            out = self._pepo_strategy(advantages, entropies, mask, positive=positive,
+                                      process_group=group)
         self._pepo_log(out, mask)
         return out.to(advantages.dtype)
 
