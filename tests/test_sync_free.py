@@ -228,3 +228,22 @@ def test_check_finite_is_the_deprecated_name_of_validate():
         assert torch.isnan(s(adv, ent, mask, check_finite=False)[0, 0])
     with pytest.warns(FutureWarning), pytest.raises(ValueError, match="NaN/inf"):
         s(adv, ent, mask, check_finite=True)
+
+
+@pytest.mark.parametrize("sort", [True, False])
+def test_global_topk_both_threshold_paths_select_the_same_and_read_nothing(sort, monkeypatch):
+    """The full sort (CUDA's path) and the ``topk`` of the shape's bound (the CPU's) each give
+    ``torch.quantile``'s selection and make no host read (meta tensors); the device decides
+    which runs, so this forces each. Catches a sort path read at the wrong rank, untested on a
+    CPU otherwise."""
+    from pepo import _topk
+
+    monkeypatch.setattr(_topk, "full_sort", lambda scores: sort)
+    for seed, fraction in [(0, 0.2), (1, 0.5), (2, 1.0), (3, 1e-6)]:
+        adv, ent, mask = ragged_batch([0, 3, 11, 20, 20, 6], 20, holes=True, seed=seed)
+        ent = torch.round(ent * 8) / 8
+        got = pw.get_strategy("global_topk", fraction=fraction)(adv, ent, mask, validate=False)
+        thr = torch.quantile(ent[mask].double(), 1 - fraction)
+        assert torch.equal(got != 0, mask & (ent >= thr) & (adv[:, None] != 0))
+    adv, ent, mask, _, _ = _meta_batch()
+    assert pw.get_strategy("global_topk")(adv, ent, mask, validate=False).device.type == "meta"
