@@ -115,6 +115,7 @@ from pepo.training.step import (
     policy_logprobs,
     step_metrics,
     validation_summary,
+    weigh_from_update,
 )
 from pepo.training.stopping import (
     CheckpointFailed,
@@ -155,6 +156,7 @@ class PEPORecipe(FTRecipeInterface):
         self.estimator = c.estimator.build()
         self.ppo_epochs = c.ppo_epochs
         self.ppo_mini_batches = c.ppo_mini_batches
+        self.recompute_old = c.recompute_old_logprobs
         self.tile = tile_rows(self.estimator.rollouts_per_prompt, self.ppo_mini_batches)
         self.micro_batch_size = c.micro_batch_size
         self.eps_low, self.eps_high = float(c.loss.eps_low), float(c.loss.eps_high)
@@ -217,6 +219,10 @@ class PEPORecipe(FTRecipeInterface):
         name, params = c.strategy.name, c.strategy.params
         self.strategy_name = name
         self.strategy = weighting.get_strategy(name, **params)
+        # the one update of a step starts from the sampling policy: its forward gives the old
+        # log-probs and entropies, and a row-local strategy the weights (step.weigh_from_update)
+        self.old_from_update = (not self.recompute_old and self.ppo_epochs == 1
+                                and self.ppo_mini_batches == 1 and self.strategy.row_local)
         # the newest keep_checkpoints, and (keep_best) the one of the best validation accuracy
         self.keep_best = c.keep_best and bool(self.val_every)
         self.checkpointer = AtomicCheckpointer(
@@ -409,16 +415,17 @@ class PEPORecipe(FTRecipeInterface):
         traj.groups = (torch.arange(traj.batch, device=traj.advantages_all.device)[traj.part]
                        // self.estimator.rollouts_per_prompt)  # [b] prompt groups (GTPO)
         t_lp = time.perf_counter()
-        traj.old_logprobs, traj.entropies = self._all_logprobs(traj.rollouts)  # [b, T] each
+        if not self.old_from_update:  # else the update's forward gives them, row by row
+            traj.old_logprobs, traj.entropies = self._all_logprobs(traj.rollouts)  # [b, T]
+            if self.tis_cap is not None:
+                traj.is_weights = truncated_is_weights(traj.old_logprobs, traj.rollouts.logprobs,
+                                                       traj.mask, self.tis_cap)
+            # non-finite log-probs (a NaN logit) give NaN token advantages, so the loss guard
+            # skips the optimizer steps they reach instead of the strategy raising
+            traj.token_advantages = self.strategy(
+                traj.advantages, traj.entropies, traj.mask, positive=traj.success,
+                groups=traj.groups, process_group=self.dist.group, validate=False)  # [b, T]
         t_lp = time.perf_counter() - t_lp
-        if self.tis_cap is not None:
-            traj.is_weights = truncated_is_weights(traj.old_logprobs, traj.rollouts.logprobs,
-                                                   traj.mask, self.tis_cap)
-        # non-finite log-probs (a NaN logit) give NaN token advantages, so the loss guard
-        # skips the optimizer steps they reach instead of the strategy raising
-        traj.token_advantages = self.strategy(
-            traj.advantages, traj.entropies, traj.mask, positive=traj.success,
-            groups=traj.groups, process_group=self.dist.group, validate=False)  # [b, T]
         t_update = time.perf_counter()
         stats = self._update(traj)
         stats.times = {"gen_time": t_gen, "logprob_time": t_lp,
@@ -454,7 +461,7 @@ class PEPORecipe(FTRecipeInterface):
         make. The stats hold the mini-batch losses (summed over ranks), the token-weighted sums
         of the loss metrics, and the gradient norm of every optimizer step.
         """
-        mask, part, old_lp, adv = traj.mask, traj.part, traj.old_logprobs, traj.token_advantages
+        mask, part = traj.mask, traj.part
         stats = StepStats()
         sums = torch.zeros(3, device=mask.device)  # clip_fraction and approx_kl token sums, tokens
         for _ in range(self.ppo_epochs):
@@ -464,7 +471,10 @@ class PEPORecipe(FTRecipeInterface):
                 self.optimizer.zero_grad(set_to_none=True)
                 mb_loss = torch.zeros((), device=mask.device)
                 for micro in mb.split(self.micro_batch_size):
-                    lp, _ = self._forward_logprobs(traj.rollouts, micro)
+                    lp, ent = self._forward_logprobs(traj.rollouts, micro)
+                    if self.old_from_update:
+                        weigh_from_update(traj, micro, lp, ent, self.strategy, self.tis_cap)
+                    old_lp, adv = traj.old_logprobs, traj.token_advantages
                     loss = self.loss(
                         lp, old_lp[micro], adv[micro], mask[micro], num_tokens=num_tokens,
                         is_weights=None if traj.is_weights is None else traj.is_weights[micro],

@@ -182,8 +182,8 @@ def check_finite_clean(
     ent = tensors.get("entropies")
     if ent is not None:
         stats.append(ent.amin() if ent.numel() else ent.new_zeros(()))
-    if output is not None:
-        stats.append(torch.isfinite(output).all().float())
+    if output is not None:  # its sum: 40x cheaper than isfinite().all() on a CPU
+        stats.append(output.sum())
     stats = torch.stack([x.float() for x in stats]).tolist()
     inputs_ok = all(math.isfinite(x) for x in stats[: len(tensors)]) and (
         ent is None or stats[len(tensors)] >= -_windows.NEGATIVE_TOLERANCE)
@@ -195,7 +195,8 @@ def check_finite_clean(
         if ent is not None and stats[len(tensors)] < -_windows.NEGATIVE_TOLERANCE:
             raise ValueError(_windows.negative_entropy_message(stats[len(tensors)]))
         # else only a sum of finite values overflowed: the inputs are fine
-    return output is None or stats[-1] == 1.0
+    # a sum of finite values can overflow: only then is every element looked at (a second read)
+    return output is None or math.isfinite(stats[-1]) or bool(torch.isfinite(output).all())
 
 
 def overflow_message(name: str, out: torch.Tensor, adv: torch.Tensor) -> str:

@@ -236,6 +236,15 @@ class Strategy:
         return self._compiled
 
     @property
+    def row_local(self) -> bool:
+        """Whether each row's token advantages depend on that row alone (its advantage, flag
+        and entropies): then the strategy gives the same result on any split of the batch into
+        row groups. True for the built-in ``uniform``, ``proximal_softmax``, ``window_average``
+        and ``entropy_bonus``; False for batch- or group-wide statistics (``global_topk``,
+        ``gtpo``) and for registered strategies, unless their function sets ``row_local``."""
+        return bool(getattr(self._fn, "row_local", False))
+
+    @property
     def reads_positive(self) -> bool:
         """Whether the strategy's function reads the success flags (``positive``)."""
         return self._pass_positive

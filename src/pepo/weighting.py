@@ -274,7 +274,7 @@ def uniform() -> StrategyFn:
     # one kernel: the entropies are not read (no cleaning), the output is already fp32 and
     # masked (no final where), and there is nothing for torch.compile to fuse
     fn.reads_entropies = fn.masked_output = fn.compile = False  # type: ignore[attr-defined]
-    fn.masked_output = True  # type: ignore[attr-defined]
+    fn.masked_output = fn.row_local = True  # type: ignore[attr-defined]
     return fn
 
 
@@ -301,6 +301,7 @@ def proximal_softmax(
         e = _w.proximal(entropies, mask, window, temperature)  # [B, T]
         return _apply(advantages, normalize_to_length(e, mask), apply_to, positive)
 
+    fn.row_local = True  # type: ignore[attr-defined]
     return fn
 
 
@@ -325,6 +326,7 @@ def window_average(window: int = 101, apply_to: str = "positive") -> StrategyFn:
         r = _w.window_average(entropies, mask, window)  # [B, T]
         return _apply(advantages, normalize_to_length(r, mask), apply_to, positive)
 
+    fn.row_local = True  # type: ignore[attr-defined]
     return fn
 
 
@@ -349,6 +351,7 @@ def entropy_bonus(alpha: float = 0.4, kappa: float = 2.0) -> StrategyFn:
         bonus = torch.minimum(alpha * entropies, a.abs() / kappa)
         return a + torch.where(torch.isinf(entropies), math.nan, bonus)  # the cap must not hide inf
 
+    fn.row_local = True  # type: ignore[attr-defined]
     return fn
 
 

@@ -304,3 +304,38 @@ def test_interpolation_variables_are_not_typos(tmp_path):
     pepo_recipe.PEPORecipe(cfg)
     with pytest.raises(ValueError, match="unknown config key 'data_size'"):
         pepo_recipe.PEPORecipe(tiny_cfg(tmp_path, data_size=32))
+
+
+@pytest.mark.parametrize("strategy", ["proximal_softmax", "entropy_bonus"])
+def test_the_old_policy_pass_is_skipped_when_the_update_starts_from_it(tmp_path, monkeypatch,
+                                                                       strategy):
+    """One epoch, one mini-batch, a row-local strategy: the update's own forward gives the old
+    log-probs, the entropies and (row by row) the token advantages, and the old-policy pass
+    does not run. Same numbers as with the pass (recompute_old_logprobs=true): every logged
+    metric but the clocks', the dumped token advantages and entropies. Catches a skip that
+    changes the run (weights from the micro-batch's rows leaking into others', old log-probs
+    taken after a step), a pass that still runs, or a skip where the old policy is not the
+    one trained (two mini-batches: the second starts from an updated policy)."""
+    calls = []
+    real = pepo_recipe.PEPORecipe._all_logprobs
+    monkeypatch.setattr(pepo_recipe.PEPORecipe, "_all_logprobs",
+                        lambda self, ro: calls.append(len(ro.tokens)) or real(self, ro))
+    kw = dict(num_steps=2, ppo_mini_batches=1, ppo_epochs=1, micro_batch_size=2,
+              strategy={"name": strategy}, loss={"tis_cap": 2.0})
+    fused = run(tiny_cfg(tmp_path / "a", **kw))
+    assert fused.old_from_update and calls == []
+    again = run(tiny_cfg(tmp_path / "b", recompute_old_logprobs=True, **kw))
+    assert not again.old_from_update and len(calls) == 2
+    def numbers(h):  # every metric but the clocks'
+        return {k: v for k, v in h.items() if not k.endswith(("_time", "_per_s"))}
+
+    assert [numbers(h) for h in fused.history] == [numbers(h) for h in again.history]
+    for step in (1, 2):
+        name = f"rollouts/step_{step:06d}.jsonl"
+        a, b = (read_dump(tmp_path / r / "run" / name) for r in "ab")
+        assert [(r["token_advantages"], r["entropies"]) for r in a] == \
+            [(r["token_advantages"], r["entropies"]) for r in b]
+    two = run(tiny_cfg(tmp_path / "c", **{**kw, "ppo_mini_batches": 2, "prompts_per_step": 2}))
+    assert not two.old_from_update
+    topk = run(tiny_cfg(tmp_path / "d", **{**kw, "strategy": {"name": "global_topk"}}))
+    assert not topk.old_from_update  # a batch-wide threshold needs every row first

@@ -78,7 +78,7 @@ LISTED_BY_HAND = {
     "save_every", "keep_checkpoints", "keep_best", "dump_rollouts_every", "plot", "metric_logger",
     "generation.batch_size", "generation.compile", "micro_batch_size", "prior_cache",
     "logprob_chunk_size", "logprobs_from_hidden", "enable_activation_checkpointing",
-    "max_nonfinite_steps", "reward.workers", "distributed.timeout_s",
+    "max_nonfinite_steps", "reward.workers", "distributed.timeout_s", "recompute_old_logprobs",
 }
 
 

@@ -232,6 +232,10 @@ class RecipeConfig:
     logprobs_from_hidden: bool = key(False, "apply the output projection chunk by chunk "
                                      "(`logprobs_and_entropy_from_hidden`), so the `[b, S, V]` "
                                      "logits are never held; same numbers", rule=Bool(), role=RUN)
+    recompute_old_logprobs: bool = key(False, "always run the old-policy pass; false: skip it "
+                                       "where the update's own forward gives the same numbers "
+                                       "(one epoch, one mini-batch, a strategy that weighs each "
+                                       "row on its own)", rule=Bool(), role=RUN)
     enable_activation_checkpointing: bool = key(False, "recompute each transformer layer in "
                                                 "backward", rule=Bool(), role=RUN)
     loss: LossConfig = section(LossConfig)

@@ -21,6 +21,7 @@ from pepo.training.generation import Rollouts, sequence_inputs
 __all__ = [
     "StepStats",
     "Trajectory",
+    "weigh_from_update",
     "closing_summary",
     "dump_records",
     "policy_logprobs",
@@ -145,6 +146,36 @@ def policy_logprobs(model: Any, ro: Rollouts, rows: torch.Tensor, *, chunk_size:
         return model(seq, mask=attn, input_pos=pos)
     finally:
         del model.unembed
+
+
+def weigh_from_update(traj: Trajectory, rows: torch.Tensor, logprobs: torch.Tensor,
+                      entropies: torch.Tensor, strategy: Any,
+                      tis_cap: Optional[float] = None) -> None:
+    """The old-policy values of ``rows`` from the update's own forward, and their token
+    advantages: for a step whose one update (one epoch, one mini-batch) starts from the policy
+    that sampled, so that the update's first forward of each row *is* the old-policy pass, and
+    a strategy that weighs each row on its own (:attr:`pepo.weighting.Strategy.row_local`).
+
+    Fills ``rows`` of ``traj.old_logprobs``, ``entropies``, ``token_advantages`` and (with
+    ``tis_cap``) ``is_weights``, allocating them ``[b, T]`` on the first call; ``logprobs`` and
+    ``entropies`` are the forward's ``[len(rows), T]`` (detached here).
+    """
+    lp, ent = logprobs.detach(), entropies.detach()
+    if traj.old_logprobs is None:
+        traj.old_logprobs = lp.new_zeros(traj.mask.shape)
+        traj.entropies = ent.new_zeros(traj.mask.shape)
+        traj.token_advantages = lp.new_zeros(traj.mask.shape)
+        if tis_cap is not None:
+            traj.is_weights = lp.new_zeros(traj.mask.shape)
+    traj.old_logprobs[rows], traj.entropies[rows] = lp, ent
+    traj.token_advantages[rows] = strategy(
+        traj.advantages[rows], ent, traj.mask[rows], positive=traj.success[rows],
+        groups=traj.groups[rows], validate=False)
+    if tis_cap is not None:
+        from pepo.loss import truncated_is_weights
+
+        traj.is_weights[rows] = truncated_is_weights(lp, traj.rollouts.logprobs[rows],
+                                                     traj.mask[rows], tis_cap)
 
 
 def step_metrics(traj: Trajectory, stats: StepStats, dist: Any, *, lr: float,
