@@ -370,8 +370,9 @@ def global_topk(
     (``score="proximal"``, Table 3's drop-in, with ``window`` and ``temperature``). The
     threshold ``τ_q`` is the ``q = 1 - fraction`` quantile over *all* valid tokens passed in
     (and over every rank of ``process_group``), never per row. It selects exactly the tokens
-    ``s >= torch.quantile(s_valid, q)`` would (ties included) but is computed with
-    ``kthvalue``/``topk``, so it works above 2^24 tokens and on bf16 input.
+    ``s >= torch.quantile(s_valid, q)`` would (ties included) but is computed on the device (a
+    sort, a ``topk`` or a bisection across ranks; no value is read on the host), so it works
+    above 2^24 tokens and on bf16 input.
 
     ``normalize="all_tokens"`` (default) leaves the selected advantages as ``A_i``: the loss
     divides by all valid tokens, as in the paper's Eq. (2). ``"selected_tokens"`` scales them
