@@ -29,9 +29,12 @@ are in ``pepo._windows``):
 * The windowed sums are computed in O(B·T) with a two-block scan, never holding a
   ``[B, T, W]`` tensor; each sum adds at most ``W`` terms, so it stays as accurate as the direct
   sum on 32k-token rows.
-* Softmax numerators are shifted by each row's maximum. If a row's (temperature-scaled) range
-  exceeds what fp32 ``exp`` can hold without underflow, the batch takes an exact log-domain
-  path (``logcumsumexp``) instead; the result is the same, only slower.
+* Softmax numerators are shifted by each row's maximum where the temperature makes that exact
+  for any real entropy (``τ >= 0.3``), else the exact log-domain path (``logcumsumexp``) runs;
+  the choice reads no value. A row too wide for the shifted exp (entropies above 24 nats) is
+  NaN unvalidated and redone on the log-domain path when validated.
+* With ``validate=False`` nothing reads a tensor value on the host (``pepo._strategy``); on
+  CUDA the built-in strategies run ``torch.compile``-d (:func:`set_compile`).
 """
 
 from __future__ import annotations
