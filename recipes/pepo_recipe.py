@@ -13,7 +13,8 @@ One step (PEPO paper, Sec. 3-4 and App. C.1; ``docs/recipe.md`` has the details)
    (``pepo.training.evaluation.is_success``)
    → sequence advantages (``pepo.estimators``);
 4. one no-grad forward of the rollout policy → old log-probs and entropies
-   (``pepo.entropy.logprobs_and_entropy``, at the sampling temperature);
+   (``pepo.entropy.logprobs_and_entropy``, at the sampling temperature), skipped when one
+   update of a row-local strategy starts from that policy (its own forward gives them, and 5);
 5. token advantages from the strategy named in ``strategy.name`` (``pepo.weighting``), which
    weights the successful rollouts under ``apply_to: positive``;
 6. ``ppo_epochs`` × ``ppo_mini_batches`` AdamW steps of ``pepo.loss.clipped_policy_loss``,
