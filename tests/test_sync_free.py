@@ -54,37 +54,45 @@ def _meta_batch(b: int = 6, t: int = 40):
 
 
 class _HostReads:
-    """Counts the host reads of a CPU call: ``.tolist()``, ``.item()``, the scalar conversions
-    (``bool``/``int``/``float`` of a tensor), ``torch.unique``, ``nonzero`` and indexing by a
-    bool tensor (whose result's shape depends on values)."""
+    """Counts the host reads of a CPU call: ``.tolist()``, and, seen at the dispatcher, every
+    scalar read (``.item()``, ``bool``/``int``/``float`` of a tensor), ``nonzero``,
+    ``torch.unique`` and indexing by a bool tensor (a result shaped by values). Only ``tolist``
+    (a plain method) is patched: replacing a dunder of ``torch.Tensor`` would change the
+    class's C slots for good."""
+
+    READS = ("_local_scalar_dense", "nonzero", "_unique", "unique_", "masked_select")
 
     def __init__(self, monkeypatch):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
         self.count = 0
-        for name in ("tolist", "item", "__bool__", "__int__", "__float__", "nonzero", "unique"):
-            original = getattr(torch.Tensor, name)
+        reads = self
 
-            def counting(t, *a, _original=original, **k):
-                self.count += 1
-                return _original(t, *a, **k)
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = str(func)
+                bool_index = name.startswith("aten.index.") and any(
+                    isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                    for i in (args[1] if len(args) > 1 else ()) if i is not None)
+                if bool_index or any(r in name for r in reads.READS):
+                    reads.count += 1
+                return func(*args, **(kwargs or {}))
 
-            monkeypatch.setattr(torch.Tensor, name, counting)
-        for name in ("unique", "nonzero"):
-            original_fn = getattr(torch, name)
+        original = torch.Tensor.tolist
 
-            def counting_fn(*a, _original=original_fn, **k):
-                self.count += 1
-                return _original(*a, **k)
+        def tolist(t, *a, **k):
+            self.count += 1
+            return original(t, *a, **k)
 
-            monkeypatch.setattr(torch, name, counting_fn)
-        getitem = torch.Tensor.__getitem__
+        monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+        self._mode = Mode()
 
-        def indexing(t, index):
-            parts = index if isinstance(index, tuple) else (index,)
-            if any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts):
-                self.count += 1
-            return getitem(t, index)
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
 
-        monkeypatch.setattr(torch.Tensor, "__getitem__", indexing)
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
 
 
 def _cpu_batch():
@@ -105,8 +113,8 @@ def test_strategies_read_nothing_on_the_host_without_validation(key, monkeypatch
         assert out.shape == mask.shape and out.dtype == torch.float32
         assert out.device.type == "meta"
     adv, ent, mask, positive, groups = _cpu_batch()
-    reads = _HostReads(monkeypatch)
-    s(adv, ent, mask, positive=positive, groups=groups, validate=False)
+    with _HostReads(monkeypatch) as reads:
+        s(adv, ent, mask, positive=positive, groups=groups, validate=False)
     assert reads.count == 0
 
 
@@ -127,14 +135,15 @@ def test_statistics_group_advantages_and_loss_read_nothing_on_the_host(monkeypat
     _, ent, mask, _, _ = _cpu_batch()
     lp = torch.randn(3, 7, requires_grad=True)
     m = torch.rand(3, 7) > 0.3
-    reads = _HostReads(monkeypatch)
-    pw.proximal_entropy(ent, mask, window=5, validate=False)
-    pw.window_average_entropy(ent, mask, window=5, validate=False)
-    group_advantages(torch.rand(8), 4, validate=False)
-    clipped_policy_loss(lp, torch.randn(3, 7), torch.randn(3, 7), m, validate=False,
-                        num_tokens=m.sum(), is_weights=torch.rand(3, 7))
+    rewards, old, a, w = torch.rand(8), torch.randn(3, 7), torch.randn(3, 7), torch.rand(3, 7)
+    with _HostReads(monkeypatch) as reads:
+        pw.proximal_entropy(ent, mask, window=5, validate=False)
+        pw.window_average_entropy(ent, mask, window=5, validate=False)
+        group_advantages(rewards, 4, validate=False)
+        clipped_policy_loss(lp, old, a, m, validate=False, num_tokens=m.sum(), is_weights=w)
     assert reads.count == 0
-    group_advantages(torch.rand(8), 4)  # validating reads the counts, once
+    with _HostReads(monkeypatch) as reads:
+        group_advantages(rewards, 4)  # validating reads the counts, once
     assert reads.count == 1
     monkeypatch.undo()
     if not META:
@@ -160,8 +169,8 @@ def test_validation_is_one_host_read(key, monkeypatch):
     second sync (a scan before the kernels, a separate output check)."""
     adv, ent, mask, positive, groups = _cpu_batch()
     s = _strategy(key)
-    reads = _HostReads(monkeypatch)
-    s(adv, ent, mask, positive=positive, groups=groups, validate=True)
+    with _HostReads(monkeypatch) as reads:
+        s(adv, ent, mask, positive=positive, groups=groups, validate=True)
     assert reads.count == 1
 
 
@@ -295,8 +304,8 @@ def test_global_topk_both_threshold_paths_select_the_same_and_read_nothing(sort,
         thr = torch.quantile(ent[mask].double(), 1 - fraction)
         assert torch.equal(got != 0, mask & (ent >= thr) & (adv[:, None] != 0))
     adv, ent, mask, _, _ = _cpu_batch()
-    reads = _HostReads(monkeypatch)
-    pw.get_strategy("global_topk")(adv, ent, mask, validate=False)
+    with _HostReads(monkeypatch) as reads:
+        pw.get_strategy("global_topk")(adv, ent, mask, validate=False)
     assert reads.count == 0
     if META:
         adv, ent, mask, _, _ = _meta_batch()
