@@ -80,8 +80,8 @@ def check_params(alpha1: Any, alpha2: Any, eps: Any) -> tuple[float, float, floa
 
 def members(groups: torch.Tensor, positive: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Two ``[B, B]`` bool matrices: rows ``i`` and ``j`` answer the same prompt; rows ``i`` and
-    ``j`` answer the same prompt and share an outcome (``positive``). Group sums become matrix products over these, so that nothing is
-    renumbered, indexed by value or read on the host."""
+    ``j`` answer the same prompt and share an outcome (``positive``). Group sums become matrix
+    products over these, so that nothing is renumbered, indexed by value or read on the host."""
     group = groups[:, None] == groups[None, :]
     return group, group & (positive[:, None] == positive[None, :])
 
