@@ -42,6 +42,8 @@ from pepo.training.config import (
     validate_eval_config,
 )
 from pepo.training.engines import build_engine, sequence_limit
+from pepo.training.precision import describe as describe_precision
+from pepo.training.precision import resolve_compute_dtype
 from pepo.training.evaluation import (
     RewardError,
     avg_at_k,
@@ -135,7 +137,9 @@ def _setup(cfg: DictConfig) -> dict[str, Any]:
         name, options = c.generation.engine, c.generation.engine_options
         sequence_limit(model, name, options)  # a bad max_model_len before vLLM starts
         src = Path(str(c.checkpoint_dir))
-        engine = build_engine(name, model, **(
+        compute_dtype = resolve_compute_dtype(c.compute_dtype, device)  # autocast
+        log.info(describe_precision(c.compute_dtype, compute_dtype, device))
+        engine = build_engine(name, model, compute_dtype=compute_dtype, **(
             {**options, "hf_dir": src if (src / "config.json").is_file() else None,
              "seed": c.seed} if name == "vllm" else {}))
     except BaseException:

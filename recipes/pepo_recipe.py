@@ -100,6 +100,8 @@ from pepo.training.evaluation import (
 from pepo.training.generation import Rollouts, draw_seeds
 from pepo.training.hf import save_hf
 from pepo.training.models import check_state_matches
+from pepo.training.precision import autocast, resolve_compute_dtype
+from pepo.training.precision import describe as describe_precision
 from pepo.training.reporting import (
     NullLogger,
     plot_curves,
@@ -111,6 +113,7 @@ from pepo.training.run_lock import RunLock
 from pepo.training.step import (
     StepStats,
     Trajectory,
+    by_length,
     closing_summary,
     dump_records,
     policy_logprobs,
@@ -150,6 +153,7 @@ class PEPORecipe(FTRecipeInterface):
         self._device = (self.dist.device(device_type) if self.dist.enabled
                         else utils.get_device(c.device))
         self._dtype = training.get_dtype(c.dtype, device=self._device)
+        self.compute_dtype = resolve_compute_dtype(c.compute_dtype, self._device)  # autocast
         self.seed = training.set_seed(seed=c.seed)
         self.output_dir = Path(c.output_dir)
         self.num_steps = c.num_steps
@@ -267,8 +271,14 @@ class PEPORecipe(FTRecipeInterface):
         self.seq_limit = sequence_limit(self.model, engine, options)
         self.train_data = self._fitting(train_data, "dataset")
         self.val_data = self._fitting(val_data, "val_dataset") if val_data else []
-        self.engine = build_engine(engine, self.model,
-                                   compile=c.generation.compile, **(
+        if self.dist.is_main:
+            log.info(describe_precision(c.compute_dtype, self.compute_dtype, self._device))
+            if engine == "vllm" and self.compute_dtype is not None \
+                    and options.get("dtype") != "bfloat16":
+                log.warning(f"generation.vllm.dtype={options.get('dtype')} samples at another "
+                            f"precision than the bf16 trainer (rollout_logprob_gap shows it)")
+        self.engine = build_engine(engine, self.model, compile=c.generation.compile,
+                                   compute_dtype=self.compute_dtype, **(
             {**options, "hf_dir": self.hf_source, "seed": self.seed,
              "state_dict": self._full_state_dict} if engine == "vllm" else {}))
         self.sampler = PromptSampler(len(self.train_data), seed=self.seed)
@@ -378,16 +388,19 @@ class PEPORecipe(FTRecipeInterface):
                           ) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropies ``[b, T]`` of the responses of ``rows`` (the policy forward,
         :func:`pepo.training.step.policy_logprobs`)."""
-        return policy_logprobs(self.model, ro, rows, chunk_size=self.logprob_chunk,
-                               temperature=self.gen_kwargs["temperature"],
-                               from_hidden=self.logprobs_from_hidden)
+        with autocast(self._device, self.compute_dtype):  # the rollouts' precision
+            return policy_logprobs(self.model, ro, rows, chunk_size=self.logprob_chunk,
+                                   temperature=self.gen_kwargs["temperature"],
+                                   from_hidden=self.logprobs_from_hidden)
 
     def _all_logprobs(self, ro: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
         """No-grad log-probs and entropies ``[B, T]`` in the micro-batches training uses."""
-        rows = torch.arange(ro.tokens.shape[0])
+        rows = by_length(torch.arange(ro.tokens.shape[0]), ro.mask)  # similar lengths together
+        lp, ent = (torch.zeros(ro.mask.shape, device=ro.mask.device) for _ in range(2))
         with torch.no_grad():
-            parts = [self._forward_logprobs(ro, r) for r in rows.split(self.micro_batch_size)]
-        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            for r in rows.split(self.micro_batch_size):
+                lp[r], ent[r] = self._forward_logprobs(ro, r)
+        return lp, ent
 
     def _next_problems(self) -> list:
         """This step's problems, each repeated for the estimator's rollouts per prompt."""
@@ -471,7 +484,7 @@ class PEPORecipe(FTRecipeInterface):
                 num_tokens = self.dist.sum(mask[mb].sum())
                 self.optimizer.zero_grad(set_to_none=True)
                 mb_loss = torch.zeros((), device=mask.device)
-                for micro in mb.split(self.micro_batch_size):
+                for micro in by_length(mb, mask).split(self.micro_batch_size):
                     lp, ent = self._forward_logprobs(traj.rollouts, micro)
                     if self.old_from_update:
                         weigh_from_update(traj, micro, lp, ent, self.strategy, self.tis_cap)

@@ -23,6 +23,7 @@ finite stand-in, so a non-finite check downstream sees it.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Optional
 
 import torch
@@ -37,6 +38,28 @@ _LOGPROB_FLOOR = torch.finfo(torch.float32).min
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32 for fp16/bf16/fp32 inputs; fp64 stays fp64 (for gradcheck and references)."""
     return torch.promote_types(dtype, torch.float32)
+
+
+def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    """The dtype ``torch.autocast`` casts matmuls to on ``device_type`` here, None when it is
+    off (torch 1.13's functions and torch 2's alike)."""
+    try:
+        on = torch.is_autocast_enabled(device_type)  # torch >= 2.4
+        return torch.get_autocast_dtype(device_type) if on else None
+    except TypeError:  # torch < 2.4: per-device functions
+        if device_type == "cpu":
+            return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
+        if device_type == "cuda":
+            return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
+        return None
+
+
+def _no_autocast(device_type: str) -> Any:
+    """A context with autocast off on ``device_type``: the statistics stay in fp32 (CPU autocast
+    would run ``linalg.vecdot`` in bf16), and the matmuls run in the dtype chosen on entry."""
+    if device_type in ("cpu", "cuda"):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _chunk_stats(
@@ -94,9 +117,10 @@ class _FromLogits(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, chunk: int,  # type: ignore[override]
                 temperature: float):
-        lp, ent, lse = _chunked(
-            logits, chunk, lambda s, e: _chunk_stats(logits[s:e], targets[s:e], temperature)
-        )
+        with _no_autocast(logits.device.type):
+            lp, ent, lse = _chunked(
+                logits, chunk, lambda s, e: _chunk_stats(logits[s:e], targets[s:e], temperature)
+            )
         ctx.save_for_backward(logits, targets, lse)
         ctx.chunk, ctx.temperature = chunk, temperature
         ctx.mark_non_differentiable(ent)
@@ -114,17 +138,22 @@ class _FromLogits(torch.autograd.Function):
 
 
 class _FromHidden(torch.autograd.Function):
+    """``mm``: the matmuls' dtype. Each chunk's logits are made as the model's lm head would
+    make them: in the parameters' dtype, or under autocast in its dtype (``mm``), in the
+    forward and again in the backward, which therefore needs no autocast of its own."""
+
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor,  # type: ignore[override]
-                targets: torch.Tensor, chunk: int, temperature: float):
-        # Each chunk's logits are made in the model's dtype, as its lm head would make them.
-        lp, ent, lse = _chunked(
-            hidden,
-            chunk,
-            lambda s, e: _chunk_stats(hidden[s:e] @ weight.t(), targets[s:e], temperature),
-        )
+                targets: torch.Tensor, chunk: int, temperature: float, mm: torch.dtype):
+        with _no_autocast(hidden.device.type):
+            h, w = hidden.to(mm), weight.to(mm)
+            lp, ent, lse = _chunked(
+                hidden,
+                chunk,
+                lambda s, e: _chunk_stats(h[s:e] @ w.t(), targets[s:e], temperature),
+            )
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.chunk, ctx.temperature = chunk, temperature
+        ctx.chunk, ctx.temperature, ctx.mm = chunk, temperature, mm
         ctx.mark_non_differentiable(ent)
         return lp, ent
 
@@ -133,19 +162,23 @@ class _FromHidden(torch.autograd.Function):
         hidden, weight, targets, lse = ctx.saved_tensors
         g_lp = g_lp.to(lse.dtype)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = (torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_w
-                  else None)
-        for s in range(0, hidden.shape[0], ctx.chunk):
-            e = min(s + ctx.chunk, hidden.shape[0])
-            h = hidden[s:e]
-            z = h @ weight.t()
-            gz = _chunk_grad(z, targets[s:e], lse[s:e], g_lp[s:e], ctx.temperature)  # [n, V] fp32
-            if need_h:
-                grad_h[s:e] = (gz.to(weight.dtype) @ weight).to(hidden.dtype)
-            if need_w:
-                grad_w.addmm_(gz.t(), h.to(lse.dtype))
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None
+        cast = ctx.mm != weight.dtype  # under autocast: the weight's gradient from mm products
+        with _no_autocast(hidden.device.type):
+            hm, w = hidden.to(ctx.mm), weight.to(ctx.mm)
+            grad_h = torch.empty_like(hidden) if need_h else None
+            grad_w = (torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_w
+                      else None)
+            for s in range(0, hidden.shape[0], ctx.chunk):
+                e = min(s + ctx.chunk, hidden.shape[0])
+                z = hm[s:e] @ w.t()
+                gz = _chunk_grad(z, targets[s:e], lse[s:e], g_lp[s:e], ctx.temperature)  # fp32
+                if need_h:
+                    grad_h[s:e] = (gz.to(ctx.mm) @ w).to(hidden.dtype)
+                if need_w and cast:
+                    grad_w += gz.t().to(ctx.mm) @ hm[s:e]
+                elif need_w:
+                    grad_w.addmm_(gz.t(), hidden[s:e].to(lse.dtype))
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
 
 
 def _check_targets(targets: Any, lead: torch.Size, vocab: int) -> torch.Tensor:
@@ -229,6 +262,9 @@ def logprobs_and_entropy_from_hidden(
     Shape:
         hidden: ``[..., D]``; weight: ``[V, D]``; targets: ``[...]``; returns two ``[...]``
         fp32 tensors. Gradient flows to ``hidden`` and ``weight``.
+
+    Under ``torch.autocast`` the logits are made in autocast's dtype (bf16 weights and hidden
+    states cast once per call, as autocast casts a ``Linear`` head's), the statistics in fp32.
     """
     hidden = _checks.check_tensor("hidden", hidden)
     weight = _checks.check_tensor("weight", weight)
@@ -246,7 +282,9 @@ def logprobs_and_entropy_from_hidden(
     chunk_size, temperature = _check_chunk(chunk_size, temperature)
     lead, dim = hidden.shape[:-1], hidden.shape[-1]
     targets = _check_targets(targets, lead, weight.shape[0])
+    # under torch.autocast the logits are made in its dtype, as a Linear head's would be
+    mm = _autocast_dtype(hidden.device.type) or weight.dtype
     lp, ent = _FromHidden.apply(
-        hidden.reshape(-1, dim), weight, targets.reshape(-1), chunk_size, temperature
+        hidden.reshape(-1, dim), weight, targets.reshape(-1), chunk_size, temperature, mm
     )
     return lp.view(lead), ent.view(lead)

@@ -15,7 +15,9 @@ from pepo.training.step import (
     Trajectory,
     closing_summary,
     dump_records,
+    by_length,
     policy_logprobs,
+    row_extent,
     step_metrics,
 )
 
@@ -151,3 +153,43 @@ def test_policy_forward_masked_equals_sliced_and_hidden_equals_logits(model):
             torch.testing.assert_close(lp[i, :n].double(), ref_lp, rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(ent[i, :n].double(), ref_ent, rtol=1e-4, atol=1e-5)
     assert not math.isnan(float(lp[mask].sum()))
+
+
+def test_a_micro_batch_is_cut_to_its_own_rows_extent(model):
+    """Rows of a micro-batch are run over their own extent: the prompt columns that are padding
+    in all of them and the response columns after their longest response are cut, and the
+    outputs padded back with zeros. Row 1 alone (its prompt 2 tokens shorter than row 0's, its
+    response 2 of 4 columns) gives the numbers of the row alone, unpadded (catches positions or
+    a mask that shift with the cut, a cut on the wrong side), zeros after its response, and
+    the full width ``T`` (catches outputs left narrow)."""
+    prompts = [[3, 4, 5, 6], [7, 8]]
+    responses = torch.tensor([[9, 10, 11, 12], [13, 14, 0, 0]])
+    mask = torch.tensor([[True, True, True, True], [True, True, False, False]])
+    ptok, pmask = pad_prompts(prompts, pad_id=0)
+    ro = Rollouts(ptok, pmask, responses, mask, torch.tensor([True, True]))
+    assert row_extent(pmask[1:], mask[1:]) == (2, 2)
+    assert row_extent(pmask, mask) == (0, 4)
+    assert row_extent(pmask[1:], torch.zeros(1, 4, dtype=torch.bool)) == (2, 1)
+    for from_hidden in (False, True):
+        with torch.no_grad():
+            lp, ent = policy_logprobs(model, ro, torch.tensor([1]), chunk_size=3,
+                                      temperature=0.7, from_hidden=from_hidden)
+        assert lp.shape == ent.shape == (1, 4)
+        seq = torch.tensor([[7, 8, 13, 14]])
+        logits = model(seq)[0, 1:3].double() / 0.7
+        ref = torch.log_softmax(logits, -1)
+        torch.testing.assert_close(lp[0, :2].double(), ref.gather(-1, seq[0, 2:, None])[:, 0],
+                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent[0, :2].double(), -(ref.exp() * ref).sum(-1),
+                                   rtol=1e-5, atol=1e-5)
+        assert lp[0, 2:].tolist() == [0.0, 0.0] and ent[0, 2:].tolist() == [0.0, 0.0]
+
+
+def test_by_length_orders_rows_by_response_length_stably():
+    """Micro-batches are cut from rows ordered by response length, ties in their given order
+    (catches ordering by row index or by the lengths of the wrong rows)."""
+    mask = torch.zeros(6, 5, dtype=torch.bool)
+    for i, n in enumerate([5, 1, 3, 1, 4, 2]):
+        mask[i, :n] = True
+    assert by_length(torch.tensor([4, 0, 3, 1, 5]), mask).tolist() == [3, 1, 5, 4, 0]
+    assert by_length(torch.arange(6), mask).tolist() == [1, 3, 5, 2, 4, 0]

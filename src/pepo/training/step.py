@@ -17,11 +17,14 @@ import torch
 
 from pepo.entropy import logprobs_and_entropy, logprobs_and_entropy_from_hidden
 from pepo.training.generation import Rollouts, sequence_inputs
+from pepo.training.precision import no_autocast
 
 __all__ = [
     "StepStats",
     "Trajectory",
     "weigh_from_update",
+    "by_length",
+    "row_extent",
     "closing_summary",
     "dump_records",
     "policy_logprobs",
@@ -118,34 +121,68 @@ def policy_logprobs(model: Any, ro: Rollouts, rows: torch.Tensor, *, chunk_size:
     """Log-probs and entropies ``[b, T]`` of the responses of ``rows`` under ``model`` (a
     torchtune ``TransformerDecoder``), at the sampling ``temperature``.
 
-    The attention mask is built for these rows only (``[b, S, S]``). With ``from_hidden`` the
+    The forward covers these rows' own extent only: the prompt columns that are padding in every
+    one of them (prompts are left-padded to the batch's longest) and the response columns after
+    the longest of their responses are cut off, and the outputs are zero-padded back to ``T``
+    (zeros at columns where no row of ``rows`` has a token). Causal attention with the padding
+    masked out makes every kept position's output the same as over the full width. The
+    attention mask is built for these rows only (``[b, S, S]``). With ``from_hidden`` the
     model's output step is replaced, for this forward, by
     :func:`pepo.entropy.logprobs_and_entropy_from_hidden`, which applies the output projection
     chunk by chunk, so the ``[b, S, V]`` logits are never held. It runs inside the model's own
-    forward, where FSDP2 has gathered the root's parameters (the tied embedding).
+    forward, where FSDP2 has gathered the root's parameters (the tied embedding). The head runs
+    outside autocast (:func:`pepo.training.precision.no_autocast`), as the decoder's does.
     """
     from torchtune.modules import TiedLinear
 
-    plen = ro.prompt_tokens.shape[1]
-    seq = torch.cat([ro.prompt_tokens[rows], ro.tokens[rows]], dim=1)  # [b, S]
-    attn, pos = sequence_inputs(ro.prompt_mask[rows], ro.tokens.shape[1])  # [b,S,S], [b,S]
-    targets = ro.tokens[rows]  # [b, T]
+    start, end = row_extent(ro.prompt_mask[rows], ro.mask[rows])
+    prompt_mask = ro.prompt_mask[rows][:, start:]
+    targets = ro.tokens[rows][:, :end]  # [b, T']
+    plen = prompt_mask.shape[1]
+    seq = torch.cat([ro.prompt_tokens[rows][:, start:], targets], dim=1)  # [b, S]
+    attn, pos = sequence_inputs(prompt_mask, end)  # [b, S, S], [b, S]
     kw = dict(chunk_size=chunk_size, temperature=temperature)
-    if not from_hidden:
-        logits = model(seq, mask=attn, input_pos=pos)  # [b, S, V]
-        return logprobs_and_entropy(logits[:, plen - 1 : -1], targets, **kw)
 
-    def head(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = model.output
-        weight = out.tied_module.weight if isinstance(out, TiedLinear) else out.weight  # [V, D]
-        return logprobs_and_entropy_from_hidden(model.norm(h)[:, plen - 1 : -1], weight,
-                                                targets, **kw)
+    def head(h: torch.Tensor) -> Any:  # the output head outside autocast: fp32 logits
+        with no_autocast(h.device):
+            if not from_hidden:
+                return type(model).unembed(model, h)  # [b, S, V]
+            out = model.output
+            weight = out.tied_module.weight if isinstance(out, TiedLinear) else out.weight
+            return logprobs_and_entropy_from_hidden(model.norm(h)[:, plen - 1 : -1], weight,
+                                                    targets, **kw)  # weight [V, D]
 
     model.unembed = head  # an instance attribute: shadows TransformerDecoder.unembed
     try:
-        return model(seq, mask=attn, input_pos=pos)
+        out = model(seq, mask=attn, input_pos=pos)
     finally:
         del model.unembed
+    lp, ent = out if from_hidden else logprobs_and_entropy(out[:, plen - 1 : -1], targets, **kw)
+    return _pad_to(lp, ro.tokens.shape[1]), _pad_to(ent, ro.tokens.shape[1])
+
+
+def row_extent(prompt_mask: torch.Tensor, mask: torch.Tensor) -> tuple[int, int]:
+    """``(start, end)``: the first prompt column holding a token of any row (prompts are
+    left-padded) and one past the last response column holding one (at least 1), from
+    ``prompt_mask`` ``[b, P]`` and the response ``mask`` ``[b, T]``."""
+    first = prompt_mask.any(0).nonzero()
+    last = mask.any(0).nonzero()
+    start = int(first[0]) if len(first) else 0
+    return start, max(int(last[-1]) + 1 if len(last) else 0, 1)
+
+
+def _pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x`` ``[b, t]`` zero-padded on the right to ``[b, width]``."""
+    return torch.nn.functional.pad(x, (0, width - x.shape[1])) if x.shape[1] < width else x
+
+
+def by_length(rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``rows`` ordered by response length (``mask`` ``[b, T]`` of all rows; stable), so that
+    micro-batches cut from it hold rows of similar length and :func:`policy_logprobs` pads
+    each only to its own longest. A sum of per-micro-batch gradients does not depend on the
+    grouping (up to the order of float additions)."""
+    lengths = mask[rows].sum(1)
+    return rows[torch.sort(lengths, stable=True).indices]
 
 
 def weigh_from_update(traj: Trajectory, rows: torch.Tensor, logprobs: torch.Tensor,

@@ -1,0 +1,94 @@
+"""The matmuls' precision: ``compute_dtype`` (``auto``, ``fp32``, ``bf16``).
+
+``bf16`` runs every forward of the run (rollouts, validation, the old-policy pass, the update)
+under ``torch.autocast`` to bfloat16 over the parameters of ``dtype`` (fp32 master weights with
+``dtype: fp32``; the optimizer and the gradients stay in that dtype). Log-probs, entropies,
+sampling and the loss are computed in fp32 from the bf16 logits (:mod:`pepo.entropy` upcasts
+each chunk). ``auto`` is bf16 on a CPU with native bf16 matrix units (x86 AMX, AVX512-BF16;
+Arm's BF16 extension) and fp32 anywhere else: bf16 on a CPU without them is emulated and slower
+than fp32. GPU configs train with ``dtype: bf16`` parameters instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import platform
+import subprocess
+from functools import lru_cache
+from pathlib import Path
+from typing import ContextManager, Optional
+
+import torch
+
+__all__ = ["CHOICES", "autocast", "cpu_bf16_units", "describe", "no_autocast",
+           "resolve_compute_dtype", "units_in_cpuinfo"]
+
+CHOICES = ("auto", "fp32", "bf16")
+_X86_UNITS = ("amx_bf16", "avx512_bf16")
+
+
+@lru_cache(maxsize=1)
+def cpu_bf16_units() -> tuple[str, ...]:
+    """The bf16 matrix features of this CPU, as the OS names them (``("amx_bf16",
+    "avx512_bf16")`` on a Sapphire Rapids Xeon, ``("avx512_bf16",)`` on a Zen 4 EPYC, ``()``
+    without any), from ``/proc/cpuinfo`` on Linux and ``sysctl`` on macOS."""
+    info = Path("/proc/cpuinfo")
+    if info.is_file():
+        return units_in_cpuinfo(info.read_text(errors="replace"))
+    if platform.system() == "Darwin":
+        try:
+            out = subprocess.run(["sysctl", "-n", "hw.optional.arm.FEAT_BF16"],
+                                 capture_output=True, text=True, timeout=5).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ()
+        return ("bf16",) if out == "1" else ()
+    return ()
+
+
+def units_in_cpuinfo(text: str) -> tuple[str, ...]:
+    """The bf16 matrix features named on the ``flags`` (x86) or ``Features`` (Arm) lines of a
+    ``/proc/cpuinfo`` text."""
+    words: set[str] = set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            words.update(value.split())
+    return tuple(f for f in (*_X86_UNITS, "bf16") if f in words)
+
+
+def resolve_compute_dtype(setting: str, device: torch.device) -> Optional[torch.dtype]:
+    """The autocast dtype of ``compute_dtype`` on ``device``: ``torch.bfloat16``, or None for
+    no autocast (the parameters' own dtype). ``auto`` is bf16 on a CPU with
+    :func:`cpu_bf16_units`, None elsewhere."""
+    if setting not in CHOICES:
+        raise ValueError(f"compute_dtype must be one of {', '.join(CHOICES)}, got {setting!r}")
+    if setting == "auto":
+        return torch.bfloat16 if device.type == "cpu" and cpu_bf16_units() else None
+    return torch.bfloat16 if setting == "bf16" else None
+
+
+def autocast(device: torch.device, dtype: Optional[torch.dtype]) -> ContextManager:
+    """``torch.autocast`` to ``dtype`` on ``device``'s type; a no-op context for None."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def no_autocast(device: torch.device) -> ContextManager:
+    """Autocast off on ``device``'s type, for the output head: its logits are made in the
+    parameters' dtype also under ``compute_dtype: bf16``, by the decoder and the trainer alike.
+    bf16 logits are rounded to 1/16 to 1/8 at the magnitudes of a language model's top logits,
+    errors the sampled tokens' log-probs would carry (a mean rollout/trainer log-prob gap of
+    0.03 nats on SmolLM2, against 1e-4 with the head in fp32)."""
+    if device.type in ("cpu", "cuda"):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def describe(setting: str, dtype: Optional[torch.dtype], device: torch.device) -> str:
+    """One line for the run's log: what ``compute_dtype`` chose and why."""
+    units = cpu_bf16_units() if device.type == "cpu" else ()
+    why = (f"this CPU has {', '.join(units)}" if units else "this CPU has no bf16 matrix units"
+           ) if device.type == "cpu" and setting == "auto" else f"compute_dtype={setting}"
+    what = "bf16 (autocast)" if dtype is not None else "the parameters' dtype"
+    return f"matmuls in {what}: {why}"

@@ -1,0 +1,132 @@
+"""``compute_dtype`` (pepo.training.precision): what ``auto`` chooses, and that the rollouts and
+the trainer's forward both run their body under bf16 autocast with the output head in fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pepo.training import precision
+from pepo.training.engines import build_engine
+from pepo.training.generation import Rollouts, pad_prompts
+from pepo.training.precision import autocast, resolve_compute_dtype, units_in_cpuinfo
+from pepo.training.step import policy_logprobs
+
+CPU = torch.device("cpu")
+
+
+def test_bf16_units_read_from_cpuinfo():
+    """A Sapphire Rapids Xeon names both units, a Zen 4 EPYC one, an AVX-512 CPU without bf16
+    none (catches ``avx512f`` or ``amx_tile`` taken for bf16 matmuls), an Arm CPU ``bf16`` on
+    its Features line."""
+    xeon = "processor\t: 0\nflags\t\t: fpu avx512f amx_bf16 amx_tile avx512_bf16 amx_int8\n"
+    epyc = "flags\t\t: fpu avx2 avx512f avx512_bf16\n"
+    old = "flags\t\t: fpu avx2 avx512f avx512_vnni amx_tile\n"
+    arm = "Features\t: fp asimd bf16 i8mm\n"
+    assert units_in_cpuinfo(xeon) == ("amx_bf16", "avx512_bf16")
+    assert units_in_cpuinfo(epyc) == ("avx512_bf16",)
+    assert units_in_cpuinfo(old) == ()
+    assert units_in_cpuinfo(arm) == ("bf16",)
+    assert units_in_cpuinfo("model name\t: bf16 avx512_bf16\n") == ()  # flags lines only
+
+
+@pytest.mark.parametrize("units, want", [(("avx512_bf16",), torch.bfloat16), ((), None)])
+def test_auto_is_bf16_only_on_a_cpu_with_bf16_units(monkeypatch, units, want):
+    """``auto``: bf16 with the units, no autocast without (catches auto always bf16, which is
+    emulated and slow there) and never on a GPU (the GPU configs train bf16 parameters);
+    ``fp32`` and ``bf16`` force either; anything else is an error naming it."""
+    monkeypatch.setattr(precision, "cpu_bf16_units", lambda: units)
+    assert resolve_compute_dtype("auto", CPU) is want
+    assert resolve_compute_dtype("auto", torch.device("cuda")) is None
+    assert resolve_compute_dtype("bf16", CPU) is torch.bfloat16
+    assert resolve_compute_dtype("fp32", CPU) is None
+    with pytest.raises(ValueError, match="got 'fp16'"):
+        resolve_compute_dtype("fp16", CPU)
+    line = precision.describe("auto", want, CPU)
+    assert line.startswith("matmuls in bf16") == bool(units)
+    assert ("avx512_bf16" in line) == bool(units)
+
+
+@pytest.fixture(scope="module")
+def model():
+    from pepo.training.models import tiny_qwen3
+
+    torch.manual_seed(0)
+    return tiny_qwen3(embed_dim=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                      intermediate_dim=64, head_dim=16).eval()
+
+
+def _record_dtypes(model):
+    """Records the output dtypes of the first layer's MLP down-projection and of the output
+    head (a tied head is no module: it is swapped for a recording one); returns the record and
+    an undo function."""
+    from torchtune.modules import TiedLinear
+
+    seen = {"body": set(), "head": set()}
+    hook = model.layers[0].mlp.w2.register_forward_hook(lambda m, i, o: seen["body"].add(o.dtype))
+    tied = model.output
+
+    class Recording(TiedLinear):
+        def __init__(self) -> None:
+            self.__dict__.update(tied.__dict__)
+
+        def __call__(self, x):
+            out = super().__call__(x)
+            seen["head"].add(out.dtype)
+            return out
+
+    model.output = Recording()
+
+    def undo() -> None:
+        hook.remove()
+        model.output = tied
+
+    return seen, undo
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, None])
+def test_engine_and_trainer_forward_run_at_the_compute_dtype(model, dtype):
+    """The in-process engine built with ``compute_dtype`` decodes under autocast (the body's
+    products in bf16) and so does the trainer's forward under :func:`autocast`; the output head
+    stays fp32 in both (catches an engine that ignores ``compute_dtype``, rollouts at another
+    precision than training, and bf16 logits, whose rounding the log-probs would carry).
+    Sampled log-probs then match the trainer's to the bf16 body's error, and exactly (1e-5)
+    without autocast."""
+    seen, undo = _record_dtypes(model)
+    try:
+        engine = build_engine("inprocess", model, compute_dtype=dtype)
+        prompts = [[3, 4, 5, 6], [7, 8], [9, 10, 11]]
+        ro = engine.generate(prompts, max_new_tokens=6, pad_id=0, stop_tokens=[1],
+                             temperature=1.0, seeds=torch.arange(3))
+        assert seen["body"] == {dtype or torch.float32} and seen["head"] == {torch.float32}
+        seen["body"].clear(), seen["head"].clear()
+        for from_hidden in (True, False):
+            with torch.no_grad(), autocast(CPU, dtype):
+                lp, _ = policy_logprobs(model, ro, torch.arange(3), chunk_size=4,
+                                        temperature=1.0, from_hidden=from_hidden)
+            assert seen["body"] == {dtype or torch.float32}
+            assert seen["head"] == ({torch.float32} if not from_hidden else set())
+            gap = float((lp - ro.logprobs).abs()[ro.mask].max())
+            assert gap < (5e-2 if dtype else 1e-5), gap
+    finally:
+        undo()
+
+
+def test_trainer_head_is_fp32_under_autocast(model):
+    """From the hidden states, under bf16 autocast, the log-probs are those of fp32 logits of
+    the bf16 body's final states (a reference that applies the head by hand in fp32), not of
+    bf16 logits (catches the chunked head left to autocast)."""
+    ptok, pmask = pad_prompts([[3, 4, 5, 6], [7, 8]], pad_id=0)
+    tokens = torch.tensor([[9, 10, 11], [12, 13, 0]])
+    ro = Rollouts(ptok, pmask, tokens, tokens != 0, torch.tensor([True, True]))
+    states = {}
+    hook = model.norm.register_forward_hook(lambda m, i, o: states.update(h=o))
+    try:
+        with torch.no_grad(), autocast(CPU, torch.bfloat16):
+            lp, _ = policy_logprobs(model, ro, torch.arange(2), chunk_size=4, temperature=1.0,
+                                    from_hidden=True)
+    finally:
+        hook.remove()
+    logits = states["h"].double() @ model.output.tied_module.weight.double().t()  # [2, S, V]
+    ref = torch.log_softmax(logits[:, 3:-1], -1).gather(-1, tokens[..., None])[..., 0]
+    torch.testing.assert_close(lp[ro.mask].double(), ref[ro.mask], rtol=1e-5, atol=1e-5)
