@@ -42,8 +42,6 @@ from pepo.training.config import (
     validate_eval_config,
 )
 from pepo.training.engines import build_engine, sequence_limit
-from pepo.training.precision import describe as describe_precision
-from pepo.training.precision import resolve_compute_dtype
 from pepo.training.evaluation import (
     RewardError,
     avg_at_k,
@@ -51,6 +49,8 @@ from pepo.training.evaluation import (
     format_tables,
     write_results,
 )
+from pepo.training.precision import describe as describe_precision
+from pepo.training.precision import resolve_compute_dtype
 from pepo.training.run_lock import RunLock
 from pepo.training.tokenizers import stop_token_ids
 from pepo.training.weights import load_model_weights

@@ -13,9 +13,9 @@ from pepo.training.generation import Rollouts, pad_prompts
 from pepo.training.step import (
     StepStats,
     Trajectory,
+    by_length,
     closing_summary,
     dump_records,
-    by_length,
     policy_logprobs,
     row_extent,
     step_metrics,
