@@ -3,6 +3,7 @@
 
     python benchmarks/bench_decoders.py [--model smollm2 | --model-dir DIR] [--rows 32]
         [--new-tokens 64] [--repeats 3] [--decoders pepo transformers vllm]
+        [--precision fp32 | bf16]
 
 Every row decodes exactly ``--new-tokens`` tokens (end-of-sequence ignored), at temperature 1
 with no top-k/top-p, from the small-sums prompts of ``--config smollm2`` rendered with the model's
@@ -10,6 +11,9 @@ chat template. The decoders run back to back, ``--repeats`` rounds in turn (so a
 the machine hits all of them), after one warm-up each; the table gives the median generated
 tokens/s and its ratio to pepo's decoder, measured in this one run. The vLLM engine is pepo's
 colocated one (``generation.engine=vllm``; weights copied in from the trainer's model).
+``--precision bf16`` runs every decoder in bf16: pepo's under ``torch.autocast`` as
+``compute_dtype: bf16`` runs it (fp32 weights, the output head in fp32), transformers with a
+bf16 model, vLLM with ``dtype: bfloat16``; pepo's fp32 decoder is then timed too, as the base.
 """
 
 from __future__ import annotations
@@ -31,12 +35,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decoders", nargs="+", default=["pepo", "transformers", "vllm"],
                     choices=["pepo", "transformers", "vllm"])
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     args = ap.parse_args()
+    bf16 = args.precision == "bf16"
 
     import transformers
 
     from pepo.tasks.problems import small_sums_dataset
-    from pepo.training.generation import generate
+    from pepo.training.engines import InProcessEngine
     from pepo.training.hf import from_hf
     from pepo.training.pretrained import pretrained_dir
     from pepo.training.tokenizers import ChatTokenizer
@@ -49,15 +55,19 @@ def main() -> None:
     n_new = args.new_tokens
     ours = from_hf(model_dir, max_seq_len=max(map(len, prompts)) + n_new).eval()
 
-    def run_pepo() -> int:
-        ro = generate(ours, prompts, max_new_tokens=n_new, pad_id=tok.pad_id, stop_tokens=[],
-                      temperature=1.0, top_p=1.0, seeds=seeds)
-        return int(ro.mask.sum())
+    def pepo_at(compute_dtype):
+        engine = InProcessEngine(ours, compute_dtype=compute_dtype)
+
+        def run() -> int:
+            ro = engine.generate(prompts, max_new_tokens=n_new, pad_id=tok.pad_id,
+                                 stop_tokens=[], temperature=1.0, top_p=1.0, seeds=seeds)
+            return int(ro.mask.sum())
+        return run
 
     hf = None
     if "transformers" in args.decoders:
-        hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir,
-                                                               dtype=torch.float32).eval()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.bfloat16 if bf16 else torch.float32).eval()
         width = max(map(len, prompts))  # left padding, as generate expects
         ids = torch.tensor([[tok.pad_id] * (width - len(p)) + p for p in prompts])
         attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -73,7 +83,7 @@ def main() -> None:
     if "vllm" in args.decoders:
         from pepo.training.engines import VLLMEngine
 
-        engine = VLLMEngine(ours, hf_dir=model_dir, dtype="float32",
+        engine = VLLMEngine(ours, hf_dir=model_dir, dtype="bfloat16" if bf16 else "float32",
                             max_model_len=max(map(len, prompts)) + n_new,
                             kv_cache_memory_bytes=2**30, max_num_seqs=args.rows)
 
@@ -82,7 +92,9 @@ def main() -> None:
                                  stop_tokens=[], temperature=1.0, top_p=1.0, seeds=seeds)
             return int(ro.mask.sum())
 
-    runners = {"pepo": run_pepo}
+    runners = {"pepo": pepo_at(None)}
+    if bf16:
+        runners = {"pepo fp32": runners["pepo"], "pepo": pepo_at(torch.bfloat16)}
     if hf is not None:
         runners["transformers"] = run_transformers
     if engine is not None:
@@ -105,7 +117,8 @@ def main() -> None:
     print(f"# {cpu_name()}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}, transformers {transformers.__version__}; "
           f"{params / 1e6:.1f}M parameters, {args.rows} rows x {n_new} new tokens (EOS ignored), "
-          f"T = 1, prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens; "
+          f"T = 1, prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
+          f"{args.precision}; "
           f"median of {args.repeats} rounds")
     base = statistics.median(rates["pepo"])
     print("| decoder | generated tokens/s | vs pepo | rounds (tokens/s) |")

@@ -1,7 +1,7 @@
 """The training update against the machine's matmul limit, in fp32 and in bf16.
 
     python benchmarks/bench_update.py [--model smollm2 | --model-dir DIR] [--rows 8]
-        [--seq 140] [--repeats 5] [--precisions fp32 bf16]
+        [--seq 140] [--repeats 5] [--precisions fp32 bf16 bf16w]
 
 First the CPU's (or GPU's) measured matmul rate at each GEMM shape of one micro-batch of the
 update (``--rows`` sequences of ``--seq`` tokens: the projections of every layer and the output
@@ -13,16 +13,19 @@ recipe runs it (``pepo.training.step.policy_logprobs``: the ``[b, S, S]`` attent
 positions of the rows, the log-probs taken from the hidden states in chunks as
 ``logprobs_from_hidden: true``; then the clipped loss and the backward), and the same with the
 model's plain causal attention (no mask passed), which shows what the explicit mask costs.
-bf16 is ``torch.autocast`` over fp32 weights (master weights stay fp32). Every figure is the
-median of ``--repeats`` after one warm-up, measured in this run.
+Precisions: ``fp32``; ``bf16``, the recipe's ``compute_dtype: bf16`` (``torch.autocast`` over
+fp32 master weights, the output head kept in fp32, so its bound counts the head at the fp32
+rate); ``bf16w``, bf16 parameters without autocast (what ``dtype: bf16`` trains, with a
+stochastic-rounding optimizer). Every figure is the median of ``--repeats`` after one warm-up,
+measured in this run.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from machine import cpu_name
@@ -65,7 +68,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=140, help="tokens per sequence (prompt + response)")
     ap.add_argument("--prompt", type=int, default=45, help="prompt tokens of each sequence")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16", "bf16w"],
+                    choices=["fp32", "bf16", "bf16w"])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = ap.parse_args()
     if args.rows < 1 or args.seq <= args.prompt or args.prompt < 1 or args.repeats < 1:
@@ -80,6 +84,7 @@ def main() -> None:
     from pepo.loss import clipped_policy_loss
     from pepo.training.generation import Rollouts
     from pepo.training.hf import architecture_from_hf, load_hf_config
+    from pepo.training.precision import cpu_bf16_units
     from pepo.training.pretrained import pretrained_dir
     from pepo.training.step import policy_logprobs
 
@@ -87,11 +92,8 @@ def main() -> None:
     cfg = load_hf_config(model_dir)
     tokens = args.rows * args.seq
     shapes = gemm_shapes(cfg, tokens)
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    flags = ""
-    if device.type == "cpu" and Path("/proc/cpuinfo").is_file():
-        flags = Path("/proc/cpuinfo").read_text(encoding="utf-8")
-    units = [f for f in ("amx_bf16", "avx512_bf16") if f" {f}" in flags]
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "bf16w": torch.bfloat16}
+    units = cpu_bf16_units() if device.type == "cpu" else ()
     print(f"machine: {cpu_name() if device.type == 'cpu' else torch.cuda.get_device_name()}, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}"
           + (f", bf16 units: {', '.join(units) or 'none'}" if device.type == "cpu" else ""))
@@ -126,20 +128,27 @@ def main() -> None:
                   tokens=targets, mask=mask, finished=torch.ones(args.rows, dtype=torch.bool))
     rows = torch.arange(args.rows)
 
-    def head(h: torch.Tensor):
-        out = model.output
-        weight = getattr(out, "tied_module", out).weight  # [V, D]
-        return logprobs_and_entropy_from_hidden(model.norm(h)[:, plen - 1 : -1], weight, targets,
-                                                chunk_size=1024, temperature=1.0)
+    def head_of(model):  # the output head in the autocast dtype (bf16), unlike the recipe
+        def head(h: torch.Tensor):
+            out = model.output
+            weight = getattr(out, "tied_module", out).weight  # [V, D]
+            return logprobs_and_entropy_from_hidden(model.norm(h)[:, plen - 1 : -1], weight,
+                                                    targets, chunk_size=1024, temperature=1.0)
+        return head
+
+    models = {"fp32": model, "bf16": model}
+    if "bf16w" in args.precisions:
+        models["bf16w"] = copy.deepcopy(model).to(torch.bfloat16)
 
     def update(precision: str, recipe: bool) -> None:
+        model = models[precision]
         model.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
             if recipe:
                 lp, _ = policy_logprobs(model, ro, rows, chunk_size=1024, temperature=1.0,
                                         from_hidden=True)
             else:
-                model.unembed = head
+                model.unembed = head_of(model)
                 try:
                     lp, _ = model(seq)
                 finally:
@@ -147,13 +156,16 @@ def main() -> None:
             loss = clipped_policy_loss(lp.float(), old_lp, adv, mask, num_tokens=mask.sum())
         loss.backward()
 
+    def head_rate(p: str, name: str) -> str:  # the recipe's bf16 keeps the head in fp32
+        return "fp32" if p == "bf16" and name == "head" and "fp32" in rates else p
+
     flops = 6 * params * tokens
     print(f"\n{params / 1e6:.1f}M parameters: 6 x parameters x tokens = {flops / 1e9:.0f} GFLOP "
           f"per micro-batch update (forward + backward)\n")
     print("| precision | attention | update s | achieved GFLOP/s | GEMM bound s | of the bound |")
     print("|---|---|---:|---:|---:|---:|")
     for p in args.precisions:
-        bound = sum(3 * count * 2 * m * k * n / (rates[p][name] * 1e9)
+        bound = sum(3 * count * 2 * m * k * n / (rates[head_rate(p, name)][name] * 1e9)
                     for name, m, k, n, count in shapes)
         for recipe in (True, False):
             t = _median_time(lambda: update(p, recipe), args.repeats, device)

@@ -138,22 +138,21 @@ class _FromLogits(torch.autograd.Function):
 
 
 class _FromHidden(torch.autograd.Function):
-    """``mm``: the matmuls' dtype. Each chunk's logits are made as the model's lm head would
-    make them: in the parameters' dtype, or under autocast in its dtype (``mm``), in the
-    forward and again in the backward, which therefore needs no autocast of its own."""
+    """Each chunk's logits are made in the parameters' dtype (``weight.dtype``), in the forward
+    and again in the backward, always outside autocast, so the backward's softmax is the
+    forward's; the gradient's two products run in ``gmm``, autocast's dtype when it is on."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor,  # type: ignore[override]
-                targets: torch.Tensor, chunk: int, temperature: float, mm: torch.dtype):
+                targets: torch.Tensor, chunk: int, temperature: float, gmm: torch.dtype):
         with _no_autocast(hidden.device.type):
-            h, w = hidden.to(mm), weight.to(mm)
             lp, ent, lse = _chunked(
                 hidden,
                 chunk,
-                lambda s, e: _chunk_stats(h[s:e] @ w.t(), targets[s:e], temperature),
+                lambda s, e: _chunk_stats(hidden[s:e] @ weight.t(), targets[s:e], temperature),
             )
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.chunk, ctx.temperature, ctx.mm = chunk, temperature, mm
+        ctx.chunk, ctx.temperature, ctx.gmm = chunk, temperature, gmm
         ctx.mark_non_differentiable(ent)
         return lp, ent
 
@@ -162,22 +161,23 @@ class _FromHidden(torch.autograd.Function):
         hidden, weight, targets, lse = ctx.saved_tensors
         g_lp = g_lp.to(lse.dtype)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        cast = ctx.mm != weight.dtype  # under autocast: the weight's gradient from mm products
+        cast = ctx.gmm != weight.dtype  # autocast: the gradient's products in its dtype
         with _no_autocast(hidden.device.type):
-            hm, w = hidden.to(ctx.mm), weight.to(ctx.mm)
+            w = weight.to(ctx.gmm) if cast else weight
             grad_h = torch.empty_like(hidden) if need_h else None
             grad_w = (torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_w
                       else None)
             for s in range(0, hidden.shape[0], ctx.chunk):
                 e = min(s + ctx.chunk, hidden.shape[0])
-                z = hm[s:e] @ w.t()
+                h = hidden[s:e]
+                z = h @ weight.t()  # the forward's logits
                 gz = _chunk_grad(z, targets[s:e], lse[s:e], g_lp[s:e], ctx.temperature)  # fp32
                 if need_h:
-                    grad_h[s:e] = (gz.to(ctx.mm) @ w).to(hidden.dtype)
+                    grad_h[s:e] = (gz.to(w.dtype) @ w).to(hidden.dtype)
                 if need_w and cast:
-                    grad_w += gz.t().to(ctx.mm) @ hm[s:e]
+                    grad_w += gz.t().to(ctx.gmm) @ h.to(ctx.gmm)
                 elif need_w:
-                    grad_w.addmm_(gz.t(), hidden[s:e].to(lse.dtype))
+                    grad_w.addmm_(gz.t(), h.to(lse.dtype))
         return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
 
 
@@ -263,8 +263,10 @@ def logprobs_and_entropy_from_hidden(
         hidden: ``[..., D]``; weight: ``[V, D]``; targets: ``[...]``; returns two ``[...]``
         fp32 tensors. Gradient flows to ``hidden`` and ``weight``.
 
-    Under ``torch.autocast`` the logits are made in autocast's dtype (bf16 weights and hidden
-    states cast once per call, as autocast casts a ``Linear`` head's), the statistics in fp32.
+    Under ``torch.autocast`` the logits are still made in the parameters' dtype: bf16 logits
+    are rounded to 1/16-1/8 at a language model's top logits, an error the log-probs would
+    carry. The backward's two products (the gradients of ``hidden`` and ``weight``) run in
+    autocast's dtype, as autocast would run a ``Linear`` head's; they are 2 of the head's 3.
     """
     hidden = _checks.check_tensor("hidden", hidden)
     weight = _checks.check_tensor("weight", weight)
@@ -282,9 +284,9 @@ def logprobs_and_entropy_from_hidden(
     chunk_size, temperature = _check_chunk(chunk_size, temperature)
     lead, dim = hidden.shape[:-1], hidden.shape[-1]
     targets = _check_targets(targets, lead, weight.shape[0])
-    # under torch.autocast the logits are made in its dtype, as a Linear head's would be
-    mm = _autocast_dtype(hidden.device.type) or weight.dtype
+    # under torch.autocast the gradient's products run in its dtype; the logits never do
+    gmm = _autocast_dtype(hidden.device.type) or weight.dtype
     lp, ent = _FromHidden.apply(
-        hidden.reshape(-1, dim), weight, targets.reshape(-1), chunk_size, temperature, mm
+        hidden.reshape(-1, dim), weight, targets.reshape(-1), chunk_size, temperature, gmm
     )
     return lp.view(lead), ent.view(lead)

@@ -344,8 +344,8 @@ def resumable_checkpoint(checkpointer: Any, experiment: dict[str, Any], num_step
 
 # What an offline prior (SPO's ``prior_samples`` rollouts of every training prompt by the initial
 # policy) depends on: a ``prior_cache`` file made under other values is refused.
-PRIOR_KEYS = ("seed", "dtype", "tokenizer", "model", "checkpoint_dir", "dataset", "reward",
-              "generation", "estimator.name", "estimator.prior_samples")
+PRIOR_KEYS = ("seed", "dtype", "compute_dtype", "tokenizer", "model", "checkpoint_dir", "dataset",
+              "reward", "generation", "estimator.name", "estimator.prior_samples")
 
 
 def prior_fingerprint(cfg: DictConfig) -> dict[str, Any]:

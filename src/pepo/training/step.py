@@ -130,8 +130,9 @@ def policy_logprobs(model: Any, ro: Rollouts, rows: torch.Tensor, *, chunk_size:
     model's output step is replaced, for this forward, by
     :func:`pepo.entropy.logprobs_and_entropy_from_hidden`, which applies the output projection
     chunk by chunk, so the ``[b, S, V]`` logits are never held. It runs inside the model's own
-    forward, where FSDP2 has gathered the root's parameters (the tied embedding). The head runs
-    outside autocast (:func:`pepo.training.precision.no_autocast`), as the decoder's does.
+    forward, where FSDP2 has gathered the root's parameters (the tied embedding). Under autocast
+    the logits are made in the parameters' dtype all the same, as the decoder makes them
+    (:func:`pepo.training.precision.no_autocast`).
     """
     from torchtune.modules import TiedLinear
 
@@ -143,14 +144,16 @@ def policy_logprobs(model: Any, ro: Rollouts, rows: torch.Tensor, *, chunk_size:
     attn, pos = sequence_inputs(prompt_mask, end)  # [b, S, S], [b, S]
     kw = dict(chunk_size=chunk_size, temperature=temperature)
 
-    def head(h: torch.Tensor) -> Any:  # the output head outside autocast: fp32 logits
-        with no_autocast(h.device):
-            if not from_hidden:
+    def head(h: torch.Tensor) -> Any:  # fp32 logits also under autocast
+        if not from_hidden:
+            with no_autocast(h.device):
                 return type(model).unembed(model, h)  # [b, S, V]
-            out = model.output
-            weight = out.tied_module.weight if isinstance(out, TiedLinear) else out.weight
-            return logprobs_and_entropy_from_hidden(model.norm(h)[:, plen - 1 : -1], weight,
-                                                    targets, **kw)  # weight [V, D]
+        out = model.output
+        weight = out.tied_module.weight if isinstance(out, TiedLinear) else out.weight  # [V, D]
+        # keeps the logits in the weight's dtype itself; under autocast the gradient's products
+        # run in bf16
+        return logprobs_and_entropy_from_hidden(model.norm(h)[:, plen - 1 : -1], weight,
+                                                targets, **kw)
 
     model.unembed = head  # an instance attribute: shadows TransformerDecoder.unembed
     try:
