@@ -339,3 +339,35 @@ def test_the_old_policy_pass_is_skipped_when_the_update_starts_from_it(tmp_path,
     assert not two.old_from_update
     topk = run(tiny_cfg(tmp_path / "d", **{**kw, "strategy": {"name": "global_topk"}}))
     assert not topk.old_from_update  # a batch-wide threshold needs every row first
+
+
+@pytest.mark.parametrize("setting, units, want", [
+    ("bf16", (), torch.bfloat16), ("auto", ("avx512_bf16",), torch.bfloat16),
+    ("auto", (), None), ("fp32", ("amx_bf16",), None)])
+def test_compute_dtype_reaches_the_engine_and_the_trainer(tmp_path, monkeypatch, setting,
+                                                          units, want):
+    """``compute_dtype`` on the tiny model, on any CPU (the CPU's units are stubbed): the run
+    resolves it (``auto`` by the units, ``bf16``/``fp32`` forced), the in-process engine
+    samples at it and the trainer's forward runs at it, the one update reading old log-probs
+    from that forward; the loss and the rollout/trainer gap come out finite, the gap within
+    the bf16 body's error (exactly the fp32 decoder's otherwise, 1e-5). Catches a setting
+    that stops at the trainer (the engine left fp32 and the gap then as large as bf16
+    against fp32 can make it) or one that is ignored."""
+    from pepo.training import precision
+
+    monkeypatch.setattr(precision, "cpu_bf16_units", lambda: units)
+    forwards = []
+    real = pepo_recipe.policy_logprobs
+
+    def spy(*args, **kwargs):  # the trainer's forward: autocast's dtype inside it
+        on = torch.is_autocast_enabled("cpu")
+        forwards.append(torch.get_autocast_dtype("cpu") if on else None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pepo_recipe, "policy_logprobs", spy)
+    r = run(tiny_cfg(tmp_path, num_steps=1, compute_dtype=setting, micro_batch_size=4))
+    assert r.compute_dtype is want and r.engine.compute_dtype is want
+    assert forwards and all(f is want for f in forwards)  # autocast active inside the forward
+    m = r.history[-1]
+    assert torch.isfinite(torch.tensor(m["loss"]))
+    assert m["rollout_logprob_gap_max"] < (0.1 if want else 1e-5), m["rollout_logprob_gap_max"]
