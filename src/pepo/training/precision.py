@@ -34,7 +34,7 @@ def cpu_bf16_units() -> tuple[str, ...]:
     without any), from ``/proc/cpuinfo`` on Linux and ``sysctl`` on macOS."""
     info = Path("/proc/cpuinfo")
     if info.is_file():
-        return units_in_cpuinfo(info.read_text(errors="replace"))
+        return units_in_cpuinfo(info.read_text(encoding="utf-8", errors="replace"))
     if platform.system() == "Darwin":
         try:
             out = subprocess.run(["sysctl", "-n", "hw.optional.arm.FEAT_BF16"],
