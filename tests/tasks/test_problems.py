@@ -4,6 +4,7 @@ verifier."""
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -15,6 +16,7 @@ from pepo.tasks.problems import (
     modsum_dataset,
     modsum_problem,
     reason_dataset,
+    step_arithmetic_dataset,
 )
 from pepo.tasks.rewards import BoxedMatch, boxed_match, last_boxed
 from pepo.training.config import asset_dir
@@ -133,3 +135,42 @@ def test_boxed_match():
     ) == [1.0, 1.0, 0.0, 0.0]
     with pytest.raises(ValueError, match="2 responses but 1 answers"):
         boxed_match(["a", "b"], ["a"])
+
+
+def _evaluate(prompt: str) -> int:
+    """The question's value from its text: ``What is A op B?``."""
+    m = re.match(r"What is (\d+) ([+-]) (\d+)\?", prompt)
+    a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
+    return a + b if op == "+" else a - b
+
+
+def test_step_arithmetic_splits_cover_every_question_once_with_its_answer():
+    """Train and validation share no question and together hold every sum of 0..16 and every
+    difference of 0..20 that is not negative (catches a split that overlaps or drops
+    questions); every gold is the value of its own prompt (catches an answer read from another
+    question, or the operands swapped in a difference); validation holds at least 200."""
+    train, val = (step_arithmetic_dataset(split=s) for s in ("train", "val"))
+    ids = [p.id for p in train + val]
+    assert len(ids) == len(set(ids)) == 17 * 17 + 21 * 22 // 2
+    assert {p.id for p in train}.isdisjoint(p.id for p in val)
+    assert len(val) >= 200
+    for p in train + val:
+        assert p.answer == str(_evaluate(p.prompt)) and int(p.answer) >= 0
+        assert p.prompt.endswith("Explain step by step, then give the answer.")
+    assert {"16+16", "0+0", "20-20", "20-0"} <= set(ids) and "3-4" not in ids
+
+
+def test_step_arithmetic_draws_are_seeded_prefixes_and_bad_arguments_are_named():
+    """``size`` takes the first problems of the seed's shuffle (catches a draw that ignores the
+    seed or takes another order); errors name the bad value."""
+    full = step_arithmetic_dataset(seed=3)
+    assert [p.id for p in step_arithmetic_dataset(size=5, seed=3)] == [p.id for p in full[:5]]
+    assert [p.id for p in step_arithmetic_dataset(seed=4)] != [p.id for p in full]
+    with pytest.raises(ValueError, match="'test'"):
+        step_arithmetic_dataset(split="test")
+    with pytest.raises(ValueError, match="max_addend must be an int >= 1, got 0"):
+        step_arithmetic_dataset(max_addend=0)
+    with pytest.raises(ValueError, match="max_minuend must be an int >= 1, got True"):
+        step_arithmetic_dataset(max_minuend=True)
+    with pytest.raises(ValueError, match="fewer than size=10000"):
+        step_arithmetic_dataset(size=10000)

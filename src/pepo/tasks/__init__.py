@@ -16,6 +16,7 @@ from pepo.tasks.problems import (
     modsum_solution,
     reason_dataset,
     small_sums_dataset,
+    step_arithmetic_dataset,
 )
 from pepo.tasks.rewards import BoxedMatch, MathVerify, boxed_match, last_boxed
 
@@ -35,4 +36,5 @@ __all__ = [
     "modsum_solution",
     "reason_dataset",
     "small_sums_dataset",
+    "step_arithmetic_dataset",
 ]

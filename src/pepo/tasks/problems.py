@@ -38,6 +38,7 @@ __all__ = [
     "Problem",
     "apply_op",
     "small_sums_dataset",
+    "step_arithmetic_dataset",
     "drift_dataset",
     "drift_problem",
     "modsum_dataset",
@@ -246,5 +247,59 @@ def small_sums_dataset(
         raise ValueError(
             f"the {split} split of small_sums_dataset(max_operand={max_operand}) has {len(pool)} "
             f"problems, fewer than size={size}"
+        )
+    return pool[:size]
+
+
+STEP_PROMPT = "What is {a} {op} {b}? Explain step by step, then give the answer."
+
+
+def step_arithmetic_dataset(
+    size: Optional[int] = None,
+    seed: int = 0,
+    split: str = "train",
+    max_addend: int = 16,
+    max_minuend: int = 20,
+) -> list[Problem]:
+    """Sums and differences of small numbers, asked for step by step, for a small pretrained
+    chat model: ``"What is 9 + 14? Explain step by step, then give the answer."``, gold
+    ``"23"``, rewarded by math-verify.
+
+    Every ordered pair ``a + b`` with ``a, b`` in ``0..max_addend`` and every ``a - b`` with
+    ``0 <= b <= a <= max_minuend`` is one problem (520 with the defaults). Two fifths of them (by
+    a hash of ``"a+b"`` / ``"a-b"``) form the validation split (209 with the defaults), so the
+    splits never share a question. ``size`` problems of the split are drawn without replacement,
+    reproducibly from ``seed`` (all of them, shuffled, when ``size`` is None).
+
+    Measured before any training on it: SmolLM2-135M-Instruct answers such prompts in 110-130
+    tokens on average (bf16, T = 0.7, up to 256 new tokens), right about a quarter to a third of
+    the time (128 random questions each: sums in 0-12 0.35, in 0-16 0.27, differences in 0-20
+    0.27), against about 40 tokens and 0.38 for ``small_sums_dataset``'s "Explain briefly".
+
+    Raises:
+        ValueError: bad split, operand range or size, or more problems than the split has.
+    """
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    for name, v in (("max_addend", max_addend), ("max_minuend", max_minuend)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    questions = [(a, "+", b, a + b) for a in range(max_addend + 1)
+                 for b in range(max_addend + 1)]
+    questions += [(a, "-", b, a - b) for a in range(max_minuend + 1) for b in range(a + 1)]
+    pool = [
+        Problem(id=f"{a}{op}{b}", prompt=STEP_PROMPT.format(a=a, op=op, b=b), answer=str(r))
+        for a, op, b, r in questions
+        if ("val" if zlib.crc32(f"{a}{op}{b}".encode()) % 5 < 2 else "train") == split
+    ]
+    random.Random(f"step-arithmetic-{seed}").shuffle(pool)
+    if size is None:
+        return pool
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"size must be a positive int or None, got {size!r}")
+    if size > len(pool):
+        raise ValueError(
+            f"the {split} split of step_arithmetic_dataset(max_addend={max_addend}, "
+            f"max_minuend={max_minuend}) has {len(pool)} problems, fewer than size={size}"
         )
     return pool[:size]
