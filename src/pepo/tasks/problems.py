@@ -238,16 +238,21 @@ def small_sums_dataset(
         for a in range(max_operand + 1) for b in range(max_operand + 1)
         if ("val" if zlib.crc32(f"{a}+{b}".encode()) % 4 == 0 else "train") == split
     ]
-    random.Random(f"small-sums-{seed}").shuffle(pool)
+    return _seeded_draw(pool, size, f"small-sums-{seed}",
+                        f"the {split} split of small_sums_dataset(max_operand={max_operand})")
+
+
+def _seeded_draw(pool: list[Problem], size: Optional[int], key: str,
+                 what: str) -> list[Problem]:
+    """``pool`` shuffled by ``random.Random(key)``, then its first ``size`` (all when None);
+    ``what`` names the pool in the error for a ``size`` above its length."""
+    random.Random(key).shuffle(pool)
     if size is None:
         return pool
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"size must be a positive int or None, got {size!r}")
     if size > len(pool):
-        raise ValueError(
-            f"the {split} split of small_sums_dataset(max_operand={max_operand}) has {len(pool)} "
-            f"problems, fewer than size={size}"
-        )
+        raise ValueError(f"{what} has {len(pool)} problems, fewer than size={size}")
     return pool[:size]
 
 
@@ -292,14 +297,6 @@ def step_arithmetic_dataset(
         for a, op, b, r in questions
         if ("val" if zlib.crc32(f"{a}{op}{b}".encode()) % 5 < 2 else "train") == split
     ]
-    random.Random(f"step-arithmetic-{seed}").shuffle(pool)
-    if size is None:
-        return pool
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"size must be a positive int or None, got {size!r}")
-    if size > len(pool):
-        raise ValueError(
-            f"the {split} split of step_arithmetic_dataset(max_addend={max_addend}, "
-            f"max_minuend={max_minuend}) has {len(pool)} problems, fewer than size={size}"
-        )
-    return pool[:size]
+    return _seeded_draw(pool, size, f"step-arithmetic-{seed}",
+                        f"the {split} split of step_arithmetic_dataset(max_addend={max_addend}, "
+                        f"max_minuend={max_minuend})")
