@@ -2,9 +2,9 @@
 
 ``bf16`` runs every forward of the run (rollouts, validation, the old-policy pass, the update)
 under ``torch.autocast`` to bfloat16 over the parameters of ``dtype`` (fp32 master weights with
-``dtype: fp32``; the optimizer and the gradients stay in that dtype). Log-probs, entropies,
-sampling and the loss are computed in fp32 from the bf16 logits (:mod:`pepo.entropy` upcasts
-each chunk). ``auto`` is bf16 on a CPU with native bf16 matrix units (x86 AMX, AVX512-BF16;
+``dtype: fp32``; the optimizer and the gradients stay in that dtype). The output head makes fp32
+logits all the same (:func:`no_autocast`), and log-probs, entropies, sampling and the loss are
+fp32. ``auto`` is bf16 on a CPU with native bf16 matrix units (x86 AMX, AVX512-BF16;
 Arm's BF16 extension) and fp32 anywhere else: bf16 on a CPU without them is emulated and slower
 than fp32. GPU configs train with ``dtype: bf16`` parameters instead.
 """
@@ -79,7 +79,7 @@ def no_autocast(device: torch.device) -> ContextManager:
     parameters' dtype also under ``compute_dtype: bf16``, by the decoder and the trainer alike.
     bf16 logits are rounded to 1/16 to 1/8 at the magnitudes of a language model's top logits,
     errors the sampled tokens' log-probs would carry (a mean rollout/trainer log-prob gap of
-    0.03 nats on SmolLM2, against 1e-4 with the head in fp32)."""
+    0.030 nats in a 16-prompt SmolLM2 probe, against 0.017 with the head in fp32)."""
     if device.type in ("cpu", "cuda"):
         return torch.autocast(device.type, enabled=False)
     return contextlib.nullcontext()
