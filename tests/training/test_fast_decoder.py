@@ -440,3 +440,44 @@ def test_progress_counts_each_row_once_as_it_finishes(decoder):
     split = G.generate(model, prompts, progress=pieces.append, batch_size=7, **kw)
     assert sum(pieces) == len(prompts) and min(pieces) >= 0
     assert torch.equal(split.tokens[:, : ro.tokens.shape[1]], ro.tokens)  # it changes nothing
+
+
+def _old_uniforms(seed: int, step: int) -> float:
+    """The counter-based uniform as first written (lowbias32, scalar Python): the reference the
+    non-degenerate pairs must still match, so recorded rollouts keep their tokens."""
+    def mix(x: int) -> int:
+        x &= 0xFFFFFFFF
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & 0xFFFFFFFF
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+    key = mix(seed)
+    hi, lo = mix(key ^ mix(2 * step)), mix(key ^ mix(2 * step + 1))
+    return ((hi >> 5) * 2**26 + (lo >> 6)) / 2.0**53
+
+
+def test_small_seeds_draw_no_near_zero_uniform_at_their_own_step():
+    # seed 2t at step t once hashed to exactly 0 (u < 2^-27, the lowest token id of non-zero
+    # probability): every even seed below twice the response length had one forced draw
+    T = 64
+    seeds = torch.arange(2 * T + 2)
+    table = G.row_uniforms_table(seeds, T)  # [2T+2, T]
+    own = table[2 * torch.arange(T), torch.arange(T)]  # seed 2t at step t
+    assert float(own.min()) > 1e-3, own.min()
+    # over all 8,320 small (seed, step) pairs: as many tiny draws as a uniform gives (~0.8)
+    assert int((table < 1e-4).sum()) <= 4
+    # low half's degenerate pairs (seed 2t+1 at step t) get random low bits, not zeros
+    odd = table[2 * torch.arange(T) + 1, torch.arange(T)] * 2.0**53
+    assert int((odd % 2**26 == 0).sum()) == 0
+
+
+def test_uniforms_unchanged_away_from_the_degenerate_pairs():
+    # recorded runs draw their seeds from [0, 2^31): their draws must not move
+    g = torch.Generator().manual_seed(5)
+    seeds = G.draw_seeds(g, 40)
+    table = G.row_uniforms_table(seeds, 30)
+    for i in range(0, 40, 7):
+        for t in (0, 3, 29):
+            assert float(table[i, t]) == _old_uniforms(int(seeds[i]), t)
+    assert float(G.row_uniforms(torch.tensor([7]), 2)) == _old_uniforms(7, 2)

@@ -90,9 +90,19 @@ def _uniforms(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """``[B, 1]`` seeds and ``[T]`` steps to ``[B, T]`` uniforms (:func:`row_uniforms`)."""
     key = _mix32(seeds)
     steps = steps.to(seeds.device, torch.long)[None, :]
-    hi = _mix32(key ^ _mix32(2 * steps))
-    lo = _mix32(key ^ _mix32(2 * steps + 1))
+    hi = _mix32(_nonzero(key ^ _mix32(2 * steps), steps, 0))
+    lo = _mix32(_nonzero(key ^ _mix32(2 * steps + 1), steps, 1))
     return ((hi >> 5) * 2**26 + (lo >> 6)).double() / 2.0**53
+
+
+def _nonzero(x: torch.Tensor, steps: torch.Tensor, half: int) -> torch.Tensor:
+    """``x = key ^ _mix32(2 * step + half)`` with its zeros replaced by a hash of the step.
+
+    ``x`` is 0 exactly when the seed equals ``2 * step + half`` (``_mix32`` is a bijection that
+    fixes 0), so without this, seed ``2t`` would draw ``u < 2^-27`` at step ``t``: the lowest
+    token id of non-zero probability (``"!"``, or an end-of-text token), for every even seed below
+    twice the response length. The replacement changes no other (seed, step) pair's draw."""
+    return torch.where(x == 0, _mix32((2 * steps + half) ^ 0x9E3779B9) | 1, x)
 
 
 def draw_seeds(generator: torch.Generator, n: int) -> torch.Tensor:
