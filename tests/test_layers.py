@@ -21,7 +21,7 @@ import pytest
 import pepo
 from pepo import _extras
 
-BLOCKED = (*_extras.RECIPE_MODULES, "numpy", "vllm", "trl", "verl", "pyarrow", "scipy")
+BLOCKED = (*_extras.RECIPE_MODULES, "numpy", "vllm", "trl", "verl", "pyarrow")
 
 # The core: every plain module at the top of the package. A new module there is core by where it
 # sits, and must import with torch alone.

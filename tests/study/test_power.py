@@ -1,0 +1,110 @@
+"""pepo.study.power against the formulas written out with printed t-table values."""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+
+import pytest
+
+from pepo.study import power
+
+# Student's t quantiles, 9 degrees of freedom (printed tables)
+T9_975, T9_995, T9_80 = 2.262157, 3.249836, 0.883404
+D = [0.05, -0.01, 0.03, 0.08, 0.00, 0.02, 0.06, -0.02, 0.04, 0.01]  # ten paired differences
+
+
+def _reference(d, crit_two_sided, crit_power):
+    n = len(d)
+    mean = sum(d) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1))
+    se = sd / math.sqrt(n)
+    return mean, sd, mean - crit_two_sided * se, mean + crit_two_sided * se, (
+        crit_two_sided + crit_power) * se
+
+
+def test_one_comparison_is_the_textbook_t_interval():
+    mean, sd, lo, hi, res = _reference(D, T9_975, T9_80)
+    got = power.paired(D)
+    assert got["mean"] == pytest.approx(mean, abs=1e-12)
+    assert got["sd"] == pytest.approx(sd, rel=1e-9)  # n - 1, not n
+    assert (got["lo"], got["hi"]) == (pytest.approx(lo, abs=1e-6), pytest.approx(hi, abs=1e-6))
+    assert got["resolvable"] == pytest.approx(res, abs=1e-6)
+    assert got["t"] == pytest.approx(mean / (sd / math.sqrt(10)), rel=1e-9)
+
+
+def test_p_value_is_two_sided_at_the_table_value():
+    # differences whose t statistic is exactly the 97.5% quantile: p = 0.05
+    base = [x - statistics.fmean(D) for x in D]
+    se = statistics.stdev(base) / math.sqrt(len(base))
+    shifted = [x + T9_975 * se for x in base]
+    assert power.paired(shifted)["p"] == pytest.approx(0.05, abs=1e-5)
+
+
+def test_m_comparisons_widen_the_interval_to_bonferroni():
+    # 5 comparisons: each interval at the 1 - 0.05 / (2 * 5) = 0.995 quantile
+    mean, _, lo, hi, res = _reference(D, T9_995, T9_80)
+    got = power.paired(D, m=5)
+    assert (got["lo"], got["hi"]) == (pytest.approx(lo, abs=1e-6), pytest.approx(hi, abs=1e-6))
+    assert got["resolvable"] == pytest.approx(res, abs=1e-6)
+    assert got["hi"] - got["lo"] > power.paired(D)["hi"] - power.paired(D)["lo"]
+
+
+def test_resolvable_difference_is_detected_with_about_its_power():
+    # Monte Carlo: true mean = the resolvable difference for sd 1, n 10, one comparison
+    n, sd = 10, 1.0
+    res = (T9_975 + T9_80) * sd / math.sqrt(n)
+    rng = random.Random(0)
+    hits = 0
+    sims = 3000
+    for _ in range(sims):
+        d = [rng.gauss(res, sd) for _ in range(n)]
+        hits += power.paired(d)["p"] < 0.05
+    # the t-quantile formula slightly undershoots the noncentral-t power of 0.8 (about 0.78)
+    assert 0.74 < hits / sims < 0.84, hits / sims
+
+
+def test_holm_adjustment():
+    # sorted: 0.005*4 = 0.02, 0.01*3 = 0.03, 0.03*2 = 0.06, 0.04*1 = 0.04 -> 0.06 (monotone)
+    assert power.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert power.holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])
+    assert power.holm([]) == []
+
+
+def _runs(method, seeds, after, before=0.3):
+    return [{"method": method, "seed": s, "val_after": a, "val_before": before}
+            for s, a in zip(seeds, after)]
+
+
+def test_comparisons_pair_by_seed_not_by_position():
+    base = _runs("GRPO", [0, 1, 2, 3], [0.40, 0.50, 0.60, 0.70])
+    # listed in another order, seed 4 has no baseline, seed 3 is missing
+    other = _runs("PEPO", [2, 0, 4, 1], [0.63, 0.42, 0.99, 0.55])
+    comps = power.comparisons(base + other, "GRPO", ["PEPO"])
+    assert comps["PEPO"]["n"] == 3
+    assert comps["PEPO"]["mean"] == pytest.approx((0.03 + 0.02 + 0.05) / 3)
+    assert (comps["PEPO"]["wins"], comps["PEPO"]["losses"]) == (3, 0)
+    assert comps["PEPO"]["p_holm"] == pytest.approx(comps["PEPO"]["p"])  # m = 1
+
+
+def test_report_table_and_forest_plot(tmp_path):
+    seeds = list(range(10))
+    results = _runs("GRPO", seeds, [0.4 + 0.01 * s for s in seeds])
+    results += _runs("PEPO", seeds, [0.4 + 0.01 * s + d for s, d in zip(seeds, D)])
+    results += _runs("80/20", seeds, [0.4 + 0.01 * s - 0.5 * d for s, d in zip(seeds, D)])
+    text = power.report(results, "GRPO", ["PEPO", "80/20"], tmp_path, "img", "t")
+    assert (tmp_path / "forest.png").stat().st_size > 1000
+    pepo = power.paired(D, m=2)
+    row = next(line for line in text.splitlines() if line.startswith("| PEPO |"))
+    assert f"{100 * pepo['mean']:+.1f} [{100 * pepo['lo']:+.1f}, {100 * pepo['hi']:+.1f}]" in row
+    assert "| 10 |" in row and "7/1/2" in row
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match="at least 2"):
+        power.paired([0.1])
+    with pytest.raises(ValueError, match="m .*0"):
+        power.paired(D, m=0)
+    with pytest.raises(ValueError, match="alpha"):
+        power.paired(D, alpha=1.5)
