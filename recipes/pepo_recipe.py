@@ -85,6 +85,7 @@ from pepo.training.config import (
     register_resolvers,
     resolve_config_arg,
     resumable_checkpoint,
+    val_before_fingerprint,
     validate_config,
 )
 from pepo.training.config_rules import resolve_component
@@ -204,6 +205,8 @@ class PEPORecipe(FTRecipeInterface):
         self.experiment = experiment_config(cfg)
         self.prior_path = c.prior_cache
         self.prior_fingerprint = prior_fingerprint(cfg)
+        self.val_cache = c.validation.before_cache
+        self.val_fingerprint = val_before_fingerprint(cfg)
         self.signals = StopSignals(lambda: self.step, lambda: self.checkpointer.marked(), log,
                                    any_rank=self.dist.any if self.dist.enabled else None)
         self.nonfinite = NonFiniteGuard(c.max_nonfinite_steps, log)
@@ -575,12 +578,14 @@ class PEPORecipe(FTRecipeInterface):
                 self.cleanup()  # still under the handlers: a second press during it is clean
 
     def train(self) -> None:
-        if self.step == 0 and self.val_every:
-            acc = self.validate()
+        if self.step == 0 and self.val_every:  # validation.before_cache may keep it
+            acc, read = prior_cache.cached_value(self.val_cache, self.val_fingerprint,
+                                                 self.validate, write=self.dist.is_main)
             self.history.append({"step": 0, "val_accuracy": acc})
             self.metric_logger.log_dict({"val_accuracy": acc}, step=0)
             if self.dist.is_main:
-                log.info(f"Validation accuracy before training (avg@{self.val_samples}): {acc:.3f}")
+                log.info(f"Validation accuracy before training (avg@{self.val_samples}): {acc:.3f}"
+                         + (f" (read from {self.val_cache})" if read else ""))
         bar = tqdm(total=self.num_steps, initial=self.step, desc=f"pepo[{self.strategy_name}]",
                    dynamic_ncols=True, file=sys.stdout, disable=not self.dist.is_main)
         while self.step < self.num_steps:

@@ -228,3 +228,57 @@ def test_prepare_estimator_computes_writes_then_reads_without_a_model(tmp_path):
     other = str(tmp_path / "unused.json")
     assert prior_cache.prepare_estimator(none, ids, score, path=other) is None
     assert none.prepared == 1 and not (tmp_path / "unused.json").exists() and len(calls) == 1
+
+
+def test_cached_value_computes_once_and_names_a_changed_setting(tmp_path):
+    """Catches a cache that is never read (computed twice), one read across other settings, a
+    file written by a process told not to write (not the main rank), and a bad file accepted."""
+    path, calls = str(tmp_path / "v.json"), []
+
+    def compute():
+        calls.append(1)
+        return 0.375
+
+    fp = {"seed": 3, "generation.temperature": 0.7}
+    assert prior_cache.cached_value(None, fp, compute) == (0.375, False)
+    assert prior_cache.cached_value(str(tmp_path / "w.json"), fp, compute, write=False) == (
+        0.375, False)
+    assert not (tmp_path / "w.json").exists()
+    assert prior_cache.cached_value(path, fp, compute) == (0.375, False)
+    assert prior_cache.cached_value(path, fp, lambda: pytest.fail("recomputed")) == (0.375, True)
+    assert len(calls) == 3
+    with pytest.raises(ValueError, match=r"generation.temperature \(0.7 -> 1.0\)"):
+        prior_cache.cached_value(path, {**fp, "generation.temperature": 1.0}, compute)
+    (tmp_path / "bad.json").write_text("[1, 2]", encoding="utf-8")
+    with pytest.raises(ValueError, match="is not a cached value file"):
+        prior_cache.cached_value(str(tmp_path / "bad.json"), fp, compute)
+
+
+def test_validation_before_training_is_read_and_the_run_is_the_same(tmp_path, monkeypatch):
+    """validation.before_cache: the second run of a seed reads the first's validation before
+    training (one validation fewer) and trains exactly as without it: the same step-0 accuracy,
+    the same rollouts. Catches a read that moves the training stream, or a cache never read."""
+    cache = tmp_path / "val.json"
+    calls = []
+    real = pepo_recipe.PEPORecipe.validate
+    monkeypatch.setattr(pepo_recipe.PEPORecipe, "validate",
+                        lambda self: calls.append(self.step) or real(self))
+    runs = []
+    for name in ("a", "b", "c"):
+        cfg = tiny_cfg(tmp_path / name, num_steps=1, validation={
+            "every": 1, "before_cache": None if name == "a" else str(cache)},
+            **({"checkpoint_dir": runs[0].checkpoint_dir} if runs else {}))
+        runs.append(cfg)
+        calls.clear()
+        pepo_recipe.recipe_main(cfg, log_config=False)
+        assert calls == ([1] if name == "c" else [0, 1])  # c reads step 0's
+    saved = json.loads(cache.read_text())
+    assert saved["fingerprint"]["validation.samples"] == 2 and "seed" in saved["fingerprint"]
+    hist = [json.loads((tmp_path / n / "run" / "summary.json").read_text())["history"]
+            for n in "abc"]
+    assert hist[0][0] == hist[1][0] == hist[2][0] and hist[0][0]["step"] == 0
+    assert saved["value"] == hist[0][0]["val_accuracy"]
+    dumps = [[json.loads(line)["token_ids"] for line in
+              (tmp_path / n / "run" / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
+             for n in "abc"]
+    assert dumps[0] == dumps[1] == dumps[2]

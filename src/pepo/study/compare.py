@@ -159,6 +159,8 @@ def _run(task: str, mode: str, label: str, strategy: dict, seed: int, out: Path,
                              "plot": False, "save_every": 0, "keep_checkpoints": 1}
     if mode == "single_stream":  # the seed's offline prior, computed once for all its methods
         fixed["prior_cache"] = str(out / task / mode / f"prior_seed_{seed}.json")
+    # the seed's validation before training, the same for every method: computed once
+    fixed["validation"] = {"before_cache": str(out / task / mode / f"val_before_seed_{seed}.json")}
     cfg = OmegaConf.merge(cfg, fixed, overrides)
     t0 = time.perf_counter()
     summary = run_recipe(cfg, d)

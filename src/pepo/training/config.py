@@ -348,6 +348,18 @@ PRIOR_KEYS = ("seed", "dtype", "compute_dtype", "tokenizer", "model", "checkpoin
               "reward", "generation", "estimator.name", "estimator.prior_samples")
 
 
+# what decides the validation before training (validation.before_cache)
+VAL_BEFORE_KEYS = ("seed", "device", "dtype", "compute_dtype", "tokenizer", "model",
+                   "checkpoint_dir", "val_dataset", "reward", "generation", "validation.samples")
+
+
+def val_before_fingerprint(cfg: DictConfig) -> dict[str, Any]:
+    """The resolved, flattened config keys that determine the validation before training
+    (``VAL_BEFORE_KEYS``), stored in a ``validation.before_cache`` file and compared when read."""
+    flat = _flatten(OmegaConf.to_container(cfg, resolve=True))
+    return {k: v for k, v in flat.items() if _under(k, VAL_BEFORE_KEYS)}
+
+
 def prior_fingerprint(cfg: DictConfig) -> dict[str, Any]:
     """The resolved, flattened config keys that determine the offline prior (``PRIOR_KEYS``,
     less the schema's ``RUN`` keys, ``PRIOR_IGNORES``), stored in a ``prior_cache`` file and

@@ -30,7 +30,7 @@ from pepo.training.checkpointing import atomic_write_text
 from pepo.training.config import experiment_changes
 from pepo.training.run_lock import locked, process_gone
 
-__all__ = ["locked", "prepare_estimator", "read_prior", "write_prior"]
+__all__ = ["cached_value", "locked", "prepare_estimator", "read_prior", "write_prior"]
 
 VERSION = 1
 
@@ -94,6 +94,43 @@ def read_prior(path: str | os.PathLike, fingerprint: Mapping[str, Any],
             f"{len(set(prompt_ids))}" + (f" (e.g. {missing[0]!r} is missing)" if missing else "")
         )
     return rates
+
+
+def cached_value(path: Optional[str], fingerprint: Mapping[str, Any],
+                 compute: Callable[[], float], what: str = "validation.before_cache",
+                 write: bool = True) -> tuple[float, bool]:
+    """``(value, read)``: the number kept in ``path`` when it was made under ``fingerprint``,
+    else ``compute()``, written to ``path`` atomically (when ``write``: the main process). No
+    ``path``: always computed.
+
+    Raises:
+        ValueError: the file is not such a cache, or was made under other settings (naming each
+            key that differs).
+    """
+    if not path:
+        return compute(), False
+    p = Path(path)
+    if p.is_file():
+        try:
+            data = json.loads(p.read_text(encoding="utf-8"))
+            saved, value = data["fingerprint"], float(data["value"])
+            if data.get("version") != VERSION:
+                raise KeyError("version")
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{what}={path!r} is not a cached value file ({e})") from None
+        changed = experiment_changes(saved, dict(fingerprint))
+        if changed:
+            raise ValueError(f"{what}={path!r} was made under other settings: "
+                             f"{', '.join(changed)}; delete it or point {what} elsewhere")
+        return value, True
+    value = float(compute())
+    if write:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temps(p)
+        atomic_write_text(p, json.dumps({"version": VERSION, "fingerprint": dict(fingerprint),
+                                         "value": value}),
+                          tmp=p.with_name(p.name + f".tmp{os.getpid()}"))
+    return value, False
 
 
 class _Progress:

@@ -145,6 +145,12 @@ class ValidationConfig:
     every: int = key(help="steps between validations (0 = never); also before step 1 and "
                      "after the last", rule=Int(0), role=RUN)
     samples: int = key(help="k of avg@k", rule=Int(1), role=RUN)
+    before_cache: Optional[str] = key(
+        None, "a JSON file keeping the validation before training: read when it was made under "
+        "the same settings (model, checkpoint, validation data, reward, sampling, seed, "
+        "precision, samples; another setting is an error naming it), else computed and "
+        "written. Runs that differ only in how they train share it: a study's methods of one "
+        "seed", role=RUN)
 
 
 @dataclass
