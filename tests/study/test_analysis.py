@@ -218,3 +218,24 @@ def test_malformed_records_are_one_line_errors_naming_file_and_line(tmp_path, li
     )
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "d.jsonl:2" in r.stderr
+
+
+def test_pooled_runs_keep_their_groups_apart(tmp_path):
+    """Two runs' dumps of the same step that drew the same prompt: pooled, each run's 8 rollouts
+    are a group of their own (one all-correct run and one all-wrong: easy and hard), where one
+    group of 16 would be moderate. Catches pooling that merges groups across runs."""
+    h = trend_and_shift(n=8, T=20, seed=4)
+    a = write_dump(tmp_path / "a" / "step_000001.jsonl", h.tolist(), [1.0] * 8, ["p"] * 8)
+    b = write_dump(tmp_path / "b" / "step_000001.jsonl", h.tolist(), [0.0] * 8, ["p"] * 8)
+    pooled = A.load_dump([a, tmp_path / "b"])
+    assert len(pooled) == 16
+    prof = A.entropy_profile(pooled, windows=(5,))
+    assert (prof["hard_share"], prof["moderate_share"], prof["easy_share"]) == (0.5, 0.0, 0.5)
+    merged = tmp_path / "merged.jsonl"
+    merged.write_text(a.read_text() + b.read_text())
+    assert A.entropy_profile(A.load_dump(merged), windows=(5,))["moderate_share"] == 1.0
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "pepo.study.analysis", str(a), str(b), "--out",
+                        str(out), "--windows", "5"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "profile.json").read_text())["rollouts"] == 16.0

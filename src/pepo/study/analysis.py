@@ -93,18 +93,23 @@ class RolloutDump:
         return len(self.records)
 
 
-def load_dump(path: Union[str, Path]) -> RolloutDump:
-    """Reads a rollout dump: one ``.jsonl`` file or a directory of them (sorted)."""
-    p = Path(path)
-    files = sorted(p.glob("*.jsonl")) if p.is_dir() else [p]
-    if not files or not files[0].is_file():
-        raise ValueError(f"no rollout dump at {str(p)!r} (a .jsonl file or a directory of them)")
+def load_dump(path: Union[str, Path, Sequence[Union[str, Path]]]) -> RolloutDump:
+    """Reads a rollout dump: one ``.jsonl`` file or a directory of them (sorted), or a list of
+    such paths pooled (several runs: each path's groups are kept apart, so two runs that drew
+    the same prompt at the same step are two groups, not one)."""
+    paths = [path] if isinstance(path, (str, Path)) else list(path)
     records = []
-    for f in files:
-        with open(f, encoding="utf-8") as fh:
-            for n, line in enumerate(fh, 1):
-                if line.strip():
-                    records.append(_record(line, f, n))
+    for source, one in enumerate(paths):
+        p = Path(one)
+        files = sorted(p.glob("*.jsonl")) if p.is_dir() else [p]
+        if not files or not files[0].is_file():
+            raise ValueError(f"no rollout dump at {str(p)!r} (a .jsonl file or a directory of "
+                             f"them)")
+        for f in files:
+            with open(f, encoding="utf-8") as fh:
+                for n, line in enumerate(fh, 1):
+                    if line.strip():
+                        records.append({**_record(line, f, n), "source": source})
     return RolloutDump(records)
 
 
@@ -173,7 +178,8 @@ def _difficulty(r: RolloutDump) -> list[Optional[str]]:
     """hard / moderate / easy per rollout, from its prompt's pass rate within its step."""
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, rec in enumerate(r.records):
-        groups[(rec.get("step"), rec.get("prompt_id", rec.get("prompt")))].append(i)
+        groups[(rec.get("source"), rec.get("step"),
+                rec.get("prompt_id", rec.get("prompt")))].append(i)
     out: list[Optional[str]] = [None] * len(r)
     for members in groups.values():
         if len(members) < 2:
@@ -275,7 +281,7 @@ def weight_mass(r: RolloutDump, window: int = 101) -> dict[str, dict[str, float]
     ones = torch.ones(len(r))
     by_step: dict[Any, list[int]] = defaultdict(list)
     for i, rec in enumerate(r.records):
-        by_step[rec.get("step")].append(i)
+        by_step[(rec.get("source"), rec.get("step"))].append(i)
     steps = {k: torch.tensor(v) for k, v in by_step.items()}
     out = {}
     for name, (strategy, params) in STRATEGIES.items():
@@ -375,7 +381,8 @@ def _plot_positional(curves: dict[str, torch.Tensor], windows: Sequence[int], pa
     plt.close(fig)
 
 
-def run(dump: Union[str, Path], out: Union[str, Path], windows: Sequence[int] = (31, 51, 101),
+def run(dump: Union[str, Path, Sequence[Union[str, Path]]], out: Union[str, Path],
+        windows: Sequence[int] = (31, 51, 101),
         heatmap_rollouts: int = 4) -> dict[str, Path]:
     """Writes every diagnostic of the dump ``dump`` into ``out``; returns the files."""
     t0 = time.perf_counter()
@@ -457,7 +464,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         return
     ap = argparse.ArgumentParser(prog="python -m pepo.study.analysis",
                                  description=__doc__.split("\n")[0])
-    ap.add_argument("dump", help="a rollouts/step_N.jsonl file or the rollouts/ directory")
+    ap.add_argument("dump", nargs="+", help="a rollouts/step_N.jsonl file or the rollouts/ "
+                                            "directory; several are pooled, each run's groups "
+                                            "kept apart")
     ap.add_argument("--out", required=True, help="directory for the plots and tables")
     ap.add_argument("--windows", type=int, nargs="+", default=[31, 51, 101])
     ap.add_argument("--heatmap-rollouts", type=int, default=4)
@@ -466,7 +475,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         from pepo.training.config import check_output_dir
 
         check_output_dir(args.out, "--out")  # before reading the dump
-        run(args.dump, args.out, args.windows, args.heatmap_rollouts)
+        run(args.dump if len(args.dump) > 1 else args.dump[0], args.out, args.windows,
+            args.heatmap_rollouts)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
 

