@@ -73,19 +73,7 @@ def read_prior(path: str | os.PathLike, fingerprint: Mapping[str, Any],
     path = Path(path)
     if not path.is_file():
         return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        saved, pairs = data["fingerprint"], data["pass_rates"]
-        if data.get("version") != VERSION:
-            raise KeyError("version")
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"prior_cache={str(path)!r} is not a prior cache file ({e})") from None
-    changed = experiment_changes(saved, dict(fingerprint))
-    if changed:
-        raise ValueError(
-            f"prior_cache={str(path)!r} was made under other settings: {', '.join(changed)}; "
-            f"delete it or point prior_cache elsewhere"
-        )
+    pairs = _load(path, fingerprint, "pass_rates", "prior_cache", "a prior cache file")
     rates = {k: float(v) for k, v in pairs}
     if set(rates) != set(prompt_ids) or len(pairs) != len(rates):
         missing = [p for p in prompt_ids if p not in rates]
@@ -94,6 +82,23 @@ def read_prior(path: str | os.PathLike, fingerprint: Mapping[str, Any],
             f"{len(set(prompt_ids))}" + (f" (e.g. {missing[0]!r} is missing)" if missing else "")
         )
     return rates
+
+
+def _load(path: Path, fingerprint: Mapping[str, Any], field: str, key: str, kind: str) -> Any:
+    """``field`` of the cache file ``path`` made under ``fingerprint``; errors name the config
+    ``key`` that points at it and, for another fingerprint, each setting that differs."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        saved, payload = data["fingerprint"], data[field]
+        if data.get("version") != VERSION:
+            raise KeyError("version")
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{key}={str(path)!r} is not {kind} ({e})") from None
+    changed = experiment_changes(saved, dict(fingerprint))
+    if changed:
+        raise ValueError(f"{key}={str(path)!r} was made under other settings: "
+                         f"{', '.join(changed)}; delete it or point {key} elsewhere")
+    return payload
 
 
 def cached_value(path: Optional[str], fingerprint: Mapping[str, Any],
@@ -111,18 +116,7 @@ def cached_value(path: Optional[str], fingerprint: Mapping[str, Any],
         return compute(), False
     p = Path(path)
     if p.is_file():
-        try:
-            data = json.loads(p.read_text(encoding="utf-8"))
-            saved, value = data["fingerprint"], float(data["value"])
-            if data.get("version") != VERSION:
-                raise KeyError("version")
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{what}={path!r} is not a cached value file ({e})") from None
-        changed = experiment_changes(saved, dict(fingerprint))
-        if changed:
-            raise ValueError(f"{what}={path!r} was made under other settings: "
-                             f"{', '.join(changed)}; delete it or point {what} elsewhere")
-        return value, True
+        return float(_load(p, fingerprint, "value", what, "a cached value file")), True
     value = float(compute())
     if write:
         p.parent.mkdir(parents=True, exist_ok=True)
