@@ -260,3 +260,33 @@ def test_powered_sections_pair_by_seed_and_copy_every_result(study, tmp_path):
     w = power.comparisons([x for x in rows if x["seed"] < 2], "GRPO", ["PEPO", "PEPO, W = 101"])
     line = next(x for x in abl.splitlines() if x.startswith("| PEPO, W = 101 |"))
     assert f"[{100 * w['PEPO, W = 101']['lo']:+.1f}, " in line and "seeds [0, 1]" in abl
+
+
+def test_length_curves_come_from_the_result_or_the_run_summary(study, tmp_path):
+    """The response-length table: the mean over seeds at the first, middle and last step; a
+    result without its curve (written before results carried one) reads the run's summary.json.
+    Catches a curve taken from the wrong run, or the mean over steps instead of over seeds."""
+    from pepo.training.reporting import write_summary
+
+    out = tmp_path / "runs"
+
+    def r(method, seed, lens=None):
+        row = {"task": "smollm2_steps", "mode": "group", "method": method, "seed": seed,
+               "val_before": 0.2, "val_after": 0.3 + 0.01 * seed}
+        if lens is not None:
+            row["len_curve"] = [[i + 1, x] for i, x in enumerate(lens)]
+        return row
+
+    rows = [r("GRPO", 0, [100, 90, 80]), r("GRPO", 1, [120, 110, 100]),
+            r("PEPO", 0, [100, 50, 30]), r("PEPO", 1)]
+    d = study.run_dir(out, "smollm2_steps", "group", "PEPO", 1)
+    d.mkdir(parents=True)
+    write_summary(d, [{"step": 0, "val_accuracy": 0.2}] + [
+        {"step": i + 1, "response_len": x} for i, x in enumerate([110, 70, 40])], val_problems=9)
+    text = study.powered_sections("smollm2_steps", rows, tmp_path / "docs", out)
+    assert "| GRPO | 2 | 110.0 | 100.0 (step 2) | 90.0 (step 3) |" in text
+    assert "| PEPO | 2 | 105.0 | 60.0 (step 2) | 35.0 (step 3) |" in text
+    saved = json.loads((tmp_path / "docs" / "images" / "smollm2_steps_study" / "results"
+                        / "pepo_seed_1.json").read_text())
+    assert saved["len_curve"] == [[1, 110], [2, 70], [3, 40]]
+    assert (tmp_path / "docs" / "images" / "smollm2_steps_study" / "lengths.png").is_file()

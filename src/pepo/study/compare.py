@@ -179,6 +179,7 @@ def _run(task: str, mode: str, label: str, strategy: dict, seed: int, out: Path,
         "task": task, "mode": mode, "method": label, "seed": seed, "val_curve": val,
         "val_before": val[0][1], "val_after": val[-1][1], "val_k": int(cfg.validation.samples),
         "val_problems": summary["val_problems"], "num_steps": int(cfg.num_steps),
+        "len_curve": [[h["step"], h["response_len"]] for h in history if "response_len" in h],
         "step_time_median": statistics.median(steps), "wall_s": time.perf_counter() - t0,
         "checkpoint": str(d / "checkpoints" / f"step_{int(cfg.num_steps)}"),
     }
@@ -357,12 +358,61 @@ def run_intervention(task: str, results: list[dict], out: Path, docs: Path,
 POWERED = ("smollm2_steps",)
 
 
-def powered_sections(task: str, results: list[dict], docs: Path) -> str:
+def length_curve(out: Path, r: dict) -> Optional[list[list[float]]]:
+    """``[[step, mean response length], ...]`` of a finished run, from its ``summary.json``
+    under the study directory ``out`` (None when the run directory is not there)."""
+    d = run_dir(out, r["task"], r["mode"], r["method"], r["seed"])
+    if not (d / "summary.json").is_file():
+        return None
+    return [[h["step"], h["response_len"]] for h in read_summary(str(d))["history"]
+            if "response_len" in h]
+
+
+def plot_lengths(rows: list[dict], labels: list[str], path: Path, title: str) -> str:
+    """Mean response length by step per method (mean over seeds) to ``path``; returns the
+    Markdown table of the mean length at the first, middle and last step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4), dpi=110)
+    table = ["| method | seeds | length at step 1 | at the middle step | at the last step |",
+             "|---|---:|---:|---:|---:|"]
+    for label in labels:
+        curves = [r["len_curve"] for r in rows if r["method"] == label and r.get("len_curve")]
+        if not curves:
+            continue
+        n = min(len(c) for c in curves)
+        steps = [c[0] for c in curves[0][:n]]
+        mean = [statistics.fmean(c[i][1] for c in curves) for i in range(n)]
+        ax.plot(steps, mean, "o-", ms=3, label=f"{label} (n={len(curves)})")
+        table.append(f"| {label} | {len(curves)} | {mean[0]:.1f} | {mean[(n - 1) // 2]:.1f} "
+                     f"(step {steps[(n - 1) // 2]}) | {mean[-1]:.1f} (step {steps[-1]}) |")
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean response length, tokens (mean over seeds)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return "\n".join(table)
+
+
+def powered_sections(task: str, results: list[dict], docs: Path,
+                     out: Optional[Path] = None) -> str:
     """The methods against GRPO, and PEPO's window ablation, of ``task`` with
-    :mod:`pepo.study.power`; each run's result JSON is copied under ``docs/images/<task>_study``."""
+    :mod:`pepo.study.power`, and the response lengths over training; each run's result JSON
+    (with its length curve, read from the run under ``out`` where the result lacks it) is
+    copied under ``docs/images/<task>_study``."""
     from pepo.study import power  # scipy: only the study's report needs it
 
     rows = [r for r in results if (r["task"], r["mode"]) == (task, "group")]
+    if out is not None:
+        rows = [r if "len_curve" in r else {**r, "len_curve": length_curve(out, r)}
+                for r in rows]
     dest = docs / "images" / f"{task}_study"
     (dest / "results").mkdir(parents=True, exist_ok=True)
     for r in rows:
@@ -380,6 +430,11 @@ def powered_sections(task: str, results: list[dict], docs: Path) -> str:
         parts.append(f"### {task}: PEPO's window against GRPO (seeds {sorted(seeds)})\n\n"
                      + power.report(sub, "GRPO", ["PEPO", *ablation], dest / "window",
                                     f"images/{task}_study/window", f"{task}: PEPO's W - GRPO"))
+    if any(r.get("len_curve") for r in rows):
+        table = plot_lengths(rows, ["GRPO", *main_labels, *ablation], dest / "lengths.png",
+                             f"{task}: response length over training")
+        parts.append(f"### {task}: response length over training\n\n{table}\n\n"
+                     f"![response length](images/{task}_study/lengths.png)")
     return "\n\n".join(parts)
 
 
@@ -515,7 +570,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     (out / "results.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
     extra = {}
     for task in args.tasks:
-        parts = [powered_sections(task, results, docs) if task in POWERED else None,
+        parts = [powered_sections(task, results, docs, out) if task in POWERED else None,
                  run_diagnostics(task, results, out, docs, (5, 11, 21))]
         if not args.no_intervention:
             parts.append(run_intervention(task, results, out, docs, args.budgets,
