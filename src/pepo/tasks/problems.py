@@ -276,13 +276,14 @@ def step_arithmetic_dataset(
     splits never share a question. ``size`` problems of the split are drawn without replacement,
     reproducibly from ``seed`` (all of them, shuffled, when ``size`` is None).
 
-    Measured before any training on it: SmolLM2-135M-Instruct answers such prompts in 115-120
-    tokens on average (bf16, T = 0.7, up to 256 new tokens), right about a quarter to a third of
-    the time (128 random questions each: sums in 0-12 0.41, in 0-16 0.31, differences in 0-20
-    0.27; the validation split at the config ``smollm2_steps``'s start: 0.227 avg@2), against
-    about 40 tokens and 0.38 for ``small_sums_dataset``'s "Explain briefly". Training shortens
-    the responses (to about 30 tokens by step 8 of ``smollm2_steps``'s first run: the model
-    learns to state the sum): docs/results.md reports the lengths over training.
+    Measured before any training on it (``scripts/probe_smollm2_tasks.py``):
+    SmolLM2-135M-Instruct answers such prompts in 108-119 tokens on average (bf16, T = 0.7, up to
+    256 new tokens), right a fifth to a third of the time (128 random questions each: sums in
+    0-12 0.35, in 0-16 0.29, differences in 0-20 0.21; the validation split at the start of
+    ``smollm2_steps``: 0.227 avg@2), against about 40 tokens and 0.38 for
+    ``small_sums_dataset``'s "Explain briefly". Training may shorten the responses: on seed 0,
+    GRPO kept them at 85-127 tokens and PEPO (W = 5) shortened them to about 30 by step 8, the
+    model stating the result; docs/results.md reports the lengths over training.
 
     Raises:
         ValueError: bad split, operand range or size, or more problems than the split has.
