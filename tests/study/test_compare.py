@@ -272,7 +272,7 @@ def test_length_curves_come_from_the_result_or_the_run_summary(study, tmp_path):
 
     def r(method, seed, lens=None):
         row = {"task": "smollm2_steps", "mode": "group", "method": method, "seed": seed,
-               "val_before": 0.2, "val_after": 0.3 + 0.01 * seed}
+               "val_before": 0.2, "val_after": 0.3 + 0.01 * seed, "checkpoint": "/runs/x"}
         if lens is not None:
             row["len_curve"] = [[i + 1, x] for i, x in enumerate(lens)]
         return row
@@ -288,5 +288,5 @@ def test_length_curves_come_from_the_result_or_the_run_summary(study, tmp_path):
     assert "| PEPO | 2 | 105.0 | 60.0 (step 2) | 35.0 (step 3) |" in text
     saved = json.loads((tmp_path / "docs" / "images" / "smollm2_steps_study" / "results"
                         / "pepo_seed_1.json").read_text())
-    assert saved["len_curve"] == [[1, 110], [2, 70], [3, 40]]
+    assert saved["len_curve"] == [[1, 110], [2, 70], [3, 40]] and "checkpoint" not in saved
     assert (tmp_path / "docs" / "images" / "smollm2_steps_study" / "lengths.png").is_file()
