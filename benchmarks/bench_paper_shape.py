@@ -450,11 +450,14 @@ def summarize_run(run: dict[str, Any], cuda: bool) -> dict[str, Any]:
     s = run["steps"][-1]
     tokens = s["response_len"] * run["rollouts_per_step"]
     decode_s = s["gen_time"] - s["reward_time"]
-    parts = ("gen_time", "logprob_time", "strategy_time", "update_time")
+    # the step's parts; the strategy runs inside the old log-probs' part (or inside the update's
+    # when that pass is skipped), so its time is within them, not beside them
+    parts = ("gen_time", "logprob_time", "update_time")
     out = {
         "step": len(run["steps"]),
         "step_time": s["step_time"],
         **{p: s[p] for p in parts},
+        "strategy_time": s["strategy_time"],
         "reward_time": s["reward_time"],
         "other_time": s["step_time"] - sum(s[p] for p in parts),
         "response_tokens": tokens,
@@ -584,7 +587,8 @@ def table(res: dict[str, Any]) -> str:
     row("generation s (decode + rewards)", "gen_time")
     row("of which rewards s", "reward_time")
     row("old log-probs s", "logprob_time")
-    row("strategy ms", "strategy_time", 1e3, ".1f")
+    row("strategy ms (within old log-probs, or update when that pass is skipped)",
+        "strategy_time", 1e3, ".1f")
     row("update s", "update_time")
     row("other s (estimator, metrics)", "other_time", 1.0, ".3f")
     row("strategy's first call s (compiles on CUDA; once per run, before step 1)",
