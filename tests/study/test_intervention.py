@@ -231,12 +231,24 @@ def test_cli_writes_the_table(tmp_path, capsys):
                    "--out", str(out)])
     rows = list(csv.DictReader(open(out / "intervention.csv")))
     table = {(r["metric"], r["budget_percent"]): float(r["avg@2"]) for r in rows}
-    assert set(table) == {(m, b) for m in ("global", "proximal") for b in ("0", "10", "100")} | {
-        ("replacement", "100")}
+    assert set(table) == {(m, b) for m in ("global", "proximal", "proximal - global")
+                          for b in ("0", "10", "100")} | {("replacement", "100")}
     assert table[("global", "0")] == table[("proximal", "0")]
     assert table[("global", "100")] == table[("replacement", "100")]
+    assert table[("proximal - global", "10")] == pytest.approx(
+        table[("proximal", "10")] - table[("global", "10")], abs=2e-6)
+    assert all(r["se"] != "" and float(r["se"]) >= 0 for r in rows)
     assert (out / "intervention.png").stat().st_size > 0
-    assert "| Global Entropy |" in (out / "intervention.md").read_text()
+    md = (out / "intervention.md").read_text()
+    assert "| Global Entropy |" in md and "| Proximal − Global (paired) |" in md and " ± " in md
+    # the same command again reads every generation back from out/cells.json
+    capsys.readouterr()
+    analysis.main(["intervene", "--config", str(cfg), "--replacement", str(repl), "--budgets",
+                   "0", "10", "100", "--k", "2", "--problems", "3", "--window", "5",
+                   "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "resuming" in printed and "generation 1/" not in printed
+    assert str(tmp_path) not in (out / "cells.json").read_text()  # no paths written down
     with pytest.raises(SystemExit, match=r"--budgets are percentages in \[0, 100\], got 150"):
         analysis.main(["intervene", "--config", str(cfg), "--replacement", str(repl),
                        "--budgets", "150", "--out", str(out)])
@@ -270,3 +282,93 @@ def test_each_metric_ranks_by_its_own_statistic(models, monkeypatch):
     torch.testing.assert_close(g, torch.where(ro.mask, ro.entropies, 0.0))
     torch.testing.assert_close(p, weighting.proximal_entropy(ro.entropies, ro.mask, window=5))
     assert not torch.allclose(g, p)
+
+
+def _problem_se_reference(success: list[float], k: int) -> float:
+    """SD of the per-problem means over sqrt(number of problems), from the definition."""
+    means = [sum(success[j * k:(j + 1) * k]) / k for j in range(len(success) // k)]
+    n = len(means)
+    mu = sum(means) / n
+    return math.sqrt(sum((m - mu) ** 2 for m in means) / (n - 1) / n)
+
+
+def test_standard_errors_are_over_problems_not_rows(models):
+    """The base cell's SE is that of its per-problem means (catches an SE over the N * k rows as
+    if they were independent, and rows grouped by sample instead of by problem); the paired
+    difference is proximal minus global on the same rows, 0 at the shared end points."""
+    from pepo.study.intervention import problem_se
+
+    # rows 0-2 are problem 0's samples: per-problem means 1, 0, 1/3; by-sample grouping gives
+    # means 1/3, 2/3, 1/3 and a different SE
+    s = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0])
+    assert problem_se(s, 3) == pytest.approx(_problem_se_reference(s.tolist(), 3), rel=1e-12)
+    assert problem_se(s, 3) != pytest.approx(float(s.std() / 3))  # rows as independent
+    assert problem_se(torch.ones(4), 4) == 0.0  # one problem: no spread to measure
+
+    base, repl = models
+    problems = modsum_dataset(6, split="val")
+    kw = dict(max_new_tokens=10, temperature=1.0, stop_tokens=STOP)
+    res = intervene(base, repl, _Tok(), problems, _digit_share, budgets=[0.0, 0.3, 1.0],
+                    k=3, window=5, seed=4, **kw)
+    prompts = [_Tok().encode_prompt(p.prompt) for p in problems for _ in range(3)]
+    ro = mixed_generate(base, None, prompts, None,
+                        seeds=draw_seeds(eval_generator(4), len(prompts)), pad_id=PAD, **kw)
+    texts = [_Tok().decode(t[m].tolist()) for t, m in zip(ro.tokens, ro.mask)]
+    base_success = _digit_share(texts, None)
+    assert 0 < sum(base_success) < len(base_success)  # a spread for the SE to measure
+    assert res["se"]["global"][0.0] == pytest.approx(_problem_se_reference(base_success, 3))
+    assert res["se"]["proximal"][0.0] == res["se"]["global"][0.0]
+    assert res["paired"][0.0] == [0.0, 0.0] and res["paired"][1.0] == [0.0, 0.0]
+    assert res["paired"][0.3][0] == pytest.approx(res["proximal"][0.3] - res["global"][0.3])
+    assert set(res["se"]) == {"global", "proximal", "replacement"}
+
+
+def test_a_killed_intervention_resumes_from_its_cache(models, tmp_path):
+    """Finished generations are read back, not run again (a second call generates nothing; a
+    removed cell is the only one generated), with the same table; another setting is refused."""
+    import json
+
+    base, repl = models
+    problems = modsum_dataset(5, split="val")
+    kw = dict(max_new_tokens=10, temperature=1.0, stop_tokens=STOP, budgets=[0.0, 0.2, 0.5],
+              k=2, window=5, seed=3)
+    cache = tmp_path / "cells.json"
+    calls = []
+    first = intervene(base, repl, _Tok(), problems, _digit_share, cache=cache,
+                      settings={"base": "a"}, progress=lambda: calls.append(1), **kw)
+    assert len(calls) == 2 + 2 * 2
+    calls.clear()
+    again = intervene(base, repl, _Tok(), problems, _digit_share, cache=cache,
+                      settings={"base": "a"}, progress=lambda: calls.append(1), **kw)
+    assert calls == [] and again == first
+    saved = json.loads(cache.read_text())
+    del saved["cells"]["proximal@0.5"]
+    cache.write_text(json.dumps(saved))
+    again = intervene(base, repl, _Tok(), problems, _digit_share, cache=cache,
+                      settings={"base": "a"}, progress=lambda: calls.append(1), **kw)
+    assert calls == [1] and again == first
+    with pytest.raises(ValueError, match="holds an intervention with base='a', not 'b'"):
+        intervene(base, repl, _Tok(), problems, _digit_share, cache=cache,
+                  settings={"base": "b"}, **kw)
+    with pytest.raises(ValueError, match="with k=2, not 3"):
+        intervene(base, repl, _Tok(), problems, _digit_share, cache=cache,
+                  settings={"base": "a"}, **{**kw, "k": 3})
+
+
+def test_the_models_run_at_the_given_compute_dtype(models, monkeypatch):
+    """Every generation runs under autocast to ``compute_dtype`` (and under none without it):
+    catches the setting being ignored."""
+    import pepo.study.intervention as iv
+
+    base, repl = models
+    seen = []
+    real = iv.mixed_generate
+    monkeypatch.setattr(iv, "mixed_generate", lambda *a, **k: seen.append(
+        (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))) or real(*a, **k))
+    problems = modsum_dataset(2, split="val")
+    kw = dict(max_new_tokens=4, temperature=1.0, stop_tokens=STOP, budgets=[0.0, 0.5], k=1)
+    iv.intervene(base, repl, _Tok(), problems, _digit_share, compute_dtype=torch.bfloat16, **kw)
+    assert len(seen) == 4 and all(s == (True, torch.bfloat16) for s in seen)
+    seen.clear()
+    iv.intervene(base, repl, _Tok(), problems, _digit_share, **kw)
+    assert len(seen) == 4 and not any(on for on, _ in seen)

@@ -341,8 +341,8 @@ def run_intervention(task: str, results: list[dict], out: Path, docs: Path,
     saved = out / task / "intervention.json"
     args = ["--config", CONFIGS[task]["group"], "--replacement", grpo[0]["checkpoint"],
             "--budgets", *[f"{b:g}" for b in budgets], "--k", str(k), "--out", str(dest)]
-    if not saved.is_file():
-        res = intervention.main(args)
+    if not saved.is_file():  # its generations are kept as they finish: a rerun resumes
+        res = intervention.main([*args, "--cache", str(out / task / "intervention_cells")])
         saved.write_text(json.dumps({m: {str(b): v for b, v in d.items()}
                                      for m, d in res.items()}, indent=2), encoding="utf-8")
     table = (dest / "intervention.md").read_text(encoding="utf-8")

@@ -26,7 +26,10 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
+import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,10 +41,11 @@ from pepo import weighting
 from pepo.training.evaluation import eval_generator
 from pepo.training.fast_decoder import FastPlan
 from pepo.training.generation import Rollouts, decode, draw_seeds
+from pepo.training.precision import autocast
 from pepo.training.rollouts import is_success, reward_tensor
 
-__all__ = ["METRICS", "MixedRollouts", "intervene", "main", "mixed_generate", "select_positions",
-           "token_metric", "write_table"]
+__all__ = ["METRICS", "MixedRollouts", "intervene", "main", "mixed_generate", "problem_se",
+           "select_positions", "token_metric", "write_table"]
 
 METRICS = ("global", "proximal")
 
@@ -139,6 +143,31 @@ def select_positions(metric: torch.Tensor, mask: torch.Tensor, budget: float,
     return torch.nn.functional.pad(chosen, (0, width - T), value=False)
 
 
+def problem_se(success: torch.Tensor, k: int) -> float:
+    """The standard error of avg@k over problems: ``success`` is ``[N * k]`` (row ``i`` is sample
+    ``i % k`` of problem ``i // k``); the samples of one problem are not independent, so the error
+    is that of the ``N`` per-problem means (sample SD / sqrt(N), 0 for one problem)."""
+    per = success.double().reshape(-1, k).mean(-1)
+    return float(per.std() / math.sqrt(per.numel())) if per.numel() > 1 else 0.0
+
+
+def _load_cells(cache: Path, key: dict[str, Any]) -> dict[str, Any]:
+    """The cells a killed intervention of the same settings left in ``cache`` (``{}`` if none).
+
+    Raises:
+        ValueError: ``cache`` holds an intervention of other settings (naming the first one).
+    """
+    if not cache.is_file():
+        return {}
+    saved = json.loads(cache.read_text(encoding="utf-8"))
+    for name in sorted(set(key) | set(saved.get("settings", {}))):
+        if saved["settings"].get(name) != key.get(name):
+            raise ValueError(f"{cache} holds an intervention with {name}="
+                             f"{saved['settings'].get(name)!r}, not {key.get(name)!r}; give "
+                             f"another --out or remove it")
+    return saved["cells"]
+
+
 def intervene(
     base: torch.nn.Module,
     replacement: torch.nn.Module,
@@ -157,13 +186,28 @@ def intervene(
     stop_tokens: Sequence[int],
     seed: int = 0,
     batch_size: int = 256,
+    compute_dtype: Optional[torch.dtype] = None,
+    cache: Optional[Union[str, Path]] = None,
+    settings: Optional[dict[str, Any]] = None,
     progress: Optional[Any] = None,
-) -> dict[str, dict[float, float]]:
+) -> dict[str, dict[Any, Any]]:
     """avg@k for every metric and budget: ``{metric: {budget: accuracy}}``, plus the
-    replacement model's own avg@k under ``"replacement"`` (``{1.0: acc}``).
+    replacement model's own avg@k under ``"replacement"`` (``{1.0: acc}``), the standard error of
+    each of those cells over problems (:func:`problem_se`) under ``"se"`` (``{name: {budget:
+    se}}``) and, when both metrics ran, the paired difference proximal - global under
+    ``"paired"`` (``{budget: [difference, its standard error over problems]}``: the same rows,
+    seeds and budget, so only the ranking differs).
 
     The base rollouts are sampled once (seeds from ``seed``); every intervened rollout reuses
-    its row's seed, so budgets and metrics differ only in the positions replaced.
+    its row's seed, so budgets and metrics differ only in the positions replaced. The models run
+    under ``torch.autocast`` to ``compute_dtype`` (None: their own dtype), as the trainer's
+    rollouts do. With ``cache`` (a JSON file), each finished generation's successes are saved
+    there (and the base rollouts' entropies beside it, ``.pt``) with the ``settings`` that
+    identify the run, so a killed intervention resumes where it stopped.
+
+    Raises:
+        ValueError: an unknown metric, a budget outside [0, 1], no problems, ``k < 1``, or a
+            ``cache`` of other settings.
     """
     for m in metrics:
         if m not in METRICS:
@@ -180,68 +224,129 @@ def intervene(
     seeds = draw_seeds(eval_generator(seed), len(rows))  # avg_at_k's seeds
     kw = dict(max_new_tokens=max_new_tokens, pad_id=tokenizer.pad_id, stop_tokens=stop_tokens,
               temperature=temperature, top_k=top_k, top_p=top_p)
+    device = next(base.parameters()).device
+    key = {**(settings or {}), "k": k, "seed": seed, "max_new_tokens": max_new_tokens,
+           "temperature": temperature, "top_k": top_k, "top_p": top_p,
+           "stop_tokens": list(stop_tokens), "compute_dtype": str(compute_dtype),
+           "prompts": len(prompts), "answers": [str(a) for a in answers[::k]]}
+    cache = None if cache is None else Path(cache)
+    cells = {} if cache is None else _load_cells(cache, key)
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+    saved_base = None if cache is None else cache.with_suffix(".pt")
 
-    def run(replace: Optional[torch.Tensor], use_replacement: bool = True) -> tuple[float, list]:
+    def save() -> None:
+        if cache is not None:
+            tmp = cache.with_name(cache.name + ".tmp")
+            tmp.write_text(json.dumps({"settings": key, "cells": cells}), encoding="utf-8")
+            os.replace(tmp, cache)
+
+    def run(name: str, replace: Optional[torch.Tensor],
+            use_replacement: bool = True) -> tuple[torch.Tensor, list]:
+        """The rows' successes ([N * k] float) of one generation, and its rollouts."""
         parts = []
         for i in range(0, len(rows), batch_size):
             sl = slice(i, i + batch_size)
-            parts.append(mixed_generate(
-                base, replacement if use_replacement else None, prompts[sl],
-                None if replace is None else replace[sl], seeds=seeds[sl], **kw))
+            with autocast(device, compute_dtype):
+                parts.append(mixed_generate(
+                    base, replacement if use_replacement else None, prompts[sl],
+                    None if replace is None else replace[sl], seeds=seeds[sl], **kw))
         texts = [tokenizer.decode(t[m].tolist()) for r in parts for t, m in zip(r.tokens, r.mask)]
         rewards = reward_tensor(reward_fn(texts, answers), len(texts), reward_fn)
+        success = is_success(reward_fn, rewards).double()
+        cells[name] = success.tolist()
         if progress is not None:
             progress()
-        return float(is_success(reward_fn, rewards).sum()) / len(rows), parts
+        return success, parts
 
-    acc0, base_parts = run(None, use_replacement=False)
+    if "base" in cells and saved_base is not None and saved_base.is_file():
+        s0 = torch.tensor(cells["base"], dtype=torch.double)
+        ents, masks = torch.load(saved_base)
+    else:
+        s0, base_parts = run("base", None, use_replacement=False)
+        ents = [r.entropies for r in base_parts]
+        masks = [r.mask for r in base_parts]
+        if saved_base is not None:
+            torch.save((ents, masks), saved_base)
+        save()
     # every token replaced is the same run whatever the metric: generated once
-    acc1 = run(torch.ones((len(rows), max_new_tokens), dtype=torch.bool))[0]
-    ents = [r.entropies for r in base_parts]
-    masks = [r.mask for r in base_parts]
-    out: dict[str, dict[float, float]] = {}
+    if "all" in cells:
+        s1 = torch.tensor(cells["all"], dtype=torch.double)
+    else:
+        s1 = run("all", torch.ones((len(rows), max_new_tokens), dtype=torch.bool))[0]
+        save()
+    success: dict[str, dict[float, torch.Tensor]] = {}
     for m in metrics:
-        out[m] = {}
+        success[m] = {}
         scores = [token_metric(m, e, mk, window) for e, mk in zip(ents, masks)]
         for b in budgets:
             if b in (0.0, 1.0):
-                out[m][b] = acc0 if b == 0.0 else acc1
+                success[m][b] = s0 if b == 0.0 else s1
+                continue
+            name = f"{m}@{b!r}"
+            if name in cells:
+                success[m][b] = torch.tensor(cells[name], dtype=torch.double)
                 continue
             replace = torch.cat([select_positions(s, mk, b, max_new_tokens)
                                  for s, mk in zip(scores, masks)])
-            out[m][b] = run(replace)[0]
-    out["replacement"] = {1.0: acc1}
+            success[m][b] = run(name, replace)[0]
+            save()
+    success["replacement"] = {1.0: s1}
+    out: dict[str, dict[Any, Any]] = {
+        n: {b: float(s.mean()) for b, s in d.items()} for n, d in success.items()}
+    out["se"] = {n: {b: problem_se(s, k) for b, s in d.items()} for n, d in success.items()}
+    if all(m in metrics for m in METRICS):
+        out["paired"] = {b: [float((success["proximal"][b] - success["global"][b]).mean()),
+                             problem_se(success["proximal"][b] - success["global"][b], k)]
+                         for b in budgets}
     return out
 
 
-def write_table(results: dict[str, dict[float, float]], out: Union[str, Path], *,
+def write_table(results: dict[str, dict[Any, Any]], out: Union[str, Path], *,
                 k: int, title: str = "") -> dict[str, Path]:
-    """``intervention.{csv,md,png}`` of :func:`intervene`'s results (accuracies in %)."""
+    """``intervention.{csv,md,png}`` of :func:`intervene`'s results (accuracies in %, each with
+    its standard error over problems where ``results`` has ``"se"``)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    metrics = [m for m in results if m != "replacement"]
+    se = results.get("se", {})
+    metrics = [m for m in results if m not in ("replacement", "se", "paired")]
     budgets = sorted({b for m in metrics for b in results[m]})
     files = {"csv": out / "intervention.csv", "md": out / "intervention.md",
              "png": out / "intervention.png"}
+
+    def cell(name: str, b: float) -> str:
+        e = se.get(name, {}).get(b)
+        return f"{100 * results[name][b]:.1f}" + ("" if e is None else f" ± {100 * e:.1f}")
+
     with open(files["csv"], "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
-        w.writerow(["metric", "budget_percent", f"avg@{k}"])
+        w.writerow(["metric", "budget_percent", f"avg@{k}", "se"])
         for m in metrics:
             for b in budgets:
-                w.writerow([m, f"{100 * b:g}", f"{results[m][b]:.6f}"])
+                e = se.get(m, {}).get(b)
+                w.writerow([m, f"{100 * b:g}", f"{results[m][b]:.6f}",
+                            "" if e is None else f"{e:.6f}"])
         if "replacement" in results:
-            w.writerow(["replacement", "100", f"{results['replacement'][1.0]:.6f}"])
+            e = se.get("replacement", {}).get(1.0)
+            w.writerow(["replacement", "100", f"{results['replacement'][1.0]:.6f}",
+                        "" if e is None else f"{e:.6f}"])
+        for b, (d, e) in sorted(results.get("paired", {}).items()):
+            w.writerow(["proximal - global", f"{100 * b:g}", f"{d:.6f}", f"{e:.6f}"])
     names = {"global": "Global Entropy", "proximal": "Proximal Entropy"}
     md = [title or f"Token-replacement intervention, avg@{k} (%); budget = fraction of token "
-                    f"positions replaced.", "",
+                    f"positions replaced" + ("; ± one standard error over problems."
+                                            if se else "."), "",
           "| Metric | " + " | ".join(f"{100 * b:g}%" for b in budgets) + " |",
           "|---|" + "---:|" * len(budgets)]
     for m in metrics:
-        md.append(f"| {names.get(m, m)} | "
-                  + " | ".join(f"{100 * results[m][b]:.1f}" for b in budgets) + " |")
+        md.append(f"| {names.get(m, m)} | " + " | ".join(cell(m, b) for b in budgets) + " |")
+    if "paired" in results:
+        md.append("| Proximal − Global (paired) | " + " | ".join(
+            f"{100 * results['paired'][b][0]:+.1f} ± {100 * results['paired'][b][1]:.1f}"
+            for b in budgets) + " |")
     if "replacement" in results:
         md += ["", f"Replacement model alone (every token replaced): "
-                   f"{100 * results['replacement'][1.0]:.1f}%."]
+                   f"{cell('replacement', 1.0)}%."]
     files["md"].write_text("\n".join(md) + "\n", encoding="utf-8")
     import matplotlib
 
@@ -250,8 +355,9 @@ def write_table(results: dict[str, dict[float, float]], out: Union[str, Path], *
 
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     for m in metrics:
-        ax.plot([100 * b for b in budgets], [100 * results[m][b] for b in budgets], marker="o",
-                label=names.get(m, m))
+        ax.errorbar([100 * b for b in budgets], [100 * results[m][b] for b in budgets],
+                    yerr=[100 * se[m][b] for b in budgets] if m in se else None, marker="o",
+                    capsize=3, label=names.get(m, m))
     if "replacement" in results:
         ax.axhline(100 * results["replacement"][1.0], color="grey", ls="--",
                    label="replacement model")
@@ -290,7 +396,14 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, dict[float, float]]:
                     help="use the first N validation problems (default: all)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--compute-dtype", default=None, choices=["auto", "fp32", "bf16"],
+                    help="the matmuls' precision (default: the config's compute_dtype, as its "
+                         "runs sampled)")
     ap.add_argument("--out", required=True, help="directory for intervention.{csv,md,png}")
+    ap.add_argument("--cache", default=None,
+                    help="directory where each finished generation is kept (cells.json, and "
+                         "the base rollouts' entropies in cells.pt), so that the same command "
+                         "resumes a killed run (default: --out)")
     args = ap.parse_args(argv)
     try:
         return _main(args)
@@ -309,10 +422,12 @@ def _main(args: argparse.Namespace) -> dict[str, dict[float, float]]:
         find_config,
         register_resolvers,
     )
+    from pepo.training.precision import describe, resolve_compute_dtype
     from pepo.training.tokenizers import stop_token_ids
     from pepo.training.weights import load_model_weights
 
     check_output_dir(args.out, "--out")  # before hours of sampling
+    check_output_dir(args.cache or args.out, "--cache")
     register_resolvers()
     cfg = OmegaConf.load(find_config(args.config))
     args.replacement = resolve_marker(args.replacement)  # RUN/checkpoints/best works
@@ -337,8 +452,18 @@ def _main(args: argparse.Namespace) -> dict[str, dict[float, float]]:
         load_model_weights(m, d)
         models.append(m.eval())
     g = cfg.generation
-    reward = tt_config.instantiate(cfg.reward)
+    setting = args.compute_dtype or str(OmegaConf.select(cfg, "compute_dtype", default="fp32"))
+    device = next(models[0].parameters()).device
+    compute_dtype = resolve_compute_dtype(setting, device)
+    stop_tokens = stop_token_ids(tokenizer, g.get("stop_tokens"))
+    cache = Path(args.cache or args.out) / "cells.json"
+    settings = {"window": window, **{  # which checkpoints, without writing their paths down
+        name: hashlib.sha256(os.path.abspath(d).encode()).hexdigest()[:16]
+        for name, d in (("base", base_dir), ("replacement", args.replacement))}}
     n_runs = 2 + len(args.metrics) * sum(0 < b < 1 for b in budgets)
+    if cache.is_file():
+        print(f"resuming: the generations already in {cache} are not run again")
+    reward = tt_config.instantiate(cfg.reward)
     done = [0]
     t0 = time.perf_counter()
 
@@ -347,15 +472,16 @@ def _main(args: argparse.Namespace) -> dict[str, dict[float, float]]:
         print(f"  generation {done[0]}/{n_runs}  {time.perf_counter() - t0:6.1f}s", flush=True)
 
     print(f"intervention: {len(problems)} problems x {args.k} samples, budgets "
-          f"{args.budgets} %, metrics {args.metrics}, W={window}")
+          f"{args.budgets} %, metrics {args.metrics}, W={window}; "
+          + describe(setting, compute_dtype, device), flush=True)
     try:
         results = intervene(
             models[0], models[1], tokenizer, problems, reward, budgets=budgets,
             metrics=args.metrics, k=args.k, window=window,
             max_new_tokens=int(g.max_new_tokens), temperature=float(g.temperature),
             top_k=g.get("top_k"), top_p=float(g.get("top_p", 1.0)),
-            stop_tokens=stop_token_ids(tokenizer, g.get("stop_tokens")), seed=args.seed,
-            batch_size=args.batch_size, progress=progress)
+            stop_tokens=stop_tokens, seed=args.seed, batch_size=args.batch_size,
+            compute_dtype=compute_dtype, cache=cache, settings=settings, progress=progress)
     finally:
         close = getattr(reward, "close", None)
         if callable(close):
