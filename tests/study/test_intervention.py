@@ -292,35 +292,61 @@ def _problem_se_reference(success: list[float], k: int) -> float:
     return math.sqrt(sum((m - mu) ** 2 for m in means) / (n - 1) / n)
 
 
-def test_standard_errors_are_over_problems_not_rows(models):
-    """The base cell's SE is that of its per-problem means (catches an SE over the N * k rows as
-    if they were independent, and rows grouped by sample instead of by problem); the paired
-    difference is proximal minus global on the same rows, 0 at the shared end points."""
-    from pepo.study.intervention import problem_se
+def _sampling_se_reference(success: list[float], k: int) -> float:
+    """Var(avg@k | problems) = sum_j Var(mean of problem j's k samples) / N^2, each estimated
+    with the unbiased sample variance of its k samples."""
+    n = len(success) // k
+    total = 0.0
+    for j in range(n):
+        ys = success[j * k:(j + 1) * k]
+        mu = sum(ys) / k
+        total += sum((y - mu) ** 2 for y in ys) / (k - 1) / k
+    return math.sqrt(total) / n
 
-    # rows 0-2 are problem 0's samples: per-problem means 1, 0, 1/3; by-sample grouping gives
-    # means 1/3, 2/3, 1/3 and a different SE
+
+def test_standard_errors_of_the_cells_and_of_the_paired_difference(models, tmp_path):
+    """A cell's SE is the sampling's on these problems (catches the problems' spread counted as
+    noise, rows grouped by sample instead of by problem); the paired difference's is over the
+    per-problem differences (catches rows taken as independent); the difference is proximal
+    minus global on the same rows, 0 at the shared end points."""
+    from pepo.study.intervention import problem_se, sampling_se
+
+    # rows 0-2 are problem 0's samples: per-problem means 1, 0, 1/3; grouping by sample gives
+    # means 1/3, 1/3, 2/3 and other values for both
     s = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0])
     assert problem_se(s, 3) == pytest.approx(_problem_se_reference(s.tolist(), 3), rel=1e-12)
+    assert sampling_se(s, 3) == pytest.approx(_sampling_se_reference(s.tolist(), 3), rel=1e-12)
+    assert sampling_se(s, 3) == pytest.approx(math.sqrt(1 / 3 / 3) / 3)  # problem 2 only
+    t = s.reshape(3, 3).T.reshape(-1)  # the same rows, grouped by sample
+    assert problem_se(t, 3) != pytest.approx(problem_se(s, 3))
+    assert sampling_se(t, 3) != pytest.approx(sampling_se(s, 3))
     assert problem_se(s, 3) != pytest.approx(float(s.std() / 3))  # rows as independent
     assert problem_se(torch.ones(4), 4) == 0.0  # one problem: no spread to measure
+    assert sampling_se(torch.tensor([1.0, 0.0, 0.0, 1.0]), 1) == pytest.approx(0.25)  # binomial
 
     base, repl = models
     problems = modsum_dataset(6, split="val")
     kw = dict(max_new_tokens=10, temperature=1.0, stop_tokens=STOP)
     res = intervene(base, repl, _Tok(), problems, _digit_share, budgets=[0.0, 0.3, 1.0],
-                    k=3, window=5, seed=4, **kw)
+                    k=3, window=5, seed=4, cache=tmp_path / "cells.json", **kw)
     prompts = [_Tok().encode_prompt(p.prompt) for p in problems for _ in range(3)]
     ro = mixed_generate(base, None, prompts, None,
                         seeds=draw_seeds(eval_generator(4), len(prompts)), pad_id=PAD, **kw)
     texts = [_Tok().decode(t[m].tolist()) for t, m in zip(ro.tokens, ro.mask)]
     base_success = _digit_share(texts, None)
     assert 0 < sum(base_success) < len(base_success)  # a spread for the SE to measure
-    assert res["se"]["global"][0.0] == pytest.approx(_problem_se_reference(base_success, 3))
+    assert res["se"]["global"][0.0] == pytest.approx(_sampling_se_reference(base_success, 3))
     assert res["se"]["proximal"][0.0] == res["se"]["global"][0.0]
     assert res["paired"][0.0] == [0.0, 0.0] and res["paired"][1.0] == [0.0, 0.0]
     assert res["paired"][0.3][0] == pytest.approx(res["proximal"][0.3] - res["global"][0.3])
     assert set(res["se"]) == {"global", "proximal", "replacement"}
+    import json
+
+    cells = json.loads((tmp_path / "cells.json").read_text())["cells"]
+    assert cells["base"] == base_success  # the rows the cache keeps are the base model's
+    d = [p - g for p, g in zip(cells["proximal@0.3"], cells["global@0.3"])]
+    assert any(d)  # the rankings differ somewhere, so the paired SE has something to measure
+    assert res["paired"][0.3][1] == pytest.approx(_problem_se_reference(d, 3))
 
 
 def test_a_killed_intervention_resumes_from_its_cache(models, tmp_path):

@@ -45,7 +45,7 @@ from pepo.training.precision import autocast
 from pepo.training.rollouts import is_success, reward_tensor
 
 __all__ = ["METRICS", "MixedRollouts", "intervene", "main", "mixed_generate", "problem_se",
-           "select_positions", "token_metric", "write_table"]
+           "sampling_se", "select_positions", "token_metric", "write_table"]
 
 METRICS = ("global", "proximal")
 
@@ -144,11 +144,25 @@ def select_positions(metric: torch.Tensor, mask: torch.Tensor, budget: float,
 
 
 def problem_se(success: torch.Tensor, k: int) -> float:
-    """The standard error of avg@k over problems: ``success`` is ``[N * k]`` (row ``i`` is sample
-    ``i % k`` of problem ``i // k``); the samples of one problem are not independent, so the error
-    is that of the ``N`` per-problem means (sample SD / sqrt(N), 0 for one problem)."""
+    """The standard error of a mean over problems, the problems a sample of the task's:
+    ``success`` is ``[N * k]`` (row ``i`` is sample ``i % k`` of problem ``i // k``); the samples
+    of one problem are not independent, so the error is that of the ``N`` per-problem means
+    (sample SD / sqrt(N); 0 for one problem). The paired differences use it."""
     per = success.double().reshape(-1, k).mean(-1)
     return float(per.std() / math.sqrt(per.numel())) if per.numel() > 1 else 0.0
+
+
+def sampling_se(success: torch.Tensor, k: int) -> float:
+    """The standard error of avg@k on a fixed set of problems (as the paper's avg@16 on AIME):
+    only the sampling varies, so it is ``sqrt(sum_j s_j^2 / k) / N`` with ``s_j^2`` problem
+    ``j``'s sample variance over its ``k`` samples (ddof 1); for ``k = 1``, the binomial
+    ``sqrt(p (1 - p) / N)``."""
+    rows = success.double().reshape(-1, k)
+    n = rows.shape[0]
+    if k == 1:
+        p = float(rows.mean())
+        return math.sqrt(p * (1 - p) / n)
+    return float(rows.var(dim=-1).sum().div(k).sqrt() / n)
 
 
 def _load_cells(cache: Path, key: dict[str, Any]) -> dict[str, Any]:
@@ -193,10 +207,10 @@ def intervene(
 ) -> dict[str, dict[Any, Any]]:
     """avg@k for every metric and budget: ``{metric: {budget: accuracy}}``, plus the
     replacement model's own avg@k under ``"replacement"`` (``{1.0: acc}``), the standard error of
-    each of those cells over problems (:func:`problem_se`) under ``"se"`` (``{name: {budget:
-    se}}``) and, when both metrics ran, the paired difference proximal - global under
-    ``"paired"`` (``{budget: [difference, its standard error over problems]}``: the same rows,
-    seeds and budget, so only the ranking differs).
+    each of those cells on these problems (:func:`sampling_se`) under ``"se"`` (``{name:
+    {budget: se}}``) and, when both metrics ran, the paired difference proximal - global under
+    ``"paired"`` (``{budget: [difference, its standard error over problems]}``
+    (:func:`problem_se`): the same rows, seeds and budget, so only the ranking differs).
 
     The base rollouts are sampled once (seeds from ``seed``); every intervened rollout reuses
     its row's seed, so budgets and metrics differ only in the positions replaced. The models run
@@ -294,7 +308,7 @@ def intervene(
     success["replacement"] = {1.0: s1}
     out: dict[str, dict[Any, Any]] = {
         n: {b: float(s.mean()) for b, s in d.items()} for n, d in success.items()}
-    out["se"] = {n: {b: problem_se(s, k) for b, s in d.items()} for n, d in success.items()}
+    out["se"] = {n: {b: sampling_se(s, k) for b, s in d.items()} for n, d in success.items()}
     if all(m in metrics for m in METRICS):
         out["paired"] = {b: [float((success["proximal"][b] - success["global"][b]).mean()),
                              problem_se(success["proximal"][b] - success["global"][b], k)]
@@ -305,7 +319,7 @@ def intervene(
 def write_table(results: dict[str, dict[Any, Any]], out: Union[str, Path], *,
                 k: int, title: str = "") -> dict[str, Path]:
     """``intervention.{csv,md,png}`` of :func:`intervene`'s results (accuracies in %, each with
-    its standard error over problems where ``results`` has ``"se"``)."""
+    its standard error where ``results`` has ``"se"``)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     se = results.get("se", {})
@@ -334,8 +348,10 @@ def write_table(results: dict[str, dict[Any, Any]], out: Union[str, Path], *,
             w.writerow(["proximal - global", f"{100 * b:g}", f"{d:.6f}", f"{e:.6f}"])
     names = {"global": "Global Entropy", "proximal": "Proximal Entropy"}
     md = [title or f"Token-replacement intervention, avg@{k} (%); budget = fraction of token "
-                    f"positions replaced" + ("; ± one standard error over problems."
-                                            if se else "."), "",
+                    f"positions replaced" + (
+                        "; ± one standard error of the sampling, these problems fixed; the "
+                        "paired difference's is over problems, as a sample of the task's."
+                        if se else "."), "",
           "| Metric | " + " | ".join(f"{100 * b:g}%" for b in budgets) + " |",
           "|---|" + "---:|" * len(budgets)]
     for m in metrics:
