@@ -239,3 +239,21 @@ def test_pooled_runs_keep_their_groups_apart(tmp_path):
                         str(out), "--windows", "5"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert json.loads((out / "profile.json").read_text())["rollouts"] == 16.0
+
+
+def test_the_study_window_sets_table_1_and_the_weights_not_the_largest(tmp_path):
+    """``window`` is the W of the difficulty table and of the weight mass (proximal entropy's
+    group mean is 1/W): catches ``window`` ignored in favour of the largest of ``windows``."""
+    h = trend_and_shift(n=16, T=200)
+    rewards = [1.0 if i % 8 < (3 if i < 8 else 8) else 0.0 for i in range(16)]
+    prompts = [f"p{i // 8}" for i in range(16)]
+    dump = write_dump(tmp_path / "d.jsonl", h.tolist(), rewards, prompts)
+    files = A.run(dump, tmp_path / "out", windows=(5, 31), window=5)
+    md = files["difficulty_md"].read_text()
+    assert "W = 5)" in md
+    moderate = next(line for line in md.splitlines() if line.startswith("| Moderate"))
+    assert abs(float(moderate.split("|")[4]) - 1 / 5) < 0.01  # 1/31 = 0.032 with W = 31
+    header = files["positional_csv"].read_text().splitlines()[0]
+    assert "proximal_5" in header and "proximal_31" in header  # the curves keep every window
+    with pytest.raises(ValueError, match="window must be >= 1, got 0"):
+        A.run(dump, tmp_path / "out", windows=(5,), window=0)

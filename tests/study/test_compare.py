@@ -290,3 +290,40 @@ def test_length_curves_come_from_the_result_or_the_run_summary(study, tmp_path):
                         / "pepo_seed_1.json").read_text())
     assert saved["len_curve"] == [[1, 110], [2, 70], [3, 40]] and "checkpoint" not in saved
     assert (tmp_path / "docs" / "images" / "smollm2_steps_study" / "lengths.png").is_file()
+
+
+def test_mechanism_pools_seeds_and_takes_one_warm_start_dump_per_seed(study, tmp_path):
+    """Table 1 / Fig. 2 before and after training: the step-1 rollouts of a seed are the same for
+    every method, so they count once (GRPO's, else another method's); the last step's are pooled
+    over the seeds per method; the proximal column uses the config's W (mean 1/W = 0.2 for
+    smollm2_steps's W = 5). Catches duplicated warm-start rollouts, one seed's dump only, and
+    the largest window used for Table 1."""
+    from tests.study.test_analysis import trend_and_shift, write_dump
+
+    out = tmp_path / "runs"
+    rows = []
+    for seed in (0, 1):
+        for method in ("GRPO", "PEPO"):
+            rows.append({"task": "smollm2_steps", "mode": "group", "method": method,
+                         "seed": seed, "num_steps": 3, "val_before": 0.2, "val_after": 0.3})
+            d = study.run_dir(out, "smollm2_steps", "group", method, seed) / "rollouts"
+            # 2 prompts x 8: pass counts 3 and 8 (moderate, easy); GRPO seed 0 dumped no step 1
+            rewards = [1.0 if i % 8 < (3 if i < 8 else 8) else 0.0 for i in range(16)]
+            for step in (1, 3):
+                if (method, seed, step) != ("GRPO", 0, 1):
+                    write_dump(d / f"step_{step:06d}.jsonl",
+                               trend_and_shift(n=16, T=60, seed=seed).tolist(), rewards,
+                               [f"p{i // 8}" for i in range(16)])
+    assert study.mechanism_sections("smollm2_steps", rows, tmp_path / "nothing", tmp_path) is None
+    text = study.mechanism_sections("smollm2_steps", rows, out, tmp_path / "docs")
+    assert "(W = 5)" in text and "before training (step 1), 2 runs" in text
+    assert "after training, GRPO (step 3), 2 runs" in text
+    assert "| rollouts | 32 | 32 | 32 |" in text  # 16 per seed, each seed once
+    table = [x for x in text.splitlines() if x.startswith("| before training (step 1) |")]
+    assert [x.split("|")[2].strip() for x in table] == ["moderate", "easy"]
+    assert all(x.split("|")[3].strip() == "16" for x in table)  # 8 per seed, each seed once
+    assert all(abs(float(x.split("|")[5]) - 0.2) < 0.01 for x in table)
+    mech = tmp_path / "docs" / "images" / "smollm2_steps_study" / "mechanism"
+    for stage in ("before", "after_grpo", "after_pepo"):
+        assert (mech / stage / "positional_bias.png").is_file()
+        assert (mech / stage / "heatmap.html").is_file()

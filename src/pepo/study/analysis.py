@@ -383,14 +383,18 @@ def _plot_positional(curves: dict[str, torch.Tensor], windows: Sequence[int], pa
 
 def run(dump: Union[str, Path, Sequence[Union[str, Path]]], out: Union[str, Path],
         windows: Sequence[int] = (31, 51, 101),
-        heatmap_rollouts: int = 4) -> dict[str, Path]:
-    """Writes every diagnostic of the dump ``dump`` into ``out``; returns the files."""
+        heatmap_rollouts: int = 4, window: Optional[int] = None) -> dict[str, Path]:
+    """Writes every diagnostic of the dump ``dump`` into ``out``; returns the files. The
+    positional curves and the profile cover every one of ``windows``; the difficulty table, the
+    weight mass and the heatmap use ``window`` (default: the largest of ``windows``)."""
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
     t0 = time.perf_counter()
     r = load_dump(dump)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     files: dict[str, Path] = {}
-    w_main = max(windows)
+    w_main = window or max(windows)
 
     curves = positional_bias(r, windows)
     files["positional_csv"] = out / "positional_bias.csv"
@@ -470,13 +474,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--out", required=True, help="directory for the plots and tables")
     ap.add_argument("--windows", type=int, nargs="+", default=[31, 51, 101])
     ap.add_argument("--heatmap-rollouts", type=int, default=4)
+    ap.add_argument("--window", type=int, default=None,
+                    help="the W of the difficulty table, the weight mass and the heatmap "
+                         "(default: the largest of --windows)")
     args = ap.parse_args(argv)
     try:
         from pepo.training.config import check_output_dir
 
         check_output_dir(args.out, "--out")  # before reading the dump
         run(args.dump if len(args.dump) > 1 else args.dump[0], args.out, args.windows,
-            args.heatmap_rollouts)
+            args.heatmap_rollouts, args.window)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
 

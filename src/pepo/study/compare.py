@@ -439,6 +439,85 @@ def powered_sections(task: str, results: list[dict], docs: Path,
     return "\n\n".join(parts)
 
 
+# the quantities of the mechanism table (pepo.study.analysis.entropy_profile's keys)
+PROFILE_ROWS = (("rollouts", "rollouts", "{:.0f}"),
+                ("length_mean", "mean length (tokens)", "{:.1f}"),
+                ("mean_entropy", "mean token entropy (nats)", "{:.3f}"),
+                ("near_deterministic_share", "share of tokens below 0.01 nats", "{:.1%}"),
+                ("entropy_p80", "80th percentile (nats)", "{:.3f}"),
+                ("top20_entropy_share", "entropy held by the top 20 % of tokens", "{:.1%}"),
+                ("first_over_last_tenth", "first / last tenth of a response", "{:.2f}"),
+                ("global_span", "span of global entropy's positional deviation", "{:.1%}"),
+                ("hard_share", "hard prompts (pass rate <= 1/8), share of rollouts", "{:.1%}"),
+                ("moderate_share", "moderate prompts, share", "{:.1%}"),
+                ("easy_share", "easy prompts (>= 7/8), share", "{:.1%}"))
+
+
+def mechanism_sections(task: str, results: list[dict], out: Path, docs: Path) -> Optional[str]:
+    """Table 1 and Fig. 2 of ``task`` before and after training: :mod:`pepo.study.analysis` of
+    the rollout dumps of the first step (the warm-start policy's; GRPO's, else another method's
+    of the same seed) and of GRPO's and PEPO's last step, each pooled over the seeds (one run's
+    groups kept apart from another's), at the config's W and the ablation's windows; each
+    stage's files (heatmap included) go under ``docs/images/<task>_study/mechanism``. None
+    when no run dumped its rollouts."""
+    register_resolvers()
+    cfg = OmegaConf.load(find_config(CONFIGS[task]["group"]))
+    w = int(cfg.strategy.proximal_softmax.window)
+    windows = sorted({w, *(int(s["proximal_softmax"]["window"]) for _, s in OPTIONAL["group"])})
+    rows = [r for r in results if (r["task"], r["mode"]) == (task, "group")]
+    n = max((int(r["num_steps"]) for r in rows), default=0)
+
+    def dumps(label: str, step: int) -> list[Path]:
+        found = [run_dir(out, task, "group", label, r["seed"]) / "rollouts"
+                 / f"step_{step:06d}.jsonl"
+                 for r in sorted(rows, key=lambda r: r["seed"]) if r["method"] == label]
+        return [f for f in found if f.is_file()]
+
+    # step 1 samples from the warm start, the same rollouts for every method of a seed: one
+    # dump per seed, GRPO's where it dumped that step
+    first: dict[int, Path] = {}
+    for label, _ in methods("group"):
+        for f in dumps(label, 1):
+            first.setdefault(int(f.parent.parent.name.removeprefix("seed_")), f)
+    stages = [("before", "before training (step 1)", [first[k] for k in sorted(first)]),
+              ("after_grpo", f"after training, GRPO (step {n})", dumps("GRPO", n)),
+              ("after_pepo", f"after training, PEPO (step {n})", dumps("PEPO", n))]
+    stages = [(name, title, files) for name, title, files in stages if files]
+    if not stages:
+        return None
+    dest = docs / "images" / f"{task}_study" / "mechanism"
+    profiles, tables = {}, []
+    for name, title, files in stages:
+        analysis.run(files, dest / name, windows=windows, window=w)
+        profiles[name] = json.loads((dest / name / "profile.json").read_text(encoding="utf-8"))
+        diff = analysis.difficulty_bias(analysis.load_dump(files), w)
+        tables += [f"| {title} | {g} | {d['rollouts']} | {d['global']:.3f} | "
+                   f"{d['proximal']:.4f} |" for g, d in diff.items()]
+    head = " | ".join(f"{title}, {len(files)} runs" for _, title, files in stages)
+    lines = [f"### {task}: the entropy structure before and after training (W = {w})", "",
+             "Each stage pools one step's rollouts over the seeds: `python -m pepo.study."
+             "analysis RUN_1/rollouts/step_N.jsonl RUN_2/... --windows "
+             + " ".join(map(str, windows)) + f" --window {w}`.", "",
+             f"| quantity | {head} |", "|---|" + "---:|" * len(stages)]
+    lines += [f"| {text} | " + " | ".join(fmt.format(profiles[name].get(key, float("nan")))
+                                          for name, _, _ in stages) + " |"
+              for key, text, fmt in PROFILE_ROWS]
+    for v in windows:
+        lines.append(f"| largest deviation of proximal entropy by position, W = {v} | "
+                     + " | ".join(f"{profiles[name].get(f'proximal_{v}_max_abs', float('nan')):.1%}"
+                                  for name, _, _ in stages) + " |")
+    lines += ["", f"Table 1 on this task: mean token entropy by prompt difficulty (W = {w}).", "",
+              "| stage | group | rollouts | Global Entropy | Proximal Entropy |",
+              "|---|---|---:|---:|---:|", *tables, "",
+              "Fig. 2 on this task (deviation from each response's mean, by position):", ""]
+    lines += [f"![{title}](images/{task}_study/mechanism/{name}/positional_bias.png)"
+              for name, title, _ in stages]
+    lines += ["", "Token heatmaps (global entropy and PEPO's weight, token by token): "
+              + ", ".join(f"[{title}](images/{task}_study/mechanism/{name}/heatmap.html)"
+                          for name, title, _ in stages) + "."]
+    return "\n".join(lines)
+
+
 def run_diagnostics(task: str, results: list[dict], out: Path, docs: Path,
                     windows: tuple[int, ...]) -> Optional[str]:
     """``pepo.study.analysis`` of the first dump of one PEPO run: the task's entropy structure."""
@@ -572,6 +651,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     extra = {}
     for task in args.tasks:
         parts = [powered_sections(task, results, docs, out) if task in POWERED else None,
+                 mechanism_sections(task, results, out, docs) if task in POWERED else None,
                  run_diagnostics(task, results, out, docs, (5, 11, 21))]
         if not args.no_intervention:
             parts.append(run_intervention(task, results, out, docs, args.budgets,
