@@ -34,6 +34,8 @@ def test_paired_statistics_match_their_definition(study):
 
 
 def test_two_step_one_seed_study(study, tmp_path, monkeypatch):
+    from pepo.training.precision import cpu_model
+
     out, docs = tmp_path / "runs", tmp_path / "docs"
     argv = [
         "--tasks",
@@ -78,6 +80,9 @@ def test_two_step_one_seed_study(study, tmp_path, monkeypatch):
         assert saved == r and r["val_curve"][-1] == [2, r["val_after"]]
         assert r["val_curve"][0][0] == 0 and r["val_k"] == 1 and r["num_steps"] == 2
         assert r["val_problems"] == 4  # the prompts validated (not a config key every task has)
+        # where it ran and at what precision (tiny trains in fp32), from the run's own log
+        assert r["precision"] == "matmuls in the parameters' dtype: compute_dtype=fp32"
+        assert r["cpu"] == cpu_model() and r["cpu"]
         assert Path(r["checkpoint"]).name == "step_2" and Path(r["checkpoint"]).is_dir()
     text = (docs / "results.md").read_text()
     grpo, pepo = results
@@ -289,6 +294,7 @@ def test_length_curves_come_from_the_result_or_the_run_summary(study, tmp_path):
     saved = json.loads((tmp_path / "docs" / "images" / "smollm2_steps_study" / "results"
                         / "pepo_seed_1.json").read_text())
     assert saved["len_curve"] == [[1, 110], [2, 70], [3, 40]] and "checkpoint" not in saved
+    assert saved["precision"] is None  # no log to read it from
     assert (tmp_path / "docs" / "images" / "smollm2_steps_study" / "lengths.png").is_file()
 
 

@@ -60,6 +60,7 @@ from omegaconf import OmegaConf
 
 from pepo.study import analysis, intervention
 from pepo.training.config import check_output_dir, find_config, register_resolvers
+from pepo.training.precision import cpu_model
 from pepo.training.reporting import read_summary
 
 METHODS = {
@@ -181,6 +182,9 @@ def _run(task: str, mode: str, label: str, strategy: dict, seed: int, out: Path,
         "val_problems": summary["val_problems"], "num_steps": int(cfg.num_steps),
         "len_curve": [[h["step"], h["response_len"]] for h in history if "response_len" in h],
         "step_time_median": statistics.median(steps), "wall_s": time.perf_counter() - t0,
+        # where it ran: bf16 kernels differ between CPU kinds, so a paired seed run elsewhere
+        # can differ in its last digits
+        "cpu": cpu_model(), "precision": precision_line(d / "recipe.log"),
         "checkpoint": str(d / "checkpoints" / f"step_{int(cfg.num_steps)}"),
     }
     tmp = d / "result.json.tmp"
@@ -189,6 +193,16 @@ def _run(task: str, mode: str, label: str, strategy: dict, seed: int, out: Path,
     print(f"{task:10s} {mode:13s} {label:22s} seed {seed}: {result['val_before']:.3f} -> "
           f"{result['val_after']:.3f}  ({result['wall_s']:.0f}s)", flush=True)
     return result
+
+
+def precision_line(log: Path) -> Optional[str]:
+    """The line of a run's log that says what precision its matmuls ran at, or None."""
+    if not log.is_file():
+        return None
+    for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
+        if "matmuls in " in line:
+            return line[line.index("matmuls in "):].strip()
+    return None
 
 
 def run_recipe(cfg: Any, d: Path) -> dict[str, Any]:
@@ -410,9 +424,11 @@ def powered_sections(task: str, results: list[dict], docs: Path,
     from pepo.study import power  # scipy: only the study's report needs it
 
     rows = [r for r in results if (r["task"], r["mode"]) == (task, "group")]
-    if out is not None:
+    if out is not None:  # what results written before these keys existed lack
         rows = [r if "len_curve" in r else {**r, "len_curve": length_curve(out, r)}
                 for r in rows]
+        rows = [r if "precision" in r else {**r, "precision": precision_line(run_dir(
+            out, task, "group", r["method"], r["seed"]) / "recipe.log")} for r in rows]
     dest = docs / "images" / f"{task}_study"
     (dest / "results").mkdir(parents=True, exist_ok=True)
     for r in rows:  # without the checkpoint's path: a path of the machine that ran it

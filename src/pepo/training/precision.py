@@ -20,7 +20,7 @@ from typing import ContextManager, Optional
 
 import torch
 
-__all__ = ["CHOICES", "autocast", "cpu_bf16_units", "describe", "no_autocast",
+__all__ = ["CHOICES", "autocast", "cpu_bf16_units", "cpu_model", "describe", "no_autocast",
            "resolve_compute_dtype", "units_in_cpuinfo"]
 
 CHOICES = ("auto", "fp32", "bf16")
@@ -43,6 +43,18 @@ def cpu_bf16_units() -> tuple[str, ...]:
             return ()
         return ("bf16",) if out == "1" else ()
     return ()
+
+
+def cpu_model() -> str:
+    """This CPU's model name (``/proc/cpuinfo``'s ``model name``, else the platform's), so that
+    a result can say which kind of machine gave it."""
+    info = Path("/proc/cpuinfo")
+    if info.is_file():
+        for line in info.read_text(encoding="utf-8", errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                return value.strip()
+    return platform.processor() or platform.machine() or "unknown"
 
 
 def units_in_cpuinfo(text: str) -> tuple[str, ...]:
