@@ -108,3 +108,26 @@ def test_bad_input_is_named():
         power.paired(D, m=0)
     with pytest.raises(ValueError, match="alpha"):
         power.paired(D, alpha=1.5)
+
+
+def test_cli_collects_a_study_without_machine_paths(tmp_path, capsys):
+    """``python -m pepo.study.power RUNS``: every finished run is read and copied under
+    ``--out/results`` without its checkpoint path; the copies alone reproduce the report.
+    Catches a copy of result.json as it is (a path of the machine that ran it)."""
+    import json
+
+    seeds = list(range(4))
+    runs = tmp_path / "runs"
+    for r in _runs("GRPO", seeds, [0.4 + 0.01 * s for s in seeds]) + _runs(
+            "PEPO", seeds, [0.42 + 0.01 * s + D[s] for s in seeds]):
+        d = runs / "smollm2_steps" / "group" / r["method"].lower() / f"seed_{r['seed']}"
+        d.mkdir(parents=True)
+        (d / "result.json").write_text(json.dumps(
+            {**r, "checkpoint": str(d / "checkpoints" / "step_16")}))
+    text = power.main([str(runs), "--out", str(tmp_path / "report")])
+    copies = sorted((tmp_path / "report" / "results").glob("*.json"))
+    assert [c.name for c in copies][:2] == ["grpo_seed_0.json", "grpo_seed_1.json"]
+    assert len(copies) == 8 and not any(str(tmp_path) in c.read_text() for c in copies)
+    again = power.main([str(tmp_path / "report" / "results"), "--out", str(tmp_path / "r2")])
+    row = next(x for x in text.splitlines() if x.startswith("| PEPO |"))
+    assert row in again.splitlines()

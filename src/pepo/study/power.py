@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
 import statistics
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -179,13 +178,16 @@ def report(results: list[dict], base_label: str, labels: Sequence[str], out: Pat
 
 def collect(runs: Path, task: str, dest: Path) -> list[dict]:
     """Every finished run's ``result.json`` of ``task`` under the study directory ``runs``, also
-    copied to ``dest/results/<method>_seed_<n>.json`` (what the report is recomputed from)."""
+    copied to ``dest/results/<method>_seed_<n>.json`` (what the report is recomputed from)
+    without its ``checkpoint`` (a path of the machine that ran it)."""
     results = []
     (dest / "results").mkdir(parents=True, exist_ok=True)
     for f in sorted((runs / task).glob("*/*/seed_*/result.json")):
         r = json.loads(f.read_text(encoding="utf-8"))
         results.append(r)
-        shutil.copyfile(f, dest / "results" / f"{f.parent.parent.name}_{f.parent.name}.json")
+        (dest / "results" / f"{f.parent.parent.name}_{f.parent.name}.json").write_text(
+            json.dumps({k: v for k, v in r.items() if k != "checkpoint"}, indent=2),
+            encoding="utf-8")
     return results
 
 
