@@ -234,6 +234,18 @@ def test_pooled_runs_keep_their_groups_apart(tmp_path):
     merged = tmp_path / "merged.jsonl"
     merged.write_text(a.read_text() + b.read_text())
     assert A.entropy_profile(A.load_dump(merged), windows=(5,))["moderate_share"] == 1.0
+    # the same two dumps in one directory, one of them gzipped: still two groups
+    import gzip
+
+    both = tmp_path / "both"
+    both.mkdir()
+    (both / "run_a_step_000001.jsonl").write_text(a.read_text())
+    with gzip.open(both / "run_b_step_000001.jsonl.gz", "wt") as f:
+        f.write(b.read_text())
+    from_dir = A.load_dump(both)
+    assert len(from_dir) == 16 and torch.equal(from_dir.entropies, pooled.entropies)
+    prof = A.entropy_profile(from_dir, windows=(5,))
+    assert (prof["hard_share"], prof["moderate_share"], prof["easy_share"]) == (0.5, 0.0, 0.5)
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, "-m", "pepo.study.analysis", str(a), str(b), "--out",
                         str(out), "--windows", "5"], capture_output=True, text=True)

@@ -333,3 +333,12 @@ def test_mechanism_pools_seeds_and_takes_one_warm_start_dump_per_seed(study, tmp
     for stage in ("before", "after_grpo", "after_pepo"):
         assert (mech / stage / "positional_bias.png").is_file()
         assert (mech / stage / "heatmap.html").is_file()
+    # the kept dumps reproduce a stage's numbers on their own
+    from pepo.study import analysis
+
+    kept = sorted(p.name for p in (mech / "before" / "rollouts").iterdir())
+    assert kept == ["grpo_seed_1_step_000001.jsonl.gz", "pepo_seed_0_step_000001.jsonl.gz"]
+    again = analysis.entropy_profile(analysis.load_dump(mech / "before" / "rollouts"), (5,))
+    saved = json.loads((mech / "before" / "profile.json").read_text())
+    assert again["hard_share"] == saved["hard_share"] and again["rollouts"] == 32
+    assert again["mean_entropy"] == pytest.approx(saved["mean_entropy"], rel=1e-6)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gzip
 import html
 import json
 import sys
@@ -94,19 +95,24 @@ class RolloutDump:
 
 
 def load_dump(path: Union[str, Path, Sequence[Union[str, Path]]]) -> RolloutDump:
-    """Reads a rollout dump: one ``.jsonl`` file or a directory of them (sorted), or a list of
-    such paths pooled (several runs: each path's groups are kept apart, so two runs that drew
-    the same prompt at the same step are two groups, not one)."""
+    """Reads a rollout dump: one ``.jsonl`` file (or ``.jsonl.gz``) or a directory of them
+    (sorted), or a list of such paths pooled. Each file's groups are kept apart from another
+    file's (a file is one step of one run), so two runs that drew the same prompt at the same
+    step are two groups, not one, whether their dumps are named one by one or sit in one
+    directory."""
     paths = [path] if isinstance(path, (str, Path)) else list(path)
     records = []
-    for source, one in enumerate(paths):
+    source = 0
+    for one in paths:
         p = Path(one)
-        files = sorted(p.glob("*.jsonl")) if p.is_dir() else [p]
+        files = sorted([*p.glob("*.jsonl"), *p.glob("*.jsonl.gz")]) if p.is_dir() else [p]
         if not files or not files[0].is_file():
             raise ValueError(f"no rollout dump at {str(p)!r} (a .jsonl file or a directory of "
                              f"them)")
         for f in files:
-            with open(f, encoding="utf-8") as fh:
+            source += 1
+            with (gzip.open(f, "rt", encoding="utf-8") if f.name.endswith(".gz")
+                  else open(f, encoding="utf-8")) as fh:
                 for n, line in enumerate(fh, 1):
                     if line.strip():
                         records.append({**_record(line, f, n), "source": source})

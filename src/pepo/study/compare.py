@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import gzip
 import json
 import math
 import os
@@ -504,6 +505,15 @@ def mechanism_sections(task: str, results: list[dict], out: Path, docs: Path) ->
     dest = docs / "images" / f"{task}_study" / "mechanism"
     profiles, tables = {}, []
     for name, title, files in stages:
+        kept = dest / name / "rollouts"  # the dumps themselves, so the docs reproduce the tables
+        if kept.is_dir():
+            shutil.rmtree(kept)
+        kept.mkdir(parents=True)
+        for f in files:
+            method, seed = f.parent.parent.parent.name, f.parent.parent.name
+            with open(f, "rb") as src, open(kept / f"{method}_{seed}_{f.name}.gz", "wb") as raw, \
+                    gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz:
+                shutil.copyfileobj(src, gz)
         analysis.run(files, dest / name, windows=windows, window=w)
         profiles[name] = json.loads((dest / name / "profile.json").read_text(encoding="utf-8"))
         diff = analysis.difficulty_bias(analysis.load_dump(files), w)
@@ -511,9 +521,10 @@ def mechanism_sections(task: str, results: list[dict], out: Path, docs: Path) ->
                    f"{d['proximal']:.4f} |" for g, d in diff.items()]
     head = " | ".join(f"{title}, {len(files)} runs" for _, title, files in stages)
     lines = [f"### {task}: the entropy structure before and after training (W = {w})", "",
-             "Each stage pools one step's rollouts over the seeds: `python -m pepo.study."
-             "analysis RUN_1/rollouts/step_N.jsonl RUN_2/... --windows "
-             + " ".join(map(str, windows)) + f" --window {w}`.", "",
+             "Each stage pools one step's rollouts over the seeds, kept (gzipped) in "
+             f"`images/{task}_study/mechanism/STAGE/rollouts/`: `python -m pepo.study.analysis "
+             f"docs/images/{task}_study/mechanism/STAGE/rollouts --out DIR --windows "
+             + " ".join(map(str, windows)) + f" --window {w}` reproduces a stage.", "",
              f"| quantity | {head} |", "|---|" + "---:|" * len(stages)]
     lines += [f"| {text} | " + " | ".join(fmt.format(profiles[name].get(key, float("nan")))
                                           for name, _, _ in stages) + " |"
