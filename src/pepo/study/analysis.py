@@ -5,7 +5,9 @@
         --replacement RUN/checkpoints/step_N --budgets 0 5 10 15 20 30 \\
         --metrics global proximal --out intervention/
 
-The first form reads one dump file (``rollouts/step_N.jsonl``) or a directory of them and writes:
+The first form reads one dump file (``rollouts/step_N.jsonl``, or ``.jsonl.gz``), a directory of
+them or several such paths (pooled, each file's groups kept apart) and writes (the difficulty
+table, the weight mass and the heatmap at ``--window``, default the largest of ``--windows``):
 
 * ``positional_bias.png`` / ``.csv`` — the relative deviation ``(x_t - mean_t x) / mean_t x`` of
   global entropy ``H``, proximal entropy ``e`` (Eq. 6) and its softmax-free counterpart, the
