@@ -342,3 +342,16 @@ def test_mechanism_pools_seeds_and_takes_one_warm_start_dump_per_seed(study, tmp
     saved = json.loads((mech / "before" / "profile.json").read_text())
     assert again["hard_share"] == saved["hard_share"] and again["rollouts"] == 32
     assert again["mean_entropy"] == pytest.approx(saved["mean_entropy"], rel=1e-6)
+
+
+def test_the_reported_command_can_be_pasted(study):
+    """The report's command quotes a label with spaces and drops where files went: catches a
+    plain join ("--methods 80/20, proximal score" is three arguments in a shell) and a machine
+    path left in the docs."""
+    import shlex
+
+    cmd = study.command_line(["--tasks", "smollm2_steps", "--methods", "80/20, proximal score",
+                              "GTPO", "--out", "/runs/x", "--report-only", "--docs", "/d"])
+    assert cmd == ("python -m pepo.study.compare --tasks smollm2_steps --methods "
+                   "'80/20, proximal score' GTPO")
+    assert shlex.split(cmd)[5:] == ["--methods", "80/20, proximal score", "GTPO"]

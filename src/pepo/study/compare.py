@@ -49,6 +49,7 @@ import gzip
 import json
 import math
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -519,7 +520,8 @@ def mechanism_sections(task: str, results: list[dict], out: Path, docs: Path) ->
         diff = analysis.difficulty_bias(analysis.load_dump(files), w)
         tables += [f"| {title} | {g} | {d['rollouts']} | {d['global']:.3f} | "
                    f"{d['proximal']:.4f} |" for g, d in diff.items()]
-    head = " | ".join(f"{title}, {len(files)} runs" for _, title, files in stages)
+    head = " | ".join(f"{title}, {len(files)} run{'s' if len(files) > 1 else ''}"
+                      for _, title, files in stages)
     lines = [f"### {task}: the entropy structure before and after training (W = {w})", "",
              "Each stage pools one step's rollouts over the seeds, kept (gzipped) in "
              f"`images/{task}_study/mechanism/STAGE/rollouts/`: `python -m pepo.study.analysis "
@@ -579,7 +581,7 @@ def command_line(argv: Optional[list[str]]) -> str:
             skip = True
         elif a != "--report-only":
             keep.append(a)
-    return " ".join(["python -m pepo.study.compare", *keep])
+    return "python -m pepo.study.compare " + shlex.join(keep)  # "80/20, proximal score" quoted
 
 
 def parse_set(items: list[str]) -> dict[str, Any]:
@@ -678,7 +680,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     extra = {}
     for task in args.tasks:
         parts = [powered_sections(task, results, docs, out) if task in POWERED else None,
-                 mechanism_sections(task, results, out, docs) if task in POWERED else None,
+                 mechanism_sections(task, results, out, docs) if task in POWERED else
                  run_diagnostics(task, results, out, docs, (5, 11, 21))]
         if not args.no_intervention:
             parts.append(run_intervention(task, results, out, docs, args.budgets,
