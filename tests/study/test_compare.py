@@ -99,6 +99,12 @@ def test_two_step_one_seed_study(study, tmp_path, monkeypatch):
     # finished runs are read back, not rerun
     calls.clear()
     assert study.main(argv) == results and calls == []
+    # a report into other docs has the intervention's table too (read back, not regenerated)
+    other = tmp_path / "docs2"
+    argv2 = [a if a != str(docs) else str(other) for a in argv]
+    assert study.main(argv2) == results and calls == []
+    assert "### Token intervention (tiny)" in (other / "results.md").read_text()
+    assert (other / "images" / "intervention_tiny" / "intervention.md").is_file()
 
 
 def test_shards_split_the_runs(study, tmp_path, monkeypatch):

@@ -42,6 +42,7 @@ import csv
 import gzip
 import html
 import json
+import shutil
 import sys
 import time
 from collections import defaultdict
@@ -53,7 +54,9 @@ import torch
 from pepo import weighting
 
 __all__ = [
+    "PROFILE_ROWS",
     "RolloutDump",
+    "compare_stages",
     "difficulty_bias",
     "entropy_profile",
     "heatmap_html",
@@ -465,6 +468,71 @@ def run(dump: Union[str, Path, Sequence[Union[str, Path]]], out: Union[str, Path
     for k, p in files.items():
         print(f"  {k:15s} {p}")
     return files
+
+
+# the quantities of compare_stages' table (entropy_profile's keys)
+PROFILE_ROWS = (("rollouts", "rollouts", "{:.0f}"),
+                ("length_mean", "mean length (tokens)", "{:.1f}"),
+                ("mean_entropy", "mean token entropy (nats)", "{:.3f}"),
+                ("near_deterministic_share", "share of tokens below 0.01 nats", "{:.1%}"),
+                ("entropy_p80", "80th percentile (nats)", "{:.3f}"),
+                ("top20_entropy_share", "entropy held by the top 20 % of tokens", "{:.1%}"),
+                ("first_over_last_tenth", "first / last tenth of a response", "{:.2f}"),
+                ("global_span", "span of global entropy's positional deviation", "{:.1%}"),
+                ("hard_share", "hard prompts (pass rate <= 1/8), share of rollouts", "{:.1%}"),
+                ("moderate_share", "moderate prompts, share", "{:.1%}"),
+                ("easy_share", "easy prompts (>= 7/8), share", "{:.1%}"))
+
+
+def compare_stages(stages: Sequence[tuple[str, str, Sequence[Path]]], dest: Path, link: str,
+                   windows: Sequence[int], window: int, task: str) -> str:
+    """Table 1 and Fig. 2 of several stages side by side (Markdown): each stage is ``(name,
+    title, dumps)``, its dumps pooled (each file's groups apart) and analysed by :func:`run`
+    into ``dest/name`` (images linked as ``link/name/...``), with the dumps themselves kept
+    gzipped in ``dest/name/rollouts`` (as ``<method>_seed_<n>_step_N.jsonl.gz`` for a run's
+    ``.../<method>/seed_<n>/rollouts/step_N.jsonl``) so that the tables can be recomputed."""
+    profiles, tables = {}, []
+    for name, title, files in stages:
+        kept = dest / name / "rollouts"  # the dumps themselves, so the docs reproduce the tables
+        if kept.is_dir():
+            shutil.rmtree(kept)
+        kept.mkdir(parents=True)
+        for f in map(Path, files):
+            method, seed = f.parent.parent.parent.name, f.parent.parent.name
+            with open(f, "rb") as src, open(kept / f"{method}_{seed}_{f.name}.gz", "wb") as raw, \
+                    gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz:
+                shutil.copyfileobj(src, gz)
+        run(files, dest / name, windows=windows, window=window)
+        profiles[name] = json.loads((dest / name / "profile.json").read_text(encoding="utf-8"))
+        diff = difficulty_bias(load_dump(files), window)
+        tables += [f"| {title} | {g} | {d['rollouts']} | {d['global']:.3f} | "
+                   f"{d['proximal']:.4f} |" for g, d in diff.items()]
+    head = " | ".join(f"{title}, {len(files)} run{'s' if len(files) > 1 else ''}"
+                      for _, title, files in stages)
+    lines = [f"### {task}: the entropy structure before and after training (W = {window})", "",
+             "Each stage pools one step's rollouts over the seeds, kept (gzipped) in "
+             f"`{link}/STAGE/rollouts/`: `python -m pepo.study.analysis docs/{link}/STAGE/"
+             "rollouts --out DIR --windows " + " ".join(map(str, windows))
+             + f" --window {window}` reproduces a stage.", "",
+             f"| quantity | {head} |", "|---|" + "---:|" * len(stages)]
+    lines += [f"| {text} | " + " | ".join(fmt.format(profiles[name].get(key, float("nan")))
+                                          for name, _, _ in stages) + " |"
+              for key, text, fmt in PROFILE_ROWS]
+    for v in windows:
+        cells = [f"{profiles[name].get(f'proximal_{v}_max_abs', float('nan')):.1%}"
+                 for name, _, _ in stages]
+        lines.append(f"| largest deviation of proximal entropy by position, W = {v} | "
+                     + " | ".join(cells) + " |")
+    lines += ["", f"Table 1 on this task: mean token entropy by prompt difficulty "
+                  f"(W = {window}).", "",
+              "| stage | group | rollouts | Global Entropy | Proximal Entropy |",
+              "|---|---|---:|---:|---:|", *tables, "",
+              "Fig. 2 on this task (deviation from each response's mean, by position):", ""]
+    lines += [f"![{title}]({link}/{name}/positional_bias.png)" for name, title, _ in stages]
+    lines += ["", "Token heatmaps (global entropy and PEPO's weight, token by token): "
+              + ", ".join(f"[{title}]({link}/{name}/heatmap.html)" for name, title, _ in stages)
+              + "."]
+    return "\n".join(lines)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import gzip
 import json
 import math
 import os
@@ -357,7 +356,8 @@ def run_intervention(task: str, results: list[dict], out: Path, docs: Path,
     saved = out / task / "intervention.json"
     args = ["--config", CONFIGS[task]["group"], "--replacement", grpo[0]["checkpoint"],
             "--budgets", *[f"{b:g}" for b in budgets], "--k", str(k), "--out", str(dest)]
-    if not saved.is_file():  # its generations are kept as they finish: a rerun resumes
+    # its generations are kept as they finish: a rerun (or a report into other docs) reads them
+    if not saved.is_file() or not (dest / "intervention.md").is_file():
         res = intervention.main([*args, "--cache", str(out / task / "intervention_cells")])
         saved.write_text(json.dumps({m: {str(b): v for b, v in d.items()}
                                      for m, d in res.items()}, indent=2), encoding="utf-8")
@@ -457,20 +457,6 @@ def powered_sections(task: str, results: list[dict], docs: Path,
     return "\n\n".join(parts)
 
 
-# the quantities of the mechanism table (pepo.study.analysis.entropy_profile's keys)
-PROFILE_ROWS = (("rollouts", "rollouts", "{:.0f}"),
-                ("length_mean", "mean length (tokens)", "{:.1f}"),
-                ("mean_entropy", "mean token entropy (nats)", "{:.3f}"),
-                ("near_deterministic_share", "share of tokens below 0.01 nats", "{:.1%}"),
-                ("entropy_p80", "80th percentile (nats)", "{:.3f}"),
-                ("top20_entropy_share", "entropy held by the top 20 % of tokens", "{:.1%}"),
-                ("first_over_last_tenth", "first / last tenth of a response", "{:.2f}"),
-                ("global_span", "span of global entropy's positional deviation", "{:.1%}"),
-                ("hard_share", "hard prompts (pass rate <= 1/8), share of rollouts", "{:.1%}"),
-                ("moderate_share", "moderate prompts, share", "{:.1%}"),
-                ("easy_share", "easy prompts (>= 7/8), share", "{:.1%}"))
-
-
 def mechanism_sections(task: str, results: list[dict], out: Path, docs: Path) -> Optional[str]:
     """Table 1 and Fig. 2 of ``task`` before and after training: :mod:`pepo.study.analysis` of
     the rollout dumps of the first step (the warm-start policy's; GRPO's, else another method's
@@ -503,48 +489,8 @@ def mechanism_sections(task: str, results: list[dict], out: Path, docs: Path) ->
     stages = [(name, title, files) for name, title, files in stages if files]
     if not stages:
         return None
-    dest = docs / "images" / f"{task}_study" / "mechanism"
-    profiles, tables = {}, []
-    for name, title, files in stages:
-        kept = dest / name / "rollouts"  # the dumps themselves, so the docs reproduce the tables
-        if kept.is_dir():
-            shutil.rmtree(kept)
-        kept.mkdir(parents=True)
-        for f in files:
-            method, seed = f.parent.parent.parent.name, f.parent.parent.name
-            with open(f, "rb") as src, open(kept / f"{method}_{seed}_{f.name}.gz", "wb") as raw, \
-                    gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz:
-                shutil.copyfileobj(src, gz)
-        analysis.run(files, dest / name, windows=windows, window=w)
-        profiles[name] = json.loads((dest / name / "profile.json").read_text(encoding="utf-8"))
-        diff = analysis.difficulty_bias(analysis.load_dump(files), w)
-        tables += [f"| {title} | {g} | {d['rollouts']} | {d['global']:.3f} | "
-                   f"{d['proximal']:.4f} |" for g, d in diff.items()]
-    head = " | ".join(f"{title}, {len(files)} run{'s' if len(files) > 1 else ''}"
-                      for _, title, files in stages)
-    lines = [f"### {task}: the entropy structure before and after training (W = {w})", "",
-             "Each stage pools one step's rollouts over the seeds, kept (gzipped) in "
-             f"`images/{task}_study/mechanism/STAGE/rollouts/`: `python -m pepo.study.analysis "
-             f"docs/images/{task}_study/mechanism/STAGE/rollouts --out DIR --windows "
-             + " ".join(map(str, windows)) + f" --window {w}` reproduces a stage.", "",
-             f"| quantity | {head} |", "|---|" + "---:|" * len(stages)]
-    lines += [f"| {text} | " + " | ".join(fmt.format(profiles[name].get(key, float("nan")))
-                                          for name, _, _ in stages) + " |"
-              for key, text, fmt in PROFILE_ROWS]
-    for v in windows:
-        lines.append(f"| largest deviation of proximal entropy by position, W = {v} | "
-                     + " | ".join(f"{profiles[name].get(f'proximal_{v}_max_abs', float('nan')):.1%}"
-                                  for name, _, _ in stages) + " |")
-    lines += ["", f"Table 1 on this task: mean token entropy by prompt difficulty (W = {w}).", "",
-              "| stage | group | rollouts | Global Entropy | Proximal Entropy |",
-              "|---|---|---:|---:|---:|", *tables, "",
-              "Fig. 2 on this task (deviation from each response's mean, by position):", ""]
-    lines += [f"![{title}](images/{task}_study/mechanism/{name}/positional_bias.png)"
-              for name, title, _ in stages]
-    lines += ["", "Token heatmaps (global entropy and PEPO's weight, token by token): "
-              + ", ".join(f"[{title}](images/{task}_study/mechanism/{name}/heatmap.html)"
-                          for name, title, _ in stages) + "."]
-    return "\n".join(lines)
+    return analysis.compare_stages(stages, docs / "images" / f"{task}_study" / "mechanism",
+                                   f"images/{task}_study/mechanism", windows, w, task)
 
 
 def run_diagnostics(task: str, results: list[dict], out: Path, docs: Path,
