@@ -433,10 +433,8 @@ def powered_sections(task: str, results: list[dict], docs: Path,
             out, task, "group", r["method"], r["seed"]) / "recipe.log")} for r in rows]
     dest = docs / "images" / f"{task}_study"
     (dest / "results").mkdir(parents=True, exist_ok=True)
-    for r in rows:  # without the checkpoint's path: a path of the machine that ran it
-        (dest / "results" / f"{slug(r['method'])}_seed_{r['seed']}.json").write_text(
-            json.dumps({k: v for k, v in r.items() if k != "checkpoint"}, indent=2),
-            encoding="utf-8")
+    for r in rows:
+        power.write_result(r, dest / "results" / f"{slug(r['method'])}_seed_{r['seed']}.json")
     found = {r["method"] for r in rows}
     main_labels = [k for k, _ in METHODS["group"][1:] if k in found]
     ablation = [k for k, _ in OPTIONAL["group"] if k in found]

@@ -38,6 +38,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from pepo import weighting
+from pepo.training.checkpointing import atomic_write_text
 from pepo.training.evaluation import eval_generator
 from pepo.training.fast_decoder import FastPlan
 from pepo.training.generation import Rollouts, decode, draw_seeds
@@ -249,15 +250,10 @@ def intervene(
         cache.parent.mkdir(parents=True, exist_ok=True)
     saved_base = None if cache is None else cache.with_suffix(".pt")
 
-    def save() -> None:
-        if cache is not None:
-            tmp = cache.with_name(cache.name + ".tmp")
-            tmp.write_text(json.dumps({"settings": key, "cells": cells}), encoding="utf-8")
-            os.replace(tmp, cache)
-
     def run(name: str, replace: Optional[torch.Tensor],
             use_replacement: bool = True) -> tuple[torch.Tensor, list]:
-        """The rows' successes ([N * k] float) of one generation, and its rollouts."""
+        """The rows' successes ([N * k] float) of one generation, and its rollouts; the
+        successes are kept in ``cache`` at once."""
         parts = []
         for i in range(0, len(rows), batch_size):
             sl = slice(i, i + batch_size)
@@ -269,26 +265,28 @@ def intervene(
         rewards = reward_tensor(reward_fn(texts, answers), len(texts), reward_fn)
         success = is_success(reward_fn, rewards).double()
         cells[name] = success.tolist()
+        if name == "base" and saved_base is not None:  # what the metrics rank, before its cell
+            torch.save(([r.entropies for r in parts], [r.mask for r in parts]), saved_base)
+        if cache is not None:
+            atomic_write_text(cache, json.dumps({"settings": key, "cells": cells}))
         if progress is not None:
             progress()
         return success, parts
 
+    def kept(name: str) -> Optional[torch.Tensor]:
+        return torch.tensor(cells[name], dtype=torch.double) if name in cells else None
+
     if "base" in cells and saved_base is not None and saved_base.is_file():
-        s0 = torch.tensor(cells["base"], dtype=torch.double)
+        s0 = kept("base")
         ents, masks = torch.load(saved_base)
     else:
         s0, base_parts = run("base", None, use_replacement=False)
         ents = [r.entropies for r in base_parts]
         masks = [r.mask for r in base_parts]
-        if saved_base is not None:
-            torch.save((ents, masks), saved_base)
-        save()
     # every token replaced is the same run whatever the metric: generated once
-    if "all" in cells:
-        s1 = torch.tensor(cells["all"], dtype=torch.double)
-    else:
+    s1 = kept("all")
+    if s1 is None:
         s1 = run("all", torch.ones((len(rows), max_new_tokens), dtype=torch.bool))[0]
-        save()
     success: dict[str, dict[float, torch.Tensor]] = {}
     for m in metrics:
         success[m] = {}
@@ -298,13 +296,11 @@ def intervene(
                 success[m][b] = s0 if b == 0.0 else s1
                 continue
             name = f"{m}@{b!r}"
-            if name in cells:
-                success[m][b] = torch.tensor(cells[name], dtype=torch.double)
-                continue
-            replace = torch.cat([select_positions(s, mk, b, max_new_tokens)
-                                 for s, mk in zip(scores, masks)])
-            success[m][b] = run(name, replace)[0]
-            save()
+            found = kept(name)
+            if found is None:
+                found = run(name, torch.cat([select_positions(s, mk, b, max_new_tokens)
+                                             for s, mk in zip(scores, masks)]))[0]
+            success[m][b] = found
     success["replacement"] = {1.0: s1}
     out: dict[str, dict[Any, Any]] = {
         n: {b: float(s.mean()) for b, s in d.items()} for n, d in success.items()}

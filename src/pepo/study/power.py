@@ -29,7 +29,7 @@ from typing import Any, Optional, Sequence
 
 from scipy import stats
 
-__all__ = ["holm", "paired", "comparisons", "forest_plot", "report", "collect"]
+__all__ = ["holm", "paired", "comparisons", "forest_plot", "report", "collect", "write_result"]
 
 
 def paired(diffs: Sequence[float], m: int = 1, alpha: float = 0.05,
@@ -185,10 +185,15 @@ def collect(runs: Path, task: str, dest: Path) -> list[dict]:
     for f in sorted((runs / task).glob("*/*/seed_*/result.json")):
         r = json.loads(f.read_text(encoding="utf-8"))
         results.append(r)
-        (dest / "results" / f"{f.parent.parent.name}_{f.parent.name}.json").write_text(
-            json.dumps({k: v for k, v in r.items() if k != "checkpoint"}, indent=2),
-            encoding="utf-8")
+        write_result(r, dest / "results" / f"{f.parent.parent.name}_{f.parent.name}.json")
     return results
+
+
+def write_result(r: dict, path: Path) -> None:
+    """A run's result JSON as the docs keep it: without its ``checkpoint``, a path of the
+    machine that ran it."""
+    path.write_text(json.dumps({k: v for k, v in r.items() if k != "checkpoint"}, indent=2),
+                    encoding="utf-8")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> str:
