@@ -131,3 +131,23 @@ def test_cli_collects_a_study_without_machine_paths(tmp_path, capsys):
     again = power.main([str(tmp_path / "report" / "results"), "--out", str(tmp_path / "r2")])
     row = next(x for x in text.splitlines() if x.startswith("| PEPO |"))
     assert row in again.splitlines()
+
+
+def test_seed_table_puts_each_run_under_its_seed(tmp_path):
+    """A study in progress, seed by seed. Catches a value written in its list position instead of
+    its seed's column (runs listed out of order, a seed missing), a difference taken against the
+    wrong run, and a missing run shown as a number."""
+    results = _runs("GRPO", [2, 0, 1], [0.30, 0.10, 0.20]) + _runs("PEPO", [1, 0], [0.25, 0.12])
+    results += _runs("80/20", [3], [0.5])
+    text = power.seed_table(results, ["GRPO", "PEPO", "80/20", "GTPO"])
+    rows = text.splitlines()
+    assert rows[0] == "| method | seed 0 | seed 1 | seed 2 | seed 3 |"
+    assert rows[2] == "| GRPO | 10.0 | 20.0 | 30.0 | – |"
+    assert rows[3] == "| PEPO | 12.0 | 25.0 | – | – |"
+    assert rows[4] == "| − GRPO | +2.0 | +5.0 | – | – |"
+    assert rows[5] == "| 80/20 | – | – | – | 50.0 |"
+    assert rows[6] == "| − GRPO | – | – | – | – |"
+    assert len(rows) == 7  # GTPO ran no seed: no row
+    assert power.seed_table(results, ["GTPO"]) == ""
+    report = power.report(results, "GRPO", ["PEPO"], tmp_path, "img", "t")
+    assert "| PEPO | 12.0 | 25.0 | – |" in report  # the report carries it

@@ -29,7 +29,8 @@ from typing import Any, Optional, Sequence
 
 from scipy import stats
 
-__all__ = ["holm", "paired", "comparisons", "forest_plot", "report", "collect", "write_result"]
+__all__ = ["holm", "paired", "comparisons", "forest_plot", "report", "seed_table", "collect",
+           "write_result"]
 
 
 def paired(diffs: Sequence[float], m: int = 1, alpha: float = 0.05,
@@ -128,11 +129,33 @@ def _fmt_p(p: float) -> str:
     return f"{p:.3f}" if p >= 0.001 else f"{p:.1e}"
 
 
+def seed_table(results: list[dict], labels: Sequence[str]) -> str:
+    """Each run's final validation accuracy (%), one row per label and one column per seed any
+    of them ran (``–`` where a method has not run that seed), with the run's paired difference
+    against the first label below it: what a study in progress has, seed by seed."""
+    by = {(r["method"], r["seed"]): r["val_after"] for r in results}
+    seeds = sorted({s for (m, s) in by if m in labels})
+    if not seeds:
+        return ""
+    lines = ["| method | " + " | ".join(f"seed {s}" for s in seeds) + " |",
+             "|---|" + "---:|" * len(seeds)]
+    for label in labels:
+        if not any((label, s) in by for s in seeds):
+            continue
+        lines.append(f"| {label} | " + " | ".join(
+            f"{100 * by[label, s]:.1f}" if (label, s) in by else "–" for s in seeds) + " |")
+        if label != labels[0]:
+            lines.append(f"| − {labels[0]} | " + " | ".join(
+                f"{100 * (by[label, s] - by[labels[0], s]):+.1f}"
+                if (label, s) in by and (labels[0], s) in by else "–" for s in seeds) + " |")
+    return "\n".join(lines)
+
+
 def report(results: list[dict], base_label: str, labels: Sequence[str], out: Path,
            image_prefix: str, title: str, alpha: float = 0.05, power: float = 0.8) -> str:
     """The Markdown table of ``labels`` against ``base_label`` (before, after, Δ with its
-    simultaneous interval, Holm-adjusted p, W/T/L, the resolvable difference) and the forest plot
-    ``out/forest.png`` (linked as ``image_prefix/forest.png``)."""
+    simultaneous interval, Holm-adjusted p, W/T/L, the resolvable difference), the forest plot
+    ``out/forest.png`` (linked as ``image_prefix/forest.png``) and the :func:`seed_table`."""
     comps = comparisons(results, base_label, labels, alpha, power)
     m = len(labels)
     lines = [f"| method | seeds | before | after | Δ vs {base_label}, points "
@@ -173,6 +196,10 @@ def report(results: list[dict], base_label: str, labels: Sequence[str], out: Pat
         out.mkdir(parents=True, exist_ok=True)
         forest_plot(comps, base_label, out / "forest.png", title)
         lines += ["", f"![paired differences]({image_prefix}/forest.png)"]
+    seeds = seed_table(results, [base_label, *labels])
+    if seeds:
+        lines += ["", "Final validation accuracy of each run (%), and its difference from "
+                  f"{base_label} on the same seed (points):", "", seeds]
     return "\n".join(lines)
 
 
