@@ -31,21 +31,27 @@ from pepo.training.tokenizers import ChatTokenizer, stop_token_ids
 from pepo.training.weights import load_model_weights
 
 STEP = "Explain step by step, then give the answer."
+NUMBER = "Explain step by step, then give the answer as a number."
 NAMES = ["Tom", "Anna", "Sam", "Lena", "Ben", "Mia"]
 ITEMS = ["apples", "marbles", "books", "stickers", "coins", "pencils"]
 
 
-def _sum(lo_a, hi_a, lo_b, hi_b):
+def _sum(lo_a, hi_a, lo_b, hi_b, ask=STEP):
     def draw(rng):
         a, b = rng.randint(lo_a, hi_a), rng.randint(lo_b, hi_b)
-        return f"What is {a} + {b}? {STEP}", a + b
+        return f"What is {a} + {b}? {ask}", a + b
     return draw
 
 
-def _difference(rng):
-    a = rng.randint(0, 20)
-    b = rng.randint(0, a)
-    return f"What is {a} - {b}? {STEP}", a - b
+def _difference_asked(ask):
+    def draw(rng):
+        a = rng.randint(0, 20)
+        b = rng.randint(0, a)
+        return f"What is {a} - {b}? {ask}", a - b
+    return draw
+
+
+_difference = _difference_asked(STEP)
 
 
 def _addends(lo, hi):
@@ -85,6 +91,8 @@ CANDIDATES = {
     "sum_0_12": _sum(0, 12, 0, 12),
     "sum_0_16": _sum(0, 16, 0, 16),
     "difference_0_20": _difference,
+    "sum_0_16_as_a_number": _sum(0, 16, 0, 16, NUMBER),
+    "difference_0_20_as_a_number": _difference_asked(NUMBER),
     "three_addends_1_9": _addends(1, 9),
     "three_addends_2_30": _addends(2, 30),
     "two_digit_plus_one_digit": _sum(10, 40, 1, 9),
@@ -109,7 +117,7 @@ def main() -> None:
     stops = stop_token_ids(tok, [])
     compute_dtype = resolve_compute_dtype("auto", torch.device("cpu"))
     engine = InProcessEngine(model, compute_dtype=compute_dtype)
-    reward = MathVerify(timeout=5, workers=1)
+    reward = MathVerify(timeout=5, workers=1, number_only=True)
     gen = torch.Generator().manual_seed(args.seed)
     print(f"SmolLM2-135M-Instruct, {args.n} questions a candidate, matmuls in "
           f"{compute_dtype or torch.float32}, T = 0.7, up to 256 new tokens")

@@ -249,6 +249,15 @@ def test_cli_writes_the_table(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "resuming" in printed and "generation 1/" not in printed
     assert str(tmp_path) not in (out / "cells.json").read_text()  # no paths written down
+    # cells scored by another reward are not read back as this one's (catches a cache keyed
+    # without the reward: the verifier's number_only changed every score on smollm2_steps)
+    c.reward = {"_component_": "pepo.tasks.rewards.MathVerify", "workers": 0,
+                "number_only": True}
+    OmegaConf.save(c, cfg)
+    with pytest.raises(SystemExit, match=r"holds an intervention with reward=.*BoxedMatch"):
+        analysis.main(["intervene", "--config", str(cfg), "--replacement", str(repl),
+                       "--budgets", "0", "10", "100", "--k", "2", "--problems", "3",
+                       "--window", "5", "--out", str(out)])
     with pytest.raises(SystemExit, match=r"--budgets are percentages in \[0, 100\], got 150"):
         analysis.main(["intervene", "--config", str(cfg), "--replacement", str(repl),
                        "--budgets", "150", "--out", str(out)])

@@ -185,6 +185,7 @@ def test_close_is_idempotent_and_the_workers_end_with_their_owner():
     ({"grace": "1"}, "grace must be a finite number of seconds >= 0, got '1'"),
     ({"max_chars": 0}, "max_chars must be an int >= 1, got 0"),
     ({"think_end": 3}, "think_end must be a string or None, got 3"),
+    ({"number_only": "yes"}, "number_only must be true or false, got 'yes'"),
 ])
 def test_bad_constructor_arguments(kwargs, message):
     """Catches the unchecked ``grace < 0`` that made every response time out and score 0, and
@@ -202,3 +203,38 @@ def test_grace_zero_and_no_think_end_still_score():
 def test_bad_arguments():
     with pytest.raises(ValueError, match="2 responses but 1 answers"):
         R.MathVerify(workers=0)(["a", "b"], ["a"])
+
+
+# An arithmetic task's responses: (response, gold, score by value, score with number_only)
+ARITHMETIC = [
+    ("9 + 9 = ?", "18", 1.0, 0.0),          # the question restated: equal by value only
+    ("The answer is 9 + 9.", "18", 1.0, 0.0),
+    ("\\boxed{9+9}", "18", 1.0, 0.0),
+    ("9 + 9 = 18", "18", 1.0, 1.0),         # math-verify reads the last side
+    ("To add 9 and 9, count on: the answer is 18.", "18", 1.0, 1.0),
+    ("17 - 9 = 8.", "8", 1.0, 1.0),
+    ("3 - 5 = -2", "-2", 1.0, 1.0),         # a negative number is a number
+    ("9 - 9 = 0", "0", 1.0, 1.0),           # so is zero (sympy's Zero)
+    ("The answer is 18.0", "18", 1.0, 1.0),  # a decimal
+    ("$x = \\frac{3}{4}$", "0.75", 1.0, 1.0),  # a fraction of integers, as an equation
+    ("$x = 9 + 9$", "18", 1.0, 0.0),        # an equation whose right side is the question
+    ("9 + 9 = 17", "18", 0.0, 0.0),         # wrong stays wrong
+    ("19 = 9", "18", 0.0, 0.0),
+]
+
+
+@pytest.mark.parametrize("response, gold, by_value, number", ARITHMETIC)
+def test_number_only_refuses_an_expression_equal_to_the_answer(response, gold, by_value, number):
+    """The reward hack a policy found on ``smollm2_steps``: ending on the question's expression.
+    Catches ``number_only`` ignored (the restated question scores 1), and a check that refuses
+    numbers too (negative numbers, zero, decimals, fractions score 0)."""
+    assert R.math_verify_score(response, gold, timeout=5) == by_value
+    assert R.math_verify_score(response, gold, timeout=5, number_only=True) == number
+
+
+def test_number_only_reaches_the_workers():
+    """Catches the flag kept on the object but not sent with the job (the workers score by
+    value)."""
+    cases = ARITHMETIC[:4]
+    with R.MathVerify(timeout=5, workers=1, number_only=True) as mv:
+        assert mv([c[0] for c in cases], [c[1] for c in cases]) == [c[3] for c in cases]

@@ -156,7 +156,7 @@ def test_step_arithmetic_splits_cover_every_question_once_with_its_answer():
     assert len(val) >= 200
     for p in train + val:
         assert p.answer == str(_evaluate(p.prompt)) and int(p.answer) >= 0
-        assert p.prompt.endswith("Explain step by step, then give the answer.")
+        assert p.prompt.endswith("Explain step by step, then give the answer as a number.")
     assert {"16+16", "0+0", "20-20", "20-0"} <= set(ids) and "3-4" not in ids
 
 

@@ -471,7 +471,8 @@ def _main(args: argparse.Namespace) -> dict[str, dict[float, float]]:
     cache = Path(args.cache or args.out) / "cells.json"
     settings = {"window": window, **{  # which checkpoints, without writing their paths down
         name: hashlib.sha256(os.path.abspath(d).encode()).hexdigest()[:16]
-        for name, d in (("base", base_dir), ("replacement", args.replacement))}}
+        for name, d in (("base", base_dir), ("replacement", args.replacement))},
+        "reward": OmegaConf.to_container(cfg.reward, resolve=True)}  # what scored the cells
     n_runs = 2 + len(args.metrics) * sum(0 < b < 1 for b in budgets)
     if cache.is_file():
         print(f"resuming: the generations already in {cache} are not run again")

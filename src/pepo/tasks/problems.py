@@ -256,7 +256,7 @@ def _seeded_draw(pool: list[Problem], size: Optional[int], key: str,
     return pool[:size]
 
 
-STEP_PROMPT = "What is {a} {op} {b}? Explain step by step, then give the answer."
+STEP_PROMPT = "What is {a} {op} {b}? Explain step by step, then give the answer as a number."
 
 
 def step_arithmetic_dataset(
@@ -267,8 +267,9 @@ def step_arithmetic_dataset(
     max_minuend: int = 20,
 ) -> list[Problem]:
     """Sums and differences of small numbers, asked for step by step, for a small pretrained
-    chat model: ``"What is 9 + 14? Explain step by step, then give the answer."``, gold
-    ``"23"``, rewarded by math-verify.
+    chat model: ``"What is 9 + 14? Explain step by step, then give the answer as a number."``,
+    gold ``"23"``, rewarded by math-verify with ``number_only`` (restating the question, "9 + 14",
+    is equal to 23 by value and must not count).
 
     Every ordered pair ``a + b`` with ``a, b`` in ``0..max_addend`` and every ``a - b`` with
     ``0 <= b <= a <= max_minuend`` is one problem (520 with the defaults). Two fifths of them (by
@@ -276,14 +277,12 @@ def step_arithmetic_dataset(
     splits never share a question. ``size`` problems of the split are drawn without replacement,
     reproducibly from ``seed`` (all of them, shuffled, when ``size`` is None).
 
-    Measured before any training on it (``scripts/probe_smollm2_tasks.py``):
-    SmolLM2-135M-Instruct answers such prompts in 108-119 tokens on average (bf16, T = 0.7, up to
-    256 new tokens), right a fifth to a third of the time (128 random questions each: sums in
-    0-12 0.35, in 0-16 0.29, differences in 0-20 0.21; the validation split at the start of
-    ``smollm2_steps``: 0.227 avg@2), against about 40 tokens and 0.38 for
-    ``small_sums_dataset``'s "Explain briefly". Training may shorten the responses: on seed 0,
-    GRPO kept them at 85-127 tokens and PEPO (W = 5) shortened them to about 30 by step 8, the
-    model stating the result; docs/results.md reports the lengths over training.
+    Measured before any training on it (``scripts/probe_smollm2_tasks.py``, 128 random
+    questions each, bf16, T = 0.7, up to 256 new tokens, scored with ``number_only``):
+    SmolLM2-135M-Instruct answers sums in 0-16 in 101 tokens on average, right 0.24 of the time,
+    and differences in 0-20 in 94 tokens, right 0.29 of the time. Without "as a number" it
+    answers differences right only 0.16 of the time, often by restating the question. The
+    responses may shorten in training; docs/results.md reports the lengths over training.
 
     Raises:
         ValueError: bad split, operand range or size, or more problems than the split has.

@@ -90,11 +90,24 @@ def _gold(answer: str, timeout: int) -> list:
     return parsed if parsed else parse(f"\\boxed{{{answer}}}", parsing_timeout=timeout)
 
 
+def _written_number(expr: Any) -> bool:
+    """Whether math-verify's parse is a number as written (``x = 18`` counts by its right side),
+    not an expression such as ``9 + 9`` that only evaluates to one."""
+    if getattr(expr, "is_Relational", False) is True:
+        expr = getattr(expr, "rhs", None)
+    return getattr(expr, "is_Number", False) is True
+
+
 def math_verify_score(
     response: str, answer: str, timeout: int = 5, think_end: str = "</think>",
-    max_chars: int = 4000,
+    max_chars: int = 4000, number_only: bool = False,
 ) -> float:
     """1.0 when math-verify finds the response's final answer equal to ``answer`` (gold first).
+
+    math-verify compares expressions by their value, so a response that ends on the question's
+    own expression ("9 + 9 = ?") is scored correct for the answer 18. With ``number_only`` the
+    final answer must be a number as written (an integer, a decimal, a ``\\frac`` of integers:
+    sympy's ``is_Number``), which is what an arithmetic task asks for.
 
     Runs math-verify's own SIGALRM timeouts, so call it from a main thread (the
     :class:`MathVerify` workers do). Any error scores 0.
@@ -106,7 +119,7 @@ def math_verify_score(
         if not text.strip():
             return 0.0
         pred = parse(text, parsing_timeout=timeout)
-        if not pred:
+        if not pred or (number_only and not _written_number(pred[0])):
             return 0.0
         return 1.0 if verify(_gold(str(answer), timeout), pred, timeout_seconds=timeout) else 0.0
     except Exception:  # a verifier failure is a wrong answer, never a crashed run
@@ -232,6 +245,9 @@ class MathVerify:
         think_end: the end-of-thinking marker; the answer is looked for after it (None or
             ``""``: the whole response).
         max_chars: only the last ``max_chars`` (>= 1) characters of the answer part are parsed.
+        number_only: the final answer must be a number as written, not an expression equal to
+            the gold answer (see :func:`math_verify_score`); for arithmetic tasks, where
+            restating the question would otherwise be rewarded.
 
     Raises:
         ValueError: a parameter of the wrong type or out of range.
@@ -242,7 +258,8 @@ class MathVerify:
     """
 
     def __init__(self, timeout: int = 5, workers: int = 2, grace: float = 1.0,
-                 think_end: Optional[str] = "</think>", max_chars: int = 4000) -> None:
+                 think_end: Optional[str] = "</think>", max_chars: int = 4000,
+                 number_only: bool = False) -> None:
         # signal.alarm, behind math-verify's timeouts, takes whole seconds
         _check_int("timeout", timeout, 1)
         _check_int("workers", workers, 0)
@@ -253,7 +270,10 @@ class MathVerify:
         if think_end is not None and not isinstance(think_end, str):
             raise ValueError(f"think_end must be a string or None, got {think_end!r}")
         self.timeout, self.workers, self.grace = timeout, workers, float(grace)
+        if not isinstance(number_only, bool):
+            raise ValueError(f"number_only must be true or false, got {number_only!r}")
         self.think_end, self.max_chars = think_end or "", max_chars
+        self.number_only = number_only
         _extras.require("pepo.tasks.MathVerify", modules=("math_verify",))
         import math_verify  # noqa: F401  (imported once here, inherited by forked workers)
 
@@ -312,7 +332,7 @@ class MathVerify:
     def __call__(self, responses: Sequence[str], answers: Sequence[str]) -> list[float]:
         if len(responses) != len(answers):
             raise ValueError(f"{len(responses)} responses but {len(answers)} answers")
-        jobs = [(r, str(a), self.timeout, self.think_end, self.max_chars)
+        jobs = [(r, str(a), self.timeout, self.think_end, self.max_chars, self.number_only)
                 for r, a in zip(responses, answers)]
         if self.workers == 0:
             return [math_verify_score(*j) for j in jobs]
