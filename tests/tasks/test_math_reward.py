@@ -238,3 +238,33 @@ def test_number_only_reaches_the_workers():
     cases = ARITHMETIC[:4]
     with R.MathVerify(timeout=5, workers=1, number_only=True) as mv:
         assert mv([c[0] for c in cases], [c[1] for c in cases]) == [c[3] for c in cases]
+
+
+def test_the_audit_script_counts_rewards_given_by_value_only(tmp_path, capsys):
+    """``scripts/audit_number_answers.py`` over a run's dumps (one plain, one gzipped step).
+    Catches counting the unrewarded rollouts, counting a correct number as by value, and a step
+    read from the wrong file."""
+    import gzip
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "audit_number_answers.py"
+    spec = importlib.util.spec_from_file_location("audit_number_answers", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    run = tmp_path / "gtpo" / "seed_1"
+    (run / "rollouts").mkdir(parents=True)
+    step1 = [("9 + 9 = ?", "18", 1.0), ("9 + 9 = 18", "18", 1.0), ("9 + 9 = ?", "18", 0.0)]
+    step2 = [("17 - 9 = ?", "8", 1.0), ("The answer is 9 + 9.", "18", 1.0), ("19", "18", 0.0)]
+    lines = [json.dumps({"step": 1, "response": r, "answer": a, "reward": w}) for r, a, w in step1]
+    (run / "rollouts" / "step_000001.jsonl").write_text("\n".join(lines) + "\n")
+    with gzip.open(run / "rollouts" / "step_000002.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps({"step": 2, "response": r, "answer": a, "reward": w}) + "\n"
+                     for r, a, w in step2)
+    assert mod.audit(run) == [(1, 3, 2, 1), (2, 3, 2, 2)]
+    mod.main([str(run)])
+    row = capsys.readouterr().out.splitlines()[-1]
+    assert row.startswith("| gtpo/seed_1 | step 1: 1 of 2 rewarded |") and "3 of 4 (75 %)" in row
+    with pytest.raises(SystemExit, match="has no rollouts/"):
+        mod.main([str(tmp_path)])
