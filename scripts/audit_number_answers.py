@@ -40,6 +40,10 @@ def audit(run: Path) -> list[tuple[int, int, int, int]]:
     return out
 
 
+def _cell(s: tuple[int, int, int, int]) -> str:
+    return f"step {s[0]}: {s[3]} of {s[2]} rewarded"
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("runs", nargs="+", type=Path, help="run directories (with rollouts/)")
@@ -53,13 +57,10 @@ def main(argv: list[str] | None = None) -> None:
         if not steps:
             continue
 
-        def cell(s: tuple[int, int, int, int]) -> str:
-            return f"step {s[0]}: {s[3]} of {s[2]} rewarded"
-
         won, by_value = sum(s[2] for s in steps), sum(s[3] for s in steps)
         name = "/".join(run.resolve().parts[-2:])
-        print(f"| {name} | {cell(steps[0])} | {cell(steps[(len(steps) - 1) // 2])} | "
-              f"{cell(steps[-1])} | {by_value} of {won} ({100 * by_value / max(won, 1):.0f} %) |",
+        print(f"| {name} | {_cell(steps[0])} | {_cell(steps[(len(steps) - 1) // 2])} | "
+              f"{_cell(steps[-1])} | {by_value} of {won} ({100 * by_value / max(won, 1):.0f} %) |",
               flush=True)
 
 

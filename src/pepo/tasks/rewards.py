@@ -269,9 +269,9 @@ class MathVerify:
             raise ValueError(f"grace must be a finite number of seconds >= 0, got {grace!r}")
         if think_end is not None and not isinstance(think_end, str):
             raise ValueError(f"think_end must be a string or None, got {think_end!r}")
-        self.timeout, self.workers, self.grace = timeout, workers, float(grace)
         if not isinstance(number_only, bool):
             raise ValueError(f"number_only must be true or false, got {number_only!r}")
+        self.timeout, self.workers, self.grace = timeout, workers, float(grace)
         self.think_end, self.max_chars = think_end or "", max_chars
         self.number_only = number_only
         _extras.require("pepo.tasks.MathVerify", modules=("math_verify",))
