@@ -7,8 +7,16 @@ expression and compares its value. For every run directory given (one with ``rol
 holding the recipe's dumps), this re-scores each rewarded rollout with
 ``math_verify_score(..., number_only=True)`` and prints, as a Markdown table, how many of the
 rewarded rollouts at the first, middle and last dumped step (and over all steps) fail it: the
-share of the reward that came from writing an expression instead of a number. About a second a
-step on 2 cores.
+share of the reward that came from writing an expression instead of a number.
+
+Two more columns measure math-verify's other reading of free text: with no anchor ("answer:",
+``\\boxed``), its answer is the last number the response writes, wherever it stands. Each
+response's last stated result (the last ``= n`` not followed by an operator) is compared with
+the gold answer: how many rewarded rollouts stated another result (rewarded for a later stray
+number, "0 + 8 = 9 ... adding 0 to 8"), and how many unrewarded ones stated the gold answer and
+then wrote another number ("13 + 16 = 29. This adds 13 and 16."). Responses without such a
+result, or a gold answer that is not a plain number, count in neither. About a second a step on
+2 cores.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -26,6 +35,39 @@ def _rows(path: Path) -> list[dict]:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+# "= 29" ends a stated result; "= 3 + 4" does not (an operator follows the number).
+_STATED = re.compile(r"=\s*\$?\s*(-?\d+(?:\.\d+)?)(?![\d.]*\s*[-+*/×÷^])")
+
+
+def last_stated_result(response: str) -> float | None:
+    """The number of the response's last ``= n`` that ends an equation, or None."""
+    found = _STATED.findall(response)
+    return float(found[-1]) if found else None
+
+
+def _number(answer: object) -> float | None:
+    try:
+        return float(str(answer))
+    except ValueError:
+        return None
+
+
+def stated(run: Path) -> tuple[int, int, int, int]:
+    """Over all dumped steps of ``run``: ``(rewarded, of which the last stated result is another
+    number, unrewarded, of which the last stated result is the gold answer)``."""
+    won = won_other = lost = lost_gold = 0
+    for f in sorted((run / "rollouts").glob("step_*.jsonl*")):
+        for r in _rows(f):
+            said, gold = last_stated_result(r["response"]), _number(r["answer"])
+            if r["reward"] > 0:
+                won += 1
+                won_other += said is not None and gold is not None and said != gold
+            else:
+                lost += 1
+                lost_gold += said is not None and gold is not None and said == gold
+    return won, won_other, lost, lost_gold
 
 
 def audit(run: Path) -> list[tuple[int, int, int, int]]:
@@ -44,12 +86,17 @@ def _cell(s: tuple[int, int, int, int]) -> str:
     return f"step {s[0]}: {s[3]} of {s[2]} rewarded"
 
 
+def _pct(k: int, n: int) -> str:
+    return f"{100 * k / max(n, 1):.0f} %"
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("runs", nargs="+", type=Path, help="run directories (with rollouts/)")
     args = ap.parse_args(argv)
-    print("| run | first step | middle step | last step | all steps |")
-    print("|---|---|---|---|---:|")
+    print("| run | first step | middle step | last step | all steps | rewarded, stated another "
+          "result | unrewarded, stated the answer |")
+    print("|---|---|---|---|---:|---:|---:|")
     for run in args.runs:
         if not (run / "rollouts").is_dir():
             sys.exit(f"error: {run} has no rollouts/ directory")
@@ -58,10 +105,12 @@ def main(argv: list[str] | None = None) -> None:
             continue
 
         won, by_value = sum(s[2] for s in steps), sum(s[3] for s in steps)
+        _, won_other, lost, lost_gold = stated(run)
         name = "/".join(run.resolve().parts[-2:])
         print(f"| {name} | {_cell(steps[0])} | {_cell(steps[(len(steps) - 1) // 2])} | "
-              f"{_cell(steps[-1])} | {by_value} of {won} ({100 * by_value / max(won, 1):.0f} %) |",
-              flush=True)
+              f"{_cell(steps[-1])} | {by_value} of {won} ({_pct(by_value, won)}) | "
+              f"{won_other} of {won} ({_pct(won_other, won)}) | "
+              f"{lost_gold} of {lost} ({_pct(lost_gold, lost)}) |", flush=True)
 
 
 if __name__ == "__main__":

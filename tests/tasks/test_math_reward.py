@@ -268,3 +268,39 @@ def test_the_audit_script_counts_rewards_given_by_value_only(tmp_path, capsys):
     assert row.startswith("| gtpo/seed_1 | step 1: 1 of 2 rewarded |") and "3 of 4 (75 %)" in row
     with pytest.raises(SystemExit, match="has no rollouts/"):
         mod.main([str(tmp_path)])
+
+
+def test_the_audit_script_compares_the_last_stated_result_with_the_reward(tmp_path, capsys):
+    """The columns for math-verify's last-number reading. Catches reading the first ``= n``
+    instead of the last, taking ``= 3 + 4`` as the stated result 3, and swapping the rewarded
+    and unrewarded counts; a response with no ``= n`` counts in neither."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "audit_number_answers.py"
+    spec = importlib.util.spec_from_file_location("audit_number_answers", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.last_stated_result("2 + 5 = 8, no: 2 + 5 = 7.") == 7.0
+    assert mod.last_stated_result("x = 7 and then y = 3 + 4") == 7.0
+    assert mod.last_stated_result("x = 34 + 1") is None
+    assert mod.last_stated_result("7 - 9 = -2") == -2.0
+    assert mod.last_stated_result("the answer is 7") is None
+    rows = [
+        ("0 + 8 = 9. Adding 0 to 8 is easy.", "8", 1.0),  # rewarded, stated another result
+        ("0 + 8 = 8", "8", 1.0),
+        ("It is 8", "8", 1.0),  # no stated result
+        ("13 + 16 = 29. This adds 13 and 16.", "29", 0.0),  # unrewarded, stated the answer
+        ("13 + 16 = 28", "29", 0.0),
+        ("13 = 13 and then 13 + 16 = 29 + 0 is 30", "29", 0.0),  # last result: 13
+    ]
+    run = tmp_path / "grpo" / "seed_0"
+    (run / "rollouts").mkdir(parents=True)
+    (run / "rollouts" / "step_000001.jsonl").write_text("".join(
+        json.dumps({"step": 1, "response": r, "answer": a, "reward": w}) + "\n"
+        for r, a, w in rows), encoding="utf-8")
+    assert mod.stated(run) == (3, 1, 3, 1)
+    mod.main([str(run)])
+    row = capsys.readouterr().out.splitlines()[-1]
+    assert row.endswith("| 1 of 3 (33 %) | 1 of 3 (33 %) |"), row
