@@ -180,6 +180,7 @@ class PEPORecipe(FTRecipeInterface):
         self.gen_batch_size = g.batch_size
         self.val_every = c.validation.every
         self.val_samples = c.validation.samples
+        self.val_dump = c.validation.dump
         self.save_every = c.save_every
         self.dump_every = c.dump_rollouts_every
         self.resume = c.resume_from_checkpoint
@@ -557,14 +558,22 @@ class PEPORecipe(FTRecipeInterface):
         ``pepo_eval``)."""
         if not self.val_data:
             return float("nan")
-        return avg_at_k(
+        records: Optional[list] = [] if self.val_dump else None
+        acc = avg_at_k(
             self.engine, self.tokenizer, self.val_data, self.val_samples, self.reward_fn,
             generator=eval_generator(self.seed, self._device),
             batch_size=self.gen_batch_size or 256,  # the training rollouts' memory bound too
             stop_tokens=self.stop_tokens, dist=self.dist, **self.gen_kwargs,
             progress=f"validation at step {self.step} (avg@{self.val_samples}, "
-                     f"{len(self.val_data)} prompts)",
+                     f"{len(self.val_data)} prompts)", records=records,
         )
+        if records is not None:  # validation.dump
+            rows = [{"step": self.step, **r}
+                    for part in self.dist.gather_objects(records) for r in part]  # rank order
+            if self.dist.is_main:
+                path = self.output_dir / "val_rollouts" / f"step_{self.step:06d}.jsonl"
+                self._write_diagnostic("validation dump", path, lambda: write_rollouts(path, rows))
+        return acc
 
     # -------------------------------------------------------------- the loop
     def run(self) -> None:

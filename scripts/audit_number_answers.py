@@ -16,7 +16,8 @@ the gold answer: how many rewarded rollouts stated another result (rewarded for 
 number, "0 + 8 = 9 ... adding 0 to 8"), and how many unrewarded ones stated the gold answer and
 then wrote another number ("13 + 16 = 29. This adds 13 and 16."). Responses without such a
 result, or a gold answer that is not a plain number, count in neither. About a second a step on
-2 cores.
+2 cores. ``--validation`` reads the validations' responses instead (``val_rollouts/``, which a
+run writes with ``validation.dump=true``).
 """
 
 from __future__ import annotations
@@ -54,11 +55,11 @@ def _number(answer: object) -> float | None:
         return None
 
 
-def stated(run: Path) -> tuple[int, int, int, int]:
+def stated(run: Path, sub: str = "rollouts") -> tuple[int, int, int, int]:
     """Over all dumped steps of ``run``: ``(rewarded, of which the last stated result is another
     number, unrewarded, of which the last stated result is the gold answer)``."""
     won = won_other = lost = lost_gold = 0
-    for f in sorted((run / "rollouts").glob("step_*.jsonl*")):
+    for f in sorted((run / sub).glob("step_*.jsonl*")):
         for r in _rows(f):
             said, gold = last_stated_result(r["response"]), _number(r["answer"])
             if r["reward"] > 0:
@@ -70,10 +71,10 @@ def stated(run: Path) -> tuple[int, int, int, int]:
     return won, won_other, lost, lost_gold
 
 
-def audit(run: Path) -> list[tuple[int, int, int, int]]:
+def audit(run: Path, sub: str = "rollouts") -> list[tuple[int, int, int, int]]:
     """``(step, rollouts, rewarded, rewarded by value only)`` for each dumped step of ``run``."""
     out = []
-    for f in sorted((run / "rollouts").glob("step_*.jsonl*")):
+    for f in sorted((run / sub).glob("step_*.jsonl*")):
         rows = _rows(f)
         won = [r for r in rows if r["reward"] > 0]
         by_value = sum(math_verify_score(r["response"], str(r["answer"]), number_only=True) == 0
@@ -93,19 +94,23 @@ def _pct(k: int, n: int) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("runs", nargs="+", type=Path, help="run directories (with rollouts/)")
+    ap.add_argument("--validation", action="store_true",
+                    help="the validations' responses (val_rollouts/, written with "
+                         "validation.dump=true) instead of the training rollouts")
     args = ap.parse_args(argv)
+    sub = "val_rollouts" if args.validation else "rollouts"
     print("| run | first step | middle step | last step | all steps | rewarded, stated another "
           "result | unrewarded, stated the answer |")
     print("|---|---|---|---|---:|---:|---:|")
     for run in args.runs:
-        if not (run / "rollouts").is_dir():
-            sys.exit(f"error: {run} has no rollouts/ directory")
-        steps = audit(run)
+        if not (run / sub).is_dir():
+            sys.exit(f"error: {run} has no {sub}/ directory")
+        steps = audit(run, sub)
         if not steps:
             continue
 
         won, by_value = sum(s[2] for s in steps), sum(s[3] for s in steps)
-        _, won_other, lost, lost_gold = stated(run)
+        _, won_other, lost, lost_gold = stated(run, sub)
         name = "/".join(run.resolve().parts[-2:])
         print(f"| {name} | {_cell(steps[0])} | {_cell(steps[(len(steps) - 1) // 2])} | "
               f"{_cell(steps[-1])} | {by_value} of {won} ({_pct(by_value, won)}) | "

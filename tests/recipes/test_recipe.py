@@ -166,6 +166,28 @@ def test_outputs_written(tmp_path, caplog, capsys):
     assert set(row) >= {"prompt", "response", "reward", "advantage", "token_weights"}
 
 
+def test_validation_dump_holds_the_scored_responses(tmp_path):
+    """``validation.dump``: one file per validation with every rollout (4 prompts x 2 samples),
+    whose successes give back the logged accuracy. Catches the key ignored, a dump of the
+    training rollouts instead, and records whose reward is not their response's."""
+    recipe = run(tiny_cfg(tmp_path, num_steps=2,
+                          validation={"every": 2, "samples": 2, "dump": True}))
+    out = tmp_path / "run" / "val_rollouts"
+    assert sorted(f.name for f in out.iterdir()) == ["step_000000.jsonl", "step_000002.jsonl"]
+    accs = {h["step"]: h["val_accuracy"] for h in recipe.history if "val_accuracy" in h}
+    for step in (0, 2):
+        rows = [json.loads(x) for x in (out / f"step_{step:06d}.jsonl").read_text(
+            encoding="utf-8").splitlines()]
+        assert len(rows) == 8 and {r["step"] for r in rows} == {step}
+        assert sorted(r["prompt"] for r in rows) == sorted(
+            p.prompt for p in recipe.val_data for _ in range(2))
+        assert sum(r["success"] for r in rows) / 8 == pytest.approx(accs[step])
+        scored = recipe.reward_fn([r["response"] for r in rows], [r["answer"] for r in rows])
+        assert [r["reward"] for r in rows] == pytest.approx([float(x) for x in scored], rel=1e-6)
+    plain = run(tiny_cfg(tmp_path / "off", num_steps=1, validation={"every": 1, "samples": 1}))
+    assert plain.val_dump is False and not (tmp_path / "off" / "run" / "val_rollouts").exists()
+
+
 def test_nonfinite_steps_are_skipped_then_stop(tmp_path, monkeypatch):
     cfg = tiny_cfg(tmp_path, num_steps=3, max_nonfinite_steps=3)
     recipe = pepo_recipe.PEPORecipe(cfg)

@@ -304,3 +304,13 @@ def test_the_audit_script_compares_the_last_stated_result_with_the_reward(tmp_pa
     mod.main([str(run)])
     row = capsys.readouterr().out.splitlines()[-1]
     assert row.endswith("| 1 of 3 (33 %) | 1 of 3 (33 %) |"), row
+    # --validation reads val_rollouts/ (validation.dump), and only it
+    val = tmp_path / "pepo" / "seed_0"
+    (val / "val_rollouts").mkdir(parents=True)
+    (run / "rollouts" / "step_000001.jsonl").rename(val / "val_rollouts" / "step_000001.jsonl")
+    mod.main(["--validation", str(val)])
+    assert capsys.readouterr().out.splitlines()[-1].endswith("| 1 of 3 (33 %) | 1 of 3 (33 %) |")
+    with pytest.raises(SystemExit, match="has no rollouts/"):
+        mod.main([str(val)])
+    with pytest.raises(SystemExit, match="has no val_rollouts/"):
+        mod.main(["--validation", str(run)])

@@ -56,6 +56,7 @@ def avg_at_k(
     stop_tokens: Optional[Sequence[int]] = None,
     dist: Optional[Any] = None,
     progress: Optional[str] = None,
+    records: Optional[list] = None,
 ) -> float:
     """avg@k of ``problems`` (objects with ``prompt`` and ``answer``), sampled by ``engine``
     (a rollout engine of :mod:`pepo.training.engines`, or a model).
@@ -65,6 +66,8 @@ def avg_at_k(
     ``len(problems) * k`` rollouts and the counts are summed: the same avg@k as one process.
     ``progress``: the label of a progress bar (tqdm, on standard error, removed when done) that
     counts this process's rollouts as they finish, on the main process only; None: no bar.
+    ``records``: a list that receives one dict per rollout of this process, in problem order
+    (``prompt_id``, ``prompt``, ``answer``, ``response``, ``reward``, ``success``).
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
@@ -81,7 +84,7 @@ def avg_at_k(
         bar = tqdm(total=len(mine), desc=progress, unit="rollout", leave=False,
                    dynamic_ncols=True)
     try:
-        _, rewards, _ = sample_and_score(
+        _, rewards, texts = sample_and_score(
             engine, tokenizer, mine, reward_fn,
             stop_tokens=list(tokenizer.stop_tokens if stop_tokens is None else stop_tokens),
             batch_size=batch_size, max_new_tokens=max_new_tokens, temperature=temperature,
@@ -91,7 +94,12 @@ def avg_at_k(
     finally:
         if bar is not None:
             bar.close()
-    correct = is_success(reward_fn, rewards).float().sum().reshape(1)
+    success = is_success(reward_fn, rewards)
+    if records is not None:
+        records.extend({"prompt_id": getattr(p, "id", None), "prompt": p.prompt,
+                        "answer": p.answer, "response": t, "reward": float(r), "success": bool(s)}
+                       for p, t, r, s in zip(mine, texts, rewards.tolist(), success.tolist()))
+    correct = success.float().sum().reshape(1)
     if dist is not None:
         correct = dist.sum(correct)
     return float(correct) / len(rows)

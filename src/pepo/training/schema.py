@@ -151,6 +151,10 @@ class ValidationConfig:
         "precision, samples; another setting is an error naming it), else computed and "
         "written. Runs that differ only in how they train share it: a study's methods of one "
         "seed", role=RUN)
+    dump: bool = key(False, "write each validation's responses, answers and rewards to "
+                     "`val_rollouts/step_NNNNNN.jsonl` (step 0: the validation before training, "
+                     "when it is computed, not read from `before_cache`), so that they can be "
+                     "scored again another way", rule=Bool(), role=RUN)
 
 
 @dataclass
