@@ -240,19 +240,26 @@ def test_number_only_reaches_the_workers():
         assert mv([c[0] for c in cases], [c[1] for c in cases]) == [c[3] for c in cases]
 
 
-def test_the_audit_script_counts_rewards_given_by_value_only(tmp_path, capsys):
-    """``scripts/audit_number_answers.py`` over a run's dumps (one plain, one gzipped step).
-    Catches counting the unrewarded rollouts, counting a correct number as by value, and a step
-    read from the wrong file."""
-    import gzip
+def _audit_script():
+    """``scripts/audit_number_answers.py`` as a module (scripts/ is not a package)."""
     import importlib.util
-    import json
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[2] / "scripts" / "audit_number_answers.py"
     spec = importlib.util.spec_from_file_location("audit_number_answers", script)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_audit_script_counts_rewards_given_by_value_only(tmp_path, capsys):
+    """``scripts/audit_number_answers.py`` over a run's dumps (one plain, one gzipped step).
+    Catches counting the unrewarded rollouts, counting a correct number as by value, and a step
+    read from the wrong file."""
+    import gzip
+    import json
+
+    mod = _audit_script()
     run = tmp_path / "gtpo" / "seed_1"
     (run / "rollouts").mkdir(parents=True)
     step1 = [("9 + 9 = ?", "18", 1.0), ("9 + 9 = 18", "18", 1.0), ("9 + 9 = ?", "18", 0.0)]
@@ -274,14 +281,9 @@ def test_the_audit_script_compares_the_last_stated_result_with_the_reward(tmp_pa
     """The columns for math-verify's last-number reading. Catches reading the first ``= n``
     instead of the last, taking ``= 3 + 4`` as the stated result 3, and swapping the rewarded
     and unrewarded counts; a response with no ``= n`` counts in neither."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parents[2] / "scripts" / "audit_number_answers.py"
-    spec = importlib.util.spec_from_file_location("audit_number_answers", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _audit_script()
     assert mod.last_stated_result("2 + 5 = 8, no: 2 + 5 = 7.") == 7.0
     assert mod.last_stated_result("x = 7 and then y = 3 + 4") == 7.0
     assert mod.last_stated_result("x = 34 + 1") is None
