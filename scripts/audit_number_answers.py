@@ -23,36 +23,13 @@ run writes with ``validation.dump=true``).
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
-import re
 import sys
 from pathlib import Path
 
+from pepo.study.rescore import gold_number, last_stated_result, read_rows
 from pepo.tasks.rewards import math_verify_score
 
-
-def _rows(path: Path) -> list[dict]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-# "= 29" ends a stated result; "= 3 + 4" does not (an operator follows the number).
-_STATED = re.compile(r"=\s*\$?\s*(-?\d+(?:\.\d+)?)(?![\d.]*\s*[-+*/×÷^])")
-
-
-def last_stated_result(response: str) -> float | None:
-    """The number of the response's last ``= n`` that ends an equation, or None."""
-    found = _STATED.findall(response)
-    return float(found[-1]) if found else None
-
-
-def _number(answer: object) -> float | None:
-    try:
-        return float(str(answer))
-    except ValueError:
-        return None
+__all__ = ["audit", "last_stated_result", "stated"]
 
 
 def stated(run: Path, sub: str = "rollouts") -> tuple[int, int, int, int]:
@@ -60,8 +37,8 @@ def stated(run: Path, sub: str = "rollouts") -> tuple[int, int, int, int]:
     number, unrewarded, of which the last stated result is the gold answer)``."""
     won = won_other = lost = lost_gold = 0
     for f in sorted((run / sub).glob("step_*.jsonl*")):
-        for r in _rows(f):
-            said, gold = last_stated_result(r["response"]), _number(r["answer"])
+        for r in read_rows(f):
+            said, gold = last_stated_result(r["response"]), gold_number(r["answer"])
             if r["reward"] > 0:
                 won += 1
                 won_other += said is not None and gold is not None and said != gold
@@ -75,7 +52,7 @@ def audit(run: Path, sub: str = "rollouts") -> list[tuple[int, int, int, int]]:
     """``(step, rollouts, rewarded, rewarded by value only)`` for each dumped step of ``run``."""
     out = []
     for f in sorted((run / sub).glob("step_*.jsonl*")):
-        rows = _rows(f)
+        rows = read_rows(f)
         won = [r for r in rows if r["reward"] > 0]
         by_value = sum(math_verify_score(r["response"], str(r["answer"]), number_only=True) == 0
                        for r in won)

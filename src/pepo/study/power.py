@@ -114,6 +114,7 @@ def forest_plot(comps: dict[str, dict[str, Any]], base_label: str, path: Path,
         ax.plot([100 * v["mean"]], [y], "o", color="tab:blue")
         ax.text(100 * v["hi"], y + 0.15, f" n={v['n']}", fontsize=8, va="bottom")
     ax.axvline(0.0, color="black", lw=0.8)
+    ax.set_ylim(-0.7, len(rows) - 0.3)  # room for the labels above one row, too
     ax.set_yticks(range(len(rows)), [k for k, _ in reversed(rows)])
     level = 100 * (1 - rows[0][1]["alpha"]) if rows else 95
     ax.set_xlabel(f"final validation accuracy − {base_label}, points "
@@ -163,7 +164,7 @@ def report(results: list[dict], base_label: str, labels: Sequence[str], out: Pat
              f"wins/ties/losses | resolvable Δ |", "|---|---:|---:|---:|---|---:|---:|---:|"]
 
     def acc(label: str, key: str) -> str:
-        xs = [r[key] for r in results if r["method"] == label]
+        xs = [r[key] for r in results if r["method"] == label and r.get(key) is not None]
         if not xs:
             return "–"
         return (f"{100 * statistics.fmean(xs):.1f} ± {100 * statistics.stdev(xs):.1f}"

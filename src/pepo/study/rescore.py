@@ -1,0 +1,98 @@
+"""A second scoring of a run's validation: by the result each response states, not by the last
+number it writes.
+
+With no anchor ("answer:", ``\\boxed{}``) math-verify takes the last number a response writes as
+its answer (GSM8K's "flexible extract"), wherever it stands: "0 + 8 = 9 ... adding 0 to 8" is
+rewarded for the stray 8, and "13 + 16 = 29. This adds 13 and 16." is not. A method that ends its
+responses on the number loses less to this reading than one that explains after the result, so a
+difference between methods can come from where they put the answer. This module scores each
+validation response a second way: where the response states a result (its last ``= n`` not
+followed by an operator), that result decides; where it states none, the verifier's verdict
+stands. ``validation.dump: true`` keeps the responses this reads (``val_rollouts/``).
+
+    python -m pepo.study.rescore RUN_DIR [RUN_DIR ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+from pathlib import Path
+from typing import Optional, Sequence
+
+__all__ = ["last_stated_result", "gold_number", "stated_success", "read_rows",
+           "validation_curve"]
+
+# "= 29" ends a stated result; "= 3 + 4" does not (an operator follows the number).
+_STATED = re.compile(r"=\s*\$?\s*(-?\d+(?:\.\d+)?)(?![\d.]*\s*[-+*/×÷^])")
+
+
+def last_stated_result(response: str) -> Optional[float]:
+    """The number of the response's last ``= n`` that ends an equation, or None."""
+    found = _STATED.findall(response)
+    return float(found[-1]) if found else None
+
+
+def gold_number(answer: object) -> Optional[float]:
+    """The gold answer as a number, or None when it is not a plain number."""
+    try:
+        return float(str(answer))
+    except ValueError:
+        return None
+
+
+def stated_success(response: str, answer: object, success: bool) -> bool:
+    """The response's stated result against the gold answer; ``success`` (the verifier's) where
+    either is not a number."""
+    said, gold = last_stated_result(response), gold_number(answer)
+    if said is None or gold is None:
+        return bool(success)
+    return said == gold
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The rows of one dump (``.jsonl`` or ``.jsonl.gz``)."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def validation_curve(run: Path) -> Optional[list[list[float]]]:
+    """``[[step, accuracy by the verifier, accuracy by the stated result, responses], ...]`` for
+    each validation the run dumped (``run/val_rollouts/step_*.jsonl``), by step; None when it
+    dumped none."""
+    files = sorted((Path(run) / "val_rollouts").glob("step_*.jsonl*"))
+    curve = []
+    for f in files:
+        rows = read_rows(f)
+        if not rows:
+            continue
+        n = len(rows)
+        verifier = sum(bool(r["success"]) for r in rows) / n
+        stated = sum(stated_success(r["response"], r["answer"], r["success"]) for r in rows) / n
+        curve.append([int(rows[0]["step"]), verifier, stated, n])
+    return sorted(curve) or None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("runs", nargs="+", type=Path,
+                    help="run directories with val_rollouts/ (validation.dump=true)")
+    args = ap.parse_args(argv)
+    print("| run | step | responses | verifier, % | stated result, % | difference, points |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for run in args.runs:
+        curve = validation_curve(run)
+        if curve is None:
+            raise SystemExit(f"error: {run} has no validation dumps (val_rollouts/step_*.jsonl); "
+                             f"run it with validation.dump=true")
+        name = "/".join(run.resolve().parts[-2:])
+        for step, verifier, stated, n in curve:
+            print(f"| {name} | {step} | {n} | {100 * verifier:.1f} | {100 * stated:.1f} | "
+                  f"{100 * (stated - verifier):+.1f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""The second scoring of the validations (``pepo.study.rescore``) and its section of the
+real-model study's report."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+
+def _dump(path, step, rows, gz=False):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps({"step": step, "prompt_id": f"p{i}", "response": r, "answer": a,
+                               "reward": 1.0 if s else 0.1, "success": s}) + "\n"
+                   for i, (r, a, s) in enumerate(rows))
+    if gz:
+        with gzip.open(path, "wt", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        path.write_text(text, encoding="utf-8")
+
+
+def test_stated_success_lets_the_stated_result_decide_and_falls_back_to_the_verifier():
+    """Catches the first ``= n`` read instead of the last, ``= 3 + 4`` read as the result 3, and
+    a response that states no result scored as a failure (or a success) instead of by the
+    verifier's verdict."""
+    from pepo.study.rescore import last_stated_result, stated_success
+
+    assert last_stated_result("2 + 5 = 8, no: 2 + 5 = 7.") == 7.0
+    assert last_stated_result("x = 7 and then y = 3 + 4") == 7.0
+    assert last_stated_result("7 - 9 = -2") == -2.0
+    assert last_stated_result("the answer is 7") is None
+    assert stated_success("0 + 8 = 9. Adding 0 to 8 is easy.", "8", True) is False
+    assert stated_success("13 + 16 = 29. This adds 13 and 16.", "29", False) is True
+    assert stated_success("It is 8", "8", True) is True
+    assert stated_success("It is 9", "8", False) is False
+    assert stated_success("x = 2", "1/2", True) is True  # gold not a plain number: the verifier
+
+
+def test_validation_curve_counts_each_dumped_validation_by_step(tmp_path):
+    """Two validations (one gzipped, written in the other order): accuracy by the verifier (the
+    dump's ``success``) and by the stated result, per step. Catches the ``reward`` read instead
+    of ``success``, the steps mixed up, and a run without dumps given a curve."""
+    from pepo.study.rescore import main, validation_curve
+
+    run = tmp_path / "pepo" / "seed_2"
+    _dump(run / "val_rollouts" / "step_000016.jsonl.gz", 16, [
+        ("0 + 8 = 9. Adding 0 to 8.", "8", True),  # verifier yes, stated no
+        ("13 + 16 = 29. This adds 13 and 16.", "29", False),  # verifier no, stated yes
+        ("13 + 16 = 29", "29", True),
+        ("It is 30", "29", False),
+    ], gz=True)
+    _dump(run / "val_rollouts" / "step_000000.jsonl", 0, [
+        ("1 + 1 = 2", "2", True), ("1 + 1 = 3. So 2.", "2", True), ("no idea", "2", False),
+    ])
+    curve = validation_curve(run)
+    assert curve == [[0, pytest.approx(2 / 3), pytest.approx(1 / 3), 3], [16, 0.5, 0.5, 4]]
+    (run.parent / "seed_3").mkdir()
+    assert validation_curve(run.parent / "seed_3") is None
+    with pytest.raises(SystemExit, match="seed_3 has no validation dumps"):
+        main([str(run.parent / "seed_3")])
+
+
+def test_the_report_pairs_the_rescored_runs_by_seed(tmp_path):
+    """The report's section: each method against GRPO with the final accuracy by the stated
+    result, ``before`` from the seed's step-0 dump. Catches the verifier's accuracy reported
+    instead, a run whose dump is not its last validation kept, and a method with one paired
+    seed given an interval."""
+    from pepo.study import compare, power
+
+    def r(method, seed, after, stated, before=None):
+        curve = ([[0, 0.2, before, 418]] if before is not None else []) + [
+            [16, after, stated, 418]]
+        return {"task": "smollm2_steps", "mode": "group", "method": method, "seed": seed,
+                "val_before": 0.2, "val_after": after, "val_curve": [[0, 0.2], [16, after]],
+                "stated_curve": curve}
+
+    rows = [r("GRPO", s, 0.40 + 0.01 * s, 0.45 + 0.02 * s, before=0.25) for s in range(3)]
+    rows += [r("PEPO", s, 0.50 + 0.01 * s, 0.48 + 0.01 * s * s) for s in range(3)]
+    rows.append(r("PEPO", 3, 0.5, 0.9))  # no GRPO on seed 3: not paired
+    bad = r("GTPO", 0, 0.5, 0.6)
+    bad["stated_curve"][-1][1] = 0.49  # its dump does not give its logged accuracy
+    rows += [bad, r("GTPO", 1, 0.5, 0.6)]
+    scored = compare.stated_results(rows)
+    assert ("GTPO", 0) not in {(x["method"], x["seed"]) for x in scored}
+    assert {x["val_before"] for x in scored if x["seed"] < 3} == {0.25}
+    text = compare.stated_section("smollm2_steps", rows, ["GRPO", "PEPO", "GTPO"],
+                                  tmp_path / "stated")
+    v = power.comparisons(scored, "GRPO", ["PEPO"])["PEPO"]
+    d = [0.48 - 0.45, 0.49 - 0.47, 0.52 - 0.49]
+    assert v["mean"] == pytest.approx(sum(d) / 3, abs=1e-12)
+    line = next(x for x in text.splitlines() if x.startswith("| PEPO |"))
+    assert f"{100 * v['mean']:+.1f} [{100 * v['lo']:+.1f}, {100 * v['hi']:+.1f}]" in line
+    assert "| GTPO |" not in text  # one paired seed
+    assert "| GRPO | 3 | 25.0 ± 0.0 | 47.0 ± 2.0 |" in text
+    assert (tmp_path / "stated" / "forest.png").is_file()
+    assert compare.stated_section("smollm2_steps", rows[:3], ["GRPO", "PEPO"], tmp_path) is None
