@@ -65,7 +65,7 @@ def test_validation_curve_counts_each_dumped_validation_by_step(tmp_path):
 def test_the_report_pairs_the_rescored_runs_by_seed(tmp_path):
     """The report's section: each method against GRPO with the final accuracy by the stated
     result, ``before`` from the seed's step-0 dump. Catches the verifier's accuracy reported
-    instead, a run whose dump is not its last validation kept, and a method with one paired
+    instead, a run whose dump is not its last validation kept, a method with one paired
     seed given an interval."""
     from pepo.study import compare, power
 
@@ -87,12 +87,13 @@ def test_the_report_pairs_the_rescored_runs_by_seed(tmp_path):
     assert {x["val_before"] for x in scored if x["seed"] < 3} == {0.25}
     text = compare.stated_section("smollm2_steps", rows, ["GRPO", "PEPO", "GTPO"],
                                   tmp_path / "stated")
-    v = power.comparisons(scored, "GRPO", ["PEPO"])["PEPO"]
+    v = power.comparisons(scored, "GRPO", ["PEPO", "GTPO"])["PEPO"]  # one family of 2
     d = [0.48 - 0.45, 0.49 - 0.47, 0.52 - 0.49]
     assert v["mean"] == pytest.approx(sum(d) / 3, abs=1e-12)
     line = next(x for x in text.splitlines() if x.startswith("| PEPO |"))
     assert f"{100 * v['mean']:+.1f} [{100 * v['lo']:+.1f}, {100 * v['hi']:+.1f}]" in line
-    assert "| GTPO |" not in text  # one paired seed
+    assert "| GTPO | 1 | 25.0 | 60.0 | (1 paired seed(s)) |" in text  # no interval from one seed
+    assert "p (Holm, 2 comparisons)" in text
     assert "| GRPO | 3 | 25.0 ± 0.0 | 47.0 ± 2.0 |" in text
     assert (tmp_path / "stated" / "forest.png").is_file()
     assert compare.stated_section("smollm2_steps", rows[:3], ["GRPO", "PEPO"], tmp_path) is None

@@ -160,8 +160,9 @@ def report(results: list[dict], base_label: str, labels: Sequence[str], out: Pat
     comps = comparisons(results, base_label, labels, alpha, power)
     m = len(labels)
     lines = [f"| method | seeds | before | after | Δ vs {base_label}, points "
-             f"[{100 * (1 - alpha):.0f}% simultaneous CI] | p (Holm, {m} comparisons) | "
-             f"wins/ties/losses | resolvable Δ |", "|---|---:|---:|---:|---|---:|---:|---:|"]
+             f"[{100 * (1 - alpha):.0f}% simultaneous CI] | "
+             f"p (Holm, {m} comparison{'s' * (m > 1)}) | wins/ties/losses | resolvable Δ |",
+             "|---|---:|---:|---:|---|---:|---:|---:|"]
 
     def acc(label: str, key: str) -> str:
         xs = [r[key] for r in results if r["method"] == label and r.get(key) is not None]
