@@ -67,7 +67,7 @@ def test_the_report_pairs_the_rescored_runs_by_seed(tmp_path):
     result, ``before`` from the seed's step-0 dump. Catches the verifier's accuracy reported
     instead, a run whose dump is not its last validation kept, a method with one paired
     seed given an interval."""
-    from pepo.study import compare, power
+    from pepo.study import power, rescore
 
     def r(method, seed, after, stated, before=None):
         curve = ([[0, 0.2, before, 418]] if before is not None else []) + [
@@ -82,10 +82,10 @@ def test_the_report_pairs_the_rescored_runs_by_seed(tmp_path):
     bad = r("GTPO", 0, 0.5, 0.6)
     bad["stated_curve"][-1][1] = 0.49  # its dump does not give its logged accuracy
     rows += [bad, r("GTPO", 1, 0.5, 0.6)]
-    scored = compare.stated_results(rows)
+    scored = rescore.stated_results(rows)
     assert ("GTPO", 0) not in {(x["method"], x["seed"]) for x in scored}
     assert {x["val_before"] for x in scored if x["seed"] < 3} == {0.25}
-    text = compare.stated_section("smollm2_steps", rows, ["GRPO", "PEPO", "GTPO"],
+    text = rescore.stated_section("smollm2_steps", rows, ["GRPO", "PEPO", "GTPO"],
                                   tmp_path / "stated")
     v = power.comparisons(scored, "GRPO", ["PEPO", "GTPO"])["PEPO"]  # one family of 2
     d = [0.48 - 0.45, 0.49 - 0.47, 0.52 - 0.49]
@@ -96,4 +96,4 @@ def test_the_report_pairs_the_rescored_runs_by_seed(tmp_path):
     assert "p (Holm, 2 comparisons)" in text
     assert "| GRPO | 3 | 25.0 ± 0.0 | 47.0 ± 2.0 |" in text
     assert (tmp_path / "stated" / "forest.png").is_file()
-    assert compare.stated_section("smollm2_steps", rows[:3], ["GRPO", "PEPO"], tmp_path) is None
+    assert rescore.stated_section("smollm2_steps", rows[:3], ["GRPO", "PEPO"], tmp_path) is None

@@ -19,11 +19,12 @@ import argparse
 import gzip
 import json
 import re
+import statistics
 from pathlib import Path
 from typing import Optional, Sequence
 
 __all__ = ["last_stated_result", "gold_number", "stated_success", "read_rows",
-           "validation_curve"]
+           "validation_curve", "stated_results", "stated_section"]
 
 # "= 29" ends a stated result; "= 3 + 4" does not (an operator follows the number).
 _STATED = re.compile(r"=\s*\$?\s*(-?\d+(?:\.\d+)?)(?![\d.]*\s*[-+*/×÷^])")
@@ -74,6 +75,46 @@ def validation_curve(run: Path) -> Optional[list[list[float]]]:
         stated = sum(stated_success(r["response"], r["answer"], r["success"]) for r in rows) / n
         curve.append([int(rows[0]["step"]), verifier, stated, n])
     return sorted(curve) or None
+
+
+def stated_results(rows: list[dict]) -> list[dict]:
+    """The runs whose last validation was dumped, with ``val_after`` (and ``val_before``, from
+    any run of the seed that dumped step 0: the warm start is the same for every method of a
+    seed) scored by the stated result (:mod:`pepo.study.rescore`). A run whose dumped last
+    validation does not give its logged accuracy is left out: the dump is not that run's."""
+    before = {r["seed"]: c[0][2] for r in rows if (c := r.get("stated_curve")) and c[0][0] == 0}
+    out = []
+    for r in rows:
+        c = r.get("stated_curve")
+        if not c or c[-1][0] != r["val_curve"][-1][0] or abs(c[-1][1] - r["val_after"]) > 1e-9:
+            continue
+        out.append({**r, "val_before": before.get(r["seed"]), "val_after": c[-1][2]})
+    return out
+
+
+def stated_section(task: str, rows: list[dict], labels: list[str], dest: Path) -> Optional[str]:
+    """Each method against GRPO with every validation response scored by the result it
+    states (:mod:`pepo.study.rescore`), over the runs that kept their responses; None when
+    no method has 2 seeds paired with GRPO. The methods that kept responses are corrected as one
+    family, as in the main table."""
+    from pepo.study import power  # scipy: only the study's report needs it
+
+    scored = stated_results(rows)
+    base = {r["seed"] for r in scored if r["method"] == labels[0]}
+    found = [k for k in labels[1:] if any(r["method"] == k for r in scored)]
+    if not any(sum(r["method"] == k and r["seed"] in base for r in scored) >= 2 for k in found):
+        return None
+    shift = [r["stated_curve"][-1][2] - r["stated_curve"][-1][1] for r in scored]
+    return (f"### {task}: scored by the result each response states\n\n"
+            "math-verify reads the last number a free-text response writes as its answer. "
+            "Here each validation response whose last `= n` states a result is scored by that "
+            "result instead (the verifier's verdict stands where it states none: "
+            "`pepo.study.rescore`), over the runs that kept their validation responses "
+            f"(`validation.dump`). The second scoring moves a run's final accuracy by "
+            f"{100 * min(shift):+.1f} to {100 * max(shift):+.1f} points "
+            f"(mean {100 * statistics.fmean(shift):+.1f}).\n\n"
+            + power.report(scored, labels[0], found, dest, f"images/{task}_study/stated",
+                           f"{task}: methods - GRPO, scored by the stated result"))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
