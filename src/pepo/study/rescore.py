@@ -80,7 +80,7 @@ def validation_curve(run: Path) -> Optional[list[list[float]]]:
 def stated_results(rows: list[dict]) -> list[dict]:
     """The runs whose last validation was dumped, with ``val_after`` (and ``val_before``, from
     any run of the seed that dumped step 0: the warm start is the same for every method of a
-    seed) scored by the stated result (:mod:`pepo.study.rescore`). A run whose dumped last
+    seed) scored by the stated result (:func:`stated_success`). A run whose dumped last
     validation does not give its logged accuracy is left out: the dump is not that run's."""
     before = {r["seed"]: c[0][2] for r in rows if (c := r.get("stated_curve")) and c[0][0] == 0}
     out = []
@@ -94,7 +94,7 @@ def stated_results(rows: list[dict]) -> list[dict]:
 
 def stated_section(task: str, rows: list[dict], labels: list[str], dest: Path) -> Optional[str]:
     """Each method against GRPO with every validation response scored by the result it
-    states (:mod:`pepo.study.rescore`), over the runs that kept their responses; None when
+    states (:func:`stated_success`), over the runs that kept their responses; None when
     no method has 2 seeds paired with GRPO. The methods that kept responses are corrected as one
     family, as in the main table."""
     from pepo.study import power  # scipy: only the study's report needs it
