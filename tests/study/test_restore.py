@@ -1,0 +1,150 @@
+"""Putting a study's published per-run results back under a study directory
+(``pepo.study.restore``), so that ``pepo.study.compare`` goes on from them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+def _result(method, seed, after):
+    return {"task": "smollm2_steps", "mode": "group", "method": method, "seed": seed,
+            "val_curve": [[0, 0.2], [16, after]], "val_before": 0.2, "val_after": after,
+            "val_k": 2, "val_problems": 209, "num_steps": 16,
+            "len_curve": [[1, 80.0], [16, 20.0]], "stated_curve": [[0, 0.2, 0.25, 418]],
+            "checkpoint": "/somewhere/checkpoints/step_16"}
+
+
+def _publish(folder, rows):
+    from pepo.study.compare import slug
+    from pepo.study.power import write_result
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for r in rows:
+        write_result(r, folder / f"{slug(r['method'])}_seed_{r['seed']}.json")
+
+
+def test_restored_results_are_the_runs_compare_reads_back(tmp_path):
+    """Catches a result written under the label instead of compare's directory name (the
+    ``80/20, proximal score`` slug), under the wrong seed, or changed on the way (a key dropped):
+    compare would train those runs again."""
+    from pepo.study.compare import run_dir, saved_result
+    from pepo.study.restore import restore
+
+    rows = [_result("GRPO", 0, 0.45), _result("80/20, proximal score", 3, 0.31),
+            _result("PEPO", 1, 0.50)]
+    _publish(tmp_path / "results", rows)
+    out = tmp_path / "study"
+    assert restore(tmp_path / "results", out) == (3, 0)
+    for r in rows:
+        published = {k: v for k, v in r.items() if k != "checkpoint"}
+        assert saved_result(run_dir(out, r["task"], "group", r["method"], r["seed"])) == published
+    assert saved_result(run_dir(out, "smollm2_steps", "group", "PEPO", 0)) is None
+    assert not list(out.rglob("*.tmp"))
+    # a second call finds them there and writes nothing
+    assert restore(tmp_path / "results", out) == (0, 3)
+
+
+def test_a_different_result_already_there_is_kept_and_named(tmp_path):
+    """Catches a restore that overwrites a run finished on this machine with the published one
+    (work lost) or passes over the disagreement in silence."""
+    from pepo.study.compare import run_dir
+    from pepo.study.restore import restore
+
+    _publish(tmp_path / "results", [_result("GTPO", 2, 0.40)])
+    d = run_dir(tmp_path / "study", "smollm2_steps", "group", "GTPO", 2)
+    d.mkdir(parents=True)
+    mine = _result("GTPO", 2, 0.41)
+    (d / "result.json").write_text(json.dumps(mine), encoding="utf-8")
+    with pytest.raises(ValueError, match="another result for GTPO seed 2"):
+        restore(tmp_path / "results", tmp_path / "study")
+    assert json.loads((d / "result.json").read_text(encoding="utf-8")) == mine
+
+
+def test_bad_files_are_named_and_nothing_is_written(tmp_path):
+    """Catches an unknown method label restored to a directory compare never reads (the run
+    trained again in silence), a file without the keys compare reads, and a bad file found
+    after the good ones were already written."""
+    from pepo.study.restore import main, restore
+
+    _publish(tmp_path / "results", [_result("GRPO", 0, 0.45), _result("PEPO, W = 7", 0, 0.5)])
+    out = tmp_path / "study"
+    with pytest.raises(ValueError, match=r"method 'PEPO, W = 7' is not one of mode 'group'"):
+        restore(tmp_path / "results", out)
+    assert not out.exists()
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    r = _result("GRPO", 0, 0.45)
+    del r["val_after"]
+    (bad / "grpo_seed_0.json").write_text(json.dumps(r), encoding="utf-8")
+    with pytest.raises(ValueError, match="grpo_seed_0.json: not a result JSON, missing val_after"):
+        restore(bad, out)
+    (bad / "grpo_seed_0.json").write_text("[1, 2]", encoding="utf-8")
+    with pytest.raises(ValueError, match="not a result JSON"):
+        restore(bad, out)
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="no result JSONs"):
+        main([str(tmp_path / "empty"), "--out", str(out)])
+    with pytest.raises(SystemExit, match="is not a folder"):
+        main([str(tmp_path / "nowhere"), "--out", str(out)])
+
+
+def test_a_restored_study_gives_the_same_mechanism_tables(tmp_path):
+    """The published dumps go back to the runs they came from: the mechanism tables computed
+    from the restored directory equal the published ones. Catches a dump restored gzipped
+    (compare reads ``step_N.jsonl``), under another method, seed or step, or not at all; and
+    a restore that leaves the dumps out when given the study's folder."""
+    from pepo.study.compare import mechanism_sections, run_dir
+    from pepo.study.power import write_result
+    from pepo.study.restore import main
+    from tests.study.test_analysis import trend_and_shift, write_dump
+
+    out, docs = tmp_path / "runs", tmp_path / "docs"
+    rows = []
+    for seed in (0, 1):
+        for method in ("GRPO", "PEPO"):
+            r = {**_result(method, seed, 0.3), "num_steps": 3}
+            rows.append(r)
+            d = run_dir(out, "smollm2_steps", "group", method, seed) / "rollouts"
+            rewards = [1.0 if i % 8 < (3 if i < 8 else 8) else 0.0 for i in range(16)]
+            for step in (1, 3):
+                write_dump(d / f"step_{step:06d}.jsonl",
+                           trend_and_shift(n=16, T=60, seed=10 * seed + step).tolist(), rewards,
+                           [f"p{i // 8}" for i in range(16)])
+    published = mechanism_sections("smollm2_steps", rows, out, docs)
+    study = docs / "images" / "smollm2_steps_study"
+    (study / "results").mkdir(parents=True)
+    for r in rows:
+        write_result(r, study / "results" / f"{r['method'].lower()}_seed_{r['seed']}.json")
+
+    again = tmp_path / "again"
+    main([str(study), "--out", str(again)])
+    pepo3 = run_dir(again, "smollm2_steps", "group", "PEPO", 1) / "rollouts" / "step_000003.jsonl"
+    original = run_dir(out, "smollm2_steps", "group", "PEPO", 1) / "rollouts" / "step_000003.jsonl"
+    assert pepo3.read_bytes() == original.read_bytes()
+    # step 1 is published once per seed (GRPO's), so only those come back
+    assert sorted(p.relative_to(again).as_posix() for p in again.rglob("step_*.jsonl")) == [
+        f"smollm2_steps/group/{m}/seed_{s}/rollouts/step_{n:06d}.jsonl"
+        for m, s, n in [("grpo", 0, 1), ("grpo", 0, 3), ("grpo", 1, 1), ("grpo", 1, 3),
+                        ("pepo", 0, 3), ("pepo", 1, 3)]]
+    assert mechanism_sections("smollm2_steps", rows, again, tmp_path / "docs2") == published
+
+
+def test_a_dump_of_an_unknown_method_is_named(tmp_path):
+    """Catches a dump whose name does not parse, or names no method, restored somewhere
+    compare never reads, and the good dumps before it written all the same."""
+    import gzip
+
+    from pepo.study.restore import restore_dumps
+
+    d = tmp_path / "mechanism" / "before" / "rollouts"
+    d.mkdir(parents=True)
+    for name in ("grpo_seed_0_step_000001.jsonl.gz", "ppo_seed_0_step_000001.jsonl.gz"):
+        with gzip.open(d / name, "wt", encoding="utf-8") as f:
+            f.write("{}\n")
+    with pytest.raises(ValueError, match="ppo_seed_0_step_000001.jsonl.gz: not a published dump"):
+        restore_dumps(tmp_path / "mechanism", tmp_path / "out", "smollm2_steps")
+    assert not (tmp_path / "out").exists()
