@@ -48,11 +48,11 @@ def test_restored_results_are_the_runs_compare_reads_back(tmp_path):
 
 def test_a_different_result_already_there_is_kept_and_named(tmp_path):
     """Catches a restore that overwrites a run finished on this machine with the published one
-    (work lost) or passes over the disagreement in silence."""
+    (work lost), passes over the disagreement in silence, or stops half-way through."""
     from pepo.study.compare import run_dir
     from pepo.study.restore import restore
 
-    _publish(tmp_path / "results", [_result("GTPO", 2, 0.40)])
+    _publish(tmp_path / "results", [_result("GTPO", 2, 0.40), _result("GRPO", 2, 0.44)])
     d = run_dir(tmp_path / "study", "smollm2_steps", "group", "GTPO", 2)
     d.mkdir(parents=True)
     mine = _result("GTPO", 2, 0.41)
@@ -60,6 +60,8 @@ def test_a_different_result_already_there_is_kept_and_named(tmp_path):
     with pytest.raises(ValueError, match="another result for GTPO seed 2"):
         restore(tmp_path / "results", tmp_path / "study")
     assert json.loads((d / "result.json").read_text(encoding="utf-8")) == mine
+    # nothing else was written either: the disagreement is settled before any write
+    assert not run_dir(tmp_path / "study", "smollm2_steps", "group", "GRPO", 2).exists()
 
 
 def test_bad_files_are_named_and_nothing_is_written(tmp_path):

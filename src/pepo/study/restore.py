@@ -25,7 +25,7 @@ import shutil
 from pathlib import Path
 from typing import Optional, Sequence
 
-from pepo.study.compare import methods, run_dir, saved_result, slug
+from pepo.study.compare import METHODS, methods, run_dir, saved_result, slug
 
 REQUIRED = ("task", "mode", "method", "seed", "val_curve", "val_before", "val_after")
 DUMP = re.compile(r"(?P<method>.+)_seed_(?P<seed>[0-9]+)_(?P<step>step_[0-9]+)\.jsonl\.gz")
@@ -42,8 +42,7 @@ def read_published(path: Path) -> dict:
     missing = [k for k in REQUIRED if k not in r]
     if missing:
         raise ValueError(f"{path}: not a result JSON, missing {', '.join(missing)}")
-    known = [label for label, _ in methods(r["mode"])] if r["mode"] in ("group", "single_stream") \
-        else []
+    known = [label for label, _ in methods(r["mode"])] if r["mode"] in METHODS else []
     if r["method"] not in known:
         raise ValueError(f"{path}: method {r['method']!r} is not one of mode {r['mode']!r}'s: "
                          f"{', '.join(known) or 'none (unknown mode)'}")
@@ -57,23 +56,23 @@ def restore(results: Path, out: Path) -> tuple[int, int]:
     if not files:
         raise ValueError(f"{results}: no result JSONs (*.json) there")
     rows = [(f, read_published(f)) for f in files]  # every file checked before any is written
-    written = kept = 0
+    todo, kept = [], 0
     for f, r in rows:
         d = run_dir(out, r["task"], r["mode"], r["method"], int(r["seed"]))
         saved = saved_result(d)
-        if saved is not None:
-            same = {k: saved.get(k) for k in REQUIRED} == {k: r[k] for k in REQUIRED}
-            if not same:
-                raise ValueError(f"{d / 'result.json'} holds another result for {r['method']} "
-                                 f"seed {r['seed']} than {f}: left as it is")
+        if saved is None:
+            todo.append((d, r))
+        elif {k: saved.get(k) for k in REQUIRED} == {k: r[k] for k in REQUIRED}:
             kept += 1
-            continue
+        else:
+            raise ValueError(f"{d / 'result.json'} holds another result for {r['method']} "
+                             f"seed {r['seed']} than {f}: left as it is")
+    for d, r in todo:
         d.mkdir(parents=True, exist_ok=True)
         tmp = d / "result.json.tmp"
         tmp.write_text(json.dumps(r, indent=2), encoding="utf-8")
         os.replace(tmp, d / "result.json")  # whole or absent, as compare writes it
-        written += 1
-    return written, kept
+    return len(todo), kept
 
 
 def restore_dumps(mechanism: Path, out: Path, task: str) -> tuple[int, int]:
