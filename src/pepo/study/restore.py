@@ -78,15 +78,15 @@ def restore(results: Path, out: Path) -> tuple[int, int]:
 def restore_dumps(mechanism: Path, out: Path, task: str) -> tuple[int, int]:
     """Writes every published dump under ``mechanism/*/rollouts`` back as its run's
     ``rollouts/step_N.jsonl`` (the run of method ``group``); returns (written, already there)."""
-    slugs = {slug(label) for label, _ in methods("group")}
+    labels = {slug(label): label for label, _ in methods("group")}
     found = [(f, DUMP.fullmatch(f.name)) for f in sorted(mechanism.glob("*/rollouts/*.jsonl.gz"))]
     for f, m in found:  # every name checked before any dump is written
-        if m is None or m["method"] not in slugs:
+        if m is None or m["method"] not in labels:
             raise ValueError(f"{f}: not a published dump (<method>_seed_<n>_step_N.jsonl.gz "
                              f"of a method of mode 'group')")
     written = kept = 0
     for f, m in found:
-        d = out / task / "group" / m["method"] / f"seed_{m['seed']}" / "rollouts"
+        d = run_dir(out, task, "group", labels[m["method"]], int(m["seed"])) / "rollouts"
         dest = d / f"{m['step']}.jsonl"
         if dest.is_file() or dest.with_suffix(".jsonl.gz").is_file():
             kept += 1
