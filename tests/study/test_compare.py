@@ -361,3 +361,49 @@ def test_the_reported_command_can_be_pasted(study):
     assert cmd == ("python -m pepo.study.compare --tasks smollm2_steps --methods "
                    "'80/20, proximal score' GTPO")
     assert shlex.split(cmd)[5:] == ["--methods", "80/20, proximal score", "GTPO"]
+
+
+def test_a_terminated_study_takes_its_training_run_with_it(tmp_path):
+    """``kill`` (SIGTERM: a scheduler's, a stop script's) of a running study ends the recipe run
+    it started too, instead of leaving an orphan that trains on with nobody to record its
+    result. Catches the default SIGTERM action (the study dies, its child lives on). The recipe
+    is replaced by a stand-in that writes its pid and sleeps."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "pepo_recipe.py").write_text(
+        "import os, pathlib, time\n"
+        "pathlib.Path(os.environ['CHILD_PID_FILE']).write_text(str(os.getpid()))\n"
+        "time.sleep(120)\n", encoding="utf-8")
+    pid_file = tmp_path / "child.pid"
+    env = {**os.environ, "CHILD_PID_FILE": str(pid_file),
+           "PYTHONPATH": os.pathsep.join([str(fake), *filter(None, [os.environ.get(
+               "PYTHONPATH")])])}
+    study = subprocess.Popen([sys.executable, "-m", "pepo.study.compare", "--tasks", "tiny",
+                              "--only", "group", "--methods", "GRPO", "--seeds", "0",
+                              "--out", str(tmp_path / "out")], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    child = None
+    try:
+        deadline = time.monotonic() + 120
+        while not pid_file.is_file() or not pid_file.read_text(encoding="utf-8"):
+            assert study.poll() is None, "the study ended before starting its run"
+            assert time.monotonic() < deadline, "the run never started"
+            time.sleep(0.2)
+        child = int(pid_file.read_text(encoding="utf-8"))
+        study.send_signal(signal.SIGTERM)
+        assert study.wait(timeout=60) == 128 + signal.SIGTERM
+        with pytest.raises(ProcessLookupError):  # killed and reaped by the study
+            os.kill(child, 0)
+    finally:
+        study.kill()
+        if child is not None:
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -50,6 +50,7 @@ import math
 import os
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -533,10 +534,6 @@ def command_line(argv: Optional[list[str]]) -> str:
     return "python -m pepo.study.compare " + shlex.join(keep)  # "80/20, proximal score" quoted
 
 
-def parse_set(items: list[str]) -> dict[str, Any]:
-    return OmegaConf.to_container(OmegaConf.from_dotlist(items)) if items else {}
-
-
 def main(argv: Optional[list[str]] = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tasks", nargs="+", choices=sorted(CONFIGS), default=["tiny", "tiny_drift"])
@@ -570,7 +567,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
                     help="Markdown appended to the report (what the numbers mean)")
     args = ap.parse_args(argv)
     shard, n_shards = (int(x) for x in args.shard.split("/"))
-    overrides = parse_set(args.set)
+    overrides = OmegaConf.to_container(OmegaConf.from_dotlist(args.set)) if args.set else {}
     if args.steps is not None:
         overrides["num_steps"] = args.steps
     out = Path(args.out)
@@ -645,5 +642,6 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     return results
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # a SIGTERM raises SystemExit: subprocess.run then kills the run's child
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     main()
