@@ -9,6 +9,11 @@ mean µs per call of 50 back-to-back calls, median of 5 rounds (CUDA events), al
 
     python benchmarks/bench_weighting_variants.py              # on a GPU
     python benchmarks/bench_weighting_variants.py --quick      # that it runs (CPU: no graphs)
+    python benchmarks/bench_weighting_variants.py --profile gtpo global_topk  # and their kernels
+
+``--profile`` adds, for the strategies named, what ``torch.profiler`` sees in 20 unvalidated
+calls: kernel launches and GPU-busy µs per call against the call's time, and the kernels that
+take the GPU's time (the first rows of the profiler's table).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from bench_weighting import ragged_batch, time_calls
 
 import pepo.weighting as pw
+from pepo import _strategy
 
 STRATEGIES = {
     "uniform": {},
@@ -63,10 +69,35 @@ def graphed(fn):
     return call
 
 
+def profile_calls(fn, calls: int = 20) -> tuple[float, float, str]:
+    """Kernel launches and GPU-busy µs per call of ``fn`` (``torch.profiler``, ``calls`` calls
+    after one warm-up), and the profiler's table of the busiest kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=acts) as prof:
+        for _ in range(calls):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    ka = prof.key_averages()
+    launches = sum(e.count for e in ka if "LaunchKernel" in e.key) / calls
+    busy = sum(getattr(e, "self_device_time_total", 0.0) for e in ka
+               if str(getattr(e, "device_type", "")).endswith("CUDA")) / calls
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    return launches, busy, ka.table(sort_by=key, row_limit=12)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=None, help="JSON file for the figures")
+    p.add_argument("--profile", nargs="*", default=[], metavar="STRATEGY",
+                   help="also profile these strategies' unvalidated calls")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = [(16, 512)] if args.quick else [(256, 4096), (32, 32768)]
@@ -121,7 +152,13 @@ def main() -> None:
                 direct = time_calls(lambda: torch.where(
                     mask, adv[:, None] + torch.minimum(0.4 * ent, adv[:, None].abs() / 2.0), 0.0),
                     calls)
-                sort_txt = f"lean eager {lean * 1e6:,.0f}, direct {direct * 1e6:,.0f}"
+                _strategy._TRITON["on"] = False  # a new Strategy: torch.compile, no kernel
+                s_compiled = pw.get_strategy(name, **params)
+                torch.testing.assert_close(s_compiled(adv, ent, mask, validate=False), want)
+                compiled = time_calls(lambda: s_compiled(adv, ent, mask, validate=False), calls)
+                _strategy._TRITON["on"] = True
+                sort_txt = (f"lean eager {lean * 1e6:,.0f}, direct {direct * 1e6:,.0f}, "
+                            f"torch.compile {compiled * 1e6:,.0f}")
             if name == "global_topk":
                 want = s(adv, ent, mask, validate=False)
                 assert torch.equal(topk_by_sort(adv, ent, mask), want)
@@ -136,6 +173,19 @@ def main() -> None:
             save()
             print(f"| {name} | [{b}, {t}] | {floor * 1e6:,.0f} | {lib * 1e6:,.0f} | "
                   f"{cg * 1e6:,.0f} | {eager * 1e6:,.0f} | {sort_txt} |", flush=True)
+    for b, t in shapes if args.profile else []:
+        adv, ent, mask = ragged_batch(b, t, device)
+        kw = {"positive": adv > 0, "groups": torch.arange(b, device=device) // 8}
+        for name in args.profile:
+            s = pw.get_strategy(name, **STRATEGIES.get(name, {}))
+            fn = lambda: s(adv, ent, mask, validate=False, **kw)  # noqa: E731
+            t_call = time_calls(fn, calls)
+            launches, busy, table = profile_calls(fn)
+            rows.append({"profile": name, "shape": [b, t], "call_us": t_call * 1e6,
+                         "launches_per_call": launches, "gpu_busy_us_per_call": busy})
+            save()
+            print(f"\n### {name} [{b}, {t}]: {t_call * 1e6:,.0f} µs a call, {launches:.1f} "
+                  f"kernel launches, GPU busy {busy:,.0f} µs\n\n{table}", flush=True)
 
 
 if __name__ == "__main__":

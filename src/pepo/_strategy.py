@@ -18,13 +18,16 @@ __all__ = ["Strategy", "StrategyFn", "compile_enabled", "declares", "set_compile
            "validate_flag"]
 
 _COMPILE = {"on": os.environ.get("PEPO_COMPILE", "1") != "0"}
+# PEPO_TRITON=0: the strategies that have a Triton kernel run torch.compile-d instead
+_TRITON = {"on": os.environ.get("PEPO_TRITON", "1") != "0"}
 
 
 def set_compile(enabled: bool) -> None:
     """Whether the built-in strategies run ``torch.compile``-d on CUDA tensors: a few fused
-    kernels instead of dozens, after a first call that compiles for tens of seconds. On by
-    default; ``PEPO_COMPILE=0`` in the environment turns it off at import. CPU tensors never
-    compile."""
+    kernels instead of dozens, after a first call that compiles for tens of seconds
+    (``entropy_bonus`` runs its Triton kernel instead, where Triton is installed: one launch,
+    no compiling; ``PEPO_TRITON=0`` compiles it too). On by default; ``PEPO_COMPILE=0`` in the
+    environment turns it off at import. CPU tensors never compile."""
     _COMPILE["on"] = bool(enabled)
 
 
@@ -107,6 +110,9 @@ class Strategy:
         self._masked = builtin and getattr(fn, "masked_output", False)
         self._compile_ok = builtin and getattr(fn, "compile", True)
         self._compiled: Optional[Callable[..., torch.Tensor]] = None
+        # a built-in fn may bring a Triton kernel for CUDA (``fn.triton``, same arguments): one
+        # launch instead of torch.compile's call, used where Triton is installed
+        self._triton = getattr(fn, "triton", None) if builtin else None
 
     def __call__(
         self,
@@ -149,7 +155,8 @@ class Strategy:
             advantages: ``[B]``; entropies, mask: ``[B, T]``; positive: ``[B]`` bool; groups:
             ``[B]`` integer; returns ``[B, T]`` fp32.
         """
-        validate = validate_flag(validate, check_finite)
+        if check_finite is not None:
+            validate = validate_flag(validate, check_finite)
         if validate or not _same_layout(advantages, entropies, mask):
             advantages, entropies, mask = _checks.check_batch(advantages, entropies, mask)
         if positive is not None and (validate or not isinstance(positive, torch.Tensor)
@@ -164,9 +171,11 @@ class Strategy:
                 f"strategy {self.name!r} compares the rollouts of each prompt's group: pass "
                 f"groups= (a [B] integer tensor, equal ids for the rollouts of one prompt)"
             )
-        adv = advantages.detach()
+        # detach only what autograd tracks (a detach is an op of its own: a launch-bound call
+        # pays for each)
+        adv = advantages.detach() if advantages.requires_grad else advantages
         adv = adv if adv.dtype == torch.float32 else adv.float()
-        ent = entropies.detach()
+        ent = entropies.detach() if entropies.requires_grad else entropies
         kwargs: dict[str, Any] = {}
         if self._pass_positive:
             kwargs["positive"] = adv > 0 if positive is None else positive
@@ -196,6 +205,8 @@ class Strategy:
         if not eager and entropies.is_cuda and "process_group" not in kwargs:
             fn = self._compiled_body()
         out = fn(adv, entropies, mask, **kwargs)
+        if self._builtin:  # their shapes are tested; a registered fn's result is checked
+            return out
         if not isinstance(out, torch.Tensor) or out.shape != mask.shape:
             got = (_checks.format_shape(out) if isinstance(out, torch.Tensor)
                    else type(out).__name__)
@@ -220,20 +231,28 @@ class Strategy:
         if not (_COMPILE["on"] and self._compile_ok):
             return self._body
         if self._compiled is None:
-            compiled = torch.compile(self._body, dynamic=True)
+            compiled = self._triton_body() or torch.compile(self._body, dynamic=True)
 
             def guarded(*args: Any, **kwargs: Any) -> torch.Tensor:
                 try:
                     return compiled(*args, **kwargs)
                 except Exception as err:  # no compiler, or it failed: run the plain body
                     self._compile_ok = False
-                    warnings.warn(f"torch.compile of strategy {self.name!r} failed "
+                    warnings.warn(f"compiling strategy {self.name!r} failed "
                                   f"({type(err).__name__}: {str(err)[:200]}); it runs "
                                   f"uncompiled", RuntimeWarning, stacklevel=4)
                     return self._body(*args, **kwargs)
 
             self._compiled = guarded
         return self._compiled
+
+    def _triton_body(self) -> Optional[Callable[..., torch.Tensor]]:
+        """The fn's Triton kernel, where it has one and Triton imports; else None."""
+        if self._triton is None or not _TRITON["on"]:
+            return None
+        from pepo import _triton
+
+        return self._triton if _triton.available() else None
 
     @property
     def row_local(self) -> bool:

@@ -272,7 +272,7 @@ def uniform() -> StrategyFn:
     """GRPO: ``Â_{i,t} = A_i`` on every valid token (Eq. 2)."""
 
     def fn(advantages: torch.Tensor, entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return torch.where(mask, advantages[:, None], 0.0)
+        return torch.where(mask, advantages.unsqueeze(1), 0.0)  # cheaper to call than [:, None]
 
     # one kernel: the entropies are not read (no cleaning), the output is already fp32 and
     # masked (no final where), and there is nothing for torch.compile to fuse
@@ -354,6 +354,13 @@ def entropy_bonus(alpha: float = 0.4, kappa: float = 2.0) -> StrategyFn:
         bonus = torch.minimum(alpha * entropies, a.abs() / kappa)
         return a + torch.where(torch.isinf(entropies), math.nan, bonus)  # the cap must not hide inf
 
+    def kernel(advantages: torch.Tensor, entropies: torch.Tensor,
+               mask: torch.Tensor) -> torch.Tensor:  # the same, in one launch (CUDA, Triton)
+        from pepo import _triton
+
+        return _triton.entropy_bonus(advantages, entropies, mask, alpha, kappa)
+
+    fn.triton = kernel  # type: ignore[attr-defined]
     fn.row_local = True  # type: ignore[attr-defined]
     return fn
 
