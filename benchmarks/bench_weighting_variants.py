@@ -11,6 +11,10 @@ mean µs per call of 50 back-to-back calls, median of 5 rounds (CUDA events), al
     python benchmarks/bench_weighting_variants.py --quick      # that it runs (CPU: no graphs)
     python benchmarks/bench_weighting_variants.py --profile gtpo global_topk  # and their kernels
 
+``--overhead`` times instead what a compiled call costs under other ``torch.compile`` settings
+(guards kept on tensors only, no guards, the C++ wrapper): one kernel, and the strategies whose
+calls are launch-bound.
+
 ``--profile`` adds, for the strategies named, what ``torch.profiler`` sees in 20 unvalidated
 calls: kernel launches and GPU-busy µs per call against the call's time, and the kernels that
 take the GPU's time (the first rows of the profiler's table).
@@ -92,10 +96,61 @@ def profile_calls(fn, calls: int = 20) -> tuple[float, float, str]:
     return launches, busy, ka.table(sort_by=key, row_limit=12)
 
 
+COMPILE_OPTIONS = {
+    "default (the library's)": {},
+    "tensor guards only": {"guard_filter_fn": "keep_tensor_guards_unsafe"},
+    "no guards": {"guard_filter_fn": "skip_all_guards_unsafe"},
+    "C++ wrapper": {"cpp_wrapper": True},
+}
+
+
+def compiled_with(fn, option: dict):
+    """``torch.compile(fn, dynamic=True)`` with one of :data:`COMPILE_OPTIONS`."""
+    opts = {k: getattr(torch.compiler, v) if k == "guard_filter_fn" else v
+            for k, v in option.items()}
+    return torch.compile(fn, dynamic=True, options=opts or None)
+
+
+def overhead(device: str, calls: int, shapes: list) -> list[dict]:
+    """One compiled kernel's call, and the launch-bound strategies' compiled bodies, under each
+    of :data:`COMPILE_OPTIONS`; each checked against the library's output."""
+    rows = []
+    x = torch.randn(256, 4096, device=device)
+    print("\n| compile setting | one kernel | " + " | ".join(
+        f"{n} [{b}, {t}]" for b, t in shapes for n in ("gtpo", "global_topk", "proximal_softmax"))
+        + " |\n|---|---:|" + "---:|" * (3 * len(shapes)))
+    batches = []
+    for b, t in shapes:
+        adv, ent, mask = ragged_batch(b, t, device)
+        batches.append((adv, ent, mask, {"positive": adv > 0,
+                                         "groups": torch.arange(b, device=device) // 8}))
+    for label, option in COMPILE_OPTIONS.items():
+        try:
+            one = compiled_with(lambda t: t + 3, option)
+            cells = [time_calls(lambda: one(x), calls)]
+            for adv, ent, mask, kw in batches:
+                for name in ("gtpo", "global_topk", "proximal_softmax"):
+                    s = pw.get_strategy(name, **STRATEGIES[name])
+                    k = {key: kw[key] for key, wanted in (("positive", s.reads_positive),
+                                                          ("groups", s.needs_groups)) if wanted}
+                    body = compiled_with(s._body, option)
+                    want = s(adv, ent, mask, validate=False, **kw)
+                    torch.testing.assert_close(body(adv, ent, mask, **k), want)
+                    cells.append(time_calls(lambda: body(adv, ent, mask, **k), calls))
+        except Exception as err:  # report, go on
+            print(f"({label}: {type(err).__name__}: {str(err)[:160]})")
+            continue
+        rows.append({"compile_setting": label, "us": [c * 1e6 for c in cells]})
+        print(f"| {label} | " + " | ".join(f"{c * 1e6:,.0f}" for c in cells) + " |", flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=None, help="JSON file for the figures")
+    p.add_argument("--overhead", action="store_true",
+                   help="only the compile settings' call costs (see the module's docstring)")
     p.add_argument("--profile", nargs="*", default=[], metavar="STRATEGY",
                    help="also profile these strategies' unvalidated calls")
     args = p.parse_args()
@@ -109,6 +164,10 @@ def main() -> None:
             with open(args.out, "w", encoding="utf-8") as f:
                 json.dump(rows, f, indent=1)
 
+    if args.overhead:
+        rows.extend(overhead(device, calls, shapes))
+        save()
+        return
     x = torch.randn(256, 4096, device=device)
     one = torch.compile(lambda t: t + 1, dynamic=True)
     one_static = torch.compile(lambda t: t + 2, dynamic=False)

@@ -922,3 +922,63 @@ def test_gtpo_propagates_a_bad_entropy_to_its_group_as_nan(bad):
         adv, ent, mask, positive=positive, groups=groups, validate=False
     )
     assert torch.isnan(out[:2][mask[:2]]).all() and torch.isfinite(out[2:]).all()
+
+
+# ---------------------------------------------------------------------------- the CUDA fast path
+
+
+def test_compiled_path_falls_back_one_way_at_a_time(monkeypatch):
+    """The fast path (CUDA's; run here directly on CPU tensors with a stand-in compiler) tries
+    the C++ wrapper, then the Python wrapper, then the plain body, warning for each that
+    failed. Catches: a failure that skips straight to the slow uncompiled body, an exception
+    that escapes, a failed way retried on every call, a result that differs from the body's."""
+    from pepo import _strategy
+
+    made, runs = [], []
+
+    def fake_compile(fn, dynamic=None, options=None):
+        cpp = bool(options and options.get("cpp_wrapper"))
+        made.append(cpp)
+
+        def run(*args, **kwargs):
+            runs.append(cpp)
+            if cpp or broken["python"]:
+                raise RuntimeError("no compiler here")
+            return fn(*args, **kwargs)
+
+        return run
+
+    broken = {"python": False}
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setitem(_strategy._COMPILE_OPTIONS, "cpp_wrapper", True)
+    adv, ent, mask = ragged_batch([3, 7, 10, 12], 12, holes=True, seed=4)
+    kw = {"positive": adv > 0, "groups": torch.tensor([0, 0, 1, 1])}
+    s = pw.get_strategy("gtpo")
+    want = s._body(adv, ent, mask, **kw)
+    fast = s._compiled_body()
+    assert made == [True, False]
+    with pytest.warns(RuntimeWarning, match="C\\+\\+ wrapper failed.*runs torch.compile instead"):
+        assert torch.equal(fast(adv, ent, mask, **kw), want)
+    assert runs == [True, False]
+    assert torch.equal(fast(adv, ent, mask, **kw), want)  # no warning, no retry of the C++ way
+    assert runs == [True, False, False]
+
+    broken["python"] = True
+    s2 = pw.get_strategy("gtpo")
+    with pytest.warns(RuntimeWarning) as caught:
+        assert torch.equal(s2._compiled_body()(adv, ent, mask, **kw), want)
+    assert [str(w.message).split(";")[1].strip() for w in caught] == [
+        "it runs torch.compile instead", "it runs uncompiled instead"]
+    assert s2._compiled_body() == s2._body  # for good
+
+
+def test_compiled_path_without_the_cpp_wrapper(monkeypatch):
+    """PEPO_COMPILE_CPP=0 (the option off): only the Python wrapper is made."""
+    from pepo import _strategy
+
+    made = []
+    monkeypatch.setattr(torch, "compile",
+                        lambda fn, dynamic=None, options=None: made.append(options) or fn)
+    monkeypatch.setitem(_strategy._COMPILE_OPTIONS, "cpp_wrapper", False)
+    pw.get_strategy("proximal_softmax")._compiled_body()
+    assert made == [None]

@@ -20,6 +20,10 @@ __all__ = ["Strategy", "StrategyFn", "compile_enabled", "declares", "set_compile
 _COMPILE = {"on": os.environ.get("PEPO_COMPILE", "1") != "0"}
 # PEPO_TRITON=0: the strategies that have a Triton kernel run torch.compile-d instead
 _TRITON = {"on": os.environ.get("PEPO_TRITON", "1") != "0"}
+# inductor's C++ wrapper launches a compiled strategy's kernels without Python: on one H200 it
+# halved the launch-bound calls (gtpo 380-457 -> 198-202 us; benchmarks/
+# bench_weighting_variants.py --overhead); PEPO_COMPILE_CPP=0 keeps the Python wrapper
+_COMPILE_OPTIONS = {"cpp_wrapper": os.environ.get("PEPO_COMPILE_CPP", "1") != "0"}
 
 
 def set_compile(enabled: bool) -> None:
@@ -225,23 +229,34 @@ class Strategy:
         return torch.where(mask, out.float(), 0.0)
 
     def _compiled_body(self) -> Callable[..., torch.Tensor]:
-        """``torch.compile`` of :meth:`_body` (a few fused kernels instead of dozens), for the
-        built-in strategies while :func:`compile_enabled`; the plain body otherwise, and for
-        good once compiling failed (with a warning naming the error)."""
+        """The built-in strategies' fast path on CUDA while :func:`compile_enabled`: the first
+        that runs of the fn's Triton kernel, ``torch.compile`` of :meth:`_body` with inductor's
+        C++ wrapper, and with its Python wrapper (a warning names each that failed, and the
+        next is kept); the plain body otherwise, and for good once all failed."""
         if not (_COMPILE["on"] and self._compile_ok):
             return self._body
         if self._compiled is None:
-            compiled = self._triton_body() or torch.compile(self._body, dynamic=True)
+            kernel = self._triton_body()
+            ways = [("its Triton kernel", kernel)] if kernel is not None else []
+            if _COMPILE_OPTIONS["cpp_wrapper"]:
+                ways.append(("torch.compile with the C++ wrapper",
+                             torch.compile(self._body, dynamic=True,
+                                           options={"cpp_wrapper": True})))
+            ways.append(("torch.compile", torch.compile(self._body, dynamic=True)))
 
             def guarded(*args: Any, **kwargs: Any) -> torch.Tensor:
-                try:
-                    return compiled(*args, **kwargs)
-                except Exception as err:  # no compiler, or it failed: run the plain body
-                    self._compile_ok = False
-                    warnings.warn(f"compiling strategy {self.name!r} failed "
-                                  f"({type(err).__name__}: {str(err)[:200]}); it runs "
-                                  f"uncompiled", RuntimeWarning, stacklevel=4)
-                    return self._body(*args, **kwargs)
+                while ways:
+                    label, fn = ways[0]
+                    try:
+                        return fn(*args, **kwargs)
+                    except Exception as err:  # no compiler, or it failed: the next way
+                        ways.pop(0)
+                        warnings.warn(f"strategy {self.name!r}: {label} failed "
+                                      f"({type(err).__name__}: {str(err)[:200]}); it runs "
+                                      f"{ways[0][0] if ways else 'uncompiled'} instead",
+                                      RuntimeWarning, stacklevel=4)
+                self._compile_ok = False
+                return self._body(*args, **kwargs)
 
             self._compiled = guarded
         return self._compiled
