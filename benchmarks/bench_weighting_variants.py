@@ -15,6 +15,10 @@ mean µs per call of 50 back-to-back calls, median of 5 rounds (CUDA events), al
 (guards kept on tensors only, no guards, the C++ wrapper): one kernel, and the strategies whose
 calls are launch-bound.
 
+``--first-call`` times each compiled strategy's first call (its compilation) with the C++
+wrapper and with Python's, each in a fresh process with an empty inductor cache: what a
+training run pays once per strategy.
+
 ``--profile`` adds, for the strategies named, what ``torch.profiler`` sees in 20 unvalidated
 calls: kernel launches and GPU-busy µs per call against the call's time, and the kernels that
 take the GPU's time (the first rows of the profiler's table).
@@ -145,12 +149,62 @@ def overhead(device: str, calls: int, shapes: list) -> list[dict]:
     return rows
 
 
+def first_call_child(name: str) -> None:
+    """Prints the first and the second call's seconds of ``name`` (unvalidated), as JSON."""
+    import time
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    adv, ent, mask = ragged_batch(256, 4096, device)
+    kw = {"positive": adv > 0, "groups": torch.arange(256, device=device) // 8}
+    s = pw.get_strategy(name, **STRATEGIES.get(name, {}))
+    times = []
+    for _ in range(2):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        s(adv, ent, mask, validate=False, **kw)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    print(json.dumps({"first_s": times[0], "second_s": times[1]}))
+
+
+def first_calls(names: list[str]) -> list[dict]:
+    """:func:`first_call_child` for each strategy and wrapper, in fresh processes."""
+    import subprocess
+    import sys
+    import tempfile
+
+    rows = []
+    print("\n| strategy | wrapper | first call s | second call µs |\n|---|---|---:|---:|")
+    for name in names:
+        for cpp in ("1", "0"):
+            with tempfile.TemporaryDirectory() as cache:
+                env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "PEPO_COMPILE_CPP": cpp,
+                       "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
+                done = subprocess.run([sys.executable, os.path.abspath(__file__),
+                                       "--first-call-child", name], env=env, text=True,
+                                      capture_output=True, timeout=600)
+            if done.returncode != 0:
+                print(f"({name}: {done.stderr.strip().splitlines()[-1:]})")
+                continue
+            got = json.loads(done.stdout.strip().splitlines()[-1])
+            label = "C++" if cpp == "1" else "Python"
+            rows.append({"strategy": name, "wrapper": label, **got})
+            print(f"| {name} | {label} | {got['first_s']:.1f} | {got['second_s'] * 1e6:,.0f} |",
+                  flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=None, help="JSON file for the figures")
     p.add_argument("--overhead", action="store_true",
                    help="only the compile settings' call costs (see the module's docstring)")
+    p.add_argument("--first-call", nargs="*", default=None, metavar="STRATEGY",
+                   help="only the first calls' compile times of these strategies")
+    p.add_argument("--first-call-child", help=argparse.SUPPRESS)
     p.add_argument("--profile", nargs="*", default=[], metavar="STRATEGY",
                    help="also profile these strategies' unvalidated calls")
     args = p.parse_args()
@@ -164,6 +218,13 @@ def main() -> None:
             with open(args.out, "w", encoding="utf-8") as f:
                 json.dump(rows, f, indent=1)
 
+    if args.first_call_child:
+        first_call_child(args.first_call_child)
+        return
+    if args.first_call is not None:
+        rows.extend(first_calls(args.first_call or ["proximal_softmax", "gtpo", "global_topk"]))
+        save()
+        return
     if args.overhead:
         rows.extend(overhead(device, calls, shapes))
         save()

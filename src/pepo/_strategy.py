@@ -20,10 +20,12 @@ __all__ = ["Strategy", "StrategyFn", "compile_enabled", "declares", "set_compile
 _COMPILE = {"on": os.environ.get("PEPO_COMPILE", "1") != "0"}
 # PEPO_TRITON=0: the strategies that have a Triton kernel run torch.compile-d instead
 _TRITON = {"on": os.environ.get("PEPO_TRITON", "1") != "0"}
-# inductor's C++ wrapper launches a compiled strategy's kernels without Python: on one H200 it
-# halved the launch-bound calls (gtpo 380-457 -> 198-202 us; benchmarks/
-# bench_weighting_variants.py --overhead); PEPO_COMPILE_CPP=0 keeps the Python wrapper
-_COMPILE_OPTIONS = {"cpp_wrapper": os.environ.get("PEPO_COMPILE_CPP", "1") != "0"}
+# PEPO_COMPILE_CPP=1: inductor's C++ wrapper launches a compiled strategy's kernels without
+# Python. On one H200 it halved the launch-bound calls (gtpo 380-457 -> 198-202 us), but its
+# first call took 72 s against 18 (proximal_softmax, empty cache): at one call a step it never
+# pays back within a run, so it is off unless asked for (benchmarks/bench_weighting_variants.py
+# --overhead, --first-call)
+_COMPILE_OPTIONS = {"cpp_wrapper": os.environ.get("PEPO_COMPILE_CPP", "0") == "1"}
 
 
 def set_compile(enabled: bool) -> None:
@@ -231,8 +233,9 @@ class Strategy:
     def _compiled_body(self) -> Callable[..., torch.Tensor]:
         """The built-in strategies' fast path on CUDA while :func:`compile_enabled`: the first
         that runs of the fn's Triton kernel, ``torch.compile`` of :meth:`_body` with inductor's
-        C++ wrapper, and with its Python wrapper (a warning names each that failed, and the
-        next is kept); the plain body otherwise, and for good once all failed."""
+        C++ wrapper (only with ``PEPO_COMPILE_CPP=1``), and with its Python wrapper (a warning
+        names each that failed, and the next is kept); the plain body otherwise, and for good
+        once all failed."""
         if not (_COMPILE["on"] and self._compile_ok):
             return self._body
         if self._compiled is None:
