@@ -22,6 +22,12 @@ FRAMEWORKS_MISSING = [
     and os.environ.get(f"PEPO_REQUIRE_{name.upper()}") != "1"
 ]
 collect_ignore += [f"integrations/test_{name}.py" for name in FRAMEWORKS_MISSING]
+# The Triton kernels run on a GPU, or on a CPU under Triton's interpreter (TRITON_INTERPRET=1,
+# as CI runs them): where neither can run, their tests are not collected.
+TRITON_CANNOT_RUN = importlib.util.find_spec("triton") is None or not (
+    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+if TRITON_CANNOT_RUN:
+    collect_ignore += ["test_triton_kernels.py"]
 
 
 def pytest_addoption(parser):
@@ -39,6 +45,9 @@ def pytest_report_header(config):
     if FRAMEWORKS_MISSING:
         lines.append(f"pepo: not installed, their adapters' tests not collected: "
                      f"{', '.join(FRAMEWORKS_MISSING)}")
+    if TRITON_CANNOT_RUN:
+        lines.append("pepo: Triton's kernels cannot run here (no Triton, or neither a GPU nor "
+                     "TRITON_INTERPRET=1): tests/test_triton_kernels.py not collected")
     return lines or None
 
 
