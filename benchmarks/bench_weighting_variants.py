@@ -273,10 +273,13 @@ def main() -> None:
                     mask, adv[:, None] + torch.minimum(0.4 * ent, adv[:, None].abs() / 2.0), 0.0),
                     calls)
                 _strategy._TRITON["on"] = False  # a new Strategy: torch.compile, no kernel
-                s_compiled = pw.get_strategy(name, **params)
-                torch.testing.assert_close(s_compiled(adv, ent, mask, validate=False), want)
-                compiled = time_calls(lambda: s_compiled(adv, ent, mask, validate=False), calls)
-                _strategy._TRITON["on"] = True
+                try:
+                    s_compiled = pw.get_strategy(name, **params)
+                    torch.testing.assert_close(s_compiled(adv, ent, mask, validate=False), want)
+                    compiled = time_calls(lambda: s_compiled(adv, ent, mask, validate=False),
+                                          calls)
+                finally:
+                    _strategy._TRITON["on"] = True
                 sort_txt = (f"lean eager {lean * 1e6:,.0f}, direct {direct * 1e6:,.0f}, "
                             f"torch.compile {compiled * 1e6:,.0f}")
             if name == "global_topk":

@@ -951,15 +951,16 @@ def test_compiled_path_falls_back_one_way_at_a_time(monkeypatch):
     broken = {"python": False}
     monkeypatch.setattr(torch, "compile", fake_compile, raising=False)  # torch 1.13 has none
     monkeypatch.setitem(_strategy._COMPILE_OPTIONS, "cpp_wrapper", True)
+    monkeypatch.setitem(_strategy._COMPILE, "on", True)  # whatever PEPO_COMPILE says
     adv, ent, mask = ragged_batch([3, 7, 10, 12], 12, holes=True, seed=4)
     kw = {"positive": adv > 0, "groups": torch.tensor([0, 0, 1, 1])}
     s = pw.get_strategy("gtpo")
     want = s._body(adv, ent, mask, **kw)
     fast = s._compiled_body()
-    assert made == [True, False]
+    assert made == []  # compiled at the first call, inside the chain
     with pytest.warns(RuntimeWarning, match="C\\+\\+ wrapper failed.*runs torch.compile instead"):
         assert torch.equal(fast(adv, ent, mask, **kw), want)
-    assert runs == [True, False]
+    assert made == [True, False] and runs == [True, False]
     assert torch.equal(fast(adv, ent, mask, **kw), want)  # no warning, no retry of the C++ way
     assert runs == [True, False, False]
 
@@ -981,5 +982,63 @@ def test_compiled_path_without_the_cpp_wrapper(monkeypatch):
                         lambda fn, dynamic=None, options=None: made.append(options) or fn,
                         raising=False)
     monkeypatch.setitem(_strategy._COMPILE_OPTIONS, "cpp_wrapper", False)
-    pw.get_strategy("proximal_softmax")._compiled_body()
+    monkeypatch.setitem(_strategy._COMPILE, "on", True)
+    adv, ent, mask = ragged_batch([3, 7], 8, seed=1)
+    pw.get_strategy("proximal_softmax")._compiled_body()(adv, ent, mask, positive=adv > 0)
     assert made == [None]
+
+
+def test_compiled_path_triton_kernel_first_then_compile(monkeypatch):
+    """entropy_bonus's fast path tries its Triton kernel first (stand-ins for Triton and the
+    compiler, so this runs anywhere): a kernel that fails gives way to torch.compile with a
+    warning; an out-of-memory error is raised and drops no way; without Triton, or with
+    PEPO_TRITON=0, the kernel is not tried."""
+    from pepo import _strategy, _triton
+
+    calls = []
+
+    def kernel(adv, ent, mask, alpha, inv_kappa):
+        calls.append("kernel")
+        raise error["next"]
+
+    error = {"next": torch.cuda.OutOfMemoryError("stand-in")}
+    monkeypatch.setattr(_triton, "available", lambda: True)
+    monkeypatch.setattr(_triton, "entropy_bonus", kernel)
+    monkeypatch.setattr(torch, "compile", lambda fn, dynamic=None, options=None: fn,
+                        raising=False)
+    monkeypatch.setitem(_strategy._COMPILE, "on", True)
+    monkeypatch.setitem(_strategy._COMPILE_OPTIONS, "cpp_wrapper", False)
+    adv, ent, mask = ragged_batch([3, 7], 8, seed=2)
+    s = pw.get_strategy("entropy_bonus")
+    fast = s._compiled_body()
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        fast(adv, ent, mask)
+    error["next"] = RuntimeError("no GPU here")
+    with pytest.warns(RuntimeWarning, match="Triton kernel failed.*runs torch.compile instead"):
+        assert torch.equal(fast(adv, ent, mask), s._body(adv, ent, mask))
+    assert calls == ["kernel", "kernel"]
+    fast(adv, ent, mask)
+    assert calls == ["kernel", "kernel"]  # dropped for good after a real failure
+
+    monkeypatch.setitem(_strategy._TRITON, "on", False)
+    pw.get_strategy("entropy_bonus")._compiled_body()(adv, ent, mask)
+    monkeypatch.setitem(_strategy._TRITON, "on", True)
+    monkeypatch.setattr(_triton, "available", lambda: False)
+    pw.get_strategy("entropy_bonus")._compiled_body()(adv, ent, mask)
+    assert calls == ["kernel", "kernel"]
+
+
+def test_compiled_path_without_torch_compile(monkeypatch):
+    """A torch without torch.compile (1.13) or one that refuses this Python: the call warns and
+    runs the plain body, instead of raising on every CUDA call."""
+    from pepo import _strategy
+
+    monkeypatch.delattr(torch, "compile", raising=False)
+    monkeypatch.setitem(_strategy._COMPILE, "on", True)
+    monkeypatch.setitem(_strategy._COMPILE_OPTIONS, "cpp_wrapper", False)
+    adv, ent, mask = ragged_batch([3, 7], 8, seed=3)
+    s = pw.get_strategy("window_average", window=3)
+    with pytest.warns(RuntimeWarning, match="torch.compile failed.*runs uncompiled instead"):
+        out = s._compiled_body()(adv, ent, mask, positive=adv > 0)
+    assert torch.equal(out, s._body(adv, ent, mask, positive=adv > 0))
+    assert s._compiled_body() == s._body

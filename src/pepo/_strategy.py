@@ -26,6 +26,8 @@ _TRITON = {"on": os.environ.get("PEPO_TRITON", "1") != "0"}
 # pays back within a run, so it is off unless asked for (benchmarks/bench_weighting_variants.py
 # --overhead, --first-call)
 _COMPILE_OPTIONS = {"cpp_wrapper": os.environ.get("PEPO_COMPILE_CPP", "0") == "1"}
+# an out-of-memory error drops no way of running a strategy (torch 1.13 names it too)
+_OUT_OF_MEMORY = getattr(torch.cuda, "OutOfMemoryError", ())
 
 
 def set_compile(enabled: bool) -> None:
@@ -243,15 +245,16 @@ class Strategy:
             ways = [("its Triton kernel", kernel)] if kernel is not None else []
             if _COMPILE_OPTIONS["cpp_wrapper"]:
                 ways.append(("torch.compile with the C++ wrapper",
-                             torch.compile(self._body, dynamic=True,
-                                           options={"cpp_wrapper": True})))
-            ways.append(("torch.compile", torch.compile(self._body, dynamic=True)))
+                             self._lazy_compile({"cpp_wrapper": True})))
+            ways.append(("torch.compile", self._lazy_compile(None)))
 
             def guarded(*args: Any, **kwargs: Any) -> torch.Tensor:
                 while ways:
                     label, fn = ways[0]
                     try:
                         return fn(*args, **kwargs)
+                    except _OUT_OF_MEMORY:  # not the way's fault: the caller may retry smaller
+                        raise
                     except Exception as err:  # no compiler, or it failed: the next way
                         ways.pop(0)
                         warnings.warn(f"strategy {self.name!r}: {label} failed "
@@ -263,6 +266,18 @@ class Strategy:
 
             self._compiled = guarded
         return self._compiled
+
+    def _lazy_compile(self, options: Optional[dict[str, Any]]) -> Callable[..., torch.Tensor]:
+        """``torch.compile`` of :meth:`_body`, made at its first call, so that a torch without
+        it (1.13), or one that refuses this Python, fails inside the fallback chain."""
+        made: list[Callable[..., torch.Tensor]] = []
+
+        def run(*args: Any, **kwargs: Any) -> torch.Tensor:
+            if not made:
+                made.append(torch.compile(self._body, dynamic=True, options=options))
+            return made[0](*args, **kwargs)
+
+        return run
 
     def _triton_body(self) -> Optional[Callable[..., torch.Tensor]]:
         """The fn's Triton kernel, where it has one and Triton imports; else None."""

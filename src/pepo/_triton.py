@@ -35,7 +35,7 @@ if triton is not None:
 
     @triton.jit
     def _entropy_bonus_kernel(adv_ptr, ent_ptr, mask_ptr, out_ptr, T,  # noqa: N803
-                              s_a, s_eb, s_et, s_mb, s_mt, alpha, kappa,
+                              s_a, s_eb, s_et, s_mb, s_mt, alpha, inv_kappa,
                               BLOCK: tl.constexpr):  # noqa: N803
         row = tl.program_id(0).to(tl.int64)
         col = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -44,24 +44,29 @@ if triton is not None:
         # masked entropies are never read: their contents (NaN included) go no further
         h = tl.load(ent_ptr + row * s_eb + col * s_et, mask=valid, other=0.0).to(tl.float32)
         a = tl.load(adv_ptr + row * s_a).to(tl.float32)
-        cap = tl.fdiv(tl.abs(a), kappa, ieee_rounding=True)  # rounded as torch divides
+        cap = tl.abs(a) * inv_kappa  # as the PyTorch body: a product, one rounding
         bonus = tl.minimum(alpha * h, cap, propagate_nan=tl.PropagateNan.ALL)
         bonus = tl.where(tl.abs(h) == float("inf"), float("nan"), bonus)  # the cap hides no inf
         tl.store(out_ptr + row * T + col, tl.where(valid, a + bonus, 0.0), mask=inside)
 
 
 def entropy_bonus(adv: torch.Tensor, ent: torch.Tensor, mask: torch.Tensor, alpha: float,
-                  kappa: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``A_i + min(α H_{i,t}, |A_i| / κ)`` at valid tokens, 0 elsewhere, ``[B, T]`` fp32, in one
-    launch; an inf entropy gives NaN, as in :func:`pepo.weighting.entropy_bonus`. ``adv`` is
-    ``[B]`` fp32; ``ent`` ``[B, T]`` of any float dtype and any strides; ``mask`` ``[B, T]``
-    bool."""
+                  inv_kappa: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``A_i + min(α H_{i,t}, |A_i| · inv_kappa)`` at valid tokens, 0 elsewhere, ``[B, T]``
+    fp32, in one launch, on the tensors' device; an inf entropy gives NaN, as in
+    :func:`pepo.weighting.entropy_bonus` (whose ``inv_kappa`` is ``1/κ`` rounded to fp32).
+    ``adv`` is ``[B]`` fp32; ``ent`` ``[B, T]`` of any float dtype and any strides; ``mask``
+    ``[B, T]`` bool."""
     b, t = ent.shape
     if out is None:
         out = torch.empty((b, t), dtype=torch.float32, device=ent.device)
     if b and t:
         grid = (b, triton.cdiv(t, _BLOCK))
-        _entropy_bonus_kernel[grid](adv, ent, mask, out, t, adv.stride(0), ent.stride(0),
-                                    ent.stride(1), mask.stride(0), mask.stride(1),
-                                    float(alpha), float(kappa), BLOCK=_BLOCK)
+        args = (adv, ent, mask, out, t, adv.stride(0), ent.stride(0), ent.stride(1),
+                mask.stride(0), mask.stride(1), float(alpha), float(inv_kappa))
+        if ent.is_cuda and ent.device.index != torch.cuda.current_device():
+            with torch.cuda.device(ent.device):  # Triton launches on the current device
+                _entropy_bonus_kernel[grid](*args, BLOCK=_BLOCK)
+        else:
+            _entropy_bonus_kernel[grid](*args, BLOCK=_BLOCK)
     return out
