@@ -44,7 +44,7 @@ if triton is not None:
         # masked entropies are never read: their contents (NaN included) go no further
         h = tl.load(ent_ptr + row * s_eb + col * s_et, mask=valid, other=0.0).to(tl.float32)
         a = tl.load(adv_ptr + row * s_a).to(tl.float32)
-        cap = tl.abs(a) * inv_kappa  # as the PyTorch body: a product, one rounding
+        cap = tl.abs(a) * inv_kappa  # as CUDA's eager a / κ and inductor: a * fl32(1/κ)
         bonus = tl.minimum(alpha * h, cap, propagate_nan=tl.PropagateNan.ALL)
         bonus = tl.where(tl.abs(h) == float("inf"), float("nan"), bonus)  # the cap hides no inf
         tl.store(out_ptr + row * T + col, tl.where(valid, a + bonus, 0.0), mask=inside)

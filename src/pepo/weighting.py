@@ -351,13 +351,13 @@ def entropy_bonus(alpha: float = 0.4, kappa: float = 2.0) -> StrategyFn:
             f"negative advantage into 0 or a positive one), got {kappa}"
         )
 
-    # |A|/κ as |A| · fl32(1/κ): one rounding, the same on a CPU, in CUDA's eager ops (which turn
-    # a division by a scalar into this product), compiled and in the Triton kernel
+    # the Triton kernel's |A|/κ is |A| · fl32(1/κ), as CUDA's eager division by a scalar and
+    # inductor compute it (a CPU divides, which differs by an ulp for some κ)
     inv_kappa = float(torch.tensor(1.0) / torch.tensor(kappa, dtype=torch.float32))
 
     def fn(advantages: torch.Tensor, entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         a = advantages[:, None]  # [B, 1]
-        bonus = torch.minimum(alpha * entropies, a.abs() * inv_kappa)
+        bonus = torch.minimum(alpha * entropies, a.abs() / kappa)
         return a + torch.where(torch.isinf(entropies), math.nan, bonus)  # the cap must not hide inf
 
     def kernel(advantages: torch.Tensor, entropies: torch.Tensor,
