@@ -283,7 +283,7 @@ class Strategy:
         """The fn's Triton kernel, where it has one and Triton imports; else None."""
         if self._triton is None or not _TRITON["on"]:
             return None
-        from pepo import _triton
+        import pepo._triton as _triton
 
         return self._triton if _triton.available() else None
 

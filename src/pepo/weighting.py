@@ -362,7 +362,7 @@ def entropy_bonus(alpha: float = 0.4, kappa: float = 2.0) -> StrategyFn:
 
     def kernel(advantages: torch.Tensor, entropies: torch.Tensor,
                mask: torch.Tensor) -> torch.Tensor:  # the same, in one launch (CUDA, Triton)
-        from pepo import _triton
+        import pepo._triton as _triton
 
         return _triton.entropy_bonus(advantages, entropies, mask, alpha, inv_kappa)
 
