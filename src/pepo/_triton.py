@@ -1,16 +1,14 @@
 """Triton kernels for the elementwise strategies on CUDA: one launch where the eager formula
-takes six and ``torch.compile``'s call costs more than the six (issue: a strategy's call is
-launch-bound at the paper's batch sizes). Imported only for CUDA tensors, and only where Triton
-is installed; the pure-PyTorch body in :mod:`pepo.weighting` stays the reference the tests
-compare with and the path on CPUs.
+takes six and ``torch.compile``'s call costs more than the six (at the paper's batch sizes a
+strategy's call is bound by its launches, not by the GPU's work). Imported only for CUDA
+tensors, and only where Triton is installed; the pure-PyTorch body in :mod:`pepo.weighting`
+stays the reference the tests compare with and the path on CPUs.
 
 ``TRITON_INTERPRET=1`` in the environment before the first import runs these kernels on CPU
 tensors (Triton's interpreter), which is how the tests check them without a GPU.
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 
@@ -51,15 +49,14 @@ if triton is not None:
 
 
 def entropy_bonus(adv: torch.Tensor, ent: torch.Tensor, mask: torch.Tensor, alpha: float,
-                  inv_kappa: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  inv_kappa: float) -> torch.Tensor:
     """``A_i + min(α H_{i,t}, |A_i| · inv_kappa)`` at valid tokens, 0 elsewhere, ``[B, T]``
     fp32, in one launch, on the tensors' device; an inf entropy gives NaN, as in
     :func:`pepo.weighting.entropy_bonus` (whose ``inv_kappa`` is ``1/κ`` rounded to fp32).
     ``adv`` is ``[B]`` fp32; ``ent`` ``[B, T]`` of any float dtype and any strides; ``mask``
     ``[B, T]`` bool."""
     b, t = ent.shape
-    if out is None:
-        out = torch.empty((b, t), dtype=torch.float32, device=ent.device)
+    out = torch.empty((b, t), dtype=torch.float32, device=ent.device)
     if b and t:
         grid = (b, triton.cdiv(t, _BLOCK))
         args = (adv, ent, mask, out, t, adv.stride(0), ent.stride(0), ent.stride(1),
