@@ -46,6 +46,14 @@ STRATEGIES = {
 }
 
 
+def flagged_batch(b: int, t: int, device: str):
+    """:func:`ragged_batch` and the keywords every strategy may read: success flags and groups
+    of 8 rollouts."""
+    adv, ent, mask = ragged_batch(b, t, device)
+    return adv, ent, mask, {"positive": adv > 0,
+                            "groups": torch.arange(b, device=device) // 8}
+
+
 def topk_by_sort(adv, ent, mask, q: float = 0.8):
     """``global_topk``'s selection with the threshold read off a full descending sort."""
     n = mask.sum()
@@ -122,11 +130,7 @@ def overhead(device: str, calls: int, shapes: list) -> list[dict]:
     print("\n| compile setting | one kernel | " + " | ".join(
         f"{n} [{b}, {t}]" for b, t in shapes for n in ("gtpo", "global_topk", "proximal_softmax"))
         + " |\n|---|---:|" + "---:|" * (3 * len(shapes)))
-    batches = []
-    for b, t in shapes:
-        adv, ent, mask = ragged_batch(b, t, device)
-        batches.append((adv, ent, mask, {"positive": adv > 0,
-                                         "groups": torch.arange(b, device=device) // 8}))
+    batches = [flagged_batch(b, t, device) for b, t in shapes]
     for label, option in COMPILE_OPTIONS.items():
         try:
             one = compiled_with(lambda t: t + 3, option)
@@ -153,8 +157,7 @@ def first_call_child(name: str) -> None:
     import time
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    adv, ent, mask = ragged_batch(256, 4096, device)
-    kw = {"positive": adv > 0, "groups": torch.arange(256, device=device) // 8}
+    adv, ent, mask, kw = flagged_batch(256, 4096, device)
     s = pw.get_strategy(name, **STRATEGIES.get(name, {}))
     times = []
     for _ in range(2):
@@ -246,8 +249,7 @@ def main() -> None:
           "threshold: eager / compiled (global_topk); lean eager, direct (entropy_bonus) |")
     print("|---|---|---:|---:|---:|---:|---|")
     for b, t in shapes:
-        adv, ent, mask = ragged_batch(b, t, device)
-        kw = {"positive": adv > 0, "groups": torch.arange(b, device=device) // 8}
+        adv, ent, mask, kw = flagged_batch(b, t, device)
         floor = time_calls(lambda: (ent * mask).sum(), calls)
         for name, params in STRATEGIES.items():
             s = pw.get_strategy(name, **params)
@@ -291,8 +293,7 @@ def main() -> None:
             print(f"| {name} | [{b}, {t}] | {floor * 1e6:,.0f} | {lib * 1e6:,.0f} | "
                   f"{cg * 1e6:,.0f} | {eager * 1e6:,.0f} | {sort_txt} |", flush=True)
     for b, t in shapes if args.profile else []:
-        adv, ent, mask = ragged_batch(b, t, device)
-        kw = {"positive": adv > 0, "groups": torch.arange(b, device=device) // 8}
+        adv, ent, mask, kw = flagged_batch(b, t, device)
         for name in args.profile:
             s = pw.get_strategy(name, **STRATEGIES.get(name, {}))
             fn = lambda: s(adv, ent, mask, validate=False, **kw)  # noqa: E731

@@ -35,8 +35,7 @@ are in ``pepo._windows``):
   NaN unvalidated and redone on the log-domain path when validated.
 * With ``validate=False`` nothing reads a tensor value on the host (``pepo._strategy``); on
   CUDA the built-in strategies run ``torch.compile``-d, and ``entropy_bonus`` as one Triton
-  kernel (``pepo._triton``) where Triton is installed
-  (:func:`set_compile`).
+  kernel (``pepo._triton``) where Triton is installed (:func:`set_compile`).
 """
 
 from __future__ import annotations
