@@ -1,9 +1,11 @@
-"""pepo._triton's kernels against the paper's formulas (slow loops) and the pure-PyTorch
-strategies they stand in for on CUDA.
+"""pepo._triton's kernels against the paper's formulas (slow loops, ``tests/reference.py``) and
+the pure-PyTorch strategies they stand in for on CUDA.
 
 They run on a GPU where Triton is installed, or on a CPU under Triton's interpreter
 (``TRITON_INTERPRET=1 python -m pytest tests/test_triton_kernels.py`` in an environment with
-Triton, as CI runs them); elsewhere conftest does not collect them. The interpreter computes
+Triton and NumPy below 2.4, as CI runs them: Triton 3.6's interpreter hands a kernel's loop
+bound to ``range`` as a 1-element array, which NumPy 2.4 no longer converts); elsewhere
+conftest does not collect them. The interpreter computes
 with NumPy, so two properties are checked on a GPU only: a min that drops NaN, and the
 rounding of ``|A|/κ`` as CUDA rounds it (the bit-equality test with κ = 3).
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -20,6 +23,9 @@ pytest.importorskip("triton")
 
 import pepo.weighting as pw  # noqa: E402
 from pepo import _triton  # noqa: E402
+from pepo import _windows as _w  # noqa: E402
+from tests import reference as ref  # noqa: E402
+from tests.conftest import ragged_batch  # noqa: E402
 
 if torch.cuda.is_available():
     DEVICE = "cuda"
@@ -144,3 +150,147 @@ def test_strategy_runs_the_kernel_on_cuda(monkeypatch):
     bad[mask] = math.inf
     with pytest.raises(ValueError):
         s(adv, bad, mask)
+
+
+# ------------------------------------------------------------------ windowed (PEPO, window_average)
+
+# rows of length 0, 1, 2 (shorter than W // 2: repeated reflection), a few, and one past the
+# compaction's 1,024-column block and the window kernel's 256-token tile
+LENGTHS = [0, 1, 2, 9, 40, 1100]
+
+
+def windowed_reference(name, adv, ent, mask, window, temperature, apply_to, positive):
+    """Eq. 6 (or the window average) and Eq. 7, one row at a time (tests/reference.py)."""
+    if name == "proximal_softmax":
+        def row(v):
+            return ref.proximal_entropy_row(v, window, temperature)
+    else:
+        def row(v):
+            return ref.window_average_row(np.maximum(v, 0.0), window)
+    return torch.from_numpy(ref.multiplicative(adv, ent.float().cpu(), mask.cpu(), row,
+                                               apply_to, positive.cpu()))
+
+
+def strategy_kernel(name, **params):
+    s = pw.get_strategy(name, **params)
+    assert s._triton is not None
+    return s._triton
+
+
+@pytest.mark.parametrize("name,params", [
+    ("proximal_softmax", dict(window=7, temperature=1.0, apply_to="positive")),
+    ("proximal_softmax", dict(window=101, temperature=0.5, apply_to="all")),
+    ("window_average", dict(window=5, apply_to="positive")),
+    ("window_average", dict(window=101, apply_to="all")),
+])
+@pytest.mark.parametrize("holes", [False, True])
+def test_windowed_kernel_is_the_formula(name, params, holes):
+    """Catches: the window or temperature ignored, the padding not a reflection at each row's
+    own ends (or one reflection only, for rows shorter than W // 2), holes in the mask not
+    compacted, the compaction's count not carried past its first block, tiles past the first
+    left unwritten, Eq. 7's sum taken over one tile, the flags ignored (apply_to)."""
+    adv, ent, mask = ragged_batch(LENGTHS, 1130, holes=holes, seed=3, scale=3.0)
+    adv[1], adv[3] = 0.0, -0.7  # rows left uniform under "positive"
+    positive = adv > 0
+    adv, ent, mask, positive = (x.to(DEVICE) for x in (adv, ent, mask, positive))
+    got = strategy_kernel(name, **params)(adv, ent, mask, positive)
+    want = windowed_reference(name, adv.cpu(), ent, mask, params["window"],
+                              params.get("temperature"), params["apply_to"], positive)
+    assert got.dtype == torch.float32 and got.shape == mask.shape
+    torch.testing.assert_close(got.cpu().double(), want, rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_windowed_kernel_reads_any_float_dtype_and_strides(dtype):
+    """Entropies of each float dtype, stored column-major, every other row; mask, advantages
+    and flags strided too: a kernel that assumed contiguous fp32 rows would read other tokens.
+    It must agree with the PyTorch body (the path it replaces) on the same inputs."""
+    adv_all, ent_all, mask_all = ragged_batch([30, 5, 300, 12, 64, 1, 200, 33], 310, holes=True,
+                                              seed=8, dtype=dtype)
+    ent = ent_all.to(DEVICE).t().contiguous().t()[::2]
+    mask = mask_all.to(DEVICE).t().contiguous().t()[::2]
+    adv = adv_all.to(DEVICE)[::2]
+    positive = torch.tensor([True, False] * 4, device=DEVICE)[::2].flip(0)
+    assert not ent.is_contiguous() and mask.stride(1) != 1 and adv.stride(0) == 2
+    for name in ("proximal_softmax", "window_average"):
+        s = pw.get_strategy(name, window=11)
+        got = s._triton(adv, ent, mask, positive)
+        want = s._body(adv, ent, mask, positive=positive)
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-6)
+
+
+def test_windowed_kernel_non_finite_and_special_rows():
+    """A valid NaN or inf entropy turns its weighted row NaN (never a finite value) and leaves
+    an unweighted row's A; the same values masked change nothing. A window average of zeros is
+    uniform; negative entropies count as 0 there; a softmax row wider than the shifted exp
+    holds comes out NaN as the body gives it."""
+    adv = torch.tensor([1.0, 1.0, -1.0, 1.0, 2.0], device=DEVICE)
+    t = 6
+    ent = torch.rand(5, t, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    mask = torch.ones(5, t, dtype=torch.bool, device=DEVICE)
+    ent[0, 2] = math.nan
+    ent[1, 4] = math.inf
+    ent[2, 1] = math.inf  # A < 0: not weighted under "positive"
+    ent[3] = 0.0
+    ent[4, :3] = math.nan
+    mask[4, :3] = False  # masked NaN
+    positive = adv > 0
+    for name in ("proximal_softmax", "window_average"):
+        s = pw.get_strategy(name, window=3)
+        out = s._triton(adv, ent, mask, positive).cpu()
+        assert out[0].isnan().all() and out[1].isnan().all(), name
+        torch.testing.assert_close(out[2], torch.full((t,), -1.0))
+        torch.testing.assert_close(out[3], torch.ones(t))  # zeros: uniform either way
+        assert out[4, :3].eq(0).all() and out[4, 3:].isfinite().all()
+        torch.testing.assert_close(out[4].sum(), torch.tensor(2.0 * 3))
+    neg = torch.tensor([[0.5, -0.3, 1.0]], device=DEVICE)
+    one = torch.ones(1, device=DEVICE)
+    m3 = torch.ones(1, 3, dtype=torch.bool, device=DEVICE)
+    s = pw.get_strategy("window_average", window=3, apply_to="all")
+    torch.testing.assert_close(s._triton(one, neg, m3, None).cpu(),
+                               s._body(one.cpu(), neg.cpu(), m3.cpu(), positive=one.cpu() > 0))
+    wide = torch.tensor([[0.0, 30.0, 1.0]], device=DEVICE)  # a range of 30 > 80 τ at τ = 0.3
+    s = pw.get_strategy("proximal_softmax", window=3, temperature=0.3, apply_to="all")
+    assert s._triton(one, wide, m3, None).isnan().all()
+    assert s._body(one.cpu(), wide.cpu(), m3.cpu(), positive=one.cpu() > 0).isnan().all()
+
+
+def test_windowed_kernel_empty():
+    for shape in [(0, 5), (3, 0)]:
+        adv = torch.ones(shape[0], device=DEVICE)
+        ent = torch.zeros(shape, device=DEVICE)
+        out = _triton.windowed(adv, ent, ent > 0, adv > 0, 5, 1.0)
+        assert out.shape == shape
+
+
+def test_low_temperature_softmax_has_no_kernel():
+    """Below τ = 0.3 the body takes its exact log-domain path, which the kernel does not have:
+    those strategies must run torch.compile instead (a kernel there would give NaN rows)."""
+    assert pw.get_strategy("proximal_softmax", temperature=0.29)._triton is None
+    assert pw.get_strategy("proximal_softmax", temperature=0.3)._triton is not None
+    assert _w.EXP_SAFE_RANGE * 0.3 >= _w.ENTROPY_SPAN > _w.EXP_SAFE_RANGE * 0.29
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the strategy routes CUDA tensors to the kernel")
+@pytest.mark.parametrize("name", ["proximal_softmax", "window_average"])
+def test_strategy_runs_the_windowed_kernel_on_cuda(monkeypatch, name):
+    """On CUDA the strategy's call goes through the kernel (a hook never made leaves the counter
+    at 0) and gives the reference's values; a validated call still raises on inf."""
+    calls = []
+    real = _triton.windowed
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_triton, "windowed", counted)
+    adv, ent, mask = ragged_batch([3, 50, 20, 7], 60, holes=True, seed=2)
+    want = windowed_reference(name, adv, ent, mask, 11, 1.0, "positive", adv > 0)
+    s = pw.get_strategy(name, window=11)
+    got = s(adv.cuda(), ent.cuda(), mask.cuda(), validate=False)
+    torch.testing.assert_close(got.cpu().double(), want, rtol=2e-5, atol=1e-6)
+    assert len(calls) == 1
+    bad = ent.clone()
+    bad[mask] = math.inf
+    with pytest.raises(ValueError):
+        s(adv.cuda(), bad.cuda(), mask.cuda())

@@ -305,6 +305,15 @@ def proximal_softmax(
         e = _w.proximal(entropies, mask, window, temperature)  # [B, T]
         return _apply(advantages, normalize_to_length(e, mask), apply_to, positive)
 
+    if _w.EXP_SAFE_RANGE * temperature >= _w.ENTROPY_SPAN:  # the body's shifted-exp path
+        def kernel(advantages, entropies, mask, positive):  # the same in three launches (CUDA)
+            import pepo._triton as _triton
+
+            return _triton.windowed(advantages, entropies, mask,
+                                    positive if apply_to == "positive" else None, window,
+                                    temperature, _w.EXP_SAFE_RANGE * temperature)
+
+        fn.triton = kernel  # type: ignore[attr-defined]
     fn.row_local = True  # type: ignore[attr-defined]
     return fn
 
@@ -330,6 +339,13 @@ def window_average(window: int = 101, apply_to: str = "positive") -> StrategyFn:
         r = _w.window_average(entropies, mask, window)  # [B, T]
         return _apply(advantages, normalize_to_length(r, mask), apply_to, positive)
 
+    def kernel(advantages, entropies, mask, positive):  # the same in three launches (CUDA)
+        import pepo._triton as _triton
+
+        return _triton.windowed(advantages, entropies, mask,
+                                positive if apply_to == "positive" else None, window, None)
+
+    fn.triton = kernel  # type: ignore[attr-defined]
     fn.row_local = True  # type: ignore[attr-defined]
     return fn
 
