@@ -1,9 +1,9 @@
 """Triton kernels for strategies on CUDA: ``entropy_bonus`` in one launch where the eager
-formula takes six, PEPO's ``proximal_softmax`` and ``window_average`` in three, where
-``torch.compile``'s call costs more (at the paper's batch sizes a strategy's call is bound by
-its launches, not by the GPU's work). Imported only for CUDA
-tensors, and only where Triton is installed; the pure-PyTorch body in :mod:`pepo.weighting`
-stays the reference the tests compare with and the path on CPUs.
+formula takes six, PEPO's ``proximal_softmax`` and ``window_average`` in three, ``global_topk``
+in one on each side of a ``torch.sort``, where ``torch.compile``'s call costs more (at the
+paper's batch sizes a strategy's call is bound by its launches, not by the GPU's work).
+Imported only for CUDA tensors, and only where Triton is installed; the pure-PyTorch bodies in
+:mod:`pepo.weighting` stay the reference the tests compare with and the path on CPUs.
 
 ``TRITON_INTERPRET=1`` in the environment before the first import runs these kernels on CPU
 tensors (Triton's interpreter), which is how the tests check them without a GPU.
@@ -24,7 +24,7 @@ except ImportError:  # pragma: no cover - exercised where Triton is missing
     triton = None
     tl = None
 
-__all__ = ["available", "entropy_bonus", "windowed"]
+__all__ = ["available", "entropy_bonus", "global_topk", "windowed"]
 
 _BLOCK = 1024
 _TILE = 256  # tokens per program of the window kernel: W loads each, from L1/L2
@@ -153,6 +153,59 @@ if triton is not None:
             w = tl.where(tl.load(pos_flag_ptr + row * s_p) != 0, c * a, a)
         tl.store(out_ptr + row * T + col, tl.where(valid, w, 0.0), mask=inside)
 
+    @triton.jit
+    def _topk_prep_kernel(s_ptr, mask_ptr, flat_ptr, part_ptr, T, n_tiles,  # noqa: N803
+                          s_sb, s_st, s_mb, s_mt, BLOCK: tl.constexpr):  # noqa: N803
+        """The scores as one fp32 row for the sort (-inf where masked, -0.0 as +0.0), and each
+        block's number of valid tokens."""
+        row = tl.program_id(0).to(tl.int64)
+        tile = tl.program_id(1)
+        col = tile.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = col < T
+        valid = tl.load(mask_ptr + row * s_mb + col * s_mt, mask=inside, other=0) != 0
+        v = tl.load(s_ptr + row * s_sb + col * s_st, mask=valid, other=0.0).to(tl.float32)
+        tl.store(flat_ptr + row * T + col, tl.where(valid, v + 0.0, float("-inf")), mask=inside)
+        tl.store(part_ptr + row * n_tiles + tile, tl.sum(valid.to(tl.int32), axis=0))
+
+    @triton.jit
+    def _topk_apply_kernel(flat_ptr, ordered_ptr, part_ptr, adv_ptr, mask_ptr, out_ptr, T,  # noqa: N803
+                           n_parts, n_tiles, s_a, s_mb, s_mt, q,
+                           SELECTED: tl.constexpr, BLOCK: tl.constexpr):  # noqa: N803
+        """``A_i`` where the score is at least the ``k``-th largest valid score (``k`` as
+        :func:`pepo._topk.keep_count` counts it, ties included), 0 elsewhere; NaN at every
+        valid token if a valid score is NaN or ±inf; with ``SELECTED`` times
+        ``N_valid / N_selected``."""
+        row = tl.program_id(0).to(tl.int64)
+        col = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = col < T
+        n = tl.zeros((), dtype=tl.int64)
+        for start in range(0, n_parts, BLOCK):
+            i = start + tl.arange(0, BLOCK)
+            n += tl.sum(tl.load(part_ptr + i, mask=i < n_parts, other=0).to(tl.int64), axis=0)
+        k = n - tl.ceil((n - 1).to(tl.float64) * q).to(tl.int64)
+        last = tl.maximum(n - 1, 0)
+        threshold = tl.load(ordered_ptr + tl.maximum(k - 1, 0))
+        # NaN sorts first, +inf next; a valid -inf is then the n-th largest (masked ones are too)
+        top = tl.load(ordered_ptr)
+        bottom = tl.load(ordered_ptr + last)
+        finite = (top == top) & (tl.abs(top) < float("inf")) & (tl.abs(bottom) < float("inf"))
+        valid = tl.load(mask_ptr + row * s_mb + col * s_mt, mask=inside, other=0) != 0
+        v = tl.load(flat_ptr + row * T + col, mask=inside, other=float("-inf"))
+        a = tl.load(adv_ptr + row * s_a).to(tl.float32)
+        out = tl.where((v >= threshold) & (n > 0), a, 0.0)
+        if SELECTED:  # N_selected: the last sorted index still >= the threshold, by bisection
+            lo = tl.maximum(k - 1, 0)
+            hi = last
+            for _ in range(0, 32):
+                mid = (lo + hi + 1) // 2
+                up = tl.load(ordered_ptr + mid) >= threshold
+                lo = tl.where(up, mid, lo)
+                hi = tl.where(up, hi, mid - 1)
+            scale = (n.to(tl.float64) / (lo + 1).to(tl.float64)).to(tl.float32)
+            out = out * tl.where(n > 0, scale, 1.0)
+        out = tl.where(finite | (n == 0), out, float("nan"))
+        tl.store(out_ptr + row * T + col, tl.where(valid, out, 0.0), mask=inside)
+
 
 def entropy_bonus(adv: torch.Tensor, ent: torch.Tensor, mask: torch.Tensor, alpha: float,
                   inv_kappa: float) -> torch.Tensor:
@@ -190,6 +243,22 @@ def windowed(adv: torch.Tensor, ent: torch.Tensor, mask: torch.Tensor,
     out = torch.zeros((b, t), dtype=torch.float32, device=ent.device)
     if not (b and t):
         return out
+    e, part, lengths = _window_stats(ent, mask, window, temperature, wide_range)
+    flags = adv if positive is None else positive
+    with _on(ent.device):
+        _weight_kernel[(b, part.shape[1])](e, part, lengths, adv, flags, mask, out, t,
+                                           part.shape[1], adv.stride(0), flags.stride(0),
+                                           mask.stride(0), mask.stride(1),
+                                           ALL_ROWS=positive is None, TILE=_TILE)
+    return out
+
+
+def _window_stats(ent: torch.Tensor, mask: torch.Tensor, window: int,
+                  temperature: Optional[float], wide_range: float
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every valid token's windowed statistic (``[B, T]`` fp32, 0 where masked), the sums of
+    its tiles (``[B, tiles]``) and the rows' lengths (``[B]`` int32): two launches."""
+    b, t = ent.shape
     proximal = temperature is not None
     scale = 1.0 / temperature if proximal else 1.0
     n_tiles = triton.cdiv(t, _TILE)
@@ -200,7 +269,6 @@ def windowed(adv: torch.Tensor, ent: torch.Tensor, mask: torch.Tensor,
     lengths = torch.empty(b, dtype=torch.int32, device=ent.device)
     shift = torch.empty(b, dtype=torch.float32, device=ent.device)
     wide = torch.empty(b, dtype=torch.int8, device=ent.device)
-    flags = adv if positive is None else positive
     with _on(ent.device):
         _compact_kernel[(b,)](ent, mask, x, pos, lengths, shift, wide, t, ent.stride(0),
                               ent.stride(1), mask.stride(0), mask.stride(1), float(scale),
@@ -208,9 +276,37 @@ def windowed(adv: torch.Tensor, ent: torch.Tensor, mask: torch.Tensor,
         _window_kernel[(b, n_tiles)](x, pos, lengths, shift, wide, mask, e, part, t, n_tiles,
                                      mask.stride(0), mask.stride(1), int(window),
                                      1.0 / window, PROXIMAL=proximal, TILE=_TILE)
-        _weight_kernel[(b, n_tiles)](e, part, lengths, adv, flags, mask, out, t, n_tiles,
-                                     adv.stride(0), flags.stride(0), mask.stride(0),
-                                     mask.stride(1), ALL_ROWS=positive is None, TILE=_TILE)
+    return e, part, lengths
+
+
+def global_topk(adv: torch.Tensor, ent: torch.Tensor, mask: torch.Tensor, q: float,
+                selected_tokens: bool, window: int = 0,
+                temperature: Optional[float] = None, wide_range: float = math.inf
+                ) -> torch.Tensor:
+    """``global_topk`` in one process as :mod:`pepo.weighting` computes it: ``A_i`` at the
+    valid tokens whose score is ``>= torch.quantile(valid scores, q)`` (ties included), 0
+    elsewhere; the score is the entropy, or with ``temperature`` given Eq. 6's proximal entropy
+    (two launches more). The threshold is read off one ``torch.sort`` of the batch: a launch
+    before it, one after, and no value read on the host. With ``selected_tokens`` the selected
+    advantages are scaled by ``N_valid / N_selected``. ``[B, T]`` fp32."""
+    b, t = ent.shape
+    out = torch.zeros((b, t), dtype=torch.float32, device=ent.device)
+    if not (b and t):
+        return out
+    score = ent if temperature is None else _window_stats(ent, mask, window, temperature,
+                                                         wide_range)[0]
+    n_tiles = triton.cdiv(t, _BLOCK)
+    flat = torch.empty((b, t), dtype=torch.float32, device=ent.device)
+    part = torch.empty((b, n_tiles), dtype=torch.int32, device=ent.device)
+    with _on(ent.device):
+        _topk_prep_kernel[(b, n_tiles)](score, mask, flat, part, t, n_tiles, score.stride(0),
+                                        score.stride(1), mask.stride(0), mask.stride(1),
+                                        BLOCK=_BLOCK)
+        ordered = torch.sort(flat.view(-1), descending=True).values
+        _topk_apply_kernel[(b, n_tiles)](flat, ordered, part, adv, mask, out, t, b * n_tiles,
+                                         n_tiles, adv.stride(0), mask.stride(0), mask.stride(1),
+                                         float(q), SELECTED=bool(selected_tokens),
+                                         BLOCK=_BLOCK)
     return out
 
 

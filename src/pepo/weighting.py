@@ -436,6 +436,19 @@ def global_topk(
             out = out * torch.where(n_selected > 0, scale, 1.0).float()
         return out
 
+    def kernel(advantages: torch.Tensor, entropies: torch.Tensor, mask: torch.Tensor,
+               process_group: Optional[Any] = None) -> torch.Tensor:  # launches around a sort
+        import pepo._triton as _triton
+
+        return _triton.global_topk(advantages, entropies, mask, q,
+                                   normalize == "selected_tokens", window,
+                                   temperature if score == "proximal" else None,
+                                   _w.EXP_SAFE_RANGE * temperature)
+
+    # one process (a bound group bisects across ranks), the softmax's shifted-exp path
+    if process_group is None and (score == "entropy" or
+                                  _w.EXP_SAFE_RANGE * temperature >= _w.ENTROPY_SPAN):
+        fn.triton = kernel  # type: ignore[attr-defined]
     return fn
 
 
