@@ -9,6 +9,8 @@ memory with the inputs alone. CPU figures need Linux's ``/proc``.
     python benchmarks/bench_weighting.py                # everything, CPU
     python benchmarks/bench_weighting.py --only weighting --repeats 5
     python benchmarks/bench_weighting.py --device cuda  # on a GPU
+    python benchmarks/bench_weighting.py --device cuda --only weighting --no-memory --rounds 5
+                                                        # and medians of 5 back-to-back rounds
     python benchmarks/bench_weighting.py --quick        # seconds: that it runs, no figures
 
 Direct formulations (the baselines):
@@ -346,7 +348,7 @@ def count_syncs(fn: Callable[[], object]) -> int:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
-def bench_weighting_gpu(device: str, shapes: list[tuple[int, int]], calls: int) -> None:
+def bench_weighting_gpu(device: str, shapes: list[tuple[int, int]], calls: int) -> list[dict]:
     """Each strategy unvalidated (compiled, and as written), validated, and its direct
     formulation, against the read-once floor ``(H * mask).sum()``; host syncs per call."""
     gpu = torch.cuda.get_device_name() if device.startswith("cuda") else device
@@ -395,10 +397,29 @@ def bench_weighting_gpu(device: str, shapes: list[tuple[int, int]], calls: int) 
                   f"{direct_txt} | {ratio} | {floor_alone * 1e6:,.0f} / {alone[0] * 1e6:,.0f} / "
                   f"{alone[1] * 1e6:,.0f} | {syncs[0]} / {syncs[1]} / {syncs[2]} |",
                   flush=True)
-    out = os.environ.get("PEPO_BENCH_JSON")
-    if out:
-        with open(out, "w", encoding="utf-8") as f:
-            json.dump(rows, f, indent=1)
+    return rows
+
+
+def print_medians(runs: list[list[dict]]) -> None:
+    """Each strategy's median over back-to-back rounds of :func:`bench_weighting_gpu`: its
+    unvalidated µs, ×floor and direct/pepo (each a per-round ratio), with their ranges."""
+    def cell(values: list[float], fmt: str) -> str:
+        values = [v for v in values if not math.isnan(v)]
+        if not values:
+            return "—"
+        return (f"{fmt.format(statistics.median(values))} "
+                f"({fmt.format(min(values))}–{fmt.format(max(values))})")
+
+    print(f"\n## Medians over {len(runs)} rounds (range in brackets)\n")
+    print("| strategy | shape | floor µs | validate=False µs | ×floor | direct/pepo |")
+    print("|---|---|---:|---:|---:|---:|")
+    for i, row in enumerate(runs[0]):
+        same = [r[i] for r in runs]
+        print(f"| {row['strategy']} | {row['shape']} | "
+              f"{cell([r['floor_us'] for r in same], '{:,.0f}')} | "
+              f"{cell([r['validate_false_us'] for r in same], '{:,.0f}')} | "
+              f"{cell([r['validate_false_us'] / r['floor_us'] for r in same], '{:.1f}')} | "
+              f"{cell([r['direct_us'] / r['validate_false_us'] for r in same], '{:.2f}')} |")
 
 
 def bench_topk_large(device: str) -> None:
@@ -456,6 +477,8 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--only", choices=["weighting", "topk", "entropy"], default=None)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="GPU table: this many back-to-back rounds, then their medians")
     p.add_argument("--no-memory", action="store_true", help="skip the subprocess memory runs")
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--entropy-batch", type=int, default=1,
@@ -486,7 +509,14 @@ def main() -> None:
     if args.only in (None, "weighting"):
         shapes = [(16, 512)] if args.quick else [(256, 4096), (32, 32768)]
         if args.device.startswith("cuda") or args.sync_table:
-            bench_weighting_gpu(args.device, shapes, 5 if args.quick else 50)
+            runs = [bench_weighting_gpu(args.device, shapes, 5 if args.quick else 50)
+                    for _ in range(max(1, args.rounds))]
+            if len(runs) > 1:
+                print_medians(runs)
+            out = os.environ.get("PEPO_BENCH_JSON")
+            if out:
+                with open(out, "w", encoding="utf-8") as f:
+                    json.dump(runs[0] if len(runs) == 1 else runs, f, indent=1)
         if not args.device.startswith("cuda") or memory:  # on a GPU: for its memory columns
             bench_weighting(args.device, args.repeats, shapes, memory)
     if args.only in (None, "topk") and not args.quick:

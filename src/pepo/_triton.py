@@ -240,7 +240,7 @@ def windowed(adv: torch.Tensor, ent: torch.Tensor, mask: torch.Tensor,
     exceeds ``wide_range`` (the PyTorch body's rule); ``[B, T]`` fp32, 0 where ``mask`` is
     False. ``adv`` is ``[B]`` fp32; ``ent`` ``[B, T]`` of any float dtype and any strides."""
     b, t = ent.shape
-    out = torch.zeros((b, t), dtype=torch.float32, device=ent.device)
+    out = torch.empty((b, t), dtype=torch.float32, device=ent.device)  # all of it written
     if not (b and t):
         return out
     e, part, lengths = _window_stats(ent, mask, window, temperature, wide_range)
@@ -290,7 +290,7 @@ def global_topk(adv: torch.Tensor, ent: torch.Tensor, mask: torch.Tensor, q: flo
     before it, one after, and no value read on the host. With ``selected_tokens`` the selected
     advantages are scaled by ``N_valid / N_selected``. ``[B, T]`` fp32."""
     b, t = ent.shape
-    out = torch.zeros((b, t), dtype=torch.float32, device=ent.device)
+    out = torch.empty((b, t), dtype=torch.float32, device=ent.device)  # all of it written
     if not (b and t):
         return out
     score = ent if temperature is None else _window_stats(ent, mask, window, temperature,
