@@ -418,3 +418,110 @@ def test_strategy_runs_the_topk_kernel_on_cuda(monkeypatch):
     want = torch.from_numpy(ref.global_topk(adv.cpu(), ent.cpu(), mask.cpu(), 0.2))
     assert torch.equal(s(adv, ent, mask, validate=False).cpu().double(), want)
     assert len(calls) == 1
+
+
+# ----------------------------------------------------------------------------------------- gtpo
+
+# groups out of order (not contiguous), an all-failed group (-2), an all-succeeded one (5),
+# a group with one empty row (3), one row per side in group 11
+GROUPS = torch.tensor([7, 3, 7, -2, 5, 7, 3, 11, -2, 7, 5, 11, 3, 7])
+POSITIVE = torch.tensor([1, 1, 0, 0, 1, 1, 0, 1, 0, 0, 1, 0, 0, 1], dtype=torch.bool)
+GTPO_ROWS = [30, 0, 12, 7, 300, 1, 40, 1100, 5, 33, 2, 64, 9, 250]
+
+
+@pytest.mark.parametrize("normalize,alpha1,alpha2,eps", [("group", 1.0, 0.1, 1e-8),
+                                                         ("side", 0.5, 0.3, 1e-3)])
+@pytest.mark.parametrize("holes", [False, True])
+def test_gtpo_kernel_is_the_formula(normalize, alpha1, alpha2, eps, holes):
+    """GTPO's Eqs. 3, 5 and 6 one token at a time (tests/reference.py): catches a side summed
+    over the whole group (or over another group), positions counted on the raw columns
+    instead of each row's valid tokens, the count of active rows at a position wrong for
+    ragged rows, alpha1/alpha2/eps ignored, the standardisation over one row or one tile, an
+    all-success or all-failure group not zeroed, the group/side choice ignored."""
+    adv, ent, mask = ragged_batch(GTPO_ROWS, 1130, holes=holes, seed=21)
+    ent, mask = ent.to(DEVICE), mask.to(DEVICE)
+    s = pw.get_strategy("gtpo", normalize=normalize, alpha1=alpha1, alpha2=alpha2, eps=eps)
+    got = s._triton(adv.to(DEVICE), ent, mask, positive=POSITIVE.to(DEVICE),
+                    groups=GROUPS.to(DEVICE))
+    want = torch.from_numpy(ref.gtpo(ent.cpu(), mask.cpu(), POSITIVE, GROUPS, alpha1, alpha2,
+                                     eps, normalize))
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-5)
+    assert got[GROUPS.to(DEVICE) == 5].eq(0).all() and got[GROUPS.to(DEVICE) == -2].eq(0).all()
+
+
+def test_gtpo_kernel_strides_dtypes_and_the_body():
+    """bf16 entropies stored column-major, every other row; strided flags and int32 groups:
+    the kernel agrees with the PyTorch body on them."""
+    adv, ent_all, mask_all = ragged_batch([20, 3, 50, 8, 64, 1, 33, 17] * 2, 70, holes=True,
+                                          seed=5, dtype=torch.bfloat16)
+    ent = ent_all.to(DEVICE).t().contiguous().t()[::2]
+    mask = mask_all.to(DEVICE).t().contiguous().t()[::2]
+    positive = torch.tensor([1, 1, 0, 0] * 4, dtype=torch.bool, device=DEVICE)[::2]
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1] * 2, dtype=torch.int32, device=DEVICE)[::2]
+    assert positive.stride(0) == 2 and groups.stride(0) == 2
+    s = pw.get_strategy("gtpo")
+    got = s._triton(adv[::2].to(DEVICE), ent, mask, positive=positive, groups=groups)
+    want = s._body(adv[::2].to(DEVICE), ent, mask, positive=positive, groups=groups)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert got.abs().sum() > 1
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_gtpo_kernel_propagates_a_bad_entropy_to_its_group_as_nan(bad):
+    """A failure's NaN or ±inf entropy (1/inf would be a finite 0) turns its own group NaN and
+    no other; masked, it changes nothing."""
+    adv, ent, mask = ragged_batch([5, 7, 6, 4], 7, seed=3)
+    positive = torch.tensor([True, False, True, False], device=DEVICE)
+    groups = torch.tensor([0, 0, 1, 1], device=DEVICE)
+    ent, mask = ent.to(DEVICE), mask.to(DEVICE)
+    s = pw.get_strategy("gtpo")
+    clean = s._triton(adv, ent, mask, positive=positive, groups=groups)
+    poisoned = ent.clone()
+    poisoned[1, 2] = bad
+    out = s._triton(adv, poisoned, mask, positive=positive, groups=groups)
+    assert torch.isnan(out[:2][mask[:2]]).all() and torch.equal(out[2:], clean[2:])
+    hidden = ent.clone()
+    hidden[~mask] = bad
+    assert torch.equal(s._triton(adv, hidden, mask, positive=positive, groups=groups), clean)
+
+
+def test_gtpo_kernel_more_rows_than_a_block():
+    """1,030 rows in pairs: the rows' lists are built in blocks of 1,024, so a count not
+    carried past the first block would lose the last rows' partners."""
+    b = 1030
+    g = torch.Generator().manual_seed(2)
+    ent = torch.rand(b, 3, generator=g).to(DEVICE)
+    mask = torch.ones(b, 3, dtype=torch.bool, device=DEVICE)
+    groups = torch.arange(b, device=DEVICE).roll(5) // 2
+    positive = (torch.arange(b, device=DEVICE) % 2 == 0)
+    s = pw.get_strategy("gtpo")
+    got = s._triton(positive.float(), ent, mask, positive=positive, groups=groups)
+    want = s._body(positive.float(), ent, mask, positive=positive, groups=groups)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_gtpo_kernel_empty():
+    for shape in [(0, 5), (3, 0)]:
+        z = torch.zeros(shape, device=DEVICE)
+        flags = torch.zeros(shape[0], dtype=torch.bool, device=DEVICE)
+        out = _triton.gtpo(z, z > 0, flags, flags.long(), 1.0, 0.1, 1e-8, False)
+        assert out.shape == shape
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the strategy routes CUDA tensors to the kernel")
+def test_strategy_runs_the_gtpo_kernel_on_cuda(monkeypatch):
+    calls = []
+    real = _triton.gtpo
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_triton, "gtpo", counted)
+    adv, ent, mask = ragged_batch(GTPO_ROWS, 1130, holes=True, seed=21)
+    want = torch.from_numpy(ref.gtpo(ent, mask, POSITIVE, GROUPS, 1.0, 0.1, 1e-8, "group"))
+    got = pw.get_strategy("gtpo")(adv.cuda(), ent.cuda(), mask.cuda(), positive=POSITIVE.cuda(),
+                                  groups=GROUPS.cuda(), validate=False)
+    torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-5)
+    assert len(calls) == 1

@@ -33,9 +33,9 @@ _OUT_OF_MEMORY = getattr(torch.cuda, "OutOfMemoryError", ())
 def set_compile(enabled: bool) -> None:
     """Whether the built-in strategies run ``torch.compile``-d on CUDA tensors: a few fused
     kernels instead of dozens, after a first call that compiles for tens of seconds
-    (``entropy_bonus``, ``proximal_softmax``, ``window_average`` and ``global_topk`` run Triton
-    kernels instead, where Triton is installed: one to four launches, no compiling;
-    ``PEPO_TRITON=0`` compiles them too). On by default; ``PEPO_COMPILE=0`` in the
+    (every built-in strategy but ``uniform``, a single ``where``, runs Triton kernels instead,
+    where Triton is installed: one to four launches, no compiling; ``PEPO_TRITON=0`` compiles
+    them too). On by default; ``PEPO_COMPILE=0`` in the
     environment turns it off at import. CPU tensors never compile."""
     _COMPILE["on"] = bool(enabled)
 

@@ -1,7 +1,8 @@
 """Triton kernels for strategies on CUDA: ``entropy_bonus`` in one launch where the eager
 formula takes six, PEPO's ``proximal_softmax`` and ``window_average`` in three, ``global_topk``
-in one on each side of a ``torch.sort``, where ``torch.compile``'s call costs more (at the
-paper's batch sizes a strategy's call is bound by its launches, not by the GPU's work).
+in one on each side of a ``torch.sort``, ``gtpo`` in three, where ``torch.compile``'s call costs
+more (at the paper's batch sizes a strategy's call is bound by its launches, not by the GPU's
+work).
 Imported only for CUDA tensors, and only where Triton is installed; the pure-PyTorch bodies in
 :mod:`pepo.weighting` stay the reference the tests compare with and the path on CPUs.
 
@@ -24,7 +25,7 @@ except ImportError:  # pragma: no cover - exercised where Triton is missing
     triton = None
     tl = None
 
-__all__ = ["available", "entropy_bonus", "global_topk", "windowed"]
+__all__ = ["available", "entropy_bonus", "global_topk", "gtpo", "windowed"]
 
 _BLOCK = 1024
 _TILE = 256  # tokens per program of the window kernel: W loads each, from L1/L2
@@ -206,6 +207,118 @@ if triton is not None:
         out = tl.where(finite | (n == 0), out, float("nan"))
         tl.store(out_ptr + row * T + col, tl.where(valid, out, 0.0), mask=inside)
 
+    @triton.jit
+    def _gtpo_rows_kernel(ent_ptr, mask_ptr, pos_flag_ptr, group_ptr, x_ptr, pos_ptr,  # noqa: N803
+                          len_ptr, side_ptr, group_list_ptr, count_ptr, B, T, s_eb, s_et, s_mb,
+                          s_mt, s_p, s_g, eps, BLOCK: tl.constexpr):  # noqa: N803
+        """One program a row: the rows of its group and of its side (group and outcome) as
+        lists, its group's size and successes, and its Eq. 3/5 values (``H`` on a success,
+        ``1/(H + eps)`` on a failure, NaN for an inf entropy, float64) moved to the front."""
+        row = tl.program_id(0).to(tl.int64)
+        g = tl.load(group_ptr + row * s_g).to(tl.int64)
+        win = tl.load(pos_flag_ptr + row * s_p) != 0
+        n_group = tl.zeros((), dtype=tl.int32)
+        n_side = tl.zeros((), dtype=tl.int32)
+        n_pos = tl.zeros((), dtype=tl.int32)
+        for start in range(0, B, BLOCK):
+            j = start + tl.arange(0, BLOCK)
+            inside = j < B
+            same = (tl.load(group_ptr + j.to(tl.int64) * s_g, mask=inside, other=0).to(tl.int64)
+                    == g) & inside
+            flag = tl.load(pos_flag_ptr + j.to(tl.int64) * s_p, mask=inside, other=0) != 0
+            side = same & (flag == win)
+            at = tl.cumsum(same.to(tl.int32), axis=0) + n_group - 1
+            tl.store(group_list_ptr + row * B + at, j.to(tl.int32), mask=same)
+            at = tl.cumsum(side.to(tl.int32), axis=0) + n_side - 1
+            tl.store(side_ptr + row * B + at, j.to(tl.int32), mask=side)
+            n_group += tl.sum(same.to(tl.int32), axis=0)
+            n_side += tl.sum(side.to(tl.int32), axis=0)
+            n_pos += tl.sum((same & flag).to(tl.int32), axis=0)
+        tl.store(count_ptr + row * 3, n_group)
+        tl.store(count_ptr + row * 3 + 1, n_side)
+        tl.store(count_ptr + row * 3 + 2, n_pos)
+        count = tl.zeros((), dtype=tl.int32)
+        for start in range(0, T, BLOCK):
+            col = start + tl.arange(0, BLOCK)
+            inside = col < T
+            valid = tl.load(mask_ptr + row * s_mb + col * s_mt, mask=inside, other=0) != 0
+            h = tl.load(ent_ptr + row * s_eb + col * s_et, mask=valid, other=0.0).to(tl.float32)
+            h = h.to(tl.float64)
+            v = tl.where(win, h, 1.0 / (h + eps))
+            v = tl.where(tl.abs(h) == float("inf"), float("nan"), v)
+            pos = tl.cumsum(valid.to(tl.int32), axis=0) + count - 1
+            tl.store(x_ptr + row * T + pos, v, mask=valid)
+            tl.store(pos_ptr + row * T + col, tl.maximum(pos, 0), mask=inside)
+            count += tl.sum(valid.to(tl.int32), axis=0)
+        tl.store(len_ptr + row, count)
+
+    @triton.jit
+    def _gtpo_shape_kernel(x_ptr, pos_ptr, len_ptr, side_ptr, count_ptr, pos_flag_ptr,  # noqa: N803
+                           mask_ptr, r_ptr, part_ptr, B, T, n_tiles, s_p, s_mb, s_mt, alpha1,
+                           alpha2, TILE: tl.constexpr):  # noqa: N803
+        """Eqs. 3 and 5 at each valid token (float64; 0 where masked): the token's share of its
+        side's values at its position, times the side's rows there; each tile's sums of the
+        rewards and of their squares, for the standardisation."""
+        row = tl.program_id(0).to(tl.int64)
+        tile = tl.program_id(1)
+        col = tile.to(tl.int64) * TILE + tl.arange(0, TILE)
+        inside = col < T
+        valid = tl.load(mask_ptr + row * s_mb + col * s_mt, mask=inside, other=0) != 0
+        p = tl.load(pos_ptr + row * T + col, mask=valid, other=0)
+        total = tl.zeros((TILE,), dtype=tl.float64)
+        active = tl.zeros((TILE,), dtype=tl.float64)
+        bad = tl.zeros((TILE,), dtype=tl.int32)
+        n_side = tl.load(count_ptr + row * 3 + 1)
+        for m in range(0, n_side):
+            j = tl.load(side_ptr + row * B + m).to(tl.int64)
+            on = valid & (p < tl.load(len_ptr + j))
+            v = tl.load(x_ptr + j * T + p, mask=on, other=0.0)
+            finite = (v == v) & (tl.abs(v) < float("inf"))
+            bad += (on & ~finite).to(tl.int32)
+            total += tl.where(finite, v, 0.0)
+            active += on.to(tl.float64)
+        total = tl.where(bad > 0, float("nan"), total)  # NaN stays NaN, never uniform
+        x = tl.load(x_ptr + row * T + p, mask=valid, other=0.0)
+        share = tl.where(total > 0.0, x / tl.where(total > 0.0, total, 1.0) * active,
+                         tl.where(total != total, float("nan"), 1.0))
+        sign = tl.where(tl.load(pos_flag_ptr + row * s_p) != 0, 1.0, -1.0).to(tl.float64)
+        r = tl.where(valid, sign * (alpha1 + alpha2 * share), 0.0)
+        tl.store(r_ptr + row * T + col, r, mask=inside)
+        tl.store(part_ptr + (row * n_tiles + tile) * 2, tl.sum(r, axis=0))
+        tl.store(part_ptr + (row * n_tiles + tile) * 2 + 1, tl.sum(r * r, axis=0))
+
+    @triton.jit
+    def _gtpo_standardize_kernel(r_ptr, part_ptr, len_ptr, list_ptr, count_ptr, mask_ptr,  # noqa: N803
+                                 out_ptr, B, T, n_tiles, s_mb, s_mt, SIDE: tl.constexpr,
+                                 TILE: tl.constexpr):  # noqa: N803
+        """Eq. 6: the rewards less their mean over the group's (or side's) valid tokens, over
+        their population std + 1e-6; 0 in a group that all succeeded or all failed."""
+        row = tl.program_id(0).to(tl.int64)
+        col = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
+        inside = col < T
+        n_unit = tl.load(count_ptr + row * 3 + (1 if SIDE else 0))
+        tokens = tl.zeros((), dtype=tl.float64)
+        s1 = tl.zeros((), dtype=tl.float64)
+        s2 = tl.zeros((), dtype=tl.float64)
+        for m in range(0, n_unit):
+            j = tl.load(list_ptr + row * B + m).to(tl.int64)
+            tokens += tl.load(len_ptr + j).to(tl.float64)
+            for start in range(0, n_tiles, TILE):
+                k = start + tl.arange(0, TILE)
+                at = part_ptr + (j * n_tiles + k) * 2
+                s1 += tl.sum(tl.load(at, mask=k < n_tiles, other=0.0), axis=0)
+                s2 += tl.sum(tl.load(at + 1, mask=k < n_tiles, other=0.0), axis=0)
+        tokens = tl.maximum(tokens, 1.0)
+        mean = s1 / tokens
+        std = tl.sqrt(tl.maximum(s2 / tokens - mean * mean, 0.0))
+        n_group = tl.load(count_ptr + row * 3)
+        n_pos = tl.load(count_ptr + row * 3 + 2)
+        mixed = (n_pos > 0) & (n_pos < n_group)
+        valid = tl.load(mask_ptr + row * s_mb + col * s_mt, mask=inside, other=0) != 0
+        r = tl.load(r_ptr + row * T + col, mask=inside, other=0.0)
+        out = tl.where(valid & mixed, (r - mean) / (std + 1e-6), 0.0)
+        tl.store(out_ptr + row * T + col, out.to(tl.float32), mask=inside)
+
 
 def entropy_bonus(adv: torch.Tensor, ent: torch.Tensor, mask: torch.Tensor, alpha: float,
                   inv_kappa: float) -> torch.Tensor:
@@ -307,6 +420,42 @@ def global_topk(adv: torch.Tensor, ent: torch.Tensor, mask: torch.Tensor, q: flo
                                          n_tiles, adv.stride(0), mask.stride(0), mask.stride(1),
                                          float(q), SELECTED=bool(selected_tokens),
                                          BLOCK=_BLOCK)
+    return out
+
+
+def gtpo(ent: torch.Tensor, mask: torch.Tensor, positive: torch.Tensor, groups: torch.Tensor,
+         alpha1: float, alpha2: float, eps: float, side: bool) -> torch.Tensor:
+    """GTPO's token advantages as :mod:`pepo._gtpo` computes them (Eqs. 3, 5 and 6, float64,
+    ``[B, T]`` fp32 out) in three launches: each row's group and side as lists and its values
+    compacted; the shaped rewards with each tile's sums; their standardisation over the group
+    (``side=False``) or the side. The standardisation's variance is ``E[r²] - mean²`` in
+    float64, where the PyTorch body takes a second pass."""
+    b, t = ent.shape
+    out = torch.empty((b, t), dtype=torch.float32, device=ent.device)  # all of it written
+    if not (b and t):
+        return out
+    dev = ent.device
+    n_tiles = triton.cdiv(t, _TILE)
+    x = torch.empty((b, t), dtype=torch.float64, device=dev)
+    r = torch.empty((b, t), dtype=torch.float64, device=dev)
+    pos = torch.empty((b, t), dtype=torch.int32, device=dev)
+    lists = torch.empty((2, b, b), dtype=torch.int32, device=dev)  # side's rows, group's rows
+    counts = torch.empty((b, 3), dtype=torch.int32, device=dev)  # group, side, successes
+    lengths = torch.empty(b, dtype=torch.int32, device=dev)
+    part = torch.empty((b, n_tiles, 2), dtype=torch.float64, device=dev)
+    with _on(dev):
+        _gtpo_rows_kernel[(b,)](ent, mask, positive, groups, x, pos, lengths, lists[0], lists[1],
+                                counts, b, t, ent.stride(0), ent.stride(1), mask.stride(0),
+                                mask.stride(1), positive.stride(0), groups.stride(0),
+                                float(eps), BLOCK=_BLOCK)
+        _gtpo_shape_kernel[(b, n_tiles)](x, pos, lengths, lists[0], counts, positive, mask, r,
+                                         part, b, t, n_tiles, positive.stride(0),
+                                         mask.stride(0), mask.stride(1), float(alpha1),
+                                         float(alpha2), TILE=_TILE)
+        _gtpo_standardize_kernel[(b, n_tiles)](r, part, lengths, lists[0] if side else lists[1],
+                                               counts, mask, out, b, t, n_tiles,
+                                               mask.stride(0), mask.stride(1), SIDE=bool(side),
+                                               TILE=_TILE)
     return out
 
 

@@ -500,6 +500,13 @@ def gtpo(alpha1: float = 1.0, alpha2: float = 0.1, normalize: str = "group",
         r = shaped(entropies, mask, positive, groups, alpha1, alpha2, eps)  # [B, T] f64
         return standardized(r, mask, positive, groups, normalize)
 
+    def kernel(advantages, entropies, mask, positive, groups):  # three launches (CUDA)
+        import pepo._triton as _triton
+
+        return _triton.gtpo(entropies, mask, positive, groups, alpha1, alpha2, eps,
+                            normalize == "side")
+
+    fn.triton = kernel  # type: ignore[attr-defined]
     return fn
 
 
