@@ -296,7 +296,10 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         col = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
         inside = col < T
-        n_unit = tl.load(count_ptr + row * 3 + (1 if SIDE else 0))
+        if SIDE:
+            n_unit = tl.load(count_ptr + row * 3 + 1)
+        else:
+            n_unit = tl.load(count_ptr + row * 3)
         tokens = tl.zeros((), dtype=tl.float64)
         s1 = tl.zeros((), dtype=tl.float64)
         s2 = tl.zeros((), dtype=tl.float64)

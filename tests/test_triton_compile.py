@@ -1,0 +1,80 @@
+"""pepo._triton's kernels compile for the GPUs users train on, on a machine without one.
+
+Triton compiles ahead of time for a named target (its own LLVM and the ``ptxas`` its wheel
+ships): every kernel, at every compile-time switch and every entropy dtype it reads, down to
+a cubin for the H100/H200 (sm_90) and the A100 (sm_80). This catches what Triton's interpreter
+(``tests/test_triton_kernels.py`` on a CPU) lets through: a type that changes across a loop, a
+construct the compiler rejects, an op without a lowering for a dtype. Collected where Triton is
+installed and ``TRITON_INTERPRET`` is not set (the interpreter replaces the compiled kernels).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from pepo import _triton  # noqa: E402
+
+ENT = ["*fp32", "*bf16", "*fp16", "*fp64"]  # the entropies' dtypes a strategy accepts
+# (kernel, pointer and float argument types (other arguments are i32), compile-time switches)
+KERNELS = [
+    *[("_entropy_bonus_kernel", {"adv_ptr": "*fp32", "ent_ptr": e, "mask_ptr": "*i1",
+                                 "out_ptr": "*fp32", "alpha": "fp32", "inv_kappa": "fp32"},
+       {"BLOCK": 1024}) for e in ENT],
+    *[("_compact_kernel", {"ent_ptr": e, "mask_ptr": "*i1", "x_ptr": "*fp32", "pos_ptr": "*i32",
+                           "len_ptr": "*i32", "shift_ptr": "*fp32", "wide_ptr": "*i8",
+                           "scale": "fp32", "wide_range": "fp32"},
+       {"PROXIMAL": proximal, "BLOCK": 1024}) for e in ENT for proximal in (True, False)],
+    *[("_window_kernel", {"x_ptr": "*fp32", "pos_ptr": "*i32", "len_ptr": "*i32",
+                          "shift_ptr": "*fp32", "wide_ptr": "*i8", "mask_ptr": "*i1",
+                          "e_ptr": "*fp32", "part_ptr": "*fp32", "inv_w": "fp32"},
+       {"PROXIMAL": proximal, "TILE": 256}) for proximal in (True, False)],
+    *[("_weight_kernel", {"e_ptr": "*fp32", "part_ptr": "*fp32", "len_ptr": "*i32",
+                          "adv_ptr": "*fp32", "pos_flag_ptr": "*fp32" if all_rows else "*i1",
+                          "mask_ptr": "*i1", "out_ptr": "*fp32"},
+       {"ALL_ROWS": all_rows, "TILE": 256}) for all_rows in (True, False)],
+    *[("_topk_prep_kernel", {"s_ptr": e, "mask_ptr": "*i1", "flat_ptr": "*fp32",
+                             "part_ptr": "*i32"}, {"BLOCK": 1024}) for e in ENT],
+    *[("_topk_apply_kernel", {"flat_ptr": "*fp32", "ordered_ptr": "*fp32", "part_ptr": "*i32",
+                              "adv_ptr": "*fp32", "mask_ptr": "*i1", "out_ptr": "*fp32",
+                              "q": "fp64"}, {"SELECTED": selected, "BLOCK": 1024})
+      for selected in (True, False)],
+    *[("_gtpo_rows_kernel", {"ent_ptr": e, "mask_ptr": "*i1", "pos_flag_ptr": "*i1",
+                             "group_ptr": g, "x_ptr": "*fp64", "pos_ptr": "*i32",
+                             "len_ptr": "*i32", "side_ptr": "*i32", "group_list_ptr": "*i32",
+                             "count_ptr": "*i32", "eps": "fp32"}, {"BLOCK": 1024})
+      for e in ENT for g in ("*i64", "*i32")],
+    ("_gtpo_shape_kernel", {"x_ptr": "*fp64", "pos_ptr": "*i32", "len_ptr": "*i32",
+                            "side_ptr": "*i32", "count_ptr": "*i32", "pos_flag_ptr": "*i1",
+                            "mask_ptr": "*i1", "r_ptr": "*fp64", "part_ptr": "*fp64",
+                            "alpha1": "fp32", "alpha2": "fp32"}, {"TILE": 256}),
+    *[("_gtpo_standardize_kernel", {"r_ptr": "*fp64", "part_ptr": "*fp64", "len_ptr": "*i32",
+                                    "list_ptr": "*i32", "count_ptr": "*i32", "mask_ptr": "*i1",
+                                    "out_ptr": "*fp32"}, {"SIDE": side, "TILE": 256})
+      for side in (True, False)],
+]
+
+
+def test_every_kernel_is_listed():
+    """A kernel added to pepo._triton without a line here would never be compiled by CI."""
+    kernels = {name for name in dir(_triton)
+               if isinstance(getattr(_triton, name), triton.runtime.JITFunction)}
+    assert kernels == {name for name, _, _ in KERNELS}
+
+
+@pytest.mark.parametrize("arch", [90, 80])
+@pytest.mark.parametrize("name,types,switches", KERNELS, ids=[
+    "-".join([k[0], *map(str, k[2].values()), *(t for t in k[1].values() if t in ENT)])
+    for k in KERNELS])
+def test_kernel_compiles_for_the_gpu(arch, name, types, switches):
+    fn = getattr(_triton, name)
+    assert set(types) | set(switches) <= set(fn.arg_names)  # no misspelt argument
+    signature = {a: "constexpr" if a in switches else types.get(a, "i32") for a in fn.arg_names}
+    constexprs = {(fn.arg_names.index(a),): v for a, v in switches.items()}
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", arch, 32))
+    assert compiled.asm["cubin"]  # ptxas accepted the kernel
