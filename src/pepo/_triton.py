@@ -71,7 +71,9 @@ if triton is not None:
             col = start + tl.arange(0, BLOCK)
             inside = col < T
             valid = tl.load(mask_ptr + row * s_mb + col * s_mt, mask=inside, other=0) != 0
-            h = tl.load(ent_ptr + row * s_eb + col * s_et, mask=valid, other=0.0).to(tl.float32)
+            # read beside the mask, not after it (the row's loop waits on each block's loads)
+            h = tl.load(ent_ptr + row * s_eb + col * s_et, mask=inside, other=0.0).to(tl.float32)
+            h = tl.where(valid, h, 0.0)
             if not PROXIMAL:  # the window average counts a valid value below 0 as 0
                 h = tl.where(h < 0.0, 0.0, h)  # (NaN < 0 is False: a NaN stays)
             pos = tl.cumsum(valid.to(tl.int32), axis=0) + count - 1
@@ -242,8 +244,8 @@ if triton is not None:
             col = start + tl.arange(0, BLOCK)
             inside = col < T
             valid = tl.load(mask_ptr + row * s_mb + col * s_mt, mask=inside, other=0) != 0
-            h = tl.load(ent_ptr + row * s_eb + col * s_et, mask=valid, other=0.0).to(tl.float32)
-            h = h.to(tl.float64)
+            h = tl.load(ent_ptr + row * s_eb + col * s_et, mask=inside, other=0.0).to(tl.float32)
+            h = tl.where(valid, h, 0.0).to(tl.float64)
             v = tl.where(win, h, 1.0 / (h + eps))
             v = tl.where(tl.abs(h) == float("inf"), float("nan"), v)
             pos = tl.cumsum(valid.to(tl.int32), axis=0) + count - 1
