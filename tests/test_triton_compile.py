@@ -38,37 +38,41 @@ KERNELS = [
                           "mask_ptr": "*i1", "out_ptr": "*fp32"},
        {"ALL_ROWS": all_rows, "TILE": 256}) for all_rows in (True, False)],
     *[("_topk_prep_kernel", {"s_ptr": e, "mask_ptr": "*i1", "flat_ptr": "*fp32",
-                             "part_ptr": "*i32"}, {"BLOCK": 1024}) for e in ENT],
-    *[("_topk_apply_kernel", {"flat_ptr": "*fp32", "ordered_ptr": "*fp32", "part_ptr": "*i32",
+                             "count_ptr": "*i32"}, {"BLOCK": 1024}) for e in ENT],
+    # a float64 argument travels as its bits: an i64, or an i32 where they fit (q = 0.0)
+    *[("_topk_apply_kernel", {"flat_ptr": "*fp32", "ordered_ptr": "*fp32", "count_ptr": "*i32",
                               "adv_ptr": "*fp32", "mask_ptr": "*i1", "out_ptr": "*fp32",
-                              "q": "fp64"}, {"SELECTED": selected, "BLOCK": 1024})
-      for selected in (True, False)],
+                              "q_bits": bits}, {"SELECTED": selected, "BLOCK": 1024})
+      for selected in (True, False) for bits in ("i64", "i32")],
     *[("_gtpo_rows_kernel", {"ent_ptr": e, "mask_ptr": "*i1", "pos_flag_ptr": "*i1",
                              "group_ptr": g, "x_ptr": "*fp64", "pos_ptr": "*i32",
                              "len_ptr": "*i32", "side_ptr": "*i32", "group_list_ptr": "*i32",
-                             "count_ptr": "*i32", "eps": "fp32"}, {"BLOCK": 1024})
+                             "count_ptr": "*i32", "eps_bits": "i64"}, {"BLOCK": 1024})
       for e in ENT for g in ("*i64", "*i32")],
-    ("_gtpo_shape_kernel", {"x_ptr": "*fp64", "pos_ptr": "*i32", "len_ptr": "*i32",
-                            "side_ptr": "*i32", "count_ptr": "*i32", "pos_flag_ptr": "*i1",
-                            "mask_ptr": "*i1", "r_ptr": "*fp64", "part_ptr": "*fp64",
-                            "alpha1": "fp32", "alpha2": "fp32"}, {"TILE": 256}),
+    *[("_gtpo_shape_kernel", {"x_ptr": "*fp64", "pos_ptr": "*i32", "len_ptr": "*i32",
+                              "side_ptr": "*i32", "count_ptr": "*i32", "pos_flag_ptr": "*i1",
+                              "mask_ptr": "*i1", "r_ptr": "*fp64", "part_ptr": "*fp64",
+                              "alpha1_bits": bits, "alpha2_bits": "i64"},
+       {"SIDE": side, "TILE": 256}) for side in (True, False) for bits in ("i64", "i32")],
     *[("_gtpo_standardize_kernel", {"r_ptr": "*fp64", "part_ptr": "*fp64", "len_ptr": "*i32",
                                     "list_ptr": "*i32", "count_ptr": "*i32", "mask_ptr": "*i1",
-                                    "out_ptr": "*fp32"}, {"SIDE": side, "TILE": 256})
+                                    "pos_flag_ptr": "*i1", "out_ptr": "*fp32",
+                                    "alpha_bits": "i64"}, {"SIDE": side, "TILE": 256})
       for side in (True, False)],
 ]
 
 
 def test_every_kernel_is_listed():
     """A kernel added to pepo._triton without a line here would never be compiled by CI."""
-    kernels = {name for name in dir(_triton)
-               if isinstance(getattr(_triton, name), triton.runtime.JITFunction)}
+    kernels = {name for name in dir(_triton) if name.endswith("_kernel")
+               and isinstance(getattr(_triton, name), triton.runtime.JITFunction)}
     assert kernels == {name for name, _, _ in KERNELS}
 
 
 @pytest.mark.parametrize("arch", [90, 80])
 @pytest.mark.parametrize("name,types,switches", KERNELS, ids=[
-    "-".join([k[0], *map(str, k[2].values()), *(t for t in k[1].values() if t in ENT)])
+    "-".join([k[0], *map(str, k[2].values()),
+              *(t for a, t in k[1].items() if t in ENT or a.endswith("bits"))])
     for k in KERNELS])
 def test_kernel_compiles_for_the_gpu(arch, name, types, switches):
     fn = getattr(_triton, name)

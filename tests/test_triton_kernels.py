@@ -255,6 +255,34 @@ def test_windowed_kernel_non_finite_and_special_rows():
     assert s._body(one.cpu(), wide.cpu(), m3.cpu(), positive=one.cpu() > 0).isnan().all()
 
 
+def test_windowed_kernel_shifts_each_row_and_flags_wide_rows_alone():
+    """Entropies near 96 nats (exp overflows fp32 unshifted) in a row without padding come out
+    as the formula gives them; the next row, 85-86 nats beside its padding zeros, is wider
+    than the shifted exp holds and comes out NaN, as the body gives it, without touching the
+    first (a flag from row 0, or one for the batch, would); a valid -inf entropy makes its
+    softmax row NaN and counts as 0 in the window average."""
+    g = torch.Generator().manual_seed(3)
+    ent = torch.stack([95 + torch.rand(40, generator=g), 85 + torch.rand(40, generator=g),
+                       torch.rand(40, generator=g)]).to(DEVICE)
+    mask = torch.ones(3, 40, dtype=torch.bool, device=DEVICE)
+    mask[1, 30:] = False
+    ent[2, 7] = -math.inf
+    adv = torch.ones(3, device=DEVICE)
+    s = pw.get_strategy("proximal_softmax", window=11, apply_to="all")
+    out = s._triton(adv, ent, mask, None).cpu()
+    want = windowed_reference("proximal_softmax", adv.cpu(), ent[:1], mask[:1], 11, 1.0, "all",
+                              adv[:1].cpu() > 0)
+    torch.testing.assert_close(out[:1].double(), want, rtol=2e-5, atol=1e-6)
+    body = s._body(adv.cpu(), ent.cpu(), mask.cpu(), positive=adv.cpu() > 0)
+    assert out[1][mask[1].cpu()].isnan().all() and body[1][mask[1].cpu()].isnan().all()
+    assert out[2].isnan().all() and body[2].isnan().all()
+    w = pw.get_strategy("window_average", window=11, apply_to="all")
+    got = w._triton(adv[2:], ent[2:], mask[2:], None)
+    torch.testing.assert_close(got.cpu(), w._body(adv[2:].cpu(), ent[2:].cpu(), mask[2:].cpu(),
+                                                  positive=adv[2:].cpu() > 0))
+    assert got[0, 7] == 0 and got.isfinite().all()
+
+
 def test_windowed_kernel_empty():
     for shape in [(0, 5), (3, 0)]:
         adv = torch.ones(shape[0], device=DEVICE)
@@ -321,6 +349,26 @@ def test_global_topk_kernel_selects_what_torch_quantile_selects(dtype, fraction,
     want = torch.from_numpy(ref.global_topk(adv.cpu(), ent.float().cpu(), mask.cpu(), fraction))
     assert torch.equal(got.cpu().double(), want)
     assert torch.equal(got, s._body(adv, ent, mask))
+
+
+@pytest.mark.parametrize("n", [11, 26, 101, 1001])
+@pytest.mark.parametrize("fraction", [0.2, 0.5, 0.37])
+def test_global_topk_kernel_keeps_exactly_k_of_distinct_scores(n, fraction):
+    """Distinct scores, so no tie hides a miscount: exactly ``k = n - ceil(q (n - 1))``
+    tokens, the k largest. With n - 1 a multiple of 5 and fraction 0.2, a q rounded to fp32
+    (0.800000012: what a Python float argument becomes in a compiled Triton kernel) gives
+    ``k - 1``; a threshold read one place off in the sort gives ``k ± 1``."""
+    g = torch.Generator().manual_seed(n)
+    scores = torch.randperm(n, generator=g).float().reshape(1, n)
+    mask = torch.ones(1, n, dtype=torch.bool)
+    pad = torch.full((1, 5), math.nan)
+    scores = torch.cat([scores, pad], 1).to(DEVICE)
+    mask = torch.cat([mask, torch.zeros(1, 5, dtype=torch.bool)], 1).to(DEVICE)
+    s = pw.get_strategy("global_topk", fraction=fraction)
+    out = s._triton(torch.ones(1, device=DEVICE), scores, mask).cpu()
+    k = n - math.ceil((1.0 - fraction) * (n - 1))
+    assert int(out.sum()) == k
+    assert out[0, :n][scores[0, :n].cpu() >= n - k].eq(1).all()
 
 
 def test_global_topk_kernel_selected_tokens_scale_and_strides():
@@ -484,6 +532,22 @@ def test_gtpo_kernel_propagates_a_bad_entropy_to_its_group_as_nan(bad):
     hidden = ent.clone()
     hidden[~mask] = bad
     assert torch.equal(s._triton(adv, hidden, mask, positive=positive, groups=groups), clean)
+
+
+def test_gtpo_kernel_side_mode_keeps_its_digits():
+    """By side every shaped reward is about ±α1: with α1 = 3 and α2 = 1e-4 the spread is 1e-4
+    of the values, and a variance taken as E[r²] - mean² of the raw rewards keeps three digits
+    (1.7e-3 off on outputs of 0.29); the kernel's sums are of r less each side's mean."""
+    g = torch.Generator().manual_seed(4)
+    ent = (2.0 + 0.01 * torch.rand(8, 400, generator=g)).to(DEVICE)
+    mask = torch.ones(8, 400, dtype=torch.bool, device=DEVICE)
+    positive = torch.tensor([1, 0, 1, 0, 1, 1, 0, 0], dtype=torch.bool, device=DEVICE)
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1], device=DEVICE)
+    s = pw.get_strategy("gtpo", normalize="side", alpha1=3.0, alpha2=1e-4)
+    got = s._triton(positive.float(), ent, mask, positive=positive, groups=groups)
+    want = s._body(positive.float(), ent, mask, positive=positive, groups=groups)
+    assert want.abs().max() > 0.1
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_gtpo_kernel_more_rows_than_a_block():

@@ -173,7 +173,7 @@ class Strategy:
                                      or positive.dtype != torch.bool
                                      or positive.device != advantages.device):
             positive = _checks.check_row_flags("positive", positive, advantages)
-        if groups is not None and validate:
+        if groups is not None:  # reads no value: dtype, shape, device (a kernel would need them)
             groups = _checks.check_row_ids("groups", groups, advantages)
         elif groups is None and self._needs_groups:
             raise ValueError(

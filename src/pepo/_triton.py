@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import struct
 from typing import Any, Optional
 
 import torch
@@ -55,6 +56,12 @@ if triton is not None:
         tl.store(out_ptr + row * T + col, tl.where(valid, a + bonus, 0.0), mask=inside)
 
     @triton.jit
+    def _f64(bits):
+        """A float64 argument passed as its bits (Triton would round a Python float to fp32):
+        an int64, or an int32 where the bits fit (Triton types small ints so)."""
+        return bits.to(tl.int64).to(tl.float64, bitcast=True)
+
+    @triton.jit
     def _compact_kernel(ent_ptr, mask_ptr, x_ptr, pos_ptr, len_ptr, shift_ptr, wide_ptr, T,  # noqa: N803
                         s_eb, s_et, s_mb, s_mt, scale, wide_range,
                         PROXIMAL: tl.constexpr, BLOCK: tl.constexpr):  # noqa: N803
@@ -68,7 +75,7 @@ if triton is not None:
         lo = tl.full((), float("inf"), tl.float32)
         nan = tl.zeros((), dtype=tl.int32)
         for start in range(0, T, BLOCK):
-            col = start + tl.arange(0, BLOCK)
+            col = (start + tl.arange(0, BLOCK)).to(tl.int64)
             inside = col < T
             valid = tl.load(mask_ptr + row * s_mb + col * s_mt, mask=inside, other=0) != 0
             # read beside the mask, not after it (the row's loop waits on each block's loads)
@@ -157,10 +164,10 @@ if triton is not None:
         tl.store(out_ptr + row * T + col, tl.where(valid, w, 0.0), mask=inside)
 
     @triton.jit
-    def _topk_prep_kernel(s_ptr, mask_ptr, flat_ptr, part_ptr, T, n_tiles,  # noqa: N803
+    def _topk_prep_kernel(s_ptr, mask_ptr, flat_ptr, count_ptr, T,  # noqa: N803
                           s_sb, s_st, s_mb, s_mt, BLOCK: tl.constexpr):  # noqa: N803
-        """The scores as one fp32 row for the sort (-inf where masked, -0.0 as +0.0), and each
-        block's number of valid tokens."""
+        """The scores as one fp32 row for the sort (-inf where masked, -0.0 as +0.0); the
+        numbers of valid tokens and of valid non-finite scores, added to ``count``."""
         row = tl.program_id(0).to(tl.int64)
         tile = tl.program_id(1)
         col = tile.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -168,11 +175,13 @@ if triton is not None:
         valid = tl.load(mask_ptr + row * s_mb + col * s_mt, mask=inside, other=0) != 0
         v = tl.load(s_ptr + row * s_sb + col * s_st, mask=valid, other=0.0).to(tl.float32)
         tl.store(flat_ptr + row * T + col, tl.where(valid, v + 0.0, float("-inf")), mask=inside)
-        tl.store(part_ptr + row * n_tiles + tile, tl.sum(valid.to(tl.int32), axis=0))
+        bad = valid & ~((v == v) & (tl.abs(v) < float("inf")))
+        tl.atomic_add(count_ptr, tl.sum(valid.to(tl.int32), axis=0))
+        tl.atomic_add(count_ptr + 1, tl.sum(bad.to(tl.int32), axis=0))
 
     @triton.jit
-    def _topk_apply_kernel(flat_ptr, ordered_ptr, part_ptr, adv_ptr, mask_ptr, out_ptr, T,  # noqa: N803
-                           n_parts, n_tiles, s_a, s_mb, s_mt, q,
+    def _topk_apply_kernel(flat_ptr, ordered_ptr, count_ptr, adv_ptr, mask_ptr, out_ptr, T,  # noqa: N803
+                           s_a, s_mb, s_mt, q_bits,
                            SELECTED: tl.constexpr, BLOCK: tl.constexpr):  # noqa: N803
         """``A_i`` where the score is at least the ``k``-th largest valid score (``k`` as
         :func:`pepo._topk.keep_count` counts it, ties included), 0 elsewhere; NaN at every
@@ -181,17 +190,12 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         col = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = col < T
-        n = tl.zeros((), dtype=tl.int64)
-        for start in range(0, n_parts, BLOCK):
-            i = start + tl.arange(0, BLOCK)
-            n += tl.sum(tl.load(part_ptr + i, mask=i < n_parts, other=0).to(tl.int64), axis=0)
+        n = tl.load(count_ptr).to(tl.int64)
+        finite = tl.load(count_ptr + 1) == 0
+        q = _f64(q_bits)
         k = n - tl.ceil((n - 1).to(tl.float64) * q).to(tl.int64)
         last = tl.maximum(n - 1, 0)
         threshold = tl.load(ordered_ptr + tl.maximum(k - 1, 0))
-        # NaN sorts first, +inf next; a valid -inf is then the n-th largest (masked ones are too)
-        top = tl.load(ordered_ptr)
-        bottom = tl.load(ordered_ptr + last)
-        finite = (top == top) & (tl.abs(top) < float("inf")) & (tl.abs(bottom) < float("inf"))
         valid = tl.load(mask_ptr + row * s_mb + col * s_mt, mask=inside, other=0) != 0
         v = tl.load(flat_ptr + row * T + col, mask=inside, other=float("-inf"))
         a = tl.load(adv_ptr + row * s_a).to(tl.float32)
@@ -212,11 +216,12 @@ if triton is not None:
     @triton.jit
     def _gtpo_rows_kernel(ent_ptr, mask_ptr, pos_flag_ptr, group_ptr, x_ptr, pos_ptr,  # noqa: N803
                           len_ptr, side_ptr, group_list_ptr, count_ptr, B, T, s_eb, s_et, s_mb,
-                          s_mt, s_p, s_g, eps, BLOCK: tl.constexpr):  # noqa: N803
+                          s_mt, s_p, s_g, eps_bits, BLOCK: tl.constexpr):  # noqa: N803
         """One program a row: the rows of its group and of its side (group and outcome) as
         lists, its group's size and successes, and its Eq. 3/5 values (``H`` on a success,
         ``1/(H + eps)`` on a failure, NaN for an inf entropy, float64) moved to the front."""
         row = tl.program_id(0).to(tl.int64)
+        eps = _f64(eps_bits)
         g = tl.load(group_ptr + row * s_g).to(tl.int64)
         win = tl.load(pos_flag_ptr + row * s_p) != 0
         n_group = tl.zeros((), dtype=tl.int32)
@@ -241,7 +246,7 @@ if triton is not None:
         tl.store(count_ptr + row * 3 + 2, n_pos)
         count = tl.zeros((), dtype=tl.int32)
         for start in range(0, T, BLOCK):
-            col = start + tl.arange(0, BLOCK)
+            col = (start + tl.arange(0, BLOCK)).to(tl.int64)
             inside = col < T
             valid = tl.load(mask_ptr + row * s_mb + col * s_mt, mask=inside, other=0) != 0
             h = tl.load(ent_ptr + row * s_eb + col * s_et, mask=inside, other=0.0).to(tl.float32)
@@ -256,11 +261,12 @@ if triton is not None:
 
     @triton.jit
     def _gtpo_shape_kernel(x_ptr, pos_ptr, len_ptr, side_ptr, count_ptr, pos_flag_ptr,  # noqa: N803
-                           mask_ptr, r_ptr, part_ptr, B, T, n_tiles, s_p, s_mb, s_mt, alpha1,
-                           alpha2, TILE: tl.constexpr):  # noqa: N803
+                           mask_ptr, r_ptr, part_ptr, B, T, n_tiles, s_p, s_mb, s_mt, alpha1_bits,
+                           alpha2_bits, SIDE: tl.constexpr, TILE: tl.constexpr):  # noqa: N803
         """Eqs. 3 and 5 at each valid token (float64; 0 where masked): the token's share of its
         side's values at its position, times the side's rows there; each tile's sums of the
-        rewards and of their squares, for the standardisation."""
+        rewards and of their squares, for the standardisation. By side, the sums are of
+        ``r ∓ (α1 + α2)``, each side's mean, so that ``E[r²] - mean²`` cancels nothing."""
         row = tl.program_id(0).to(tl.int64)
         tile = tl.program_id(1)
         col = tile.to(tl.int64) * TILE + tl.arange(0, TILE)
@@ -284,15 +290,19 @@ if triton is not None:
         share = tl.where(total > 0.0, x / tl.where(total > 0.0, total, 1.0) * active,
                          tl.where(total != total, float("nan"), 1.0))
         sign = tl.where(tl.load(pos_flag_ptr + row * s_p) != 0, 1.0, -1.0).to(tl.float64)
+        alpha1 = _f64(alpha1_bits)
+        alpha2 = _f64(alpha2_bits)
         r = tl.where(valid, sign * (alpha1 + alpha2 * share), 0.0)
         tl.store(r_ptr + row * T + col, r, mask=inside)
+        if SIDE:
+            r = tl.where(valid, r - sign * (alpha1 + alpha2), 0.0)
         tl.store(part_ptr + (row * n_tiles + tile) * 2, tl.sum(r, axis=0))
         tl.store(part_ptr + (row * n_tiles + tile) * 2 + 1, tl.sum(r * r, axis=0))
 
     @triton.jit
     def _gtpo_standardize_kernel(r_ptr, part_ptr, len_ptr, list_ptr, count_ptr, mask_ptr,  # noqa: N803
-                                 out_ptr, B, T, n_tiles, s_mb, s_mt, SIDE: tl.constexpr,
-                                 TILE: tl.constexpr):  # noqa: N803
+                                 pos_flag_ptr, out_ptr, B, T, n_tiles, s_p, s_mb, s_mt,
+                                 alpha_bits, SIDE: tl.constexpr, TILE: tl.constexpr):  # noqa: N803
         """Eq. 6: the rewards less their mean over the group's (or side's) valid tokens, over
         their population std + 1e-6; 0 in a group that all succeeded or all failed."""
         row = tl.program_id(0).to(tl.int64)
@@ -316,6 +326,8 @@ if triton is not None:
         tokens = tl.maximum(tokens, 1.0)
         mean = s1 / tokens
         std = tl.sqrt(tl.maximum(s2 / tokens - mean * mean, 0.0))
+        if SIDE:  # the sums were of r less the side's mean ±(α1 + α2)
+            mean += tl.where(tl.load(pos_flag_ptr + row * s_p) != 0, 1.0, -1.0) * _f64(alpha_bits)
         n_group = tl.load(count_ptr + row * 3)
         n_pos = tl.load(count_ptr + row * 3 + 2)
         mixed = (n_pos > 0) & (n_pos < n_group)
@@ -415,15 +427,15 @@ def global_topk(adv: torch.Tensor, ent: torch.Tensor, mask: torch.Tensor, q: flo
                                                          wide_range)[0]
     n_tiles = triton.cdiv(t, _BLOCK)
     flat = torch.empty((b, t), dtype=torch.float32, device=ent.device)
-    part = torch.empty((b, n_tiles), dtype=torch.int32, device=ent.device)
+    counts = torch.zeros(2, dtype=torch.int32, device=ent.device)  # valid, non-finite valid
     with _on(ent.device):
-        _topk_prep_kernel[(b, n_tiles)](score, mask, flat, part, t, n_tiles, score.stride(0),
+        _topk_prep_kernel[(b, n_tiles)](score, mask, flat, counts, t, score.stride(0),
                                         score.stride(1), mask.stride(0), mask.stride(1),
                                         BLOCK=_BLOCK)
         ordered = torch.sort(flat.view(-1), descending=True).values
-        _topk_apply_kernel[(b, n_tiles)](flat, ordered, part, adv, mask, out, t, b * n_tiles,
-                                         n_tiles, adv.stride(0), mask.stride(0), mask.stride(1),
-                                         float(q), SELECTED=bool(selected_tokens),
+        _topk_apply_kernel[(b, n_tiles)](flat, ordered, counts, adv, mask, out, t,
+                                         adv.stride(0), mask.stride(0), mask.stride(1),
+                                         _bits(q), SELECTED=bool(selected_tokens),
                                          BLOCK=_BLOCK)
     return out
 
@@ -452,16 +464,23 @@ def gtpo(ent: torch.Tensor, mask: torch.Tensor, positive: torch.Tensor, groups: 
         _gtpo_rows_kernel[(b,)](ent, mask, positive, groups, x, pos, lengths, lists[0], lists[1],
                                 counts, b, t, ent.stride(0), ent.stride(1), mask.stride(0),
                                 mask.stride(1), positive.stride(0), groups.stride(0),
-                                float(eps), BLOCK=_BLOCK)
+                                _bits(eps), BLOCK=_BLOCK)
         _gtpo_shape_kernel[(b, n_tiles)](x, pos, lengths, lists[0], counts, positive, mask, r,
                                          part, b, t, n_tiles, positive.stride(0),
-                                         mask.stride(0), mask.stride(1), float(alpha1),
-                                         float(alpha2), TILE=_TILE)
+                                         mask.stride(0), mask.stride(1), _bits(alpha1),
+                                         _bits(alpha2), SIDE=bool(side), TILE=_TILE)
         _gtpo_standardize_kernel[(b, n_tiles)](r, part, lengths, lists[0] if side else lists[1],
-                                               counts, mask, out, b, t, n_tiles,
-                                               mask.stride(0), mask.stride(1), SIDE=bool(side),
-                                               TILE=_TILE)
+                                               counts, mask, positive, out, b, t, n_tiles,
+                                               positive.stride(0), mask.stride(0),
+                                               mask.stride(1), _bits(alpha1 + alpha2),
+                                               SIDE=bool(side), TILE=_TILE)
     return out
+
+
+def _bits(x: float) -> int:
+    """A float64's bits as a Python int, for a kernel's :func:`_f64` (exact, where a Python
+    float argument would reach the kernel rounded to fp32)."""
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
 def _on(device: torch.device) -> Any:

@@ -34,8 +34,8 @@ are in ``pepo._windows``):
   the choice reads no value. A row too wide for the shifted exp (entropies above 24 nats) is
   NaN unvalidated and redone on the log-domain path when validated.
 * With ``validate=False`` nothing reads a tensor value on the host (``pepo._strategy``); on
-  CUDA the built-in strategies run ``torch.compile``-d, and ``entropy_bonus`` as one Triton
-  kernel (``pepo._triton``) where Triton is installed (:func:`set_compile`).
+  CUDA the built-in strategies run as Triton kernels (``pepo._triton``) where Triton is
+  installed, else ``torch.compile``-d (:func:`set_compile`).
 """
 
 from __future__ import annotations
