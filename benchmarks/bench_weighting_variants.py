@@ -277,7 +277,9 @@ def main() -> None:
                 sort_txt = f"lean eager {lean * 1e6:,.0f}, direct {direct * 1e6:,.0f}"
             if s._triton is not None and device == "cuda":  # its kernel against what
                 body = torch.compile(s._body, dynamic=True)  # PEPO_TRITON=0 runs instead
-                kb = {"positive": kw["positive"]} if s.reads_positive else {}
+                kb = {k: v for k, v in kw.items()  # the keywords its body takes
+                      if (k == "positive" and s.reads_positive)
+                      or (k == "groups" and s.needs_groups)}
                 want = s(adv, ent, mask, validate=False, **kw)
                 torch.testing.assert_close(body(adv, ent, mask, **kb), want, rtol=2e-5,
                                            atol=1e-6)
