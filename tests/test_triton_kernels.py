@@ -55,6 +55,19 @@ def bonus_loop(adv, ent, mask, alpha, kappa):
     return out
 
 
+def count_calls(monkeypatch, name):
+    """Wraps ``pepo._triton.<name>`` to record its calls: the list the calls append to."""
+    calls = []
+    real = getattr(_triton, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_triton, name, counted)
+    return calls
+
+
 def batch(b, t, seed, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     adv = torch.randn(b, generator=g)
@@ -131,14 +144,7 @@ def test_entropy_bonus_kernel_empty():
 def test_strategy_runs_the_kernel_on_cuda(monkeypatch):
     """On CUDA, entropy_bonus's call goes through the kernel (validated and not): a hook never
     made would leave the counter at 0; a validated call still raises on inf."""
-    calls = []
-    real = _triton.entropy_bonus
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(_triton, "entropy_bonus", counted)
+    calls = count_calls(monkeypatch, "entropy_bonus")
     adv, ent, mask = batch(4, 50, seed=2)
     s = pw.get_strategy("entropy_bonus")
     torch.testing.assert_close(s(adv, ent, mask, validate=False).cpu().double(),
@@ -304,14 +310,7 @@ def test_low_temperature_softmax_has_no_kernel():
 def test_strategy_runs_the_windowed_kernel_on_cuda(monkeypatch, name):
     """On CUDA the strategy's call goes through the kernel (a hook never made leaves the counter
     at 0) and gives the reference's values; a validated call still raises on inf."""
-    calls = []
-    real = _triton.windowed
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(_triton, "windowed", counted)
+    calls = count_calls(monkeypatch, "windowed")
     adv, ent, mask = ragged_batch([3, 50, 20, 7], 60, holes=True, seed=2)
     want = windowed_reference(name, adv, ent, mask, 11, 1.0, "positive", adv > 0)
     s = pw.get_strategy(name, window=11)
@@ -453,14 +452,7 @@ def test_global_topk_kernel_only_where_it_computes_the_same():
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the strategy routes CUDA tensors to the kernel")
 def test_strategy_runs_the_topk_kernel_on_cuda(monkeypatch):
-    calls = []
-    real = _triton.global_topk
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(_triton, "global_topk", counted)
+    calls = count_calls(monkeypatch, "global_topk")
     adv, ent, mask = topk_batch()
     s = pw.get_strategy("global_topk")
     want = torch.from_numpy(ref.global_topk(adv.cpu(), ent.cpu(), mask.cpu(), 0.2))
@@ -575,14 +567,7 @@ def test_gtpo_kernel_empty():
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the strategy routes CUDA tensors to the kernel")
 def test_strategy_runs_the_gtpo_kernel_on_cuda(monkeypatch):
-    calls = []
-    real = _triton.gtpo
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(_triton, "gtpo", counted)
+    calls = count_calls(monkeypatch, "gtpo")
     adv, ent, mask = ragged_batch(GTPO_ROWS, 1130, holes=True, seed=21)
     want = torch.from_numpy(ref.gtpo(ent, mask, POSITIVE, GROUPS, 1.0, 0.1, 1e-8, "group"))
     got = pw.get_strategy("gtpo")(adv.cuda(), ent.cuda(), mask.cuda(), positive=POSITIVE.cuda(),

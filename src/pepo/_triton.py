@@ -62,6 +62,36 @@ if triton is not None:
         return bits.to(tl.int64).to(tl.float64, bitcast=True)
 
     @triton.jit
+    def _row_block(ent_ptr, mask_ptr, row, start, T, s_eb, s_et, s_mb, s_mt,
+                   BLOCK: tl.constexpr):  # noqa: N803
+        """Columns ``start ..`` of a row: the columns (int64), which are inside the row, which
+        are valid, and the entropies as fp32, 0 where masked (read beside the mask, not after
+        it: a row's loop then waits on no load for another)."""
+        col = (start + tl.arange(0, BLOCK)).to(tl.int64)
+        inside = col < T
+        valid = tl.load(mask_ptr + row * s_mb + col * s_mt, mask=inside, other=0) != 0
+        h = tl.load(ent_ptr + row * s_eb + col * s_et, mask=inside, other=0.0).to(tl.float32)
+        return col, inside, valid, tl.where(valid, h, 0.0)
+
+    @triton.jit
+    def _to_front(x_ptr, pos_ptr, row, T, col, inside, valid, value, count):  # noqa: N803
+        """Stores a block's valid ``value`` at the row's next compact places (``count`` are
+        taken) and each column's compact index; returns the new count."""
+        pos = tl.cumsum(valid.to(tl.int32), axis=0) + count - 1
+        tl.store(x_ptr + row * T + pos, value, mask=valid)
+        tl.store(pos_ptr + row * T + col, tl.maximum(pos, 0), mask=inside)
+        return count + tl.sum(valid.to(tl.int32), axis=0)
+
+    @triton.jit
+    def _tile(mask_ptr, pos_ptr, row, tile, T, s_mb, s_mt, TILE: tl.constexpr):  # noqa: N803
+        """A tile of a row's columns: the columns, which are inside the row, which are valid,
+        and each valid one's compact index (from :func:`_to_front`)."""
+        col = tile.to(tl.int64) * TILE + tl.arange(0, TILE)
+        inside = col < T
+        valid = tl.load(mask_ptr + row * s_mb + col * s_mt, mask=inside, other=0) != 0
+        return col, inside, valid, tl.load(pos_ptr + row * T + col, mask=valid, other=0)
+
+    @triton.jit
     def _compact_kernel(ent_ptr, mask_ptr, x_ptr, pos_ptr, len_ptr, shift_ptr, wide_ptr, T,  # noqa: N803
                         s_eb, s_et, s_mb, s_mt, scale, wide_range,
                         PROXIMAL: tl.constexpr, BLOCK: tl.constexpr):  # noqa: N803
@@ -75,18 +105,11 @@ if triton is not None:
         lo = tl.full((), float("inf"), tl.float32)
         nan = tl.zeros((), dtype=tl.int32)
         for start in range(0, T, BLOCK):
-            col = (start + tl.arange(0, BLOCK)).to(tl.int64)
-            inside = col < T
-            valid = tl.load(mask_ptr + row * s_mb + col * s_mt, mask=inside, other=0) != 0
-            # read beside the mask, not after it (the row's loop waits on each block's loads)
-            h = tl.load(ent_ptr + row * s_eb + col * s_et, mask=inside, other=0.0).to(tl.float32)
-            h = tl.where(valid, h, 0.0)
+            col, inside, valid, h = _row_block(ent_ptr, mask_ptr, row, start, T, s_eb, s_et,
+                                               s_mb, s_mt, BLOCK)
             if not PROXIMAL:  # the window average counts a valid value below 0 as 0
                 h = tl.where(h < 0.0, 0.0, h)  # (NaN < 0 is False: a NaN stays)
-            pos = tl.cumsum(valid.to(tl.int32), axis=0) + count - 1
-            tl.store(x_ptr + row * T + pos, h * scale, mask=valid)
-            tl.store(pos_ptr + row * T + col, tl.maximum(pos, 0), mask=inside)
-            count += tl.sum(valid.to(tl.int32), axis=0)
+            count = _to_front(x_ptr, pos_ptr, row, T, col, inside, valid, h * scale, count)
             nan += tl.sum((h != h).to(tl.int32), axis=0)
             hi = tl.maximum(hi, tl.max(tl.where(inside, h, float("-inf")), axis=0))
             lo = tl.minimum(lo, tl.min(tl.where(inside, h, float("inf")), axis=0))
@@ -105,10 +128,7 @@ if triton is not None:
         window sums to 0); 0 at masked tokens. Also each tile's sum, for the row's total."""
         row = tl.program_id(0).to(tl.int64)
         tile = tl.program_id(1)
-        col = tile.to(tl.int64) * TILE + tl.arange(0, TILE)
-        inside = col < T
-        valid = tl.load(mask_ptr + row * s_mb + col * s_mt, mask=inside, other=0) != 0
-        p = tl.load(pos_ptr + row * T + col, mask=valid, other=0)
+        col, inside, valid, p = _tile(mask_ptr, pos_ptr, row, tile, T, s_mb, s_mt, TILE)
         n = tl.maximum(tl.load(len_ptr + row), 1)
         period = tl.maximum(2 * (n - 1), 1)
         base = x_ptr + row * T
@@ -246,17 +266,12 @@ if triton is not None:
         tl.store(count_ptr + row * 3 + 2, n_pos)
         count = tl.zeros((), dtype=tl.int32)
         for start in range(0, T, BLOCK):
-            col = (start + tl.arange(0, BLOCK)).to(tl.int64)
-            inside = col < T
-            valid = tl.load(mask_ptr + row * s_mb + col * s_mt, mask=inside, other=0) != 0
-            h = tl.load(ent_ptr + row * s_eb + col * s_et, mask=inside, other=0.0).to(tl.float32)
-            h = tl.where(valid, h, 0.0).to(tl.float64)
+            col, inside, valid, h = _row_block(ent_ptr, mask_ptr, row, start, T, s_eb, s_et,
+                                               s_mb, s_mt, BLOCK)
+            h = h.to(tl.float64)
             v = tl.where(win, h, 1.0 / (h + eps))
             v = tl.where(tl.abs(h) == float("inf"), float("nan"), v)
-            pos = tl.cumsum(valid.to(tl.int32), axis=0) + count - 1
-            tl.store(x_ptr + row * T + pos, v, mask=valid)
-            tl.store(pos_ptr + row * T + col, tl.maximum(pos, 0), mask=inside)
-            count += tl.sum(valid.to(tl.int32), axis=0)
+            count = _to_front(x_ptr, pos_ptr, row, T, col, inside, valid, v, count)
         tl.store(len_ptr + row, count)
 
     @triton.jit
@@ -269,10 +284,7 @@ if triton is not None:
         ``r ∓ (α1 + α2)``, each side's mean, so that ``E[r²] - mean²`` cancels nothing."""
         row = tl.program_id(0).to(tl.int64)
         tile = tl.program_id(1)
-        col = tile.to(tl.int64) * TILE + tl.arange(0, TILE)
-        inside = col < T
-        valid = tl.load(mask_ptr + row * s_mb + col * s_mt, mask=inside, other=0) != 0
-        p = tl.load(pos_ptr + row * T + col, mask=valid, other=0)
+        col, inside, valid, p = _tile(mask_ptr, pos_ptr, row, tile, T, s_mb, s_mt, TILE)
         total = tl.zeros((TILE,), dtype=tl.float64)
         active = tl.zeros((TILE,), dtype=tl.float64)
         bad = tl.zeros((TILE,), dtype=tl.int32)
