@@ -2,9 +2,8 @@
 formula takes six, PEPO's ``proximal_softmax`` and ``window_average`` in three, ``global_topk``
 in one on each side of a ``torch.sort``, ``gtpo`` in three, where ``torch.compile``'s call costs
 more (at the paper's batch sizes a strategy's call is bound by its launches, not by the GPU's
-work).
-Imported only for CUDA tensors, and only where Triton is installed; the pure-PyTorch bodies in
-:mod:`pepo.weighting` stay the reference the tests compare with and the path on CPUs.
+work). Imported only for CUDA tensors, and only where Triton is installed; the pure-PyTorch
+bodies in :mod:`pepo.weighting` stay the reference the tests compare with and the path on CPUs.
 
 ``TRITON_INTERPRET=1`` in the environment before the first import runs these kernels on CPU
 tensors (Triton's interpreter), which is how the tests check them without a GPU.
@@ -359,14 +358,10 @@ def entropy_bonus(adv: torch.Tensor, ent: torch.Tensor, mask: torch.Tensor, alph
     b, t = ent.shape
     out = torch.empty((b, t), dtype=torch.float32, device=ent.device)
     if b and t:
-        grid = (b, triton.cdiv(t, _BLOCK))
-        args = (adv, ent, mask, out, t, adv.stride(0), ent.stride(0), ent.stride(1),
-                mask.stride(0), mask.stride(1), float(alpha), float(inv_kappa))
-        if ent.is_cuda and ent.device.index != torch.cuda.current_device():
-            with torch.cuda.device(ent.device):  # Triton launches on the current device
-                _entropy_bonus_kernel[grid](*args, BLOCK=_BLOCK)
-        else:
-            _entropy_bonus_kernel[grid](*args, BLOCK=_BLOCK)
+        with _on(ent.device):
+            _entropy_bonus_kernel[(b, triton.cdiv(t, _BLOCK))](
+                adv, ent, mask, out, t, adv.stride(0), ent.stride(0), ent.stride(1),
+                mask.stride(0), mask.stride(1), float(alpha), float(inv_kappa), BLOCK=_BLOCK)
     return out
 
 
