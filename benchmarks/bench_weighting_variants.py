@@ -208,7 +208,10 @@ def main() -> None:
                    help="only the first calls' compile times of these strategies")
     p.add_argument("--first-call-child", help=argparse.SUPPRESS)
     p.add_argument("--profile", nargs="*", default=[], metavar="STRATEGY",
+                   choices=list(STRATEGIES),
                    help="also profile these strategies' unvalidated calls")
+    p.add_argument("--profile-only", action="store_true",
+                   help="only the profiles (no fixed costs, no table)")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = [(16, 512)] if args.quick else [(256, 4096), (32, 32768)]
@@ -231,75 +234,79 @@ def main() -> None:
         rows.extend(overhead(device, calls, shapes))
         save()
         return
-    x = torch.randn(256, 4096, device=device)
-    one = torch.compile(lambda t: t + 1, dynamic=True)
-    one_static = torch.compile(lambda t: t + 2, dynamic=False)
-    fixed = {"eager op": time_calls(lambda: x + 1, calls),
-             "compiled call (one kernel)": time_calls(lambda: one(x), calls),
-             "compiled call, static shapes (one kernel)": time_calls(lambda: one_static(x), calls)}
-    if device == "cuda":
-        g1 = graphed(lambda t: t + 1)
-        fixed["CUDA-graph replay (one kernel, then the clone)"] = time_calls(lambda: g1(x), calls)
-    print(f"# fixed costs on {torch.cuda.get_device_name() if device == 'cuda' else device}\n")
-    for k, v in fixed.items():
-        print(f"- {k}: {v * 1e6:,.1f} µs")
-    rows.append({"fixed_us": {k: v * 1e6 for k, v in fixed.items()}})
-    save()
-    print("\n| strategy | shape | floor | library (compiled) | CUDA graphs | as written | sort "
-          "threshold: eager / compiled (global_topk); lean eager, direct (entropy_bonus); "
-          "torch.compile (those with a Triton kernel) |")
-    print("|---|---|---:|---:|---:|---:|---|")
-    for b, t in shapes:
-        adv, ent, mask, kw = flagged_batch(b, t, device)
-        floor = time_calls(lambda: (ent * mask).sum(), calls)
-        for name, params in STRATEGIES.items():
-            s = pw.get_strategy(name, **params)
-            lib = time_calls(lambda: s(adv, ent, mask, validate=False, **kw), calls)
-            pw.set_compile(False)
-            eager = time_calls(lambda: s(adv, ent, mask, validate=False, **kw), calls)
-            try:
-                g = graphed(lambda a, e, m, **k: s(a, e, m, validate=False, **k))
-                want = s(adv, ent, mask, validate=False, **kw)
-                torch.testing.assert_close(g(adv, ent, mask, **kw), want)
-                cg = time_calls(lambda: g(adv, ent, mask, **kw), calls)
-            except Exception as err:  # report, go on
-                print(f"({name}: CUDA graphs failed: {type(err).__name__}: {str(err)[:120]})")
-                cg = math.nan
-            pw.set_compile(True)
-            sort_txt, sorts = "", (math.nan, math.nan)
-            if name == "entropy_bonus":  # the lean eager formula against the library's
-                want = s(adv, ent, mask, validate=False)
-                torch.testing.assert_close(bonus_eager_lean(adv, ent, mask), want)
-                lean = time_calls(lambda: bonus_eager_lean(adv, ent, mask), calls)
-                direct = time_calls(lambda: torch.where(
-                    mask, adv[:, None] + torch.minimum(0.4 * ent, adv[:, None].abs() / 2.0), 0.0),
-                    calls)
-                sort_txt = f"lean eager {lean * 1e6:,.0f}, direct {direct * 1e6:,.0f}"
-            if s._triton is not None and device == "cuda":  # its kernel against what
-                body = torch.compile(s._body, dynamic=True)  # PEPO_TRITON=0 runs instead
-                kb = {k: v for k, v in kw.items()  # the keywords its body takes
-                      if (k == "positive" and s.reads_positive)
-                      or (k == "groups" and s.needs_groups)}
-                want = s(adv, ent, mask, validate=False, **kw)
-                torch.testing.assert_close(body(adv, ent, mask, **kb), want, rtol=2e-5,
-                                           atol=1e-6)
-                compiled = time_calls(lambda: body(adv, ent, mask, **kb), calls)
-                sort_txt += (", " if sort_txt else "") + (
-                    f"torch.compile {compiled * 1e6:,.0f} (library: Triton)")
-            if name == "global_topk":
-                want = s(adv, ent, mask, validate=False)
-                assert torch.equal(topk_by_sort(adv, ent, mask), want)
-                compiled_sort = torch.compile(topk_by_sort, dynamic=True)
-                sorts = (time_calls(lambda: topk_by_sort(adv, ent, mask), calls),
-                         time_calls(lambda: compiled_sort(adv, ent, mask), calls))
-                sort_txt = f"{sorts[0] * 1e6:,.0f} / {sorts[1] * 1e6:,.0f}"
-            rows.append({"strategy": name, "shape": [b, t], "floor_us": floor * 1e6,
-                         "library_us": lib * 1e6, "cuda_graphs_us": cg * 1e6,
-                         "as_written_us": eager * 1e6, "sort_eager_us": sorts[0] * 1e6,
-                         "sort_compiled_us": sorts[1] * 1e6})
-            save()
-            print(f"| {name} | [{b}, {t}] | {floor * 1e6:,.0f} | {lib * 1e6:,.0f} | "
-                  f"{cg * 1e6:,.0f} | {eager * 1e6:,.0f} | {sort_txt} |", flush=True)
+    if not args.profile_only:  # the fixed costs and the table
+        x = torch.randn(256, 4096, device=device)
+        one = torch.compile(lambda t: t + 1, dynamic=True)
+        one_static = torch.compile(lambda t: t + 2, dynamic=False)
+        fixed = {"eager op": time_calls(lambda: x + 1, calls),
+                 "compiled call (one kernel)": time_calls(lambda: one(x), calls),
+                 "compiled call, static shapes (one kernel)":
+                     time_calls(lambda: one_static(x), calls)}
+        if device == "cuda":
+            g1 = graphed(lambda t: t + 1)
+            fixed["CUDA-graph replay (one kernel, then the clone)"] = time_calls(
+                lambda: g1(x), calls)
+        print(f"# fixed costs on {torch.cuda.get_device_name() if device == 'cuda' else device}\n")
+        for k, v in fixed.items():
+            print(f"- {k}: {v * 1e6:,.1f} µs")
+        rows.append({"fixed_us": {k: v * 1e6 for k, v in fixed.items()}})
+        save()
+        print("\n| strategy | shape | floor | library (compiled) | CUDA graphs | as written | sort "
+              "threshold: eager / compiled (global_topk); lean eager, direct (entropy_bonus); "
+              "torch.compile (those with a Triton kernel) |")
+        print("|---|---|---:|---:|---:|---:|---|")
+        for b, t in shapes:
+            adv, ent, mask, kw = flagged_batch(b, t, device)
+            floor = time_calls(lambda: (ent * mask).sum(), calls)
+            for name, params in STRATEGIES.items():
+                s = pw.get_strategy(name, **params)
+                lib = time_calls(lambda: s(adv, ent, mask, validate=False, **kw), calls)
+                pw.set_compile(False)
+                eager = time_calls(lambda: s(adv, ent, mask, validate=False, **kw), calls)
+                try:
+                    g = graphed(lambda a, e, m, **k: s(a, e, m, validate=False, **k))
+                    want = s(adv, ent, mask, validate=False, **kw)
+                    torch.testing.assert_close(g(adv, ent, mask, **kw), want)
+                    cg = time_calls(lambda: g(adv, ent, mask, **kw), calls)
+                except Exception as err:  # report, go on
+                    print(f"({name}: CUDA graphs failed: {type(err).__name__}: {str(err)[:120]})")
+                    cg = math.nan
+                pw.set_compile(True)
+                sort_txt, sorts = "", (math.nan, math.nan)
+                if name == "entropy_bonus":  # the lean eager formula against the library's
+                    want = s(adv, ent, mask, validate=False)
+                    torch.testing.assert_close(bonus_eager_lean(adv, ent, mask), want)
+                    lean = time_calls(lambda: bonus_eager_lean(adv, ent, mask), calls)
+                    direct = time_calls(lambda: torch.where(
+                        mask, adv[:, None] + torch.minimum(0.4 * ent, adv[:, None].abs() / 2.0),
+                        0.0),
+                        calls)
+                    sort_txt = f"lean eager {lean * 1e6:,.0f}, direct {direct * 1e6:,.0f}"
+                if s._triton is not None and device == "cuda":  # its kernel against what
+                    body = torch.compile(s._body, dynamic=True)  # PEPO_TRITON=0 runs instead
+                    kb = {k: v for k, v in kw.items()  # the keywords its body takes
+                          if (k == "positive" and s.reads_positive)
+                          or (k == "groups" and s.needs_groups)}
+                    want = s(adv, ent, mask, validate=False, **kw)
+                    torch.testing.assert_close(body(adv, ent, mask, **kb), want, rtol=2e-5,
+                                               atol=1e-6)
+                    compiled = time_calls(lambda: body(adv, ent, mask, **kb), calls)
+                    sort_txt += (", " if sort_txt else "") + (
+                        f"torch.compile {compiled * 1e6:,.0f} (library: Triton)")
+                if name == "global_topk":
+                    want = s(adv, ent, mask, validate=False)
+                    assert torch.equal(topk_by_sort(adv, ent, mask), want)
+                    compiled_sort = torch.compile(topk_by_sort, dynamic=True)
+                    sorts = (time_calls(lambda: topk_by_sort(adv, ent, mask), calls),
+                             time_calls(lambda: compiled_sort(adv, ent, mask), calls))
+                    sort_txt = f"{sorts[0] * 1e6:,.0f} / {sorts[1] * 1e6:,.0f}"
+                rows.append({"strategy": name, "shape": [b, t], "floor_us": floor * 1e6,
+                             "library_us": lib * 1e6, "cuda_graphs_us": cg * 1e6,
+                             "as_written_us": eager * 1e6, "sort_eager_us": sorts[0] * 1e6,
+                             "sort_compiled_us": sorts[1] * 1e6})
+                save()
+                print(f"| {name} | [{b}, {t}] | {floor * 1e6:,.0f} | {lib * 1e6:,.0f} | "
+                      f"{cg * 1e6:,.0f} | {eager * 1e6:,.0f} | {sort_txt} |", flush=True)
     for b, t in shapes if args.profile else []:
         adv, ent, mask, kw = flagged_batch(b, t, device)
         for name in args.profile:

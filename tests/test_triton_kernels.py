@@ -160,9 +160,10 @@ def test_strategy_runs_the_kernel_on_cuda(monkeypatch):
 
 # ------------------------------------------------------------------ windowed (PEPO, window_average)
 
-# rows of length 0, 1, 2 (shorter than W // 2: repeated reflection), a few, and one past the
-# compaction's 1,024-column block and the window kernel's 256-token tile
-LENGTHS = [0, 1, 2, 9, 40, 1100]
+# rows of length 0, 1, 2 (shorter than W // 2: repeated reflection), a few, either side of
+# W // 2 + 1 for W = 5, 7 and 101 (where the window kernel's one-reflection path begins), and
+# one past the compaction's 1,024-column block and the window kernel's 256-token tile
+LENGTHS = [0, 1, 2, 3, 4, 9, 40, 50, 51, 1100]
 
 
 def windowed_reference(name, adv, ent, mask, window, temperature, apply_to, positive):
@@ -183,18 +184,34 @@ def strategy_kernel(name, **params):
     return s._triton
 
 
+@pytest.fixture(params=["chunks", "small chunks"])
+def chunks(request, monkeypatch):
+    """The compaction as shipped (a row of these tests in one chunk) and in chunks of 64
+    columns (blocks of 32), so that a row spans many programs."""
+    if request.param == "small chunks":
+        monkeypatch.setattr(_triton, "_BLOCK", 32)
+        monkeypatch.setattr(_triton, "_CHUNK", 64)
+    return request.param
+
+
 @pytest.mark.parametrize("name,params", [
     ("proximal_softmax", dict(window=7, temperature=1.0, apply_to="positive")),
     ("proximal_softmax", dict(window=101, temperature=0.5, apply_to="all")),
     ("window_average", dict(window=5, apply_to="positive")),
     ("window_average", dict(window=101, apply_to="all")),
 ])
-@pytest.mark.parametrize("holes", [False, True])
-def test_windowed_kernel_is_the_formula(name, params, holes):
+@pytest.mark.parametrize("holes,small_chunks", [(False, False), (True, False), (True, True)])
+def test_windowed_kernel_is_the_formula(name, params, holes, small_chunks, monkeypatch):
     """Catches: the window or temperature ignored, the padding not a reflection at each row's
     own ends (or one reflection only, for rows shorter than W // 2), holes in the mask not
-    compacted, the compaction's count not carried past its first block, tiles past the first
-    left unwritten, Eq. 7's sum taken over one tile, the flags ignored (apply_to)."""
+    compacted, the compaction's count not carried past its first block, a chunk's start not
+    counting the valid tokens before it, the length stored by another chunk than the last, the
+    shift taken from one chunk, tiles past the first left unwritten, Eq. 7's sum taken over
+    one tile, the flags ignored (apply_to). With small chunks (64 columns, blocks of 32) a
+    row spans many of the compaction's programs."""
+    if small_chunks:
+        monkeypatch.setattr(_triton, "_BLOCK", 32)
+        monkeypatch.setattr(_triton, "_CHUNK", 64)
     adv, ent, mask = ragged_batch(LENGTHS, 1130, holes=holes, seed=3, scale=3.0)
     adv[1], adv[3] = 0.0, -0.7  # rows left uniform under "positive"
     positive = adv > 0
@@ -225,7 +242,7 @@ def test_windowed_kernel_reads_any_float_dtype_and_strides(dtype):
         torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-6)
 
 
-def test_windowed_kernel_non_finite_and_special_rows():
+def test_windowed_kernel_non_finite_and_special_rows(chunks):
     """A valid NaN or inf entropy turns its weighted row NaN (never a finite value) and leaves
     an unweighted row's A; the same values masked change nothing. A window average of zeros is
     uniform; negative entropies count as 0 there; a softmax row wider than the shifted exp
@@ -261,12 +278,13 @@ def test_windowed_kernel_non_finite_and_special_rows():
     assert s._body(one.cpu(), wide.cpu(), m3.cpu(), positive=one.cpu() > 0).isnan().all()
 
 
-def test_windowed_kernel_shifts_each_row_and_flags_wide_rows_alone():
+def test_windowed_kernel_shifts_each_row_and_flags_wide_rows_alone(chunks):
     """Entropies near 96 nats (exp overflows fp32 unshifted) in a row without padding come out
     as the formula gives them; the next row, 85-86 nats beside its padding zeros, is wider
     than the shifted exp holds and comes out NaN, as the body gives it, without touching the
-    first (a flag from row 0, or one for the batch, would); a valid -inf entropy makes its
-    softmax row NaN and counts as 0 in the window average."""
+    first (a flag from row 0, or one for the batch, would; in small chunks its padding and
+    its largest values are in different chunks); a valid -inf entropy makes its softmax row
+    NaN and counts as 0 in the window average."""
     g = torch.Generator().manual_seed(3)
     ent = torch.stack([95 + torch.rand(40, generator=g), 85 + torch.rand(40, generator=g),
                        torch.rand(40, generator=g)]).to(DEVICE)
@@ -287,6 +305,30 @@ def test_windowed_kernel_shifts_each_row_and_flags_wide_rows_alone():
     torch.testing.assert_close(got.cpu(), w._body(adv[2:].cpu(), ent[2:].cpu(), mask[2:].cpu(),
                                                   positive=adv[2:].cpu() > 0))
     assert got[0, 7] == 0 and got.isfinite().all()
+
+
+def test_windowed_kernel_row_of_many_chunks(monkeypatch):
+    """Rows of 75 chunks (more than the 64 the shift reads at once): the formula holds, a NaN
+    past the 64th chunk makes its row NaN, and so does a range that is wide only through
+    values past the 64th chunk (a loop over the first 64 chunks only misses that: the row's
+    low values then come out as ratios of tiny exps, finite where the body gives NaN)."""
+    monkeypatch.setattr(_triton, "_BLOCK", 2)
+    monkeypatch.setattr(_triton, "_CHUNK", 4)
+    g = torch.Generator().manual_seed(5)
+    ent = torch.rand(3, 300, generator=g)
+    ent[1, 297] = math.nan
+    ent[2, :280] += 30.0  # a range of 30 > 80 τ at τ = 0.3, through the values of chunk 70 on
+    ent, mask, one = ent.to(DEVICE), torch.ones(3, 300, dtype=torch.bool, device=DEVICE), None
+    adv = torch.ones(3, device=DEVICE)
+    s = pw.get_strategy("proximal_softmax", window=11, temperature=1.0, apply_to="all")
+    out = s._triton(adv, ent, mask, one).cpu()
+    want = windowed_reference("proximal_softmax", adv[:1].cpu(), ent[:1], mask[:1], 11, 1.0,
+                              "all", adv[:1].cpu() > 0)
+    torch.testing.assert_close(out[:1].double(), want, rtol=2e-5, atol=1e-6)
+    assert out[1].isnan().all()
+    s = pw.get_strategy("proximal_softmax", window=11, temperature=0.3, apply_to="all")
+    assert s._triton(adv[2:], ent[2:], mask[2:], None).isnan().all()
+    assert s._body(adv[2:].cpu(), ent[2:].cpu(), mask[2:].cpu(), positive=None).isnan().all()
 
 
 def test_windowed_kernel_empty():

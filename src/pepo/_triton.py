@@ -29,6 +29,7 @@ __all__ = ["available", "entropy_bonus", "global_topk", "gtpo", "windowed"]
 
 _BLOCK = 1024
 _TILE = 256  # tokens per program of the window kernel: W loads each, from L1/L2
+_CHUNK = 2048  # columns per program of the windowed strategies' compaction (a multiple of _BLOCK)
 
 
 def available() -> bool:
@@ -91,19 +92,26 @@ if triton is not None:
         return col, inside, valid, tl.load(pos_ptr + row * T + col, mask=valid, other=0)
 
     @triton.jit
-    def _compact_kernel(ent_ptr, mask_ptr, x_ptr, pos_ptr, len_ptr, shift_ptr, wide_ptr, T,  # noqa: N803
-                        s_eb, s_et, s_mb, s_mt, scale, wide_range,
-                        PROXIMAL: tl.constexpr, BLOCK: tl.constexpr):  # noqa: N803
-        """One program a row: its valid values moved to the front (``x``, times ``scale``), each
-        column's index there (``pos``), the row's length; for the softmax, its shift (the
-        largest cleaned value, padding zeros included, times ``scale``) and whether its range
-        is wider than the shifted exp holds."""
+    def _compact_kernel(ent_ptr, mask_ptr, x_ptr, pos_ptr, len_ptr, stat_ptr, T, n_chunks,  # noqa: N803
+                        s_eb, s_et, s_mb, s_mt, scale,
+                        PROXIMAL: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):  # noqa: N803
+        """One program a chunk of a row: its valid values moved to their compact places
+        (``x``, times ``scale``; the valid tokens before the chunk counted from the mask), each
+        column's index there (``pos``), the row's length (by its last chunk); for the softmax,
+        the chunk's largest and smallest cleaned value (padding zeros included) and its number
+        of NaNs, for :func:`_row_shift`. Long rows so run on many programs, not one."""
         row = tl.program_id(0).to(tl.int64)
+        chunk = tl.program_id(1)
+        first = chunk.to(tl.int64) * CHUNK
         count = tl.zeros((), dtype=tl.int32)
+        for start in range(0, first, 4 * BLOCK):  # the valid tokens before the chunk
+            col = start + tl.arange(0, 4 * BLOCK).to(tl.int64)
+            m = tl.load(mask_ptr + row * s_mb + col * s_mt, mask=col < first, other=0)
+            count += tl.sum((m != 0).to(tl.int32), axis=0)
         hi = tl.full((), float("-inf"), tl.float32)
         lo = tl.full((), float("inf"), tl.float32)
         nan = tl.zeros((), dtype=tl.int32)
-        for start in range(0, T, BLOCK):
+        for start in range(first, tl.minimum(first + CHUNK, T), BLOCK):
             col, inside, valid, h = _row_block(ent_ptr, mask_ptr, row, start, T, s_eb, s_et,
                                                s_mb, s_mt, BLOCK)
             if not PROXIMAL:  # the window average counts a valid value below 0 as 0
@@ -112,14 +120,34 @@ if triton is not None:
             nan += tl.sum((h != h).to(tl.int32), axis=0)
             hi = tl.maximum(hi, tl.max(tl.where(inside, h, float("-inf")), axis=0))
             lo = tl.minimum(lo, tl.min(tl.where(inside, h, float("inf")), axis=0))
-        tl.store(len_ptr + row, count)
+        if chunk == n_chunks - 1:
+            tl.store(len_ptr + row, count)
         if PROXIMAL:
-            tl.store(shift_ptr + row, tl.where(nan > 0, float("nan"), hi * scale))
-            tl.store(wide_ptr + row, ((hi - lo) > wide_range).to(tl.int8))
+            at = stat_ptr + (row * n_chunks + chunk) * 3
+            tl.store(at, hi)
+            tl.store(at + 1, lo)
+            tl.store(at + 2, nan.to(tl.float32))
 
     @triton.jit
-    def _window_kernel(x_ptr, pos_ptr, len_ptr, shift_ptr, wide_ptr, mask_ptr, e_ptr,  # noqa: N803
-                       part_ptr, T, n_tiles, s_mb, s_mt, W, inv_w,
+    def _row_shift(stat_ptr, row, n_chunks, scale, wide_range):  # noqa: N803
+        """A row's softmax shift from its chunks' figures: its largest cleaned value times
+        ``scale`` (NaN where it holds a NaN), and whether its range is wider than
+        ``wide_range`` (the shifted exp would underflow)."""
+        hi = tl.full((), float("-inf"), tl.float32)
+        lo = tl.full((), float("inf"), tl.float32)
+        nan = tl.zeros((), dtype=tl.float32)
+        for start in range(0, n_chunks, 64):
+            k = start + tl.arange(0, 64)
+            at = stat_ptr + (row * n_chunks + k) * 3
+            inside = k < n_chunks
+            hi = tl.maximum(hi, tl.max(tl.load(at, mask=inside, other=float("-inf")), axis=0))
+            lo = tl.minimum(lo, tl.min(tl.load(at + 1, mask=inside, other=float("inf")), axis=0))
+            nan += tl.sum(tl.load(at + 2, mask=inside, other=0.0), axis=0)
+        return tl.where(nan > 0, float("nan"), hi * scale), (hi - lo) > wide_range
+
+    @triton.jit
+    def _window_kernel(x_ptr, pos_ptr, len_ptr, stat_ptr, mask_ptr, e_ptr,  # noqa: N803
+                       part_ptr, T, n_tiles, n_chunks, s_mb, s_mt, W, inv_w, scale, wide_range,
                        PROXIMAL: tl.constexpr, TILE: tl.constexpr):  # noqa: N803
         """Each valid token's windowed statistic over its row's compact values, reflected at
         the row's ends as ``numpy.pad(mode="reflect")``: ``exp(x_t - m) / Σ_W exp(x_k - m)``
@@ -132,22 +160,33 @@ if triton is not None:
         period = tl.maximum(2 * (n - 1), 1)
         base = x_ptr + row * T
         shift = 0.0
+        wide = False
         if PROXIMAL:
-            shift = tl.load(shift_ptr + row)
+            shift, wide = _row_shift(stat_ptr, row, n_chunks, scale, wide_range)
         half = W // 2
         acc = tl.zeros((TILE,), dtype=tl.float32)
-        for d in range(0, W):
-            j = (p + (d - half)) % period
-            j = tl.where(j < 0, j + period, j)  # a C remainder keeps the sign
-            j = tl.where(j > n - 1, period - j, j)
-            v = tl.load(base + j, mask=valid, other=0.0)
-            if PROXIMAL:
-                v = tl.exp(v - shift)
-            acc += v
+        if half <= n - 1:  # one reflection at most: no remainder (the usual row, and faster)
+            for d in range(0, W):
+                j = p + (d - half)
+                j = tl.where(j < 0, -j, j)
+                j = tl.where(j > n - 1, period - j, j)
+                v = tl.load(base + j, mask=valid, other=0.0)
+                if PROXIMAL:
+                    v = tl.exp(v - shift)
+                acc += v
+        else:  # a row shorter than half a window reflects again and again
+            for d in range(0, W):
+                j = (p + (d - half)) % period
+                j = tl.where(j < 0, j + period, j)  # a C remainder keeps the sign
+                j = tl.where(j > n - 1, period - j, j)
+                v = tl.load(base + j, mask=valid, other=0.0)
+                if PROXIMAL:
+                    v = tl.exp(v - shift)
+                acc += v
         x = tl.load(base + p, mask=valid, other=0.0)
         if PROXIMAL:
             e = tl.exp(x - shift) / acc
-            e = tl.where(tl.load(wide_ptr + row) != 0, float("nan"), e)
+            e = tl.where(wide, float("nan"), e)
         else:
             e = tl.where(acc > 0.0, x / tl.where(acc > 0.0, acc, 1.0),
                          tl.where(acc == 0.0, inv_w, float("nan")))
@@ -404,15 +443,18 @@ def _window_stats(ent: torch.Tensor, mask: torch.Tensor, window: int,
     e = torch.empty((b, t), dtype=torch.float32, device=ent.device)
     part = torch.empty((b, n_tiles), dtype=torch.float32, device=ent.device)
     lengths = torch.empty(b, dtype=torch.int32, device=ent.device)
-    shift = torch.empty(b, dtype=torch.float32, device=ent.device)
-    wide = torch.empty(b, dtype=torch.int8, device=ent.device)
+    n_chunks = triton.cdiv(t, _CHUNK)
+    stat = torch.empty((b, n_chunks, 3) if proximal else (1,), dtype=torch.float32,
+                       device=ent.device)
     with _on(ent.device):
-        _compact_kernel[(b,)](ent, mask, x, pos, lengths, shift, wide, t, ent.stride(0),
-                              ent.stride(1), mask.stride(0), mask.stride(1), float(scale),
-                              float(wide_range), PROXIMAL=proximal, BLOCK=_BLOCK)
-        _window_kernel[(b, n_tiles)](x, pos, lengths, shift, wide, mask, e, part, t, n_tiles,
-                                     mask.stride(0), mask.stride(1), int(window),
-                                     1.0 / window, PROXIMAL=proximal, TILE=_TILE)
+        _compact_kernel[(b, n_chunks)](ent, mask, x, pos, lengths, stat, t, n_chunks,
+                                       ent.stride(0), ent.stride(1), mask.stride(0),
+                                       mask.stride(1), float(scale), PROXIMAL=proximal,
+                                       BLOCK=_BLOCK, CHUNK=_CHUNK)
+        _window_kernel[(b, n_tiles)](x, pos, lengths, stat, mask, e, part, t, n_tiles,
+                                     n_chunks, mask.stride(0), mask.stride(1), int(window),
+                                     1.0 / window, float(scale), float(wide_range),
+                                     PROXIMAL=proximal, TILE=_TILE)
     return e, part, lengths
 
 
