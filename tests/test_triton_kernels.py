@@ -184,16 +184,6 @@ def strategy_kernel(name, **params):
     return s._triton
 
 
-@pytest.fixture(params=["chunks", "small chunks"])
-def chunks(request, monkeypatch):
-    """The compaction as shipped (a row of these tests in one chunk) and in chunks of 64
-    columns (blocks of 32), so that a row spans many programs."""
-    if request.param == "small chunks":
-        monkeypatch.setattr(_triton, "_BLOCK", 32)
-        monkeypatch.setattr(_triton, "_CHUNK", 64)
-    return request.param
-
-
 @pytest.mark.parametrize("name,params", [
     ("proximal_softmax", dict(window=7, temperature=1.0, apply_to="positive")),
     ("proximal_softmax", dict(window=101, temperature=0.5, apply_to="all")),
@@ -205,15 +195,17 @@ def test_windowed_kernel_is_the_formula(name, params, holes, small_chunks, monke
     """Catches: the window or temperature ignored, the padding not a reflection at each row's
     own ends (or one reflection only, for rows shorter than W // 2), holes in the mask not
     compacted, the compaction's count not carried past its first block, a chunk's start not
-    counting the valid tokens before it, the length stored by another chunk than the last, the
-    shift taken from one chunk, tiles past the first left unwritten, Eq. 7's sum taken over
-    one tile, the flags ignored (apply_to). With small chunks (64 columns, blocks of 32) a
-    row spans many of the compaction's programs."""
+    counting the valid tokens before it, the length stored by another chunk than the last,
+    tiles past the first left unwritten, Eq. 7's sum taken over one tile, the flags ignored
+    (apply_to). With small chunks (64 columns, blocks of 32) a row spans many of the
+    compaction's programs. Every row is weighted but two (A = 0 on the empty row, A < 0 on the
+    row of 9 under "positive"), so the rows either side of W // 2 + 1 are checked at every W."""
     if small_chunks:
         monkeypatch.setattr(_triton, "_BLOCK", 32)
         monkeypatch.setattr(_triton, "_CHUNK", 64)
     adv, ent, mask = ragged_batch(LENGTHS, 1130, holes=holes, seed=3, scale=3.0)
-    adv[1], adv[3] = 0.0, -0.7  # rows left uniform under "positive"
+    adv = adv.abs() + 0.1
+    adv[0], adv[5] = 0.0, -0.7  # rows left uniform under "positive"
     positive = adv > 0
     adv, ent, mask, positive = (x.to(DEVICE) for x in (adv, ent, mask, positive))
     got = strategy_kernel(name, **params)(adv, ent, mask, positive)
@@ -242,7 +234,7 @@ def test_windowed_kernel_reads_any_float_dtype_and_strides(dtype):
         torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-6)
 
 
-def test_windowed_kernel_non_finite_and_special_rows(chunks):
+def test_windowed_kernel_non_finite_and_special_rows():
     """A valid NaN or inf entropy turns its weighted row NaN (never a finite value) and leaves
     an unweighted row's A; the same values masked change nothing. A window average of zeros is
     uniform; negative entropies count as 0 there; a softmax row wider than the shifted exp
@@ -278,13 +270,12 @@ def test_windowed_kernel_non_finite_and_special_rows(chunks):
     assert s._body(one.cpu(), wide.cpu(), m3.cpu(), positive=one.cpu() > 0).isnan().all()
 
 
-def test_windowed_kernel_shifts_each_row_and_flags_wide_rows_alone(chunks):
+def test_windowed_kernel_shifts_each_row_and_flags_wide_rows_alone():
     """Entropies near 96 nats (exp overflows fp32 unshifted) in a row without padding come out
     as the formula gives them; the next row, 85-86 nats beside its padding zeros, is wider
     than the shifted exp holds and comes out NaN, as the body gives it, without touching the
-    first (a flag from row 0, or one for the batch, would; in small chunks its padding and
-    its largest values are in different chunks); a valid -inf entropy makes its softmax row
-    NaN and counts as 0 in the window average."""
+    first (a flag from row 0, or one for the batch, would); a valid -inf entropy makes its
+    softmax row NaN and counts as 0 in the window average."""
     g = torch.Generator().manual_seed(3)
     ent = torch.stack([95 + torch.rand(40, generator=g), 85 + torch.rand(40, generator=g),
                        torch.rand(40, generator=g)]).to(DEVICE)
@@ -310,16 +301,19 @@ def test_windowed_kernel_shifts_each_row_and_flags_wide_rows_alone(chunks):
 def test_windowed_kernel_row_of_many_chunks(monkeypatch):
     """Rows of 75 chunks (more than the 64 the shift reads at once): the formula holds, a NaN
     past the 64th chunk makes its row NaN, and so does a range that is wide only through
-    values past the 64th chunk (a loop over the first 64 chunks only misses that: the row's
-    low values then come out as ratios of tiny exps, finite where the body gives NaN)."""
+    values past the 64th chunk, its lowest (row 2) or its highest (row 3). A loop over the
+    first 64 chunks only misses either: the row then comes out finite where the body gives
+    NaN (row 2's low values as ratios of tiny exps, row 3's top as exps that still fit)."""
     monkeypatch.setattr(_triton, "_BLOCK", 2)
     monkeypatch.setattr(_triton, "_CHUNK", 4)
     g = torch.Generator().manual_seed(5)
-    ent = torch.rand(3, 300, generator=g)
+    ent = torch.rand(4, 300, generator=g)
     ent[1, 297] = math.nan
     ent[2, :280] += 30.0  # a range of 30 > 80 τ at τ = 0.3, through the values of chunk 70 on
-    ent, mask, one = ent.to(DEVICE), torch.ones(3, 300, dtype=torch.bool, device=DEVICE), None
-    adv = torch.ones(3, device=DEVICE)
+    ent[3] = 0.5 * ent[3]
+    ent[3, 280:] += 25.0  # 24.5-25.5 > 24 = 80 τ, its top past chunk 64; exp(85) holds in fp32
+    ent, mask, one = ent.to(DEVICE), torch.ones(4, 300, dtype=torch.bool, device=DEVICE), None
+    adv = torch.ones(4, device=DEVICE)
     s = pw.get_strategy("proximal_softmax", window=11, temperature=1.0, apply_to="all")
     out = s._triton(adv, ent, mask, one).cpu()
     want = windowed_reference("proximal_softmax", adv[:1].cpu(), ent[:1], mask[:1], 11, 1.0,
@@ -329,6 +323,26 @@ def test_windowed_kernel_row_of_many_chunks(monkeypatch):
     s = pw.get_strategy("proximal_softmax", window=11, temperature=0.3, apply_to="all")
     assert s._triton(adv[2:], ent[2:], mask[2:], None).isnan().all()
     assert s._body(adv[2:].cpu(), ent[2:].cpu(), mask[2:].cpu(), positive=None).isnan().all()
+
+
+def test_windowed_kernel_rows_of_several_chunks_as_shipped():
+    """Rows of 4,500 columns (three of the shipped chunks of 2,048), with holes, a row whose
+    first chunk is all masked and a row whose range is wide only through its third chunk's
+    values (a shift read from the first chunk misses it): both strategies as their bodies."""
+    adv, ent, mask = ragged_batch([4500, 3000, 4100], 4500, holes=True, seed=11, scale=3.0)
+    adv = adv.abs() + 0.1
+    mask[1, :2048] = False
+    ent[2] = 0.5 * ent[2] / 3.0
+    ent[2, 4096:] += 41.0  # range > 40 = 80 τ at τ = 0.5; exp(84) holds in fp32
+    adv, ent, mask = adv.to(DEVICE), ent.to(DEVICE), mask.to(DEVICE)
+    for name, params in [("proximal_softmax", dict(window=101, temperature=0.5)),
+                         ("window_average", dict(window=101))]:
+        s = pw.get_strategy(name, apply_to="all", **params)
+        got = s._triton(adv, ent, mask, None).cpu()
+        want = s._body(adv.cpu(), ent.cpu(), mask.cpu(), positive=None)
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-6, equal_nan=True)
+        if name == "proximal_softmax":
+            assert got[2][mask[2].cpu()].isnan().all() and got[:2].isfinite().all()
 
 
 def test_windowed_kernel_empty():

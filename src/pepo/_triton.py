@@ -29,7 +29,7 @@ __all__ = ["available", "entropy_bonus", "global_topk", "gtpo", "windowed"]
 
 _BLOCK = 1024
 _TILE = 256  # tokens per program of the window kernel: W loads each, from L1/L2
-_CHUNK = 2048  # columns per program of the windowed strategies' compaction (a multiple of _BLOCK)
+_CHUNK = 2048  # columns per program of the windowed compaction (a multiple of _BLOCK: no overlap)
 
 
 def available() -> bool:
