@@ -27,7 +27,7 @@ collect_ignore += [f"integrations/test_{name}.py" for name in FRAMEWORKS_MISSING
 TRITON_CANNOT_RUN = importlib.util.find_spec("triton") is None or not (
     torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
 if TRITON_CANNOT_RUN:
-    collect_ignore += ["test_triton_kernels.py"]
+    collect_ignore += ["test_triton_kernels.py", "test_triton_topk.py"]
 # ...and they compile for a GPU wherever Triton is installed, except under the interpreter
 # (which replaces the compiled kernels)
 TRITON_CANNOT_COMPILE = (importlib.util.find_spec("triton") is None
@@ -53,7 +53,8 @@ def pytest_report_header(config):
                      f"{', '.join(FRAMEWORKS_MISSING)}")
     if TRITON_CANNOT_RUN:
         lines.append("pepo: Triton's kernels cannot run here (no Triton, or neither a GPU nor "
-                     "TRITON_INTERPRET=1): tests/test_triton_kernels.py not collected")
+                     "TRITON_INTERPRET=1): tests/test_triton_kernels.py and "
+                     "test_triton_topk.py not collected")
     return lines or None
 
 

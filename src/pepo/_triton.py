@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import struct
 from typing import Any, Optional
 
@@ -29,6 +30,9 @@ __all__ = ["available", "entropy_bonus", "global_topk", "gtpo", "windowed"]
 
 _BLOCK = 1024
 _TILE = 256  # tokens per program of the window kernel: W loads each, from L1/L2
+# global_topk's threshold: "sort" (one torch.sort of the batch) or "radix" (a select over the
+# scores' bytes: four histogram passes, no sort; not yet timed on a GPU)
+_TOPK_SELECT = os.environ.get("PEPO_TOPK_SELECT", "sort")
 _CHUNK = 2048  # columns per program of the windowed compaction (a multiple of _BLOCK: no overlap)
 
 
@@ -223,9 +227,10 @@ if triton is not None:
 
     @triton.jit
     def _topk_prep_kernel(s_ptr, mask_ptr, flat_ptr, count_ptr, T,  # noqa: N803
-                          s_sb, s_st, s_mb, s_mt, BLOCK: tl.constexpr):  # noqa: N803
+                          s_sb, s_st, s_mb, s_mt, RADIX: tl.constexpr, BLOCK: tl.constexpr):  # noqa: N803
         """The scores as one fp32 row for the sort (-inf where masked, -0.0 as +0.0); the
-        numbers of valid tokens and of valid non-finite scores, added to ``count``."""
+        numbers of valid tokens and of valid non-finite scores, added to ``count``; with
+        ``RADIX`` also the histogram of the keys' top byte (``count[2:258]``)."""
         row = tl.program_id(0).to(tl.int64)
         tile = tl.program_id(1)
         col = tile.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -236,6 +241,74 @@ if triton is not None:
         bad = valid & ~((v == v) & (tl.abs(v) < float("inf")))
         tl.atomic_add(count_ptr, tl.sum(valid.to(tl.int32), axis=0))
         tl.atomic_add(count_ptr + 1, tl.sum(bad.to(tl.int32), axis=0))
+        if RADIX:
+            key = _order_key(tl.where(valid, v + 0.0, float("-inf")))
+            _add_histogram(count_ptr + 2, (key >> 24).to(tl.int32), inside)
+
+    @triton.jit
+    def _order_key(v):
+        """fp32 as a uint32 whose unsigned order is the floats' (-inf lowest, -0.0 < +0.0)."""
+        b = v.to(tl.uint32, bitcast=True)
+        return tl.where((b >> 31) != 0, b ^ 0xFFFFFFFF, b | 0x80000000)
+
+    @triton.jit
+    def _add_histogram(hist_ptr, digit, keep):  # noqa: N803
+        h = tl.histogram(digit, 256, mask=keep)
+        tl.atomic_add(hist_ptr + tl.arange(0, 256), h, mask=h > 0)
+
+    @triton.jit
+    def _radix_state(hist_ptr, count_ptr, q_bits, PASSES: tl.constexpr):  # noqa: N803
+        """After ``PASSES`` byte histograms (``hist_ptr``, 256 counts each, the keys from the
+        top byte down, each counting the keys whose higher bytes are the chosen ones): the
+        top ``8 · PASSES`` bits of the ``k``-th largest key (``k`` as ``keep_count`` counts
+        it), the keys above it among those and the valid count ``n``."""
+        n = tl.load(count_ptr).to(tl.int64)
+        k = n - tl.ceil((n - 1).to(tl.float64) * _f64(q_bits)).to(tl.int64)
+        d = tl.arange(0, 256)
+        prefix = tl.zeros((), dtype=tl.uint32)
+        above = tl.zeros((), dtype=tl.int64)
+        for p in tl.static_range(PASSES):
+            h = tl.load(hist_ptr + p * 256 + d).to(tl.int64)
+            at_least = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # keys of this byte or more
+            digit = tl.max(tl.where(at_least >= k - above, d, 0), axis=0)
+            above += tl.sum(tl.where(d > digit, h, 0), axis=0)
+            prefix = (prefix << 8) | digit.to(tl.uint32)
+        return prefix, above, n
+
+    @triton.jit
+    def _radix_hist_kernel(flat_ptr, count_ptr, N, q_bits,  # noqa: N803
+                           PASS: tl.constexpr, BLOCK: tl.constexpr):  # noqa: N803
+        """The histogram of byte ``PASS`` (from the top) of the keys whose higher bytes are
+        the ``k``-th largest key's, as the earlier passes chose them."""
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = i < N
+        key = _order_key(tl.load(flat_ptr + i, mask=inside, other=float("-inf")))
+        prefix, _, _ = _radix_state(count_ptr + 2, count_ptr, q_bits, PASS)
+        match = inside & ((key >> (32 - 8 * PASS)) == prefix)
+        _add_histogram(count_ptr + 2 + PASS * 256, ((key >> (24 - 8 * PASS)) & 255).to(tl.int32),
+                       match)
+
+    @triton.jit
+    def _topk_radix_apply_kernel(flat_ptr, count_ptr, adv_ptr, mask_ptr, out_ptr, T,  # noqa: N803
+                                 s_a, s_mb, s_mt, q_bits,
+                                 SELECTED: tl.constexpr, BLOCK: tl.constexpr):  # noqa: N803
+        """:func:`_topk_apply_kernel` with the threshold from the four byte histograms: the
+        ``k``-th largest key itself, and ``N_selected`` the keys above it plus its ties."""
+        row = tl.program_id(0).to(tl.int64)
+        col = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = col < T
+        threshold, above, n = _radix_state(count_ptr + 2, count_ptr, q_bits, 4)
+        finite = tl.load(count_ptr + 1) == 0
+        valid = tl.load(mask_ptr + row * s_mb + col * s_mt, mask=inside, other=0) != 0
+        key = _order_key(tl.load(flat_ptr + row * T + col, mask=inside, other=float("-inf")))
+        a = tl.load(adv_ptr + row * s_a).to(tl.float32)
+        out = tl.where((key >= threshold) & (n > 0), a, 0.0)
+        if SELECTED:
+            ties = tl.load(count_ptr + 2 + 3 * 256 + (threshold & 255).to(tl.int32))
+            scale = (n.to(tl.float64) / (above + ties).to(tl.float64)).to(tl.float32)
+            out = out * tl.where(n > 0, scale, 1.0)
+        out = tl.where(finite | (n == 0), out, float("nan"))
+        tl.store(out_ptr + row * T + col, tl.where(valid, out, 0.0), mask=inside)
 
     @triton.jit
     def _topk_apply_kernel(flat_ptr, ordered_ptr, count_ptr, adv_ptr, mask_ptr, out_ptr, T,  # noqa: N803
@@ -466,8 +539,11 @@ def global_topk(adv: torch.Tensor, ent: torch.Tensor, mask: torch.Tensor, q: flo
     valid tokens whose score is ``>= torch.quantile(valid scores, q)`` (ties included), 0
     elsewhere; the score is the entropy, or with ``temperature`` given Eq. 6's proximal entropy
     (two launches more). The threshold is read off one ``torch.sort`` of the batch: a launch
-    before it, one after, and no value read on the host. With ``selected_tokens`` the selected
-    advantages are scaled by ``N_valid / N_selected``. ``[B, T]`` fp32."""
+    before it, one after, and no value read on the host; or, with ``PEPO_TOPK_SELECT=radix``,
+    found by a radix select: the scores' order keys histogrammed a byte at a time (the first
+    in the launch before, three more passes), the same threshold without a sort. With
+    ``selected_tokens`` the selected advantages are scaled by ``N_valid / N_selected``.
+    ``[B, T]`` fp32."""
     b, t = ent.shape
     out = torch.empty((b, t), dtype=torch.float32, device=ent.device)  # all of it written
     if not (b and t):
@@ -476,11 +552,24 @@ def global_topk(adv: torch.Tensor, ent: torch.Tensor, mask: torch.Tensor, q: flo
                                                          wide_range)[0]
     n_tiles = triton.cdiv(t, _BLOCK)
     flat = torch.empty((b, t), dtype=torch.float32, device=ent.device)
-    counts = torch.zeros(2, dtype=torch.int32, device=ent.device)  # valid, non-finite valid
+    if _TOPK_SELECT not in ("sort", "radix"):
+        raise ValueError(f"PEPO_TOPK_SELECT={_TOPK_SELECT!r}: expected 'sort' or 'radix'")
+    radix = _TOPK_SELECT == "radix"
+    # valid, non-finite valid; with radix, four byte histograms of the keys
+    counts = torch.zeros(2 + 4 * 256 * radix, dtype=torch.int32, device=ent.device)
     with _on(ent.device):
         _topk_prep_kernel[(b, n_tiles)](score, mask, flat, counts, t, score.stride(0),
                                         score.stride(1), mask.stride(0), mask.stride(1),
-                                        BLOCK=_BLOCK)
+                                        RADIX=radix, BLOCK=_BLOCK)
+        if radix:
+            for p in (1, 2, 3):
+                _radix_hist_kernel[(triton.cdiv(b * t, _BLOCK),)](flat, counts, b * t, _bits(q),
+                                                                   PASS=p, BLOCK=_BLOCK)
+            _topk_radix_apply_kernel[(b, n_tiles)](flat, counts, adv, mask, out, t,
+                                                   adv.stride(0), mask.stride(0),
+                                                   mask.stride(1), _bits(q),
+                                                   SELECTED=bool(selected_tokens), BLOCK=_BLOCK)
+            return out
         ordered = torch.sort(flat.view(-1), descending=True).values
         _topk_apply_kernel[(b, n_tiles)](flat, ordered, counts, adv, mask, out, t,
                                          adv.stride(0), mask.stride(0), mask.stride(1),
