@@ -3,9 +3,9 @@
 Each strategy is timed as the library runs it (``torch.compile``, default mode), compiled with
 CUDA graphs (``mode="reduce-overhead"``, its output cloned, since a graph's output is
 overwritten by its next replay), and as written (no compile); ``global_topk``'s threshold also
-from a full ``torch.sort`` instead of a ``topk`` of the shape's bound, and (on CUDA) its
-kernels with the radix select (``PEPO_TOPK_SELECT=radix``) beside the sort. Strategies with
-Triton kernels are also timed as their compiled bodies (what ``PEPO_TRITON=0`` runs). The first
+from a full ``torch.sort`` instead of a ``topk`` of the shape's bound (its kernels find the
+threshold by a radix select under ``PEPO_TOPK_SELECT=radix``). Strategies with Triton kernels
+are also timed as their compiled bodies (what ``PEPO_TRITON=0`` runs). The first
 table gives the fixed costs of this host: one eager op, one compiled call, one CUDA-graph
 replay. Times are mean µs per call of 50 back-to-back calls, median of 5 rounds (CUDA events),
 all in one run.
@@ -304,16 +304,6 @@ def main() -> None:
                     sorts = (time_calls(lambda: topk_by_sort(adv, ent, mask), calls),
                              time_calls(lambda: compiled_sort(adv, ent, mask), calls))
                     sort_txt = f"{sorts[0] * 1e6:,.0f} / {sorts[1] * 1e6:,.0f}"
-                    if s._triton is not None and device == "cuda":  # the radix select
-                        from pepo import _triton
-                        was, _triton._TOPK_SELECT = _triton._TOPK_SELECT, "radix"
-                        try:
-                            assert torch.equal(s(adv, ent, mask, validate=False), want)
-                            radix = time_calls(lambda: s(adv, ent, mask, validate=False),
-                                               calls)
-                        finally:
-                            _triton._TOPK_SELECT = was
-                        sort_txt += f"; radix select {radix * 1e6:,.0f} (library: {was})"
                 rows.append({"strategy": name, "shape": [b, t], "floor_us": floor * 1e6,
                              "library_us": lib * 1e6, "cuda_graphs_us": cg * 1e6,
                              "as_written_us": eager * 1e6, "sort_eager_us": sorts[0] * 1e6,
