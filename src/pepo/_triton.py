@@ -150,6 +150,28 @@ if triton is not None:
         return tl.where(nan > 0, float("nan"), hi * scale), (hi - lo) > wide_range
 
     @triton.jit
+    def _window_sum(base, p, valid, W, n, period, shift, PROXIMAL: tl.constexpr,  # noqa: N803
+                    ONCE: tl.constexpr, TILE: tl.constexpr):  # noqa: N803
+        """The sum over each token's window of its row's compact values (their exps, shifted,
+        for the softmax), the indices reflected at the row's ends: with two comparisons where
+        the row is at least half a window long (``ONCE``), by a remainder otherwise."""
+        half = W // 2
+        acc = tl.zeros((TILE,), dtype=tl.float32)
+        for d in range(0, W):
+            j = p + (d - half)
+            if ONCE:
+                j = tl.where(j < 0, -j, j)
+            else:
+                j = j % period
+                j = tl.where(j < 0, j + period, j)  # a C remainder keeps the sign
+            j = tl.where(j > n - 1, period - j, j)
+            v = tl.load(base + j, mask=valid, other=0.0)
+            if PROXIMAL:
+                v = tl.exp(v - shift)
+            acc += v
+        return acc
+
+    @triton.jit
     def _window_kernel(x_ptr, pos_ptr, len_ptr, stat_ptr, mask_ptr, e_ptr,  # noqa: N803
                        part_ptr, T, n_tiles, n_chunks, s_mb, s_mt, W, inv_w, scale, wide_range,
                        PROXIMAL: tl.constexpr, TILE: tl.constexpr):  # noqa: N803
@@ -167,26 +189,10 @@ if triton is not None:
         wide = False
         if PROXIMAL:
             shift, wide = _row_shift(stat_ptr, row, n_chunks, scale, wide_range)
-        half = W // 2
-        acc = tl.zeros((TILE,), dtype=tl.float32)
-        if half <= n - 1:  # one reflection at most: no remainder (the usual row, and faster)
-            for d in range(0, W):
-                j = p + (d - half)
-                j = tl.where(j < 0, -j, j)
-                j = tl.where(j > n - 1, period - j, j)
-                v = tl.load(base + j, mask=valid, other=0.0)
-                if PROXIMAL:
-                    v = tl.exp(v - shift)
-                acc += v
+        if W // 2 <= n - 1:  # one reflection at most: no remainder (the usual row, and faster)
+            acc = _window_sum(base, p, valid, W, n, period, shift, PROXIMAL, True, TILE)
         else:  # a row shorter than half a window reflects again and again
-            for d in range(0, W):
-                j = (p + (d - half)) % period
-                j = tl.where(j < 0, j + period, j)  # a C remainder keeps the sign
-                j = tl.where(j > n - 1, period - j, j)
-                v = tl.load(base + j, mask=valid, other=0.0)
-                if PROXIMAL:
-                    v = tl.exp(v - shift)
-                acc += v
+            acc = _window_sum(base, p, valid, W, n, period, shift, PROXIMAL, False, TILE)
         x = tl.load(base + p, mask=valid, other=0.0)
         if PROXIMAL:
             e = tl.exp(x - shift) / acc
