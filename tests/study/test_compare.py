@@ -250,7 +250,9 @@ def test_window_ablation_runs_only_when_named_and_prune_keeps_the_first_grpo(
 
 def test_powered_sections_pair_by_seed_and_copy_every_result(study, tmp_path):
     """The real-model task's report: simultaneous intervals against GRPO for the main methods
-    (the ablation in its own table, on its seeds), every result JSON copied under docs."""
+    (the ablation in its own tables, on its seeds: against GRPO and against PEPO at the config's
+    W), every result JSON copied under docs. Catches the ablation's Δ taken against GRPO in both
+    tables, or its seeds unpaired."""
     from pepo.study import power
 
     def r(method, seed, after):
@@ -271,6 +273,12 @@ def test_powered_sections_pair_by_seed_and_copy_every_result(study, tmp_path):
     w = power.comparisons([x for x in rows if x["seed"] < 2], "GRPO", ["PEPO", "PEPO, W = 101"])
     line = next(x for x in abl.splitlines() if x.startswith("| PEPO, W = 101 |"))
     assert f"[{100 * w['PEPO, W = 101']['lo']:+.1f}, " in line and "seeds [0, 1]" in abl
+    # then each window against PEPO at the config's W, paired on the same seeds: +3.0 and +0.5
+    vs = text.split("PEPO's window against PEPO at the config's W")[1]
+    line = next(x for x in vs.splitlines() if x.startswith("| PEPO, W = 101 |"))
+    v = power.comparisons([x for x in rows if x["seed"] < 2], "PEPO", ["PEPO, W = 101"])
+    assert f"{100 * v['PEPO, W = 101']['mean']:+.1f} [" in line and "+1.8 [" in line
+    assert "| − PEPO | +3.0 | +0.5 |" in vs
 
 
 def test_length_curves_come_from_the_result_or_the_run_summary(study, tmp_path):
