@@ -447,12 +447,12 @@ def powered_sections(task: str, results: list[dict], docs: Path,
     if ablation:
         seeds = {r["seed"] for r in rows if r["method"] in ablation}
         sub = [r for r in rows if r["seed"] in seeds]
-        for base, labels, name, what in (
+        for base, labels, d, what in (  # d: the folder of its forest plot
                 ("GRPO", ["PEPO", *ablation], "window", "GRPO"),
                 ("PEPO", ablation, "window/against_pepo", "PEPO at the config's W")):
             parts.append(f"### {task}: PEPO's window against {what} (seeds {sorted(seeds)})\n\n"
-                         + power.report(sub, base, labels, dest / name,
-                                        f"images/{task}_study/{name}", f"{task}: PEPO's W - {base}"))
+                         + power.report(sub, base, labels, dest / d,
+                                        f"images/{task}_study/{d}", f"{task}: PEPO's W - {base}"))
     stated = rescore.stated_section(task, rows, ["GRPO", *main_labels], dest / "stated")
     if stated:
         parts.append(stated)
