@@ -58,14 +58,6 @@ _extras.require("pepo_recipe")  # before torchtune: a missing extra gets the lin
 
 import torch
 from omegaconf import DictConfig
-from safetensors.torch import load_file
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torchtune import config, training, utils
 from torchtune.modules import TransformerSelfAttentionLayer
 from torchtune.recipe_interfaces import FTRecipeInterface
@@ -74,8 +66,8 @@ from tqdm import tqdm
 from pepo import weighting
 from pepo.loss import policy_loss_metrics, truncated_is_weights
 from pepo.sampling import PromptSampler
-from pepo.training import prior_cache
-from pepo.training.checkpointing import MODEL_FILE, AtomicCheckpointer, resolve_marker
+from pepo.training import prior_cache, resume
+from pepo.training.checkpointing import AtomicCheckpointer, resolve_marker
 from pepo.training.config import (
     build,
     check_world_size,
@@ -90,7 +82,7 @@ from pepo.training.config import (
 )
 from pepo.training.config_rules import resolve_component
 from pepo.training.distributed import Dist, minibatch_indices, shard_model, tile_rows
-from pepo.training.engines import build_engine, sequence_limit
+from pepo.training.engines import build_engine, fitting_prompts, sequence_limit
 from pepo.training.evaluation import (
     RewardError,
     avg_at_k,
@@ -100,13 +92,11 @@ from pepo.training.evaluation import (
 )
 from pepo.training.generation import Rollouts, draw_seeds
 from pepo.training.hf import save_hf
-from pepo.training.models import check_state_matches
 from pepo.training.precision import autocast, resolve_compute_dtype
 from pepo.training.precision import describe as describe_precision
 from pepo.training.reporting import (
     NullLogger,
     plot_curves,
-    truncate_metrics_log,
     write_rollouts,
     write_summary,
 )
@@ -128,7 +118,6 @@ from pepo.training.stopping import (
     NonFiniteGuard,
     StopSignals,
     TrainingStopped,
-    checkpoint_failure,
 )
 from pepo.training.tokenizers import stop_token_ids
 from pepo.training.weights import load_model_weights
@@ -273,8 +262,10 @@ class PEPORecipe(FTRecipeInterface):
         # prompts that do not fit are dropped before the engine starts (vLLM's max_model_len
         # is checked here too, not at the first generation)
         self.seq_limit = sequence_limit(self.model, engine, options)
-        self.train_data = self._fitting(train_data, "dataset")
-        self.val_data = self._fitting(val_data, "val_dataset") if val_data else []
+        fit = (self.tokenizer, self.seq_limit, self.gen_kwargs["max_new_tokens"],
+               self.model.max_seq_len, log.warning)
+        self.train_data = fitting_prompts(train_data, "dataset", *fit)
+        self.val_data = fitting_prompts(val_data, "val_dataset", *fit) if val_data else []
         if self.dist.is_main:
             log.info(describe_precision(c.compute_dtype, self.compute_dtype, self._device))
             if engine == "vllm" and self.compute_dtype is not None \
@@ -283,8 +274,8 @@ class PEPORecipe(FTRecipeInterface):
                             f"precision than the bf16 trainer (rollout_logprob_gap shows it)")
         self.engine = build_engine(engine, self.model, compile=c.generation.compile,
                                    compute_dtype=self.compute_dtype, **(
-            {**options, "hf_dir": self.hf_source, "seed": self.seed,
-             "state_dict": self._full_state_dict} if engine == "vllm" else {}))
+            {**options, "hf_dir": self.hf_source, "seed": self.seed, "state_dict":
+             lambda: resume.model_state_dict(self.model, self.dist)} if engine == "vllm" else {}))
         self.sampler = PromptSampler(len(self.train_data), seed=self.seed)
         # host-side choices (prompt draws, mini-batch order) and token sampling on the model's
         # device use separate generators; both are checkpointed
@@ -292,73 +283,14 @@ class PEPORecipe(FTRecipeInterface):
         self.sample_rng = torch.Generator(device=self._device).manual_seed(self.seed + 1)
         # logs, plots, dumps and checkpoint files come from rank 0 only
         if resume_state is not None and self.dist.is_main:
-            self._truncate_metrics(cfg, resume_state[1]["step"])
+            resume.truncate_metrics(cfg, resume_state[1]["step"], log.info)
         self.metric_logger = build(cfg, "metric_logger") if self.dist.is_main else NullLogger()
         self.metric_logger.log_config(cfg)
         self.config_name = c.name
         if resume_state is not None:
-            self._load_checkpoint(*resume_state)
+            resume.load_state(self, *resume_state, log=log.info)
         else:
             self._prepare_estimator()
-
-    @staticmethod
-    def _truncate_metrics(cfg: DictConfig, step: int) -> None:
-        """A resumed run logs the steps after its checkpoint again: the disk log's lines for
-        them (from the run that was stopped) go, so that the file has one line per step."""
-        lc = cfg.get("metric_logger")
-        if lc is None or not str(lc._component_).endswith("DiskLogger") or \
-                not lc.get("filename"):
-            return  # DiskLogger without a filename starts a new file per run
-        path = Path(str(lc.log_dir)) / str(lc.filename)
-        dropped = truncate_metrics_log(path, step)
-        if dropped:
-            log.info(f"{path}: dropped {dropped} line(s) logged after step {step}, which this "
-                     f"resumed run logs again")
-
-    def _load_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
-        """Loads a whole (unsharded) checkpoint, written with any number of processes."""
-        weights = load_file(str(path / MODEL_FILE))
-        check_state_matches(self.model, weights, path)
-        set_model_state_dict(self.model, weights, options=StateDictOptions(full_state_dict=True))
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
-                                 options=StateDictOptions(full_state_dict=True))
-        if self.lr_scheduler is not None:
-            if state.get("schedule_steps") != self.schedule_steps:
-                raise ValueError(
-                    f"the checkpoint's LR schedule spans {state.get('schedule_steps')} optimizer "
-                    f"steps, this config's {self.schedule_steps} (num_steps x ppo_epochs x "
-                    f"ppo_mini_batches): an exact resume needs the same schedule"
-                )
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self.sampler.load_state_dict(state["sampler"])
-        self.rng.set_state(state["rng"])
-        self.sample_rng.set_state(state["sample_rng"])
-        torch.set_rng_state(state["torch_rng"])
-        self.estimator.load_state_dict(state["estimator"])
-        self.step = state["step"]
-        self.history = list(state["history"])
-        self.nonfinite.total = state["nonfinite_total"]
-        self.nonfinite.in_a_row = state["nonfinite_in_a_row"]
-        log.info(f"Resumed from {path} at step {self.step}")
-
-    def _fitting(self, problems: list, key: str) -> list:
-        """Drops prompts too long for the model with the response budget (with a warning)."""
-        limit = self.seq_limit
-        what = ("generation.vllm.max_model_len" if limit != self.model.max_seq_len
-                else "the model's max_seq_len")
-        budget = limit - self.gen_kwargs["max_new_tokens"]
-        kept = [p for p in problems if len(self.tokenizer.encode_prompt(p.prompt)) <= budget]
-        if not kept:
-            raise ValueError(
-                f"no prompt of {key} fits {what}={limit} with generation.max_new_tokens="
-                f"{self.gen_kwargs['max_new_tokens']}"
-            )
-        if len(kept) < len(problems):
-            log.warning(
-                f"{key}: dropped {len(problems) - len(kept)} of {len(problems)} prompts longer "
-                f"than {budget} tokens ({what}={limit} - generation.max_new_tokens)"
-            )
-        return kept
 
     def _prepare_estimator(self) -> None:
         """Whatever the estimator needs before training (SPO: its offline prior, or the one
@@ -634,7 +566,7 @@ class PEPORecipe(FTRecipeInterface):
             write_summary(self.output_dir, self.history, val_problems=len(self.val_data),
                           val_samples=self.val_samples, num_steps=self.num_steps)
         if self.hf_source is not None:
-            weights = self._full_state_dict(cpu_offload=True)
+            weights = resume.model_state_dict(self.model, self.dist, cpu_offload=True)
             if self.dist.is_main:
                 path = save_hf(weights, self.output_dir / "hf_model", source_dir=self.hf_source)
                 log.info(f"Hugging Face checkpoint of the final model: {path}")
@@ -646,45 +578,9 @@ class PEPORecipe(FTRecipeInterface):
                                       lambda: plot_curves(self.history, curves, title=title)):
                 log.info(f"Training curves: {curves}")
 
-    def _full_state_dict(self, cpu_offload: bool = False) -> dict[str, torch.Tensor]:
-        """The model's whole state dict (gathered across ranks under FSDP2; every rank takes
-        part, and with ``cpu_offload`` only rank 0 receives it)."""
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload and self.dist.enabled)
-        return get_model_state_dict(self.model, options=opts)
-
     def save_checkpoint(self, step: int, metrics: Optional[dict[str, float]] = None) -> None:
-        """An atomic checkpoint of the whole (unsharded) state, written by rank 0, so that it
-        resumes with any number of processes; ``metrics`` go into its metadata."""
-        weights = self._full_state_dict(cpu_offload=True)
-        optimizer = get_optimizer_state_dict(
-            self.model, self.optimizer,
-            options=StateDictOptions(full_state_dict=True, cpu_offload=self.dist.enabled))
-        state = {
-            "step": step,
-            "optimizer": optimizer,
-            "sampler": self.sampler.state_dict(),
-            "rng": self.rng.get_state(),
-            "sample_rng": self.sample_rng.get_state().cpu(),
-            "torch_rng": torch.get_rng_state(),
-            "history": self.history,
-            "nonfinite_total": self.nonfinite.total,
-            "nonfinite_in_a_row": self.nonfinite.in_a_row,
-        }
-        if self.lr_scheduler is not None:
-            state["lr_scheduler"] = self.lr_scheduler.state_dict()
-            state["schedule_steps"] = self.schedule_steps
-        state["estimator"] = self.estimator.state_dict()
-        state["experiment"] = self.experiment
-        if self.dist.is_main:
-            try:
-                self.checkpointer.save(step, weights, state, metrics)
-            except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a C++ error
-                failed = checkpoint_failure(e, step, self.checkpointer.root,
-                                            self.checkpointer.marked())
-                if failed is None:
-                    raise
-                raise failed from None
-        self.dist.barrier()
+        """An atomic checkpoint of the whole state (:func:`pepo.training.resume.save_state`)."""
+        resume.save_state(self, step, metrics)
 
     def cleanup(self) -> None:
         """Closes what setup opened (also after a setup that failed half-way), and lets go of

@@ -51,6 +51,7 @@ __all__ = [
     "build_engine",
     "check_compile",
     "check_engine_available",
+    "fitting_prompts",
     "sequence_limit",
     "vllm_available",
 ]
@@ -405,6 +406,28 @@ def sequence_limit(model: torch.nn.Module, engine: str, options: Mapping[str, An
             f"model.max_seq_len or lower max_model_len"
         )
     return value
+
+
+def fitting_prompts(problems: list, key: str, tokenizer: Any, limit: int, max_new_tokens: int,
+                    model_limit: int, warn: Callable[[str], None]) -> list:
+    """The problems of ``key`` (``dataset``, ``val_dataset``) whose prompt fits ``limit``
+    (:func:`sequence_limit`; ``model_limit`` is the model's ``max_seq_len``) with the response
+    budget ``max_new_tokens``; the others are dropped with one warning.
+
+    Raises:
+        ValueError: no prompt fits.
+    """
+    what = ("generation.vllm.max_model_len" if limit != model_limit
+            else "the model's max_seq_len")
+    budget = limit - max_new_tokens
+    kept = [p for p in problems if len(tokenizer.encode_prompt(p.prompt)) <= budget]
+    if not kept:
+        raise ValueError(f"no prompt of {key} fits {what}={limit} with "
+                         f"generation.max_new_tokens={max_new_tokens}")
+    if len(kept) < len(problems):
+        warn(f"{key}: dropped {len(problems) - len(kept)} of {len(problems)} prompts longer "
+             f"than {budget} tokens ({what}={limit} - generation.max_new_tokens)")
+    return kept
 
 
 def build_engine(name: str, model: torch.nn.Module, *, compile: bool = False,

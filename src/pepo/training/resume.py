@@ -1,0 +1,119 @@
+"""A run's training state: what the recipe's checkpoint holds beside the weights, how it is
+saved, and how a resumed run puts it back.
+
+Checkpoints hold the whole (unsharded) state, written by rank 0, so a run resumes with any number
+of processes: the weights (gathered across ranks under FSDP2), the optimizer, the LR schedule
+and the number of optimizer steps it spans, the prompt sampler's position, the host and device
+generators, torch's RNG, the estimator (SPO's value tracker), the metric history and the
+non-finite-step counters (:class:`pepo.training.checkpointing.AtomicCheckpointer` writes them
+atomically). The functions take the recipe (``pepo_recipe.PEPORecipe``) and read or set its
+public attributes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from pepo.training.checkpointing import MODEL_FILE
+from pepo.training.models import check_state_matches
+from pepo.training.reporting import truncate_metrics_log
+from pepo.training.stopping import checkpoint_failure
+
+__all__ = ["load_state", "model_state_dict", "save_state", "truncate_metrics"]
+
+
+def model_state_dict(model: torch.nn.Module, dist: Any,
+                     cpu_offload: bool = False) -> dict[str, torch.Tensor]:
+    """The model's whole state dict (gathered across ranks under FSDP2; every rank takes part,
+    and with ``cpu_offload`` only rank 0 receives it)."""
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload and dist.enabled)
+    return get_model_state_dict(model, options=opts)
+
+
+def save_state(recipe: Any, step: int, metrics: Optional[dict[str, float]] = None) -> None:
+    """An atomic checkpoint of ``recipe``'s whole state at ``step``; ``metrics`` go into its
+    metadata. A full disk or another write failure the checkpointer reports becomes
+    :class:`pepo.training.stopping.CheckpointFailed` (the previous checkpoint is intact)."""
+    weights = model_state_dict(recipe.model, recipe.dist, cpu_offload=True)
+    optimizer = get_optimizer_state_dict(
+        recipe.model, recipe.optimizer,
+        options=StateDictOptions(full_state_dict=True, cpu_offload=recipe.dist.enabled))
+    state = {
+        "step": step,
+        "optimizer": optimizer,
+        "sampler": recipe.sampler.state_dict(),
+        "rng": recipe.rng.get_state(),
+        "sample_rng": recipe.sample_rng.get_state().cpu(),
+        "torch_rng": torch.get_rng_state(),
+        "history": recipe.history,
+        "nonfinite_total": recipe.nonfinite.total,
+        "nonfinite_in_a_row": recipe.nonfinite.in_a_row,
+    }
+    if recipe.lr_scheduler is not None:
+        state["lr_scheduler"] = recipe.lr_scheduler.state_dict()
+        state["schedule_steps"] = recipe.schedule_steps
+    state["estimator"] = recipe.estimator.state_dict()
+    state["experiment"] = recipe.experiment
+    if recipe.dist.is_main:
+        checkpointer = recipe.checkpointer
+        try:
+            checkpointer.save(step, weights, state, metrics)
+        except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a C++ error
+            failed = checkpoint_failure(e, step, checkpointer.root, checkpointer.marked())
+            if failed is None:
+                raise
+            raise failed from None
+    recipe.dist.barrier()
+
+
+def load_state(recipe: Any, path: Path, state: dict[str, Any],
+               log: Callable[[str], None]) -> None:
+    """Puts a whole (unsharded) checkpoint, written with any number of processes, back into
+    ``recipe``: the checkpoint directory ``path`` and its training ``state``."""
+    weights = load_file(str(path / MODEL_FILE))
+    check_state_matches(recipe.model, weights, path)
+    set_model_state_dict(recipe.model, weights, options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(recipe.model, recipe.optimizer, state["optimizer"],
+                             options=StateDictOptions(full_state_dict=True))
+    if recipe.lr_scheduler is not None:
+        if state.get("schedule_steps") != recipe.schedule_steps:
+            raise ValueError(
+                f"the checkpoint's LR schedule spans {state.get('schedule_steps')} optimizer "
+                f"steps, this config's {recipe.schedule_steps} (num_steps x ppo_epochs x "
+                f"ppo_mini_batches): an exact resume needs the same schedule"
+            )
+        recipe.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    recipe.sampler.load_state_dict(state["sampler"])
+    recipe.rng.set_state(state["rng"])
+    recipe.sample_rng.set_state(state["sample_rng"])
+    torch.set_rng_state(state["torch_rng"])
+    recipe.estimator.load_state_dict(state["estimator"])
+    recipe.step = state["step"]
+    recipe.history = list(state["history"])
+    recipe.nonfinite.total = state["nonfinite_total"]
+    recipe.nonfinite.in_a_row = state["nonfinite_in_a_row"]
+    log(f"Resumed from {path} at step {recipe.step}")
+
+
+def truncate_metrics(cfg: Any, step: int, log: Callable[[str], None]) -> None:
+    """A resumed run logs the steps after its checkpoint again: the disk log's lines for them
+    (from the run that was stopped) go, so that the file has one line per step."""
+    lc = cfg.get("metric_logger")
+    if lc is None or not str(lc._component_).endswith("DiskLogger") or not lc.get("filename"):
+        return  # DiskLogger without a filename starts a new file per run
+    path = Path(str(lc.log_dir)) / str(lc.filename)
+    dropped = truncate_metrics_log(path, step)
+    if dropped:
+        log(f"{path}: dropped {dropped} line(s) logged after step {step}, which this resumed "
+            f"run logs again")
