@@ -80,17 +80,20 @@ def holm(pvalues: Sequence[float]) -> list[float]:
 def comparisons(results: list[dict], base_label: str, labels: Sequence[str],
                 alpha: float = 0.05, power: float = 0.8) -> dict[str, dict[str, Any]]:
     """Each of ``labels`` against ``base_label`` over the seeds both finished (``val_after``),
-    corrected for ``len(labels)`` comparisons; a label with fewer than 2 paired seeds gets
-    ``{"n": k}`` only. Adds ``p_holm`` and wins / ties / losses."""
+    corrected for the comparisons made: the labels with at least 2 paired seeds (a label with
+    fewer gets ``{"n": k}`` only and is not counted, in the intervals as in Holm's p). Adds
+    ``p_holm`` and wins / ties / losses."""
     base = {r["seed"]: r["val_after"] for r in results if r["method"] == base_label}
+    diffs = {label: [r["val_after"] - base[r["seed"]]
+                     for r in sorted(results, key=lambda r: r["seed"])
+                     if r["method"] == label and r["seed"] in base] for label in labels}
+    m = sum(len(d) >= 2 for d in diffs.values())
     out: dict[str, dict[str, Any]] = {}
-    for label in labels:
-        d = [r["val_after"] - base[r["seed"]] for r in sorted(results, key=lambda r: r["seed"])
-             if r["method"] == label and r["seed"] in base]
+    for label, d in diffs.items():
         if len(d) < 2:
             out[label] = {"n": len(d)}
             continue
-        out[label] = paired(d, m=len(labels), alpha=alpha, power=power)
+        out[label] = paired(d, m=m, alpha=alpha, power=power)
         out[label].update(wins=sum(x > 0 for x in d), ties=sum(x == 0 for x in d),
                           losses=sum(x < 0 for x in d))
     tested = [k for k in labels if "p" in out[k]]
@@ -158,10 +161,10 @@ def report(results: list[dict], base_label: str, labels: Sequence[str], out: Pat
     simultaneous interval, Holm-adjusted p, W/T/L, the resolvable difference), the forest plot
     ``out/forest.png`` (linked as ``image_prefix/forest.png``) and the :func:`seed_table`."""
     comps = comparisons(results, base_label, labels, alpha, power)
-    m = len(labels)
+    m = sum("lo" in v for v in comps.values())  # the comparisons made (paired seeds)
     lines = [f"| method | seeds | before | after | Δ vs {base_label}, points "
              f"[{100 * (1 - alpha):.0f}% simultaneous CI] | "
-             f"p (Holm, {m} comparison{'s' * (m > 1)}) | wins/ties/losses | resolvable Δ |",
+             f"p (Holm, {m} comparison{'s' * (m != 1)}) | wins/ties/losses | resolvable Δ |",
              "|---|---:|---:|---:|---|---:|---:|---:|"]
 
     def acc(label: str, key: str) -> str:
