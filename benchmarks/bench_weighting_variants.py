@@ -18,6 +18,10 @@ all in one run.
 (guards kept on tensors only, no guards, the C++ wrapper): one kernel, and the strategies whose
 calls are launch-bound.
 
+``--host`` times, on the CPU, what the host pays around each unvalidated call (checks of the
+arguments, the call's own Python) against the strategy's body alone, at a batch small enough
+that its ops take a few µs: what separates a launch-bound GPU call from its kernels.
+
 ``--first-call`` times each compiled strategy's first call (its compilation) with the C++
 wrapper and with Python's, each in a fresh process with an empty inductor cache: what a
 training run pays once per strategy.
@@ -202,12 +206,55 @@ def first_calls(names: list[str]) -> list[dict]:
     return rows
 
 
+def host_costs(calls: int, rounds: int) -> list[dict]:
+    """What the host pays around each strategy's unvalidated call, on a CPU batch of [8, 16]:
+    the call with its body replaced by one returning a ready tensor (the arguments' checks and
+    the call's own Python, nothing else), as a training loop makes it (``positive`` and
+    ``groups`` passed) and with neither (``gtpo``: groups only); then ``uniform`` whole against
+    its direct formulation, ``torch.where(mask, adv[:, None], 0.0)``, and its body alone. µs
+    per call: the mean of ``calls`` calls, the median of ``rounds``."""
+    adv, ent, mask, kw = flagged_batch(8, 16, "cpu")
+    ready = torch.zeros(8, 16)
+    from machine import cpu_name
+
+    print(f"\n## Host cost around an unvalidated call, [8, 16] on the CPU (µs; mean of {calls} "
+          f"calls, median of {rounds})\n\n{cpu_name()}, torch {torch.__version__}\n")
+    print("| strategy | around the body: positive and groups passed | neither passed |")
+    print("|---|---:|---:|")
+    rows = []
+    for name, params in STRATEGIES.items():
+        s = pw.get_strategy(name, **params)
+        s._body = lambda *a, **k: ready  # the instance's body: the wrapper's cost alone
+        bare = {"groups": kw["groups"]} if s.needs_groups else {}
+        times = [time_calls(f, calls, rounds) * 1e6 for f in (
+            lambda: s(adv, ent, mask, validate=False, **kw),
+            lambda: s(adv, ent, mask, validate=False, **bare))]
+        rows.append({"host_strategy": name, "wrapper_us": times[0], "wrapper_bare_us": times[1]})
+        print(f"| {name} | {times[0]:.2f} | {times[1]:.2f} |", flush=True)
+    s = pw.get_strategy("uniform")
+    torch.testing.assert_close(s(adv, ent, mask, validate=False),
+                               torch.where(mask, adv[:, None], 0.0), rtol=0, atol=0)
+    whole = {"call, positive and groups": lambda: s(adv, ent, mask, validate=False, **kw),
+             "call, neither": lambda: s(adv, ent, mask, validate=False),
+             "body alone": lambda: s._body(adv, ent, mask),
+             "direct: torch.where(mask, adv[:, None], 0.0)":
+                 lambda: torch.where(mask, adv[:, None], 0.0)}
+    print("\nuniform, whole calls:\n")
+    for label, f in whole.items():
+        t = time_calls(f, calls, rounds) * 1e6
+        rows.append({"host_uniform": label, "us": t})
+        print(f"- {label}: {t:.2f} µs", flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=None, help="JSON file for the figures")
     p.add_argument("--overhead", action="store_true",
                    help="only the compile settings' call costs (see the module's docstring)")
+    p.add_argument("--host", action="store_true",
+                   help="only the host's cost around each call, on the CPU (see host_costs)")
     p.add_argument("--first-call", nargs="*", default=None, metavar="STRATEGY",
                    help="only the first calls' compile times of these strategies")
     p.add_argument("--first-call-child", help=argparse.SUPPRESS)
@@ -232,6 +279,10 @@ def main() -> None:
         return
     if args.first_call is not None:
         rows.extend(first_calls(args.first_call or ["proximal_softmax", "gtpo", "global_topk"]))
+        save()
+        return
+    if args.host:
+        rows.extend(host_costs(200 if args.quick else 20_000, 3 if args.quick else 7))
         save()
         return
     if args.overhead:
