@@ -1,0 +1,60 @@
+"""benchmarks/gpu_figures.sh --quick: the GPU figures' one command runs each of its steps on a
+CPU and leaves each step's figures where its header says."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "gpu_figures.sh"
+NAMES = {"uniform", "entropy_bonus", "global_topk", "global_topk(proximal)", "window_average",
+         "proximal_softmax", "gtpo"}
+
+
+def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           **(env or {})}
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_quick_run_writes_every_steps_figures(tmp_path):
+    """Catches a step left out or writing elsewhere (a missing file), the radix run not made
+    (its table absent), and a failing step that the script would hide (exit status 0 with
+    "failed" in its output)."""
+    out = tmp_path / "figures"
+    proc = _run(str(out), "--quick")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "failed" not in proc.stdout and f"done: {out}/" in proc.stdout
+    for select in ("sort", "radix"):
+        rows = json.loads((out / f"weighting_{select}.json").read_text(encoding="utf-8"))
+        assert {r["strategy"] for r in rows} == NAMES
+        assert all(r["validate_false_us"] > 0 for r in rows)
+        assert "| proximal_softmax |" in (out / f"weighting_{select}.md").read_text(
+            encoding="utf-8")
+    assert any(r.get("profile") == "global_topk"
+               for r in json.loads((out / "profile.json").read_text(encoding="utf-8")))
+    assert "torch" in (out / "machine.txt").read_text(encoding="utf-8")
+
+
+def test_a_failing_step_fails_the_command_and_the_next_steps_still_run(tmp_path):
+    """With a ``torch`` that cannot import first on the path every step fails: each is named,
+    the later ones still run, and the command exits 1. Catches a script that stops at the first
+    failure (``set -e``) or hides failures behind ``tee``'s exit status; an unknown option is
+    refused with exit 2, not ignored."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "torch.py").write_text("raise ImportError('no torch here')\n", encoding="utf-8")
+    out = tmp_path / "figures"
+    proc = _run(str(out), "--quick", env={"PYTHONPATH": str(broken)})
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert "== profiles (" in proc.stdout
+    assert ("failed: strategies, global_topk by sort strategies, global_topk by radix "
+            "profiles") in proc.stdout
+    proc = _run(str(out), "--quik")
+    assert proc.returncode == 2 and "unknown option --quik" in proc.stderr
