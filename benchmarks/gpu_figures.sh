@@ -48,12 +48,12 @@ platform.python_version(), '|', torch.cuda.get_device_name() if torch.cuda.is_av
 else 'no CUDA device')" | tee "$out/machine.txt"
 
 if [ "$quick" -eq 1 ]; then
-  if python -c "import triton" 2>/dev/null; then
+  if python -c "import torch, triton" 2>/dev/null; then
     step "kernel tests (interpreter, a sample)" "$out/kernel_tests.txt" \
       env TRITON_INTERPRET=1 python -m pytest -q -p no:cacheprovider -x \
       tests/test_triton_kernels.py -k "entropy_bonus"
   else
-    echo "== kernel tests skipped: Triton is not installed" | tee "$out/kernel_tests.txt"
+    echo "== kernel tests skipped: torch with Triton does not import" | tee "$out/kernel_tests.txt"
   fi
   weighting=(--quick --sync-table --only weighting)
   profile=(--quick --profile-only --profile global_topk)
@@ -70,18 +70,17 @@ for select in sort radix; do
 done
 step "profiles" "$out/profile.md" \
   python benchmarks/bench_weighting_variants.py "${profile[@]}" --out "$out/profile.json"
-if [ "$paper" -eq 1 ]; then
-  if [ "$quick" -eq 1 ]; then
-    shape=(--tiny)
-  else
-    shape=()
-  fi
+if [ "$paper" -eq 1 ] && [ "$quick" -eq 1 ]; then
   step "the paper's shape" "$out/paper_shape.md" \
-    python benchmarks/bench_paper_shape.py "${shape[@]}" --out "$out/paper_shape.json"
+    python benchmarks/bench_paper_shape.py --tiny --out "$out/paper_shape.json"
+elif [ "$paper" -eq 1 ]; then
+  step "the paper's shape" "$out/paper_shape.md" \
+    python benchmarks/bench_paper_shape.py --out "$out/paper_shape.json"
 fi
 
 if [ ${#failed[@]} -gt 0 ]; then
-  echo "failed: ${failed[*]} (see their logs in $out/)"
+  printf -v joined '%s; ' "${failed[@]}"
+  echo "failed: ${joined%; } (see their logs in $out/)"
   exit 1
 fi
 echo "done: $out/"

@@ -440,17 +440,18 @@ def test_gtpo_kernel_side_mode_keeps_its_digits():
 
 
 def test_gtpo_kernel_more_rows_than_a_block(monkeypatch):
-    """70 rows in pairs, with blocks of 32 (the shipped 1,024 is the same code: 1,030 rows took
-    the interpreter 30 s): the rows' lists are built block by block, so a count not carried
-    past the first block would lose the later rows' partners, and pairs straddle each block's
-    end (the roll by 5)."""
+    """70 rows in groups of 4 (two successes, two failures), with blocks of 32 (the shipped
+    1,024 is the same code: 1,030 rows took the interpreter 30 s): the rows' group and side
+    lists are built block by block, so a count of either not carried past the first block
+    would lose the later rows' partners; groups and sides straddle the blocks' ends (rows 29-32
+    are one group, its failures rows 31 and 32; rows 69 and 0-2 another)."""
     monkeypatch.setattr(_triton, "_BLOCK", 32)
     b = 70
     g = torch.Generator().manual_seed(2)
     ent = torch.rand(b, 3, generator=g).to(DEVICE)
     mask = torch.ones(b, 3, dtype=torch.bool, device=DEVICE)
-    groups = torch.arange(b, device=DEVICE).roll(5) // 2
-    positive = (torch.arange(b, device=DEVICE) % 2 == 0)
+    v = torch.arange(b, device=DEVICE).roll(5)  # row i holds (i - 5) mod 70
+    groups, positive = v // 4, v % 4 < 2
     s = pw.get_strategy("gtpo")
     got = s._triton(positive.float(), ent, mask, positive=positive, groups=groups)
     want = s._body(positive.float(), ent, mask, positive=positive, groups=groups)

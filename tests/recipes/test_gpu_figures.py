@@ -1,5 +1,6 @@
 """benchmarks/gpu_figures.sh --quick: the GPU figures' one command runs each of its steps on a
-CPU and leaves each step's figures where its header says."""
+CPU and leaves each step's figures where its header says; and bench_weighting_variants.py
+--host, the host's cost around a strategy call."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ def test_quick_run_writes_every_steps_figures(tmp_path):
     assert any(r.get("profile") == "global_topk"
                for r in json.loads((out / "profile.json").read_text(encoding="utf-8")))
     assert "torch" in (out / "machine.txt").read_text(encoding="utf-8")
+    assert (out / "kernel_tests.txt").is_file()
 
 
 def test_a_failing_step_fails_the_command_and_the_next_steps_still_run(tmp_path):
@@ -53,8 +55,30 @@ def test_a_failing_step_fails_the_command_and_the_next_steps_still_run(tmp_path)
     out = tmp_path / "figures"
     proc = _run(str(out), "--quick", env={"PYTHONPATH": str(broken)})
     assert proc.returncode == 1, proc.stdout[-3000:]
+    for name in ("strategies, global_topk by sort", "strategies, global_topk by radix",
+                 "profiles"):
+        assert f"== {name} failed (exit 1)" in proc.stdout
     assert "== profiles (" in proc.stdout
-    assert ("failed: strategies, global_topk by sort strategies, global_topk by radix "
-            "profiles") in proc.stdout
+    assert ("failed: strategies, global_topk by sort; strategies, global_topk by radix; "
+            "profiles (see their logs") in proc.stdout  # the kernel tests skip: no torch
     proc = _run(str(out), "--quik")
     assert proc.returncode == 2 and "unknown option --quik" in proc.stderr
+
+
+def test_host_costs_cover_every_strategy(tmp_path):
+    """``bench_weighting_variants.py --host --quick``: one row per strategy and the four timings
+    of ``uniform``, every one a positive time. Catches a strategy left out of the table, and a
+    ``uniform`` that no longer returns what its direct formulation returns (the script checks
+    that before timing it)."""
+    out = tmp_path / "host.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "bench_weighting_variants.py", "--host", "--quick",
+                           "--out", str(out)], cwd=ROOT / "benchmarks", env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads(out.read_text(encoding="utf-8"))
+    assert {r["host_strategy"] for r in rows if "host_strategy" in r} == NAMES - {
+        "global_topk(proximal)"}
+    assert all(r["wrapper_us"] > 0 and r["wrapper_bare_us"] > 0
+               for r in rows if "host_strategy" in r)
+    assert len([r for r in rows if "host_uniform" in r and r["us"] > 0]) == 4

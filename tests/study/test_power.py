@@ -89,19 +89,22 @@ def test_comparisons_pair_by_seed_not_by_position():
 
 
 def test_a_label_without_paired_seeds_leaves_the_family(tmp_path):
-    """A label with no paired seeds (a method the runs do not include) is not a comparison:
-    the intervals and Holm's p are both for the labels tested. Catches the intervals corrected
-    for every label named (m = 2 here, Holm over 1)."""
+    """A label with fewer than 2 paired seeds (none: a method the runs do not include; one) is
+    not a comparison: the intervals and Holm's p are both for the labels tested. Catches the
+    intervals corrected for every label named (m = 3 here, Holm over 1), or for every label
+    with a paired seed (m = 2)."""
     base = _runs("GRPO", range(10), [0.4] * 10)
     pepo = _runs("PEPO", range(10), [0.4 + d for d in D])
-    comps = power.comparisons(base + pepo, "GRPO", ["PEPO", "GTPO"])
-    assert comps["GTPO"] == {"n": 0}
+    once = _runs("80/20", [3], [0.5])
+    labels = ["PEPO", "GTPO", "80/20"]
+    comps = power.comparisons(base + pepo + once, "GRPO", labels)
+    assert comps["GTPO"] == {"n": 0} and comps["80/20"] == {"n": 1}
     one = power.paired(D, m=1)
     assert comps["PEPO"]["m"] == 1
     assert (comps["PEPO"]["lo"], comps["PEPO"]["hi"]) == (pytest.approx(one["lo"]),
                                                           pytest.approx(one["hi"]))
     assert comps["PEPO"]["p_holm"] == pytest.approx(one["p"])
-    text = power.report(base + pepo, "GRPO", ["PEPO", "GTPO"], tmp_path, "img", "t")
+    text = power.report(base + pepo + once, "GRPO", labels, tmp_path, "img", "t")
     assert "p (Holm, 1 comparison)" in text
     both = power.comparisons(base + pepo + _runs("GTPO", range(10), [0.41] * 10), "GRPO",
                              ["PEPO", "GTPO"])

@@ -87,7 +87,8 @@ def test_the_report_pairs_the_rescored_runs_by_seed(tmp_path):
     assert {x["val_before"] for x in scored if x["seed"] < 3} == {0.25}
     text = rescore.stated_section("smollm2_steps", rows, ["GRPO", "PEPO", "GTPO"],
                                   tmp_path / "stated")
-    v = power.comparisons(scored, "GRPO", ["PEPO", "GTPO"])["PEPO"]  # a family of 1
+    v = power.comparisons(scored, "GRPO", ["PEPO", "GTPO"])["PEPO"]
+    assert v["m"] == 1  # GTPO has one paired seed: a family of 1
     d = [0.48 - 0.45, 0.49 - 0.47, 0.52 - 0.49]
     assert v["mean"] == pytest.approx(sum(d) / 3, abs=1e-12)
     line = next(x for x in text.splitlines() if x.startswith("| PEPO |"))

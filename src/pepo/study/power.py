@@ -81,8 +81,8 @@ def comparisons(results: list[dict], base_label: str, labels: Sequence[str],
                 alpha: float = 0.05, power: float = 0.8) -> dict[str, dict[str, Any]]:
     """Each of ``labels`` against ``base_label`` over the seeds both finished (``val_after``),
     corrected for the comparisons made: the labels with at least 2 paired seeds (a label with
-    fewer gets ``{"n": k}`` only and is not counted, in the intervals as in Holm's p). Adds
-    ``p_holm`` and wins / ties / losses."""
+    fewer gets ``{"n": k}`` only and is not counted, in the intervals and the resolvable
+    difference as in Holm's p). Adds ``p_holm`` and wins / ties / losses."""
     base = {r["seed"]: r["val_after"] for r in results if r["method"] == base_label}
     diffs = {label: [r["val_after"] - base[r["seed"]]
                      for r in sorted(results, key=lambda r: r["seed"])
@@ -96,7 +96,7 @@ def comparisons(results: list[dict], base_label: str, labels: Sequence[str],
         out[label] = paired(d, m=m, alpha=alpha, power=power)
         out[label].update(wins=sum(x > 0 for x in d), ties=sum(x == 0 for x in d),
                           losses=sum(x < 0 for x in d))
-    tested = [k for k in labels if "p" in out[k]]
+    tested = [k for k in out if "p" in out[k]]
     for k, p in zip(tested, holm([out[k]["p"] for k in tested])):
         out[k]["p_holm"] = p
     return out

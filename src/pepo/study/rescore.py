@@ -95,8 +95,8 @@ def stated_results(rows: list[dict]) -> list[dict]:
 def stated_section(task: str, rows: list[dict], labels: list[str], dest: Path) -> Optional[str]:
     """Each method against GRPO with every validation response scored by the result it
     states (:func:`stated_success`), over the runs that kept their responses; None when
-    no method has 2 seeds paired with GRPO. The methods that kept responses are corrected as one
-    family, as in the main table."""
+    no method has 2 seeds paired with GRPO. The methods with at least 2 seeds paired with GRPO
+    are corrected as one family, as in the main table."""
     from pepo.study import power  # scipy: only the study's report needs it
 
     scored = stated_results(rows)
