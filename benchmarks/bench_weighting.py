@@ -291,11 +291,13 @@ def bench_weighting(device: str, repeats: int, shapes: list[tuple[int, int]], me
 # ------------------------------------------------------------------------------ GPU: syncs, floor
 
 
-def time_calls(fn: Callable[[], object], calls: int = 50, rounds: int = 5) -> float:
+def time_calls(fn: Callable[[], object], calls: int = 50, rounds: int = 5,
+               host: bool = False) -> float:
     """Median over ``rounds`` of the mean seconds per call of ``calls`` back-to-back calls,
-    timed with CUDA events: what a training loop sees, launches and host waits included."""
+    timed with CUDA events: what a training loop sees, launches and host waits included
+    (``host``, or no GPU: with the host's clock)."""
     fn()
-    if not torch.cuda.is_available():  # the table's CPU rehearsal: host clock
+    if host or not torch.cuda.is_available():  # the table's CPU rehearsal: host clock
         times = []
         for _ in range(rounds):
             s = time.perf_counter()

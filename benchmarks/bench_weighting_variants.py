@@ -215,19 +215,6 @@ def host_costs(calls: int, rounds: int) -> list[dict]:
     per call: the mean of ``calls`` calls, the median of ``rounds`` (host clock, also where a
     GPU is present). A CUDA call also passes through the kernel's fallback guard, which a CPU
     call skips: its cost around the kernels is a little more."""
-    import statistics
-    import time
-
-    def host_time(fn, calls, rounds):  # the host's clock, never CUDA events
-        fn()
-        times = []
-        for _ in range(rounds):
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times.append((time.perf_counter() - start) / calls)
-        return statistics.median(times)
-
     adv, ent, mask, kw = flagged_batch(8, 16, "cpu")
     ready = torch.zeros(8, 16)
     from machine import cpu_name
@@ -241,7 +228,7 @@ def host_costs(calls: int, rounds: int) -> list[dict]:
         s = pw.get_strategy(name, **params)
         s._body = lambda *a, **k: ready  # the instance's body: the wrapper's cost alone
         bare = {"groups": kw["groups"]} if s.needs_groups else {}
-        times = [host_time(f, calls, rounds) * 1e6 for f in (
+        times = [time_calls(f, calls, rounds, host=True) * 1e6 for f in (
             lambda: s(adv, ent, mask, validate=False, **kw),
             lambda: s(adv, ent, mask, validate=False, **bare))]
         rows.append({"host_strategy": name, "wrapper_us": times[0], "wrapper_bare_us": times[1]})
@@ -256,7 +243,7 @@ def host_costs(calls: int, rounds: int) -> list[dict]:
                  lambda: torch.where(mask, adv[:, None], 0.0)}
     print("\nuniform, whole calls:\n")
     for label, f in whole.items():
-        t = host_time(f, calls, rounds) * 1e6
+        t = time_calls(f, calls, rounds, host=True) * 1e6
         rows.append({"host_uniform": label, "us": t})
         print(f"- {label}: {t:.2f} µs", flush=True)
     return rows
