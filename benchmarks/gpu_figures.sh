@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU figures of docs/performance.md's "On a GPU" sections, in one command, from the
-# repository's root on a machine with one CUDA GPU (pepo installed, or src/ on PYTHONPATH):
+# docs/performance.md's GPU strategy table and profiles (and, with --with-paper-shape, the
+# paper's shape) in one command, from the repository's root on a machine with one CUDA GPU
+# (pepo installed, or src/ on PYTHONPATH):
 #
 #     bash benchmarks/gpu_figures.sh [OUT]                       # on one CUDA GPU
 #     bash benchmarks/gpu_figures.sh OUT --with-paper-shape      # and the paper's shape
