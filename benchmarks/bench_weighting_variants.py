@@ -41,6 +41,7 @@ import os
 
 import torch
 from bench_weighting import ragged_batch, time_calls
+from machine import cpu_name
 
 import pepo.weighting as pw
 
@@ -217,8 +218,6 @@ def host_costs(calls: int, rounds: int) -> list[dict]:
     call skips: its cost around the kernels is a little more."""
     adv, ent, mask, kw = flagged_batch(8, 16, "cpu")
     ready = torch.zeros(8, 16)
-    from machine import cpu_name
-
     print(f"\n## Host cost around an unvalidated call, [8, 16] on the CPU (µs; mean of {calls} "
           f"calls, median of {rounds})\n\n{cpu_name()}, torch {torch.__version__}\n")
     print("| strategy | around the body: positive and groups passed | neither passed |")
