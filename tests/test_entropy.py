@@ -3,7 +3,17 @@
 import pytest
 import torch
 
+import pepo.entropy
 from pepo.entropy import logprobs_and_entropy, logprobs_and_entropy_from_hidden
+
+
+@pytest.fixture(params=[4096, 7], ids=["one-vocab-block", "vocab-blocks-of-7"])
+def vocab_block(request, monkeypatch):
+    """The hidden-state path's CPU vocabulary block: the shipped size (one block for these
+    vocabularies) and 7 columns (several blocks, the last one short), so that every hidden-state
+    test also runs the running maximum across blocks and the per-block target and gradient."""
+    monkeypatch.setattr(pepo.entropy, "_CPU_VOCAB_BLOCK", request.param)
+    return request.param
 
 
 def ref(logits, targets, temperature=1.0):
@@ -40,7 +50,7 @@ def test_values_and_gradient_match_naive(chunk, temperature):
     torch.testing.assert_close(g.double(), gr, rtol=1e-5, atol=1e-6)
 
 
-def test_gradcheck_float64():
+def test_gradcheck_float64(vocab_block):
     logits, targets = data(b=2, t=3, v=6)
     x = logits.double().requires_grad_(True)
     assert torch.autograd.gradcheck(
@@ -87,7 +97,7 @@ def test_bf16_logits_computed_in_fp32():
 
 
 @pytest.mark.parametrize("chunk", [3, 1024])
-def test_hidden_variant_matches_naive(chunk):
+def test_hidden_variant_matches_naive(chunk, vocab_block):
     g = torch.Generator().manual_seed(4)
     h = torch.randn(2, 5, 8, generator=g)
     w = torch.randn(40, 8, generator=g)
@@ -104,12 +114,96 @@ def test_hidden_variant_matches_naive(chunk):
     torch.testing.assert_close(ww.grad.double(), wr.grad, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("block", [1, 5, 7])
+def test_hidden_variant_across_vocabulary_blocks(block, monkeypatch):
+    """Blocks of 1, 5 and 7 columns over V = 20 against the float64 reference, with every row's
+    largest logit placed in a different block (the running maximum must rescale the sums it
+    carries: catches a sum not rescaled when a later block raises the maximum) and targets on
+    both edges of each block (catches a target gathered from the wrong block, or dropped when
+    it is a block's first or last column). One row's logits are all equal (entropy log 20)."""
+    monkeypatch.setattr(pepo.entropy, "_CPU_VOCAB_BLOCK", block)
+    g = torch.Generator().manual_seed(8)
+    v, n = 20, 12
+    h = torch.randn(n, 6, generator=g, dtype=torch.float64)
+    w = torch.randn(v, 6, generator=g, dtype=torch.float64)
+    w[torch.arange(n) % v] += 4 * h / h.norm(dim=1, keepdim=True)  # row i peaks at column i
+    h[5] = 0.0  # all logits equal
+    targets = torch.tensor([0, block - 1, block, min(2 * block - 1, v - 1), v - 1, 3, 19, 10,
+                            block % v, 1, 2, 13])
+    hh, ww = h.float().requires_grad_(True), w.float().requires_grad_(True)
+    lp, ent = logprobs_and_entropy_from_hidden(hh, ww, targets, chunk_size=5, temperature=0.7)
+    hr, wr = h.float().double().requires_grad_(True), w.float().double().requires_grad_(True)
+    r_lp, r_ent = ref(hr @ wr.t(), targets, 0.7)
+    torch.testing.assert_close(lp.double(), r_lp.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent.double(), r_ent.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent[5].double(), torch.tensor(20.0).log().double())
+    gout = torch.randn(n, generator=g)
+    (lp * gout).sum().backward()
+    (r_lp * gout.double()).sum().backward()
+    torch.testing.assert_close(hh.grad.double(), hr.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ww.grad.double(), wr.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_hidden_variant_masked_vocabulary(vocab_block):
+    """Weight rows whose logits overflow to -inf (a vocabulary masked through the head) have
+    probability 0: they add 0 to the entropy and get zero gradient, and the other columns match
+    the reference of the unmasked vocabulary alone (catches 0 · (-inf) = NaN in the entropy's
+    sum)."""
+    g = torch.Generator().manual_seed(9)
+    h = torch.rand(6, 4, generator=g) + 1.0  # positive: -3e38 weights overflow to -inf, not NaN
+    w = torch.randn(20, 4, generator=g)
+    keep = torch.ones(20, dtype=torch.bool)
+    keep[[3, 8, 9, 19]] = False
+    w[~keep] = -3e38
+    targets = torch.tensor([0, 4, 7, 10, 17, 18])
+    assert torch.isneginf(h @ w.t())[:, ~keep].all()
+    ww = w.clone().requires_grad_(True)
+    lp, ent = logprobs_and_entropy_from_hidden(h, ww, targets, temperature=0.9)
+    kept = torch.cumsum(keep, 0) - 1  # the targets' columns in the unmasked vocabulary
+    r_lp, r_ent = ref(h.double() @ w[keep].double().t(), kept[targets], 0.9)
+    torch.testing.assert_close(lp.double(), r_lp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent.double(), r_ent, rtol=1e-5, atol=1e-5)
+    lp.sum().backward()
+    assert torch.isfinite(ww.grad).all() and (ww.grad[~keep] == 0).all()
+
+
+def test_hidden_variant_logits_far_below_the_maximum(vocab_block):
+    """Logits spread over ~300 nats (a trained model's vocabulary lies far below its top logit,
+    more so at a temperature below 1), with targets among the lowest: the log-probs (down to
+    about -250), entropies and gradients match the float64 reference. Catches the CPU's exp
+    floor (terms below -80 taken as 0) applied to the target's logit or to the logsumexp rather
+    than to the softmax terms alone, and terms under the floor left at exp(-80) in the
+    gradient."""
+    g = torch.Generator().manual_seed(10)
+    h = torch.randn(9, 8, generator=g, dtype=torch.float64)
+    w = torch.randn(30, 8, generator=g, dtype=torch.float64) * 12
+    h, w = h.float(), w.float()
+    z = h @ w.t()
+    targets = z.argmin(dim=1)
+    targets[:3] = z[:3].argmax(dim=1)
+    assert (z.amax(1) - z.amin(1)).min() > 100 * 0.6
+    hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    lp, ent = logprobs_and_entropy_from_hidden(hh, ww, targets, chunk_size=4, temperature=0.6)
+    hr, wr = h.double().requires_grad_(True), w.double().requires_grad_(True)
+    r_lp, r_ent = ref(hr @ wr.t(), targets, 0.6)
+    assert r_lp.min() < -150
+    torch.testing.assert_close(lp.double(), r_lp.detach(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(ent.double(), r_ent.detach(), rtol=1e-5, atol=1e-5)
+    lp.sum().backward()
+    r_lp.sum().backward()
+    # fp32 rounding of gradients up to ~120, which cancel where p_target ≈ 1: relative to the
+    # largest (the code before vocabulary blocks and the exp floor was off by 6e-4 here too)
+    for ours, exact in ((hh.grad, hr.grad), (ww.grad, wr.grad)):
+        torch.testing.assert_close(ours.double(), exact, rtol=1e-5,
+                                   atol=1e-5 * float(exact.abs().max()))
+
+
 def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x.double() - ref).norm() / ref.norm())
 
 
 @pytest.mark.parametrize("chunk", [3, 1024])
-def test_hidden_variant_under_autocast(chunk):
+def test_hidden_variant_under_autocast(chunk, vocab_block):
     """Under ``torch.autocast`` (CPU, bf16: the recipe's ``compute_dtype: bf16``) the logits
     stay fp32: log-probs and entropies within 1e-5 of float64 statistics of the fp32 inputs
     (catches logits left to autocast, rounded to bf16: errors of 1e-2 here, and the entropy's
@@ -247,7 +341,7 @@ def test_nan_and_plus_inf_logits_give_nan_not_a_finite_value(chunk):
 
 
 @pytest.mark.parametrize("chunk", [3, 1024])
-def test_hidden_variant_gives_nan_for_nan_and_overflowing_logits(chunk):
+def test_hidden_variant_gives_nan_for_nan_and_overflowing_logits(chunk, vocab_block):
     """Catches the same guard in the hidden-state path: a NaN hidden state, or one whose logits
     overflow to +inf, must give NaN, and its neighbours the float64 reference."""
     g = torch.Generator().manual_seed(5)

@@ -137,22 +137,107 @@ class _FromLogits(torch.autograd.Function):
         return grad, None, None, None
 
 
+# Vocabulary columns per block of the hidden-state path on a CPU. One block's fp32 logits
+# ([rows, 4096]) and weight rows ([4096, D]) stay in the caches, where whole-vocabulary passes
+# ran at the memory's speed and took a fresh [rows, V] allocation each (0.39 s against 0.69 s
+# for 328 rows of SmolLM2's head, forward and backward: docs/performance.md). Other devices
+# take the whole vocabulary as one block.
+_CPU_VOCAB_BLOCK = 4096
+
+
+# On a CPU the vectorised exp is ~35x slower where its result would be denormal (arguments below
+# about -87), and most of a language model's vocabulary lies that far below the largest logit
+# once divided by a sampling temperature. So on a CPU the softmax's shifted logits are clamped
+# to this floor first: a term below it counts as e^-80 < 2e-35 of the largest term (which is 1)
+# in the sums, and as 0 in the gradient.
+_CPU_EXP_FLOOR = -80.0
+
+
+def _softmax_terms_(x: torch.Tensor) -> torch.Tensor:
+    """``exp(x)`` of a block's shifted logits (``x <= 0``), with ``x`` changed in place so that
+    ``exp(x) * x`` is finite and 0 where the term is (``0 · log 0 = 0``: masked vocabulary
+    entries, underflow). On a CPU, ``x`` is clamped to ``_CPU_EXP_FLOOR``."""
+    if x.device.type == "cpu":
+        return torch.exp(x.clamp_min_(_CPU_EXP_FLOOR))
+    e = torch.exp(x)
+    x.masked_fill_(e == 0, 0.0)
+    return e
+
+
+def _exp_(x: torch.Tensor) -> torch.Tensor:
+    """``exp`` in place (``x <= 0``) for the gradient; on a CPU, 0 below ``_CPU_EXP_FLOOR``
+    (a masked vocabulary entry gets exactly zero gradient)."""
+    if x.device.type != "cpu":
+        return x.exp_()
+    low = x < _CPU_EXP_FLOOR
+    return x.clamp_min_(_CPU_EXP_FLOOR).exp_().masked_fill_(low, 0.0)
+
+
+def _vocab_blocks(device: torch.device, vocab: int) -> list[tuple[int, int]]:
+    size = min(_CPU_VOCAB_BLOCK, vocab) if device.type == "cpu" else vocab
+    return [(a, min(a + size, vocab)) for a in range(0, vocab, size)]
+
+
+def _block_logits(h: torch.Tensor, weight: torch.Tensor, a: int, b: int, temperature: float,
+                  ) -> torch.Tensor:
+    """``(h @ weight[a:b].T) / τ`` in the statistics' dtype, a fresh tensor."""
+    x = h @ weight[a:b].t()
+    x = x.to(_compute_dtype(x.dtype))  # fp32 (fp64 stays), a copy only for half dtypes
+    return x.div_(temperature) if temperature != 1.0 else x
+
+
+def _hidden_stats(
+    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
+    blocks: list[tuple[int, int]],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_chunk_stats` of ``z = h @ weight.T``, the vocabulary taken block by block with a
+    running maximum ``m``: ``s = Σ exp(z/τ - m)``, ``t = Σ exp(z/τ - m)(z/τ - m)``, so that
+    ``logsumexp = m + log s`` and the entropy ``-Σ p log p = log s - t / s``."""
+    n = h.shape[0]
+    dt = _compute_dtype(weight.dtype)
+    m = h.new_full((n,), float("-inf"), dtype=dt)
+    s, t, z_target = (h.new_zeros(n, dtype=dt) for _ in range(3))
+    for a, b in blocks:
+        x = _block_logits(h, weight, a, b, temperature)  # [n, b - a]
+        inside = (targets >= a) & (targets < b)
+        got = x.gather(1, (targets - a).clamp(0, b - a - 1)[:, None]).squeeze(1)
+        z_target = torch.where(inside, got, z_target)
+        new_m = torch.maximum(m, x.amax(dim=1))  # NaN and +inf stay: such a row is broken
+        shift = torch.where(torch.isfinite(new_m), new_m, 0.0)
+        e = _softmax_terms_(x.sub_(shift[:, None]))
+        decay = torch.exp(m - shift)  # 0 while m is -inf
+        t = decay * (t + torch.where(s > 0, s * (m - shift), 0.0)) + torch.linalg.vecdot(e, x)
+        s = decay * s + e.sum(dim=1)
+        m = new_m
+    log_s = torch.log(s)
+    lse = m + log_s
+    # no distribution (all -inf, or a NaN or +inf logit): NaN out, as in _chunk_stats
+    broken = ~torch.isfinite(m)
+    lp = torch.where(broken, float("nan"), (z_target - lse).clamp_min(_LOGPROB_FLOOR))
+    entropy = torch.where(broken, float("nan"), log_s - t / s)
+    return lp, entropy, torch.where(m == float("-inf"), 0.0, lse)
+
+
 class _FromHidden(torch.autograd.Function):
     """Each chunk's logits are made in the parameters' dtype (``weight.dtype``), in the forward
     and again in the backward, always outside autocast, so the backward's softmax is the
-    forward's; the gradient's two products run in ``gmm``, autocast's dtype when it is on."""
+    forward's; the gradient's two products run in ``gmm``, autocast's dtype when it is on. On a
+    CPU the vocabulary is taken in blocks of ``_CPU_VOCAB_BLOCK`` columns (:func:`_hidden_stats`;
+    the backward writes each block's rows of the weight's gradient)."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor,  # type: ignore[override]
                 targets: torch.Tensor, chunk: int, temperature: float, gmm: torch.dtype):
+        blocks = _vocab_blocks(hidden.device, weight.shape[0])
         with _no_autocast(hidden.device.type):
             lp, ent, lse = _chunked(
                 hidden,
                 chunk,
-                lambda s, e: _chunk_stats(hidden[s:e] @ weight.t(), targets[s:e], temperature),
+                lambda s, e: _hidden_stats(hidden[s:e], weight, targets[s:e], temperature,
+                                           blocks),
             )
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.chunk, ctx.temperature, ctx.gmm = chunk, temperature, gmm
+        ctx.chunk, ctx.temperature, ctx.gmm, ctx.blocks = chunk, temperature, gmm, blocks
         ctx.mark_non_differentiable(ent)
         return lp, ent
 
@@ -162,23 +247,34 @@ class _FromHidden(torch.autograd.Function):
         g_lp = g_lp.to(lse.dtype)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         cast = ctx.gmm != weight.dtype  # autocast: the gradient's products in its dtype
+        acc = lse.dtype  # each block's share of a gradient is summed in fp32 (fp64)
+        grad_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
+        grad_w = torch.empty(weight.shape, dtype=acc, device=weight.device) if need_w else None
         with _no_autocast(hidden.device.type):
-            w = weight.to(ctx.gmm) if cast else weight
-            grad_h = torch.empty_like(hidden) if need_h else None
-            grad_w = (torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_w
-                      else None)
             for s in range(0, hidden.shape[0], ctx.chunk):
                 e = min(s + ctx.chunk, hidden.shape[0])
-                h = hidden[s:e]
-                z = h @ weight.t()  # the forward's logits
-                gz = _chunk_grad(z, targets[s:e], lse[s:e], g_lp[s:e], ctx.temperature)  # fp32
-                if need_h:
-                    grad_h[s:e] = (gz.to(w.dtype) @ w).to(hidden.dtype)
-                if need_w and cast:
-                    grad_w += gz.t().to(ctx.gmm) @ h.to(ctx.gmm)
-                elif need_w:
-                    grad_w.addmm_(gz.t(), h.to(lse.dtype))
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
+                h, tg, g = hidden[s:e], targets[s:e], g_lp[s:e]
+                h_w = h.to(ctx.gmm) if cast else h.to(acc)  # the weight gradient's right factor
+                for a, b in ctx.blocks:
+                    # g · ∂ log p_target / ∂ z = g (onehot - softmax(z/τ)) / τ, this block's columns
+                    gz = _block_logits(h, weight, a, b, ctx.temperature)
+                    _exp_(gz.sub_(lse[s:e, None])).mul_(-g[:, None])
+                    inside = (tg >= a) & (tg < b)
+                    gz.scatter_add_(1, (tg - a).clamp(0, b - a - 1)[:, None],
+                                    torch.where(inside, g, 0.0)[:, None])
+                    if ctx.temperature != 1.0:
+                        gz.div_(ctx.temperature)
+                    if need_h:
+                        w = weight[a:b].to(ctx.gmm) if cast else weight[a:b]
+                        grad_h[s:e] += gz.to(w.dtype) @ w
+                    if need_w:
+                        part = gz.t().to(ctx.gmm) @ h_w if cast else gz.t() @ h_w
+                        if s == 0:
+                            grad_w[a:b] = part
+                        else:
+                            grad_w[a:b] += part
+        return ((grad_h.to(hidden.dtype) if need_h else None),
+                (grad_w.to(weight.dtype) if need_w else None), None, None, None, None)
 
 
 def _check_targets(targets: Any, lead: torch.Size, vocab: int) -> torch.Tensor:
