@@ -198,6 +198,17 @@ def test_hidden_variant_logits_far_below_the_maximum(vocab_block):
                                    atol=1e-5 * float(exact.abs().max()))
 
 
+def test_hidden_variant_without_rows(vocab_block):
+    """No token at all: empty outputs and zero gradients (catches the gradients' buffers left
+    unwritten, hence uninitialised, when no chunk runs)."""
+    h = torch.randn(0, 4, requires_grad=True)
+    w = torch.randn(20, 4, requires_grad=True)
+    lp, ent = logprobs_and_entropy_from_hidden(h, w, torch.zeros(0, dtype=torch.long))
+    assert lp.shape == ent.shape == (0,)
+    (lp.sum() + (w * 0).sum()).backward()
+    assert h.grad.shape == (0, 4) and w.grad.eq(0).all()
+
+
 def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x.double() - ref).norm() / ref.norm())
 

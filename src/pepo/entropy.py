@@ -10,7 +10,9 @@ than one ``[chunk_size, V]`` slice of it:
   (``∂ log p_y / ∂ z = (onehot_y - softmax(z)) / τ``) instead of saving it.
 * :func:`logprobs_and_entropy_from_hidden` takes the final hidden states and the output
   projection instead, so the logits themselves are never materialised either; the gradient
-  flows to the hidden states and the weight, again chunk by chunk.
+  flows to the hidden states and the weight, again chunk by chunk. On a CPU each chunk also
+  takes the vocabulary 4,096 columns at a time (one pass with a running maximum), so its
+  temporaries are ``[chunk_size, 4096]`` and stay in the caches.
 
 Log-probs carry gradient; entropies are returned detached (they are importance signals, not
 part of the objective). ``-inf`` logits (masked vocabulary entries) are safe: they have
@@ -139,9 +141,9 @@ class _FromLogits(torch.autograd.Function):
 
 # Vocabulary columns per block of the hidden-state path on a CPU. One block's fp32 logits
 # ([rows, 4096]) and weight rows ([4096, D]) stay in the caches, where whole-vocabulary passes
-# ran at the memory's speed and took a fresh [rows, V] allocation each (0.39 s against 0.69 s
-# for 328 rows of SmolLM2's head, forward and backward: docs/performance.md). Other devices
-# take the whole vocabulary as one block.
+# ran at the memory's speed and took a fresh [rows, V] allocation each (forward and backward of
+# 4,096 rows at V = 151,936: 9.6 s and 234 MiB against 15.8 s and 2.5 GiB; docs/performance.md).
+# Other devices take the whole vocabulary as one block.
 _CPU_VOCAB_BLOCK = 4096
 
 
@@ -248,8 +250,13 @@ class _FromHidden(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         cast = ctx.gmm != weight.dtype  # autocast: the gradient's products in its dtype
         acc = lse.dtype  # each block's share of a gradient is summed in fp32 (fp64)
-        grad_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
-        grad_w = torch.empty(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        # every element is written below (the first block or chunk assigns, the rest add),
+        # unless there is no row at all
+        new = torch.empty if hidden.shape[0] else torch.zeros
+        several = len(ctx.blocks) > 1  # else one product per chunk, in hidden's dtype as is
+        grad_h = (new(hidden.shape, dtype=acc if several else hidden.dtype,
+                      device=hidden.device) if need_h else None)
+        grad_w = new(weight.shape, dtype=acc, device=weight.device) if need_w else None
         with _no_autocast(hidden.device.type):
             for s in range(0, hidden.shape[0], ctx.chunk):
                 e = min(s + ctx.chunk, hidden.shape[0])
@@ -266,7 +273,10 @@ class _FromHidden(torch.autograd.Function):
                         gz.div_(ctx.temperature)
                     if need_h:
                         w = weight[a:b].to(ctx.gmm) if cast else weight[a:b]
-                        grad_h[s:e] += gz.to(w.dtype) @ w
+                        if a == 0:
+                            grad_h[s:e] = gz.to(w.dtype) @ w
+                        else:
+                            grad_h[s:e] += gz.to(w.dtype) @ w
                     if need_w:
                         part = gz.t().to(ctx.gmm) @ h_w if cast else gz.t() @ h_w
                         if s == 0:
@@ -353,7 +363,8 @@ def logprobs_and_entropy_from_hidden(
     Args:
         hidden: final (normed) hidden states.
         weight: the output projection (``lm_head.weight``, or the tied embedding).
-        targets, chunk_size, temperature: as in :func:`logprobs_and_entropy`.
+        targets, chunk_size, temperature: as in :func:`logprobs_and_entropy` (on a CPU the
+            temporaries are ``[chunk_size, 4096]``: the vocabulary is taken in blocks).
 
     Shape:
         hidden: ``[..., D]``; weight: ``[V, D]``; targets: ``[...]``; returns two ``[...]``
