@@ -10,8 +10,9 @@ from pepo.entropy import logprobs_and_entropy, logprobs_and_entropy_from_hidden
 @pytest.fixture(params=[4096, 7], ids=["one-vocab-block", "vocab-blocks-of-7"])
 def vocab_block(request, monkeypatch):
     """The hidden-state path's CPU vocabulary block: the shipped size (one block for these
-    vocabularies) and 7 columns (several blocks, the last one short), so that every hidden-state
-    test also runs the running maximum across blocks and the per-block target and gradient."""
+    vocabularies) and 7 columns (several blocks, the last one short, wherever V > 7), so that
+    the hidden-state tests also run the running maximum across blocks and the per-block target
+    and gradient."""
     monkeypatch.setattr(pepo.entropy, "_CPU_VOCAB_BLOCK", request.param)
     return request.param
 
@@ -142,20 +143,27 @@ def test_hidden_variant_across_vocabulary_blocks(block, monkeypatch):
     (r_lp * gout.double()).sum().backward()
     torch.testing.assert_close(hh.grad.double(), hr.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ww.grad.double(), wr.grad, rtol=1e-5, atol=1e-5)
+    # the blocked backward in float64, at a temperature, over several row chunks
+    assert torch.autograd.gradcheck(
+        lambda a, b: logprobs_and_entropy_from_hidden(a, b, targets[:5], chunk_size=2,
+                                                      temperature=0.7)[0],
+        (h[:5].clone().requires_grad_(True), w.clone().requires_grad_(True)))
 
 
 def test_hidden_variant_masked_vocabulary(vocab_block):
     """Weight rows whose logits overflow to -inf (a vocabulary masked through the head) have
     probability 0: they add 0 to the entropy and get zero gradient, and the other columns match
-    the reference of the unmasked vocabulary alone (catches 0 · (-inf) = NaN in the entropy's
-    sum)."""
+    the reference of the unmasked vocabulary alone. Columns 0-6 are all masked, a whole first
+    block at blocks of 7: catches a sum carried out of such a block as 0 · (-inf) = NaN (on a
+    CPU its clamped terms make the sum positive while the maximum is still -inf), and -inf
+    terms unclamped and unmasked in the entropy's sum."""
     g = torch.Generator().manual_seed(9)
     h = torch.rand(6, 4, generator=g) + 1.0  # positive: -3e38 weights overflow to -inf, not NaN
     w = torch.randn(20, 4, generator=g)
     keep = torch.ones(20, dtype=torch.bool)
-    keep[[3, 8, 9, 19]] = False
+    keep[[0, 1, 2, 3, 4, 5, 6, 8, 9, 19]] = False
     w[~keep] = -3e38
-    targets = torch.tensor([0, 4, 7, 10, 17, 18])
+    targets = torch.tensor([7, 10, 12, 14, 17, 18])
     assert torch.isneginf(h @ w.t())[:, ~keep].all()
     ww = w.clone().requires_grad_(True)
     lp, ent = logprobs_and_entropy_from_hidden(h, ww, targets, temperature=0.9)
@@ -171,9 +179,8 @@ def test_hidden_variant_logits_far_below_the_maximum(vocab_block):
     """Logits spread over ~300 nats (a trained model's vocabulary lies far below its top logit,
     more so at a temperature below 1), with targets among the lowest: the log-probs (down to
     about -250), entropies and gradients match the float64 reference. Catches the CPU's exp
-    floor (terms below -80 taken as 0) applied to the target's logit or to the logsumexp rather
-    than to the softmax terms alone, and terms under the floor left at exp(-80) in the
-    gradient."""
+    floor (terms below -80 taken as e^-80) applied to the target's logit or to the logsumexp
+    rather than to the softmax terms alone (log-probs of -80 instead of -250)."""
     g = torch.Generator().manual_seed(10)
     h = torch.randn(9, 8, generator=g, dtype=torch.float64)
     w = torch.randn(30, 8, generator=g, dtype=torch.float64) * 12

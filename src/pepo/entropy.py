@@ -12,13 +12,13 @@ than one ``[chunk_size, V]`` slice of it:
   projection instead, so the logits themselves are never materialised either; the gradient
   flows to the hidden states and the weight, again chunk by chunk. On a CPU each chunk also
   takes the vocabulary 4,096 columns at a time (one pass with a running maximum), so its
-  temporaries are ``[chunk_size, 4096]`` and stay in the caches.
+  temporaries are ``[chunk_size, 4096]``, reused block after block.
 
 Log-probs carry gradient; entropies are returned detached (they are importance signals, not
 part of the objective). ``-inf`` logits (masked vocabulary entries) are safe: they have
 probability 0, contribute 0 to the entropy and get gradient 0. A target whose logit is ``-inf``
-gets the lowest finite fp32 log-prob instead of ``-inf``; a row of all ``-inf`` gets that
-log-prob and entropy 0. A row with a NaN or ``+inf`` logit (including logits that overflow after
+gets the lowest finite fp32 log-prob instead of ``-inf``. A row of all ``-inf`` has no
+distribution, nor has a row with a NaN or ``+inf`` logit (including logits that overflow after
 dividing by the temperature) has no distribution: its log-prob and entropy are NaN, never a
 finite stand-in, so a non-finite check downstream sees it.
 """
@@ -140,8 +140,8 @@ class _FromLogits(torch.autograd.Function):
 
 
 # Vocabulary columns per block of the hidden-state path on a CPU. One block's fp32 logits
-# ([rows, 4096]) and weight rows ([4096, D]) stay in the caches, where whole-vocabulary passes
-# ran at the memory's speed and took a fresh [rows, V] allocation each (forward and backward of
+# ([rows, 4096]) are reused from block to block, where whole-vocabulary passes ran at the
+# memory's speed and took a fresh [rows, V] allocation each (forward and backward of
 # 4,096 rows at V = 151,936: 9.6 s and 234 MiB against 15.8 s and 2.5 GiB; docs/performance.md).
 # Other devices take the whole vocabulary as one block.
 _CPU_VOCAB_BLOCK = 4096
@@ -176,7 +176,7 @@ def _exp_(x: torch.Tensor) -> torch.Tensor:
 
 
 def _vocab_blocks(device: torch.device, vocab: int) -> list[tuple[int, int]]:
-    size = min(_CPU_VOCAB_BLOCK, vocab) if device.type == "cpu" else vocab
+    size = max(1, min(_CPU_VOCAB_BLOCK, vocab) if device.type == "cpu" else vocab)
     return [(a, min(a + size, vocab)) for a in range(0, vocab, size)]
 
 
@@ -208,7 +208,9 @@ def _hidden_stats(
         shift = torch.where(torch.isfinite(new_m), new_m, 0.0)
         e = _softmax_terms_(x.sub_(shift[:, None]))
         decay = torch.exp(m - shift)  # 0 while m is -inf
-        t = decay * (t + torch.where(s > 0, s * (m - shift), 0.0)) + torch.linalg.vecdot(e, x)
+        # m = -inf: nothing before (or only clamped -inf terms, on a CPU), decay 0
+        carried = torch.where(m > float("-inf"), s * (m - shift), 0.0)
+        t = decay * (t + carried) + torch.linalg.vecdot(e, x)
         s = decay * s + e.sum(dim=1)
         m = new_m
     log_s = torch.log(s)
@@ -258,12 +260,14 @@ class _FromHidden(torch.autograd.Function):
                       device=hidden.device) if need_h else None)
         grad_w = new(weight.shape, dtype=acc, device=weight.device) if need_w else None
         with _no_autocast(hidden.device.type):
+            # one block (a GPU): the weight cast once, as a Linear head's backward would
+            w_all = weight.to(ctx.gmm) if cast and need_h and not several else None
             for s in range(0, hidden.shape[0], ctx.chunk):
                 e = min(s + ctx.chunk, hidden.shape[0])
                 h, tg, g = hidden[s:e], targets[s:e], g_lp[s:e]
-                h_w = h.to(ctx.gmm) if cast else h.to(acc)  # the weight gradient's right factor
+                h_w = (h.to(ctx.gmm) if cast else h.to(acc)) if need_w else None
                 for a, b in ctx.blocks:
-                    # g · ∂ log p_target / ∂ z = g (onehot - softmax(z/τ)) / τ, this block's columns
+                    # g · ∂ log p_target / ∂ z = g (onehot - softmax(z/τ)) / τ, on a..b
                     gz = _block_logits(h, weight, a, b, ctx.temperature)
                     _exp_(gz.sub_(lse[s:e, None])).mul_(-g[:, None])
                     inside = (tg >= a) & (tg < b)
@@ -272,17 +276,22 @@ class _FromHidden(torch.autograd.Function):
                     if ctx.temperature != 1.0:
                         gz.div_(ctx.temperature)
                     if need_h:
-                        w = weight[a:b].to(ctx.gmm) if cast else weight[a:b]
+                        w = (w_all if w_all is not None
+                             else weight[a:b].to(ctx.gmm) if cast else weight[a:b])
                         if a == 0:
                             grad_h[s:e] = gz.to(w.dtype) @ w
                         else:
                             grad_h[s:e] += gz.to(w.dtype) @ w
-                    if need_w:
-                        part = gz.t().to(ctx.gmm) @ h_w if cast else gz.t() @ h_w
+                    if need_w and cast:  # a [b - a, D] product in gmm, added in fp32
                         if s == 0:
-                            grad_w[a:b] = part
+                            grad_w[a:b] = gz.t().to(ctx.gmm) @ h_w
                         else:
-                            grad_w[a:b] += part
+                            grad_w[a:b] += gz.t().to(ctx.gmm) @ h_w
+                    elif need_w:  # in place: no [b - a, D] temporary (all of V on a GPU)
+                        if s == 0:
+                            torch.mm(gz.t(), h_w, out=grad_w[a:b])
+                        else:
+                            grad_w[a:b].addmm_(gz.t(), h_w)
         return ((grad_h.to(hidden.dtype) if need_h else None),
                 (grad_w.to(weight.dtype) if need_w else None), None, None, None, None)
 
