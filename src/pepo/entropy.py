@@ -188,6 +188,23 @@ def _block_logits(h: torch.Tensor, weight: torch.Tensor, a: int, b: int, tempera
     return x.div_(temperature) if temperature != 1.0 else x
 
 
+def _in_block(targets: torch.Tensor, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which ``targets`` fall in columns ``a..b``, and their columns there ``[n, 1]`` (clamped
+    into the block for the others, whose entries the caller discards)."""
+    return (targets >= a) & (targets < b), (targets - a).clamp(0, b - a - 1)[:, None]
+
+
+def _block_grad(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+                g: torch.Tensor, a: int, b: int, temperature: float) -> torch.Tensor:
+    """:func:`_chunk_grad` on columns ``a..b`` of the recomputed ``z = h @ weight.T``:
+    ``g (onehot - softmax(z/τ)) / τ``, with the CPU's exp floor (:func:`_exp_`)."""
+    gz = _block_logits(h, weight, a, b, temperature)
+    _exp_(gz.sub_(lse[:, None])).mul_(-g[:, None])
+    inside, col = _in_block(targets, a, b)
+    gz.scatter_add_(1, col, torch.where(inside, g, 0.0)[:, None])
+    return gz.div_(temperature) if temperature != 1.0 else gz
+
+
 def _hidden_stats(
     h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
     blocks: list[tuple[int, int]],
@@ -201,9 +218,8 @@ def _hidden_stats(
     s, t, z_target = (h.new_zeros(n, dtype=dt) for _ in range(3))
     for a, b in blocks:
         x = _block_logits(h, weight, a, b, temperature)  # [n, b - a]
-        inside = (targets >= a) & (targets < b)
-        got = x.gather(1, (targets - a).clamp(0, b - a - 1)[:, None]).squeeze(1)
-        z_target = torch.where(inside, got, z_target)
+        inside, col = _in_block(targets, a, b)
+        z_target = torch.where(inside, x.gather(1, col).squeeze(1), z_target)
         new_m = torch.maximum(m, x.amax(dim=1))  # NaN and +inf stay: such a row is broken
         shift = torch.where(torch.isfinite(new_m), new_m, 0.0)
         e = _softmax_terms_(x.sub_(shift[:, None]))
@@ -267,14 +283,7 @@ class _FromHidden(torch.autograd.Function):
                 h, tg, g = hidden[s:e], targets[s:e], g_lp[s:e]
                 h_w = (h.to(ctx.gmm) if cast else h.to(acc)) if need_w else None
                 for a, b in ctx.blocks:
-                    # g · ∂ log p_target / ∂ z = g (onehot - softmax(z/τ)) / τ, on a..b
-                    gz = _block_logits(h, weight, a, b, ctx.temperature)
-                    _exp_(gz.sub_(lse[s:e, None])).mul_(-g[:, None])
-                    inside = (tg >= a) & (tg < b)
-                    gz.scatter_add_(1, (tg - a).clamp(0, b - a - 1)[:, None],
-                                    torch.where(inside, g, 0.0)[:, None])
-                    if ctx.temperature != 1.0:
-                        gz.div_(ctx.temperature)
+                    gz = _block_grad(h, weight, tg, lse[s:e], g, a, b, ctx.temperature)
                     if need_h:
                         w = (w_all if w_all is not None
                              else weight[a:b].to(ctx.gmm) if cast else weight[a:b])
