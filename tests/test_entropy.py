@@ -9,10 +9,10 @@ from pepo.entropy import logprobs_and_entropy, logprobs_and_entropy_from_hidden
 
 @pytest.fixture(params=[4096, 7], ids=["one-vocab-block", "vocab-blocks-of-7"])
 def vocab_block(request, monkeypatch):
-    """The hidden-state path's CPU vocabulary block: the shipped size (one block for these
+    """The CPU vocabulary block of both paths: the shipped size (one block for these
     vocabularies) and 7 columns (several blocks, the last one short, wherever V > 7), so that
-    the hidden-state tests also run the running maximum across blocks and the per-block target
-    and gradient."""
+    the tests also run the running maximum across blocks and the per-block target and
+    gradient."""
     monkeypatch.setattr(pepo.entropy, "_CPU_VOCAB_BLOCK", request.param)
     return request.param
 
@@ -35,7 +35,7 @@ def data(b=3, t=7, v=50, seed=0, dtype=torch.float32):
 
 @pytest.mark.parametrize("chunk", [1, 4, 5, 1024])
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_values_and_gradient_match_naive(chunk, temperature):
+def test_values_and_gradient_match_naive(chunk, temperature, vocab_block):
     logits, targets = data()
     x = logits.clone().requires_grad_(True)
     lp, ent = logprobs_and_entropy(x, targets, chunk_size=chunk, temperature=temperature)
@@ -64,7 +64,7 @@ def test_gradcheck_float64(vocab_block):
     )
 
 
-def test_minus_inf_logits_are_safe():
+def test_minus_inf_logits_are_safe(vocab_block):
     logits, targets = data(v=20)
     logits[..., 10:] = float("-inf")  # a masked vocabulary half
     targets = targets % 10
@@ -86,7 +86,7 @@ def test_minus_inf_logits_are_safe():
     torch.testing.assert_close(ent[1:].double(), r_ent, rtol=1e-5, atol=1e-5)
 
 
-def test_bf16_logits_computed_in_fp32():
+def test_bf16_logits_computed_in_fp32(vocab_block):
     logits, targets = data(dtype=torch.bfloat16)
     x = logits.clone().requires_grad_(True)
     lp, ent = logprobs_and_entropy(x, targets, chunk_size=8)
@@ -115,14 +115,10 @@ def test_hidden_variant_matches_naive(chunk, vocab_block):
     torch.testing.assert_close(ww.grad.double(), wr.grad, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("block", [1, 5, 7])
-def test_hidden_variant_across_vocabulary_blocks(block, monkeypatch):
-    """Blocks of 1, 5 and 7 columns over V = 20 against the float64 reference, with every row's
-    largest logit placed in a different block (the running maximum must rescale the sums it
-    carries: catches a sum not rescaled when a later block raises the maximum) and targets on
-    both edges of each block (catches a target gathered from the wrong block, or dropped when
-    it is a block's first or last column). One row's logits are all equal (entropy log 20)."""
-    monkeypatch.setattr(pepo.entropy, "_CPU_VOCAB_BLOCK", block)
+def _blocks_case(block):
+    """12 rows over V = 20 as ``h @ w.T`` (float64) whose row i peaks at column i, so that the
+    largest logits lie in different blocks of ``block`` columns; row 5's logits are all equal;
+    targets on both edges of the blocks."""
     g = torch.Generator().manual_seed(8)
     v, n = 20, 12
     h = torch.randn(n, 6, generator=g, dtype=torch.float64)
@@ -131,6 +127,19 @@ def test_hidden_variant_across_vocabulary_blocks(block, monkeypatch):
     h[5] = 0.0  # all logits equal
     targets = torch.tensor([0, block - 1, block, min(2 * block - 1, v - 1), v - 1, 3, 19, 10,
                             block % v, 1, 2, 13])
+    return h, w, targets, g
+
+
+@pytest.mark.parametrize("block", [1, 5, 7])
+def test_hidden_variant_across_vocabulary_blocks(block, monkeypatch):
+    """Blocks of 1, 5 and 7 columns over V = 20 against the float64 reference, with every row's
+    largest logit placed in a different block (the running maximum must rescale the sums it
+    carries: catches a sum not rescaled when a later block raises the maximum) and targets on
+    both edges of each block (catches a target gathered from the wrong block, or dropped when
+    it is a block's first or last column). One row's logits are all equal (entropy log 20)."""
+    monkeypatch.setattr(pepo.entropy, "_CPU_VOCAB_BLOCK", block)
+    h, w, targets, g = _blocks_case(block)
+    n = h.shape[0]
     hh, ww = h.float().requires_grad_(True), w.float().requires_grad_(True)
     lp, ent = logprobs_and_entropy_from_hidden(hh, ww, targets, chunk_size=5, temperature=0.7)
     hr, wr = h.float().double().requires_grad_(True), w.float().double().requires_grad_(True)
@@ -148,6 +157,55 @@ def test_hidden_variant_across_vocabulary_blocks(block, monkeypatch):
         lambda a, b: logprobs_and_entropy_from_hidden(a, b, targets[:5], chunk_size=2,
                                                       temperature=0.7)[0],
         (h[:5].clone().requires_grad_(True), w.clone().requires_grad_(True)))
+
+
+@pytest.mark.parametrize("block", [1, 5, 7])
+def test_logits_variant_across_vocabulary_blocks(block, monkeypatch):
+    """:func:`logprobs_and_entropy` on the same logits, in blocks of 1, 5 and 7 columns, against
+    the float64 reference: values and the logits' gradient, and a float64 gradcheck at a
+    temperature over several row chunks (catches a block's gradient written to the wrong
+    columns, the target's one-hot term added in the wrong block, and sums not rescaled)."""
+    monkeypatch.setattr(pepo.entropy, "_CPU_VOCAB_BLOCK", block)
+    h, w, targets, g = _blocks_case(block)
+    z = (h.float() @ w.float().t()).double()
+    x = z.float().requires_grad_(True)
+    lp, ent = logprobs_and_entropy(x, targets, chunk_size=5, temperature=0.7)
+    zr = z.clone().requires_grad_(True)
+    r_lp, r_ent = ref(zr, targets, 0.7)
+    torch.testing.assert_close(lp.double(), r_lp.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent.double(), r_ent.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent[5].double(), torch.tensor(20.0).log().double())
+    gout = torch.randn(h.shape[0], generator=g)
+    (lp * gout).sum().backward()
+    (r_lp * gout.double()).sum().backward()
+    torch.testing.assert_close(x.grad.double(), zr.grad, rtol=1e-5, atol=1e-6)
+    assert torch.autograd.gradcheck(
+        lambda a: logprobs_and_entropy(a, targets[:5], chunk_size=2, temperature=0.7)[0],
+        (z[:5].clone().requires_grad_(True),))
+
+
+def test_logits_variant_far_below_the_maximum(vocab_block):
+    """Logits spread over ~300 nats with targets among the lowest: log-probs down to about
+    -250, entropies and the gradient match the float64 reference (catches the CPU's exp floor
+    applied to the target's logit or to the logsumexp)."""
+    g = torch.Generator().manual_seed(10)
+    z = (torch.randn(9, 8, generator=g, dtype=torch.float64)
+         @ (torch.randn(30, 8, generator=g, dtype=torch.float64) * 12).t()).float()
+    targets = z.argmin(dim=1)
+    targets[:3] = z[:3].argmax(dim=1)
+    x = z.clone().requires_grad_(True)
+    lp, ent = logprobs_and_entropy(x, targets, chunk_size=4, temperature=0.6)
+    zr = z.double().requires_grad_(True)
+    r_lp, r_ent = ref(zr, targets, 0.6)
+    assert r_lp.min() < -150
+    torch.testing.assert_close(lp.double(), r_lp.detach(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(ent.double(), r_ent.detach(), rtol=1e-5, atol=1e-5)
+    lp.sum().backward()
+    r_lp.sum().backward()
+    # fp32 rounding of z/τ near the logsumexp (~330 here), where p_target ≈ 1 cancels the
+    # one-hot: relative to the largest gradient (1/τ), as in the hidden-state test above
+    torch.testing.assert_close(x.grad.double(), zr.grad, rtol=1e-5,
+                               atol=1e-5 * float(zr.grad.abs().max()))
 
 
 def test_hidden_variant_masked_vocabulary(vocab_block):
@@ -255,7 +313,7 @@ def test_hidden_variant_under_autocast(chunk, vocab_block):
     assert _rel(h32.grad, hr.grad) < 1e-5 < _rel(hh.grad, hr.grad)
 
 
-def test_logits_variant_under_autocast_keeps_fp32_statistics():
+def test_logits_variant_under_autocast_keeps_fp32_statistics(vocab_block):
     """``logprobs_and_entropy`` of bf16 logits inside CPU autocast: the entropy sum stays fp32
     (catches ``vecdot`` run by autocast in bf16), against float64 of the same logits."""
     g = torch.Generator().manual_seed(6)
@@ -333,7 +391,7 @@ def _poisoned(chunk):
 
 
 @pytest.mark.parametrize("chunk", [4, 5, 8])
-def test_nan_and_plus_inf_logits_give_nan_not_a_finite_value(chunk):
+def test_nan_and_plus_inf_logits_give_nan_not_a_finite_value(chunk, vocab_block):
     """Catches the all--inf guard (``lse = 0`` where it is not finite) also catching NaN and
     +inf rows: their log-prob came out as the raw logit (0 for p = 1), a finite wrong value that
     silently enters the loss. Every other row, on either side of a chunk boundary, must still

@@ -10,9 +10,13 @@ than one ``[chunk_size, V]`` slice of it:
   (``∂ log p_y / ∂ z = (onehot_y - softmax(z)) / τ``) instead of saving it.
 * :func:`logprobs_and_entropy_from_hidden` takes the final hidden states and the output
   projection instead, so the logits themselves are never materialised either; the gradient
-  flows to the hidden states and the weight, again chunk by chunk. On a CPU each chunk also
-  takes the vocabulary 4,096 columns at a time (one pass with a running maximum), so its
-  temporaries are ``[chunk_size, 4096]``, reused block after block.
+  flows to the hidden states and the weight, again chunk by chunk.
+
+Both make their statistics in one pass with a running maximum (``logsumexp = m + log s``,
+``H = log s - t / s``). On a CPU each chunk also takes the vocabulary 4,096 columns at a time,
+so its temporaries are ``[chunk_size, 4096]``, reused block after block, and the softmax's
+exponents are clamped at -80 (the CPU's ``exp`` is slow where its result would be denormal);
+elsewhere the vocabulary is one block.
 
 Log-probs carry gradient; entropies are returned detached (they are importance signals, not
 part of the objective). ``-inf`` logits (masked vocabulary entries) are safe: they have
@@ -64,43 +68,6 @@ def _no_autocast(device_type: str) -> Any:
     return contextlib.nullcontext()
 
 
-def _chunk_stats(
-    z: torch.Tensor, targets: torch.Tensor, temperature: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row ``(log p_target, entropy, logsumexp)`` of ``z / τ`` in fp32. ``z``: ``[n, V]``."""
-    x = z.to(_compute_dtype(z.dtype))
-    if temperature != 1.0:
-        x = x / temperature
-    lse = torch.logsumexp(x, dim=-1)  # [n]
-    # A row with no distribution (all -inf, or any NaN or +inf logit: lse -inf, NaN or +inf)
-    # gives NaN outputs, never the finite numbers `x - lse` would give, so that a caller's
-    # finite check catches it; lse = 0 there keeps its gradient finite (zero).
-    broken = ~torch.isfinite(lse)  # [n]
-    lse = torch.where(lse == float("-inf"), 0.0, lse)
-    logp = x - lse[:, None]  # [n, V]
-    lp = logp.gather(1, targets[:, None]).squeeze(1).clamp_min(_LOGPROB_FLOOR)
-    p = torch.exp(logp)  # [n, V]
-    logp.masked_fill_(p == 0, 0.0)  # 0 · log 0 = 0 (masked vocabulary entries, underflow)
-    entropy = -torch.linalg.vecdot(p, logp)  # no third [n, V] temporary
-    lp = torch.where(broken, float("nan"), lp)
-    entropy = torch.where(broken, float("nan"), entropy)
-    return lp, entropy, lse
-
-
-def _chunk_grad(
-    z: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, temperature: float
-) -> torch.Tensor:
-    """``g · ∂ log p_target / ∂ z = g (onehot - softmax(z/τ)) / τ`` in fp32. ``[n, V]``."""
-    x = z.to(_compute_dtype(z.dtype))
-    if temperature != 1.0:
-        x = x / temperature
-    grad = torch.exp(x - lse[:, None]).mul_(-g[:, None])
-    grad.scatter_add_(1, targets[:, None], g[:, None])
-    if temperature != 1.0:
-        grad.div_(temperature)
-    return grad
-
-
 def _chunked(
     rows: torch.Tensor,
     chunk: int,
@@ -116,15 +83,21 @@ def _chunked(
 
 
 class _FromLogits(torch.autograd.Function):
+    """Each chunk's statistics in fp32 (:func:`_blocked_stats`), the vocabulary in blocks of
+    ``_CPU_VOCAB_BLOCK`` columns on a CPU and as one block elsewhere; the backward recomputes
+    each block's softmax (:func:`_softmax_grad_`) instead of saving it."""
+
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, chunk: int,  # type: ignore[override]
                 temperature: float):
+        blocks = _vocab_blocks(logits.device, logits.shape[-1])
+        dt = _compute_dtype(logits.dtype)
         with _no_autocast(logits.device.type):
-            lp, ent, lse = _chunked(
-                logits, chunk, lambda s, e: _chunk_stats(logits[s:e], targets[s:e], temperature)
-            )
+            lp, ent, lse = _chunked(logits, chunk, lambda s, e: _blocked_stats(
+                lambda a, b: _logits_block(logits[s:e], a, b, temperature), targets[s:e],
+                blocks, dt))
         ctx.save_for_backward(logits, targets, lse)
-        ctx.chunk, ctx.temperature = chunk, temperature
+        ctx.chunk, ctx.temperature, ctx.blocks = chunk, temperature, blocks
         ctx.mark_non_differentiable(ent)
         return lp, ent
 
@@ -133,17 +106,21 @@ class _FromLogits(torch.autograd.Function):
         logits, targets, lse = ctx.saved_tensors
         grad = torch.empty_like(logits)
         g_lp = g_lp.to(lse.dtype)
-        for s in range(0, logits.shape[0], ctx.chunk):
-            e = min(s + ctx.chunk, logits.shape[0])
-            grad[s:e] = _chunk_grad(logits[s:e], targets[s:e], lse[s:e], g_lp[s:e], ctx.temperature)
+        with _no_autocast(logits.device.type):
+            for s in range(0, logits.shape[0], ctx.chunk):
+                e = min(s + ctx.chunk, logits.shape[0])
+                for a, b in ctx.blocks:
+                    grad[s:e, a:b] = _softmax_grad_(
+                        _logits_block(logits[s:e], a, b, ctx.temperature), targets[s:e],
+                        lse[s:e], g_lp[s:e], a, b, ctx.temperature)
         return grad, None, None, None
 
 
-# Vocabulary columns per block of the hidden-state path on a CPU. One block's fp32 logits
-# ([rows, 4096]) are reused from block to block, where whole-vocabulary passes ran at the
-# memory's speed and took a fresh [rows, V] allocation each (forward and backward of
-# 4,096 rows at V = 151,936: 9.6 s and 234 MiB against 15.8 s and 2.5 GiB; docs/performance.md).
-# Other devices take the whole vocabulary as one block.
+# Vocabulary columns per block on a CPU. One block's fp32 logits ([rows, 4096]) are reused from
+# block to block, where whole-vocabulary passes ran at the memory's speed and took a fresh
+# [rows, V] allocation each (forward and backward from the hidden states of 4,096 rows at
+# V = 151,936: 9.6 s and 234 MiB against 15.8 s and 2.5 GiB; docs/performance.md). Other
+# devices take the whole vocabulary as one block.
 _CPU_VOCAB_BLOCK = 4096
 
 
@@ -180,11 +157,18 @@ def _vocab_blocks(device: torch.device, vocab: int) -> list[tuple[int, int]]:
     return [(a, min(a + size, vocab)) for a in range(0, vocab, size)]
 
 
-def _block_logits(h: torch.Tensor, weight: torch.Tensor, a: int, b: int, temperature: float,
+def _hidden_block(h: torch.Tensor, weight: torch.Tensor, a: int, b: int, temperature: float,
                   ) -> torch.Tensor:
     """``(h @ weight[a:b].T) / τ`` in the statistics' dtype, a fresh tensor."""
     x = h @ weight[a:b].t()
     x = x.to(_compute_dtype(x.dtype))  # fp32 (fp64 stays), a copy only for half dtypes
+    return x.div_(temperature) if temperature != 1.0 else x
+
+
+def _logits_block(z: torch.Tensor, a: int, b: int, temperature: float) -> torch.Tensor:
+    """``z[:, a:b] / τ`` in the statistics' dtype, a fresh tensor (the callers change it in
+    place)."""
+    x = z[:, a:b].to(_compute_dtype(z.dtype), copy=True)
     return x.div_(temperature) if temperature != 1.0 else x
 
 
@@ -194,30 +178,35 @@ def _in_block(targets: torch.Tensor, a: int, b: int) -> tuple[torch.Tensor, torc
     return (targets >= a) & (targets < b), (targets - a).clamp(0, b - a - 1)[:, None]
 
 
-def _block_grad(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
-                g: torch.Tensor, a: int, b: int, temperature: float) -> torch.Tensor:
-    """:func:`_chunk_grad` on columns ``a..b`` of the recomputed ``z = h @ weight.T``:
-    ``g (onehot - softmax(z/τ)) / τ``, with the CPU's exp floor (:func:`_exp_`)."""
-    gz = _block_logits(h, weight, a, b, temperature)
-    _exp_(gz.sub_(lse[:, None])).mul_(-g[:, None])
+def _softmax_grad_(x: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g: torch.Tensor,
+                   a: int, b: int, temperature: float) -> torch.Tensor:
+    """``g · ∂ log p_target / ∂ z = g (onehot - softmax(z/τ)) / τ`` on columns ``a..b``, made
+    in place of ``x`` (that block of ``z/τ``, a fresh tensor), with the CPU's exp floor
+    (:func:`_exp_`)."""
+    _exp_(x.sub_(lse[:, None])).mul_(-g[:, None])
     inside, col = _in_block(targets, a, b)
-    gz.scatter_add_(1, col, torch.where(inside, g, 0.0)[:, None])
-    return gz.div_(temperature) if temperature != 1.0 else gz
+    x.scatter_add_(1, col, torch.where(inside, g, 0.0)[:, None])
+    return x.div_(temperature) if temperature != 1.0 else x
 
 
-def _hidden_stats(
-    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-    blocks: list[tuple[int, int]],
+def _blocked_stats(
+    block: Callable[[int, int], torch.Tensor], targets: torch.Tensor,
+    blocks: list[tuple[int, int]], dt: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`_chunk_stats` of ``z = h @ weight.T``, the vocabulary taken block by block with a
-    running maximum ``m``: ``s = Σ exp(z/τ - m)``, ``t = Σ exp(z/τ - m)(z/τ - m)``, so that
-    ``logsumexp = m + log s`` and the entropy ``-Σ p log p = log s - t / s``."""
-    n = h.shape[0]
-    dt = _compute_dtype(weight.dtype)
-    m = h.new_full((n,), float("-inf"), dtype=dt)
-    s, t, z_target = (h.new_zeros(n, dtype=dt) for _ in range(3))
+    """Per-row ``(log p_target, entropy, logsumexp)`` of the logits ``z/τ`` whose columns
+    ``a..b`` ``block(a, b)`` makes (``[n, b - a]`` in ``dt``, a fresh tensor), the vocabulary
+    taken block by block with a running maximum ``m``: ``s = Σ exp(z/τ - m)``,
+    ``t = Σ exp(z/τ - m)(z/τ - m)``, so that ``logsumexp = m + log s`` and the entropy
+    ``-Σ p log p = log s - t / s``.
+
+    A row with no distribution (all -inf, or any NaN or +inf logit) gives NaN outputs, never
+    finite stand-ins, so that a caller's finite check catches it; its logsumexp is 0 where it
+    is -inf, which keeps its gradient finite."""
+    n = targets.shape[0]
+    m = torch.full((n,), float("-inf"), dtype=dt, device=targets.device)
+    s, t, z_target = (torch.zeros(n, dtype=dt, device=targets.device) for _ in range(3))
     for a, b in blocks:
-        x = _block_logits(h, weight, a, b, temperature)  # [n, b - a]
+        x = block(a, b)  # [n, b - a]
         inside, col = _in_block(targets, a, b)
         z_target = torch.where(inside, x.gather(1, col).squeeze(1), z_target)
         new_m = torch.maximum(m, x.amax(dim=1))  # NaN and +inf stay: such a row is broken
@@ -231,7 +220,6 @@ def _hidden_stats(
         m = new_m
     log_s = torch.log(s)
     lse = m + log_s
-    # no distribution (all -inf, or a NaN or +inf logit): NaN out, as in _chunk_stats
     broken = ~torch.isfinite(m)
     lp = torch.where(broken, float("nan"), (z_target - lse).clamp_min(_LOGPROB_FLOOR))
     entropy = torch.where(broken, float("nan"), log_s - t / s)
@@ -242,20 +230,18 @@ class _FromHidden(torch.autograd.Function):
     """Each chunk's logits are made in the parameters' dtype (``weight.dtype``), in the forward
     and again in the backward, always outside autocast, so the backward's softmax is the
     forward's; the gradient's two products run in ``gmm``, autocast's dtype when it is on. On a
-    CPU the vocabulary is taken in blocks of ``_CPU_VOCAB_BLOCK`` columns (:func:`_hidden_stats`;
+    CPU the vocabulary is taken in blocks of ``_CPU_VOCAB_BLOCK`` columns (:func:`_blocked_stats`;
     the backward writes each block's rows of the weight's gradient)."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor,  # type: ignore[override]
                 targets: torch.Tensor, chunk: int, temperature: float, gmm: torch.dtype):
         blocks = _vocab_blocks(hidden.device, weight.shape[0])
+        dt = _compute_dtype(weight.dtype)
         with _no_autocast(hidden.device.type):
-            lp, ent, lse = _chunked(
-                hidden,
-                chunk,
-                lambda s, e: _hidden_stats(hidden[s:e], weight, targets[s:e], temperature,
-                                           blocks),
-            )
+            lp, ent, lse = _chunked(hidden, chunk, lambda s, e: _blocked_stats(
+                lambda a, b: _hidden_block(hidden[s:e], weight, a, b, temperature),
+                targets[s:e], blocks, dt))
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.chunk, ctx.temperature, ctx.gmm, ctx.blocks = chunk, temperature, gmm, blocks
         ctx.mark_non_differentiable(ent)
@@ -283,7 +269,8 @@ class _FromHidden(torch.autograd.Function):
                 h, tg, g = hidden[s:e], targets[s:e], g_lp[s:e]
                 h_w = (h.to(ctx.gmm) if cast else h.to(acc)) if need_w else None
                 for a, b in ctx.blocks:
-                    gz = _block_grad(h, weight, tg, lse[s:e], g, a, b, ctx.temperature)
+                    gz = _softmax_grad_(_hidden_block(h, weight, a, b, ctx.temperature), tg,
+                                        lse[s:e], g, a, b, ctx.temperature)
                     if need_h:
                         w = (w_all if w_all is not None
                              else weight[a:b].to(ctx.gmm) if cast else weight[a:b])
@@ -347,7 +334,7 @@ def logprobs_and_entropy(
         logits: next-token logits, any float dtype (fp32 inside each chunk).
         targets: the taken tokens (ids in ``[0, V)``).
         chunk_size: rows (tokens) per chunk; peak extra memory is a few ``[chunk_size, V]``
-            fp32 tensors.
+            fp32 tensors (``[chunk_size, 4096]`` on a CPU), beside the gradient of the logits.
         temperature: divide the logits by ``τ`` first (use the sampling temperature so the
             log-probs are those of the sampling distribution).
 
