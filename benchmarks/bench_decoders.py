@@ -3,7 +3,7 @@
 
     python benchmarks/bench_decoders.py [--model smollm2 | --model-dir DIR] [--rows 32]
         [--new-tokens 64] [--repeats 3] [--decoders pepo transformers vllm]
-        [--precision fp32 | bf16]
+        [--precision fp32 | bf16] [--compile]
 
 Every row decodes exactly ``--new-tokens`` tokens (end-of-sequence ignored), at temperature 1
 with no top-k/top-p, from the small-sums prompts of ``--config smollm2`` rendered with the model's
@@ -14,6 +14,9 @@ colocated one (``generation.engine=vllm``; weights copied in from the trainer's 
 ``--precision bf16`` runs every decoder in bf16: pepo's under ``torch.autocast`` as
 ``compute_dtype: bf16`` runs it (fp32 weights, the output head in fp32), transformers with a
 bf16 model, vLLM with ``dtype: bfloat16``; pepo's fp32 decoder is then timed too, as the base.
+``--compile`` adds pepo's decoder with ``generation.compile: true`` (its step through
+``torch.compile``) at the same precision, and prints how long its first call (the compilation)
+took.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ def main() -> None:
     ap.add_argument("--decoders", nargs="+", default=["pepo", "transformers", "vllm"],
                     choices=["pepo", "transformers", "vllm"])
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--compile", action="store_true",
+                    help="also pepo's decoder with its step compiled (generation.compile)")
     args = ap.parse_args()
     bf16 = args.precision == "bf16"
 
@@ -55,8 +60,8 @@ def main() -> None:
     n_new = args.new_tokens
     ours = from_hf(model_dir, max_seq_len=max(map(len, prompts)) + n_new).eval()
 
-    def pepo_at(compute_dtype):
-        engine = InProcessEngine(ours, compute_dtype=compute_dtype)
+    def pepo_at(compute_dtype, compile=False):
+        engine = InProcessEngine(ours, compile=compile, compute_dtype=compute_dtype)
 
         def run() -> int:
             ro = engine.generate(prompts, max_new_tokens=n_new, pad_id=tok.pad_id,
@@ -95,13 +100,18 @@ def main() -> None:
     runners = {"pepo": pepo_at(None)}
     if bf16:
         runners = {"pepo fp32": runners["pepo"], "pepo": pepo_at(torch.bfloat16)}
+    if args.compile:
+        runners["pepo compiled"] = pepo_at(torch.bfloat16 if bf16 else None, compile=True)
     if hf is not None:
         runners["transformers"] = run_transformers
     if engine is not None:
         runners["vllm"] = run_vllm
     rates: dict[str, list[float]] = {name: [] for name in runners}
-    for name, fn in runners.items():  # warm-up
+    first: dict[str, float] = {}
+    for name, fn in runners.items():  # warm-up (the compiled decoder compiles here)
+        t0 = time.perf_counter()
         fn()
+        first[name] = time.perf_counter() - t0
     for _ in range(args.repeats):
         for name, fn in runners.items():
             t0 = time.perf_counter()
@@ -120,6 +130,9 @@ def main() -> None:
           f"T = 1, prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
           f"{args.precision}; "
           f"median of {args.repeats} rounds")
+    if args.compile:
+        print(f"# pepo compiled: first call (compilation and one decode) "
+              f"{first['pepo compiled']:.0f} s, against {first['pepo']:.0f} s uncompiled")
     base = statistics.median(rates["pepo"])
     print("| decoder | generated tokens/s | vs pepo | rounds (tokens/s) |")
     print("|---|---:|---:|---|")
