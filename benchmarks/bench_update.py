@@ -1,7 +1,7 @@
 """The training update against the machine's matmul limit, in fp32 and in bf16.
 
     python benchmarks/bench_update.py [--model smollm2 | --model-dir DIR] [--rows 8]
-        [--seq 140] [--repeats 5] [--precisions fp32 bf16 bf16w]
+        [--seq 140] [--repeats 5] [--precisions fp32 bf16 bf16w] [--save-logits-mib 512]
 
 First the CPU's (or GPU's) measured matmul rate at each GEMM shape of one micro-batch of the
 update (``--rows`` sequences of ``--seq`` tokens: the projections of every layer and the output
@@ -11,7 +11,9 @@ and the two products of the backward), i.e. about 6 x parameters x tokens FLOPs.
 update of one micro-batch, timed, and its achieved rate against the bound, two ways: as the
 recipe runs it (``pepo.training.step.policy_logprobs``: the ``[b, S, S]`` attention mask and
 positions of the rows, the log-probs taken from the hidden states in chunks as
-``logprobs_from_hidden: true``; then the clipped loss and the backward), and the same with the
+``logprobs_from_hidden: true``, their logits kept for the backward within
+``--save-logits-mib``, on a CPU the attention in fp32 as the recipe runs it; then the clipped
+loss and the backward), and the same with the
 model's plain causal attention (no mask passed), which shows what the explicit mask costs.
 Precisions: ``fp32``; ``bf16``, the recipe's ``compute_dtype: bf16`` (``torch.autocast`` over
 fp32 master weights, the output head kept in fp32, so its bound counts the head at the fp32
@@ -71,6 +73,9 @@ def main() -> None:
     ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16", "bf16w"],
                     choices=["fp32", "bf16", "bf16w"])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--save-logits-mib", type=float, default=512,
+                    help="the recipe's save_logits_mib (smollm2's 512; 0: the head's logits made "
+                    "again in the backward)")
     args = ap.parse_args()
     if args.rows < 1 or args.seq <= args.prompt or args.prompt < 1 or args.repeats < 1:
         raise SystemExit(f"need rows >= 1, seq > prompt >= 1 and repeats >= 1; got "
@@ -84,7 +89,7 @@ def main() -> None:
     from pepo.loss import clipped_policy_loss
     from pepo.training.generation import Rollouts
     from pepo.training.hf import architecture_from_hf, load_hf_config
-    from pepo.training.precision import cpu_bf16_units
+    from pepo.training.precision import cpu_attention_in_fp32, cpu_bf16_units
     from pepo.training.pretrained import pretrained_dir
     from pepo.training.step import policy_logprobs
 
@@ -115,6 +120,8 @@ def main() -> None:
         print(f"| {name}: [{m}, {k}] x [{k}, {n}] | {count} | " + " | ".join(row) + " |")
 
     model = architecture_from_hf(model_dir, max_seq_len=args.seq).to(device)
+    if device.type == "cpu":  # as the recipe does
+        cpu_attention_in_fp32(model)
     params = sum(p.numel() for p in model.parameters())
     g = torch.Generator().manual_seed(0)
     seq = torch.randint(0, cfg["vocab_size"], (args.rows, args.seq), generator=g).to(device)
@@ -146,7 +153,7 @@ def main() -> None:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
             if recipe:
                 lp, _ = policy_logprobs(model, ro, rows, chunk_size=1024, temperature=1.0,
-                                        from_hidden=True)
+                                        from_hidden=True, save_logits_mib=args.save_logits_mib)
             else:
                 model.unembed = head_of(model)
                 try:

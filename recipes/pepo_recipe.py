@@ -92,7 +92,7 @@ from pepo.training.evaluation import (
 )
 from pepo.training.generation import Rollouts, draw_seeds
 from pepo.training.hf import save_hf
-from pepo.training.precision import autocast, resolve_compute_dtype
+from pepo.training.precision import autocast, cpu_attention_in_fp32, resolve_compute_dtype
 from pepo.training.precision import describe as describe_precision
 from pepo.training.reporting import (
     NullLogger,
@@ -163,8 +163,8 @@ class PEPORecipe(FTRecipeInterface):
         g = c.generation
         self.gen_kwargs = dict(max_new_tokens=g.max_new_tokens, temperature=g.temperature,
                                top_k=g.top_k, top_p=g.top_p)
-        self.logprob_chunk = c.logprob_chunk_size
-        self.logprobs_from_hidden = c.logprobs_from_hidden
+        self.forward_kw = dict(chunk_size=c.logprob_chunk_size, from_hidden=c.logprobs_from_hidden,
+                               save_logits_mib=c.save_logits_mib)  # policy_logprobs's options
         self.activation_checkpointing = c.enable_activation_checkpointing
         self.gen_batch_size = g.batch_size
         self.val_every = c.validation.every
@@ -239,6 +239,8 @@ class PEPORecipe(FTRecipeInterface):
             )
         load_model_weights(self.model, c.checkpoint_dir)
         self.model.eval()  # no dropout anywhere: rollout, old and new log-probs are one function
+        if self._device.type == "cpu":  # its bf16 attention is slower than fp32 with a backward
+            cpu_attention_in_fp32(self.model)
         if self.activation_checkpointing:
             training.set_activation_checkpointing(
                 self.model, auto_wrap_policy={TransformerSelfAttentionLayer}
@@ -325,9 +327,8 @@ class PEPORecipe(FTRecipeInterface):
         """Log-probs and entropies ``[b, T]`` of the responses of ``rows`` (the policy forward,
         :func:`pepo.training.step.policy_logprobs`)."""
         with autocast(self._device, self.compute_dtype):  # the rollouts' precision
-            return policy_logprobs(self.model, ro, rows, chunk_size=self.logprob_chunk,
-                                   temperature=self.gen_kwargs["temperature"],
-                                   from_hidden=self.logprobs_from_hidden)
+            return policy_logprobs(self.model, ro, rows, **self.forward_kw,
+                                   temperature=self.gen_kwargs["temperature"])
 
     def _all_logprobs(self, ro: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
         """No-grad log-probs and entropies ``[B, T]`` in the micro-batches training uses."""

@@ -159,6 +159,66 @@ def test_hidden_variant_across_vocabulary_blocks(block, monkeypatch):
         (h[:5].clone().requires_grad_(True), w.clone().requires_grad_(True)))
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("block", [5, 4096])
+def test_hidden_variant_with_saved_logits(block, autocast, monkeypatch):
+    """``save_logits=True`` keeps the forward's logits for the backward: log-probs, entropies
+    and both gradients equal to the recomputing path's (to the bit: the same products) and
+    within 1e-5 of float64, over 3 row chunks and 4 vocabulary blocks (catches a kept block
+    used for another chunk or block); each block's product is made once, where the recomputing
+    path makes it twice (catches the parameter ignored); a second backward through the same
+    graph gives the same gradients (catches the kept blocks, which the first backward changes in
+    place, used again); under ``no_grad`` or with no input requiring grad nothing is kept
+    (catches the logits held where no backward will free them)."""
+    monkeypatch.setattr(pepo.entropy, "_CPU_VOCAB_BLOCK", block)
+    h, w, targets, g = _blocks_case(5)
+    h, w = h.float(), w.float()
+    gout = torch.randn(h.shape[0], generator=g)
+    made = []
+    product = pepo.entropy._hidden_block
+    monkeypatch.setattr(pepo.entropy, "_hidden_block",
+                        lambda *a: made.append(a[2]) or product(*a))
+    results = {}
+    for save in (False, True):
+        hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        made.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            lp, ent = logprobs_and_entropy_from_hidden(hh, ww, targets, chunk_size=5,
+                                                       temperature=0.7, save_logits=save)
+            forward = len(made)
+            (lp * gout).sum().backward(retain_graph=True)
+            first = hh.grad.clone(), ww.grad.clone()
+            hh.grad = ww.grad = None
+            (lp * gout).sum().backward()
+        results[save] = lp, ent, *first
+        torch.testing.assert_close((hh.grad, ww.grad), first, rtol=0, atol=0)
+        blocks = -(-20 // min(block, 20))
+        assert forward == 3 * blocks  # 12 rows in chunks of 5, V = 20
+        # the first backward makes the products again unless they were kept; the second always
+        assert len(made) == forward + (0 if save else forward) + forward
+    for a, b in zip(results[False], results[True]):
+        assert torch.equal(a, b)
+    hr, wr = h.double().requires_grad_(True), w.double().requires_grad_(True)
+    r_lp, r_ent = ref(hr @ wr.t(), targets, 0.7)
+    (r_lp * gout.double()).sum().backward()
+    lp, ent, gh, gw = results[True]
+    torch.testing.assert_close(lp.double(), r_lp.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent.double(), r_ent.detach(), rtol=1e-5, atol=1e-5)
+    tol = 2e-2 if autocast else 1e-5  # the gradient's products in bf16 under autocast
+    assert _rel(gh, hr.grad) < tol and _rel(gw, wr.grad) < tol
+    kept = []
+    apply = pepo.entropy._FromHidden.apply
+    monkeypatch.setattr(pepo.entropy._FromHidden, "apply",
+                        lambda *a: kept.append(a[-1]) or apply(*a))
+    with torch.no_grad():
+        logprobs_and_entropy_from_hidden(h.requires_grad_(True), w, targets, save_logits=True)
+    logprobs_and_entropy_from_hidden(h.detach(), w, targets, save_logits=True)
+    logprobs_and_entropy_from_hidden(h.requires_grad_(True), w, targets, save_logits=True)
+    assert kept == [False, False, True]
+    with pytest.raises(ValueError, match="save_logits must be a bool, got 'yes'"):
+        logprobs_and_entropy_from_hidden(h, w, targets, save_logits="yes")
+
+
 @pytest.mark.parametrize("block", [1, 5, 7])
 def test_logits_variant_across_vocabulary_blocks(block, monkeypatch):
     """:func:`logprobs_and_entropy` on the same logits, in blocks of 1, 5 and 7 columns, against

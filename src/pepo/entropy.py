@@ -228,28 +228,39 @@ def _blocked_stats(
 
 class _FromHidden(torch.autograd.Function):
     """Each chunk's logits are made in the parameters' dtype (``weight.dtype``), in the forward
-    and again in the backward, always outside autocast, so the backward's softmax is the
-    forward's; the gradient's two products run in ``gmm``, autocast's dtype when it is on. On a
-    CPU the vocabulary is taken in blocks of ``_CPU_VOCAB_BLOCK`` columns (:func:`_blocked_stats`;
-    the backward writes each block's rows of the weight's gradient)."""
+    and again in the backward (unless ``save`` kept the forward's), always outside autocast, so
+    the backward's softmax is the forward's; the gradient's two products run in ``gmm``,
+    autocast's dtype when it is on. On a CPU the vocabulary is taken in blocks of
+    ``_CPU_VOCAB_BLOCK`` columns (:func:`_blocked_stats`; the backward writes each block's rows
+    of the weight's gradient)."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor,  # type: ignore[override]
-                targets: torch.Tensor, chunk: int, temperature: float, gmm: torch.dtype):
+                targets: torch.Tensor, chunk: int, temperature: float, gmm: torch.dtype,
+                save: bool):
         blocks = _vocab_blocks(hidden.device, weight.shape[0])
         dt = _compute_dtype(weight.dtype)
+        kept: Optional[dict] = {} if save else None  # (row, column) of a block: its z/τ
+
+        def block(s: int, e: int, a: int, b: int) -> torch.Tensor:
+            x = _hidden_block(hidden[s:e], weight, a, b, temperature)
+            if kept is not None:  # a copy: _blocked_stats changes x in place
+                kept[s, a] = x.clone()
+            return x
+
         with _no_autocast(hidden.device.type):
             lp, ent, lse = _chunked(hidden, chunk, lambda s, e: _blocked_stats(
-                lambda a, b: _hidden_block(hidden[s:e], weight, a, b, temperature),
-                targets[s:e], blocks, dt))
+                lambda a, b: block(s, e, a, b), targets[s:e], blocks, dt))
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.chunk, ctx.temperature, ctx.gmm, ctx.blocks = chunk, temperature, gmm, blocks
+        ctx.kept = kept
         ctx.mark_non_differentiable(ent)
         return lp, ent
 
     @staticmethod
     def backward(ctx: Any, g_lp: torch.Tensor, g_ent: Optional[torch.Tensor]):  # type: ignore[override]
         hidden, weight, targets, lse = ctx.saved_tensors
+        kept, ctx.kept = ctx.kept, None
         g_lp = g_lp.to(lse.dtype)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         cast = ctx.gmm != weight.dtype  # autocast: the gradient's products in its dtype
@@ -269,8 +280,11 @@ class _FromHidden(torch.autograd.Function):
                 h, tg, g = hidden[s:e], targets[s:e], g_lp[s:e]
                 h_w = (h.to(ctx.gmm) if cast else h.to(acc)) if need_w else None
                 for a, b in ctx.blocks:
-                    gz = _softmax_grad_(_hidden_block(h, weight, a, b, ctx.temperature), tg,
-                                        lse[s:e], g, a, b, ctx.temperature)
+                    # the forward's block where it was kept (taken: _softmax_grad_ changes it,
+                    # so a second backward recomputes it), else made again
+                    x = kept.pop((s, a)) if kept else _hidden_block(h, weight, a, b,
+                                                                    ctx.temperature)
+                    gz = _softmax_grad_(x, tg, lse[s:e], g, a, b, ctx.temperature)
                     if need_h:
                         w = (w_all if w_all is not None
                              else weight[a:b].to(ctx.gmm) if cast else weight[a:b])
@@ -289,7 +303,7 @@ class _FromHidden(torch.autograd.Function):
                         else:
                             grad_w[a:b].addmm_(gz.t(), h_w)
         return ((grad_h.to(hidden.dtype) if need_h else None),
-                (grad_w.to(weight.dtype) if need_w else None), None, None, None, None)
+                (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None)
 
 
 def _check_targets(targets: Any, lead: torch.Size, vocab: int) -> torch.Tensor:
@@ -362,14 +376,20 @@ def logprobs_and_entropy_from_hidden(
     targets: torch.Tensor,
     chunk_size: int = 1024,
     temperature: float = 1.0,
+    save_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`logprobs_and_entropy` of ``logits = hidden @ weight.T``, never materialising them.
+    """:func:`logprobs_and_entropy` of ``logits = hidden @ weight.T``, never materialising them
+    (unless ``save_logits``).
 
     Args:
         hidden: final (normed) hidden states.
         weight: the output projection (``lm_head.weight``, or the tied embedding).
         targets, chunk_size, temperature: as in :func:`logprobs_and_entropy` (on a CPU the
             temporaries are ``[chunk_size, 4096]``: the vocabulary is taken in blocks).
+        save_logits: keep the forward's fp32 logits (``[N, V]``, block by block) for the
+            backward instead of making them again there: one of the head's four matrix
+            products fewer, for that much memory held from the forward to the backward. Only
+            where a gradient will be taken; the numbers are the same either way.
 
     Shape:
         hidden: ``[..., D]``; weight: ``[V, D]``; targets: ``[...]``; returns two ``[...]``
@@ -398,7 +418,11 @@ def logprobs_and_entropy_from_hidden(
     targets = _check_targets(targets, lead, weight.shape[0])
     # under torch.autocast the gradient's products run in its dtype; the logits never do
     gmm = _autocast_dtype(hidden.device.type) or weight.dtype
+    if not isinstance(save_logits, bool):
+        raise ValueError(f"save_logits must be a bool, got {save_logits!r}")
+    save = save_logits and torch.is_grad_enabled() and (hidden.requires_grad
+                                                        or weight.requires_grad)
     lp, ent = _FromHidden.apply(
-        hidden.reshape(-1, dim), weight, targets.reshape(-1), chunk_size, temperature, gmm
+        hidden.reshape(-1, dim), weight, targets.reshape(-1), chunk_size, temperature, gmm, save
     )
     return lp.view(lead), ent.view(lead)

@@ -13,6 +13,7 @@ import pepo.loss
 import pepo.weighting as pw
 import pepo_recipe
 from pepo.training.config import find_config, list_configs, register_resolvers, validate_config
+from pepo.training.precision import cpu_attention_in_fp32
 from tests.recipe_helpers import tiny_cfg
 
 
@@ -55,6 +56,7 @@ def test_bundled_configs_validate_and_instantiate(tmp_path):
         recipe = pepo_recipe.PEPORecipe(cfg)
         recipe.setup(cfg)
         assert sum(p.numel() for p in recipe.model.parameters()) > 0
+        assert cpu_attention_in_fp32(recipe.model) == 0  # the recipe did it (a CPU run)
         recipe.cleanup()
 
 

@@ -77,7 +77,8 @@ LISTED_BY_HAND = {
     "tokenizer.path", "model.model_dir", "num_steps", "validation", "val_dataset",
     "save_every", "keep_checkpoints", "keep_best", "dump_rollouts_every", "plot", "metric_logger",
     "generation.batch_size", "generation.compile", "micro_batch_size", "prior_cache",
-    "logprob_chunk_size", "logprobs_from_hidden", "enable_activation_checkpointing",
+    "logprob_chunk_size", "logprobs_from_hidden", "save_logits_mib",
+    "enable_activation_checkpointing",
     "max_nonfinite_steps", "reward.workers", "distributed.timeout_s", "recompute_old_logprobs",
 }
 

@@ -9,7 +9,12 @@ import torch
 from pepo.training import precision
 from pepo.training.engines import build_engine
 from pepo.training.generation import Rollouts, pad_prompts
-from pepo.training.precision import autocast, resolve_compute_dtype, units_in_cpuinfo
+from pepo.training.precision import (
+    autocast,
+    cpu_attention_in_fp32,
+    resolve_compute_dtype,
+    units_in_cpuinfo,
+)
 from pepo.training.step import policy_logprobs
 
 CPU = torch.device("cpu")
@@ -130,3 +135,51 @@ def test_trainer_head_is_fp32_under_autocast(model):
     logits = states["h"].double() @ model.output.tied_module.weight.double().t()  # [2, S, V]
     ref = torch.log_softmax(logits[:, 3:-1], -1).gather(-1, tokens[..., None])[..., 0]
     torch.testing.assert_close(lp[ro.mask].double(), ref[ro.mask], rtol=1e-5, atol=1e-5)
+
+
+def _attention_ref(q, k, v):
+    """Causal softmax attention in float64 from the formula."""
+    q, k, v = q.double(), k.double(), v.double()
+    s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    causal = torch.ones(s.shape[-2:], dtype=torch.bool).tril()
+    return torch.softmax(s.masked_fill(~causal, float("-inf")), -1) @ v
+
+
+def test_cpu_attention_in_fp32(monkeypatch):
+    """After :func:`cpu_attention_in_fp32`, a model's torchtune attention given bf16 inputs on a
+    CPU inside bf16 autocast runs ``scaled_dot_product_attention`` on fp32 inputs and returns
+    bf16 (catches the casts left out, or the output left fp32), with output and gradients
+    within bf16's rounding of float64 attention of the same inputs; fp32 inputs reach the
+    original call as they are; every attention module is changed once (a second call changes
+    none: catches a wrapper wrapped again)."""
+    from pepo.training.models import tiny_qwen3
+
+    model = tiny_qwen3(embed_dim=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                       intermediate_dim=64, head_dim=16)
+    assert cpu_attention_in_fp32(model) == 2
+    assert cpu_attention_in_fp32(model) == 0
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: seen.append(q.dtype) or sdpa(q, k, v, **kw))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 9, 16, generator=g).to(torch.bfloat16).requires_grad_(True)
+               for _ in range(3))
+    call = model.layers[0].attn._attention_call
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = call(q, k, v, mask=None, dropout_p=0.0, is_causal=True)
+    assert seen == [torch.float32] and out.dtype == torch.bfloat16
+    gout = torch.randn(out.shape, generator=g)
+    out.backward(gout.to(torch.bfloat16))
+    qr, kr, vr = (x.detach().double().requires_grad_(True) for x in (q, k, v))
+    ref = _attention_ref(qr, kr, vr)
+    ref.backward(gout.to(torch.bfloat16).double())
+    torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2)
+    for x, r in ((q, qr), (k, kr), (v, vr)):
+        assert x.grad.dtype == torch.bfloat16
+        assert float((x.grad.double() - r.grad).norm() / r.grad.norm()) < 1e-2
+    q32, k32, v32 = (x.detach().float() for x in (q, k, v))
+    seen.clear()
+    out32 = call(q32, k32, v32, mask=None, dropout_p=0.0, is_causal=True)
+    assert seen == [torch.float32]
+    assert torch.equal(out32, sdpa(q32, k32, v32, is_causal=True))

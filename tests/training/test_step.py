@@ -155,6 +155,34 @@ def test_policy_forward_masked_equals_sliced_and_hidden_equals_logits(model):
     assert not math.isnan(float(lp[mask].sum()))
 
 
+def test_policy_forward_keeps_the_logits_within_its_budget(model, monkeypatch):
+    """``save_logits_mib``: the head keeps its logits for the backward exactly when the
+    responses' fp32 logits (``[b, T', V]``, the rows' own extent) fit the budget (catches the
+    budget counted over the whole sequence or the batch's full width, or never passed on); the
+    model's gradients are the same either way."""
+    import pepo.training.step as step
+
+    ptok, pmask = pad_prompts([[3, 4, 5, 6], [7, 8]], pad_id=0)
+    responses = torch.tensor([[9, 10, 11, 0], [12, 13, 0, 0]])
+    ro = Rollouts(ptok, pmask, responses, responses != 0, torch.tensor([True, True]))
+    fits = 2 * 3 * model.tok_embeddings.num_embeddings * 4 / 2**20  # 2 rows x 3 columns of V
+    seen = []
+    head = step.logprobs_and_entropy_from_hidden
+    monkeypatch.setattr(step, "logprobs_and_entropy_from_hidden",
+                        lambda *a, **k: seen.append(k["save_logits"]) or head(*a, **k))
+    grads = []
+    for mib in (fits, fits * 0.99, 0):
+        model.zero_grad(set_to_none=True)
+        lp, _ = policy_logprobs(model, ro, torch.arange(2), chunk_size=2, temperature=0.7,
+                                from_hidden=True, save_logits_mib=mib)
+        (lp * torch.linspace(-1, 1, 4)).sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert seen == [True, False, False]
+    for g in grads[1:]:
+        torch.testing.assert_close(g, grads[0], rtol=0, atol=0)
+    model.zero_grad(set_to_none=True)
+
+
 def test_a_micro_batch_is_cut_to_its_own_rows_extent(model):
     """Rows of a micro-batch are run over their own extent: the prompt columns that are padding
     in all of them and the response columns after their longest response are cut, and the

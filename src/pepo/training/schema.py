@@ -247,6 +247,11 @@ class RecipeConfig:
     logprobs_from_hidden: bool = key(False, "apply the output projection chunk by chunk "
                                      "(`logprobs_and_entropy_from_hidden`), so the `[b, S, V]` "
                                      "logits are never held; same numbers", rule=Bool(), role=RUN)
+    save_logits_mib: int = key(0, "with `logprobs_from_hidden`: keep a micro-batch's fp32 "
+                               "logits from its forward to its backward when they take at most "
+                               "this many MiB, instead of making them again there (one of the "
+                               "output head's four products fewer); 0: always make them again",
+                               rule=Int(0), role=RUN)
     recompute_old_logprobs: bool = key(False, "always run the old-policy pass; false: skip it "
                                        "where the update's own forward gives the same numbers "
                                        "(one epoch, one mini-batch, a strategy that weighs each "

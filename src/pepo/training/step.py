@@ -116,7 +116,7 @@ class StepStats:
 
 
 def policy_logprobs(model: Any, ro: Rollouts, rows: torch.Tensor, *, chunk_size: int,
-                    temperature: float, from_hidden: bool = False
+                    temperature: float, from_hidden: bool = False, save_logits_mib: float = 0
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies ``[b, T]`` of the responses of ``rows`` under ``model`` (a
     torchtune ``TransformerDecoder``), at the sampling ``temperature``.
@@ -130,8 +130,10 @@ def policy_logprobs(model: Any, ro: Rollouts, rows: torch.Tensor, *, chunk_size:
     model's output step is replaced, for this forward, by
     :func:`pepo.entropy.logprobs_and_entropy_from_hidden`, which applies the output projection
     chunk by chunk, so the ``[b, S, V]`` logits are never held. It runs inside the model's own
-    forward, where FSDP2 has gathered the root's parameters (the tied embedding). Under autocast
-    the logits are made in the parameters' dtype all the same, as the decoder makes them
+    forward, where FSDP2 has gathered the root's parameters (the tied embedding); where a
+    gradient will be taken and the responses' fp32 logits take at most ``save_logits_mib`` MiB,
+    they are kept for the backward (``save_logits``). Under autocast the logits are made in the
+    parameters' dtype all the same, as the decoder makes them
     (:func:`pepo.training.precision.no_autocast`).
     """
     from torchtune.modules import TiedLinear
@@ -152,8 +154,9 @@ def policy_logprobs(model: Any, ro: Rollouts, rows: torch.Tensor, *, chunk_size:
         weight = out.tied_module.weight if isinstance(out, TiedLinear) else out.weight  # [V, D]
         # keeps the logits in the weight's dtype itself; under autocast the gradient's products
         # run in bf16
+        save = targets.numel() * weight.shape[0] * 4 <= save_logits_mib * 2**20
         return logprobs_and_entropy_from_hidden(model.norm(h)[:, plen - 1 : -1], weight,
-                                                targets, **kw)
+                                                targets, save_logits=save, **kw)
 
     model.unembed = head  # an instance attribute: shadows TransformerDecoder.unembed
     try:
