@@ -3,6 +3,8 @@ the trainer's forward both run their body under bf16 autocast with the output he
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -183,3 +185,43 @@ def test_cpu_attention_in_fp32(monkeypatch):
     out32 = call(q32, k32, v32, mask=None, dropout_p=0.0, is_causal=True)
     assert seen == [torch.float32]
     assert torch.equal(out32, sdpa(q32, k32, v32, is_causal=True))
+
+
+def test_fast_decoder_attention_in_fp32_on_a_cpu(model, monkeypatch):
+    """The in-process decoder under bf16 autocast on a CPU runs its attention (the prompts'
+    ``scaled_dot_product_attention`` and each step's score and value products) on fp32 inputs
+    with autocast off, as the trainer's (:func:`cpu_attention_in_fp32`) — catches the decoder
+    left in bf16 while the trainer's attention is fp32, a mismatch of the rollout/trainer gap —
+    while its projections stay bf16; its log-probs match a trainer forward with fp32 attention
+    to the bf16 body's error."""
+    calls = []
+
+    def recording(name, fn):
+        def call(*a, **k):
+            calls.append((name, a[0].dtype, torch.is_autocast_enabled("cpu")))
+            return fn(*a, **k)
+        return call
+
+    for name in ("bmm", "baddbmm"):
+        monkeypatch.setattr(torch, name, recording(name, getattr(torch, name)))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        recording("sdpa", sdpa))
+    seen, undo = _record_dtypes(model)
+    try:
+        engine = build_engine("inprocess", model, compute_dtype=torch.bfloat16)
+        prompts = [[3, 4, 5, 6], [7, 8], [3, 4, 5, 6]]  # a prompt shared by two rows
+        ro = engine.generate(prompts, max_new_tokens=5, pad_id=0, stop_tokens=[],
+                             temperature=1.0, seeds=torch.arange(3))
+        assert seen["body"] == {torch.bfloat16}
+    finally:
+        undo()
+    assert {n for n, _, _ in calls} == {"sdpa", "bmm", "baddbmm"}
+    assert {(d, on) for _, d, on in calls} == {(torch.float32, False)}, set(calls)
+    monkeypatch.undo()
+    trainer = copy.deepcopy(model)
+    cpu_attention_in_fp32(trainer)
+    with torch.no_grad(), autocast(CPU, torch.bfloat16):
+        lp, _ = policy_logprobs(trainer, ro, torch.arange(3), chunk_size=4, temperature=1.0)
+    gap = float((lp - ro.logprobs).abs()[ro.mask].max())
+    assert gap < 5e-2, gap

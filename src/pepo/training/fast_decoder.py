@@ -16,6 +16,7 @@ intervention's two) and :func:`decode_step` / :func:`compiled_step` (one step).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -306,10 +307,6 @@ def decode_step(plan: FastPlan, tok: torch.Tensor, pos: torch.Tensor, prompt_k: 
     plan has them (:class:`_Fused`) and the rotary tables are read once for all layers.
     """
     b = tok.shape[0]
-    n_kv, hd = plan.num_kv_heads, plan.head_dim
-    group = plan.num_heads // n_kv
-    u, plen = prompt_k[0].shape[0], prompt_k[0].shape[2]
-    shared = r_max > 1  # else the prompt cache is in row order (slot_u = 0..b-1, slot_r = 0)
     x = plan.embed(tok)  # [b, d]
     tables = _rope_tables(plan, pos, x.dtype)
     for layer, f, pk, pv, ck, cv in zip(plan.layers, plan.fused, prompt_k, prompt_v, cache_k,
@@ -317,35 +314,66 @@ def decode_step(plan: FastPlan, tok: torch.Tensor, pos: torch.Tensor, prompt_k: 
         q, k, v = _qkv(plan, layer.attn, f, layer.sa_norm(x), tables)
         ck[:, :, n - 1 : n] = k[:, :, None]
         cv[:, :, n - 1 : n] = v[:, :, None]
-        q = q.reshape(b, n_kv, group, hd)
-        if shared:
-            blocks = q.new_zeros(u, n_kv, r_max, group, hd)  # each prompt's rows side by side
-            blocks[slot_u, :, slot_r] = q
-        else:
-            blocks = q
-        s_prompt = torch.baddbmm(prompt_bias, blocks.reshape(u * n_kv, r_max * group, hd),
-                                 pk.transpose(-1, -2).reshape(u * n_kv, hd, plen),
-                                 alpha=hd ** -0.5)  # [u * n_kv, r_max * group, P]
-        if shared:
-            s_prompt = s_prompt.view(u, n_kv, r_max, group, plen)[slot_u, :, slot_r]
-        s_resp = torch.bmm(q.reshape(b * n_kv, group, hd),
-                           ck[:, :, :n].transpose(-1, -2).reshape(b * n_kv, hd, n)) * hd ** -0.5
-        # an fp32 softmax (as scaled_dot_product_attention's) also of bf16 scores (autocast)
-        scores = torch.cat([s_prompt.reshape(b * n_kv, group, plen), s_resp], -1)
-        w = scores.softmax(-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(
-            pv.dtype)
-        if shared:
-            w_blocks = w.new_zeros(u, n_kv, r_max, group, plen)
-            w_blocks[slot_u, :, slot_r] = w[..., :plen].reshape(b, n_kv, group, plen)
-            a = torch.bmm(w_blocks.view(u * n_kv, r_max * group, plen),
-                          pv.reshape(u * n_kv, plen, hd))
-            a = a.view(u, n_kv, r_max, group, hd)[slot_u, :, slot_r].reshape(b * n_kv, group, hd)
-        else:
-            a = torch.bmm(w[..., :plen], pv.reshape(b * n_kv, plen, hd))
-        a = a + torch.bmm(w[..., plen:], cv[:, :, :n].reshape(b * n_kv, n, hd))
-        x = x + layer.sa_scale(layer.attn.output_proj(a.reshape(b, -1)))
+        a = _attend(q, pk, pv, ck[:, :, :n], cv[:, :, :n], prompt_bias, slot_u, slot_r, r_max)
+        x = x + layer.sa_scale(layer.attn.output_proj(a.to(q.dtype).reshape(b, -1)))
         x = x + layer.mlp_scale(_mlp(layer.mlp, f, layer.mlp_norm(x)))
     return _head(plan, x)
+
+
+def _attend(q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, ck: torch.Tensor,
+            cv: torch.Tensor, prompt_bias: torch.Tensor, slot_u: torch.Tensor,
+            slot_r: torch.Tensor, r_max: int) -> torch.Tensor:
+    """One layer's attention output ``[b * n_kv, group, h_d]`` for :func:`decode_step`: the
+    queries ``q`` ``[b, n_h, h_d]`` over their prompts' keys and values (``pk``, ``pv``) and
+    their filled response columns (``ck``, ``cv``, ``[b, n_kv, n, h_d]``). On a CPU in fp32
+    outside autocast, as the trainer's attention
+    (:func:`pepo.training.precision.cpu_attention_in_fp32`); elsewhere as given."""
+    if q.device.type != "cpu":
+        return _attend_in(q, pk, pv, ck, cv, prompt_bias, slot_u, slot_r, r_max)
+    with no_autocast(q.device):
+        q, pk, pv, ck, cv, prompt_bias = (_at_least_fp32(t)
+                                          for t in (q, pk, pv, ck, cv, prompt_bias))
+        return _attend_in(q, pk, pv, ck, cv, prompt_bias, slot_u, slot_r, r_max)
+
+
+def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _attend_in(q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, ck: torch.Tensor,
+               cv: torch.Tensor, prompt_bias: torch.Tensor, slot_u: torch.Tensor,
+               slot_r: torch.Tensor, r_max: int) -> torch.Tensor:
+    """:func:`_attend` in the dtypes given (and autocast's, where it is on)."""
+    b, hd = q.shape[0], q.shape[-1]
+    u, n_kv, plen = pk.shape[:3]
+    n = ck.shape[2]
+    group = q.shape[1] // n_kv
+    shared = r_max > 1  # else the prompt cache is in row order (slot_u = 0..b-1, slot_r = 0)
+    q = q.reshape(b, n_kv, group, hd)
+    if shared:
+        blocks = q.new_zeros(u, n_kv, r_max, group, hd)  # each prompt's rows side by side
+        blocks[slot_u, :, slot_r] = q
+    else:
+        blocks = q
+    s_prompt = torch.baddbmm(prompt_bias, blocks.reshape(u * n_kv, r_max * group, hd),
+                             pk.transpose(-1, -2).reshape(u * n_kv, hd, plen),
+                             alpha=hd ** -0.5)  # [u * n_kv, r_max * group, P]
+    if shared:
+        s_prompt = s_prompt.view(u, n_kv, r_max, group, plen)[slot_u, :, slot_r]
+    s_resp = torch.bmm(q.reshape(b * n_kv, group, hd),
+                       ck.transpose(-1, -2).reshape(b * n_kv, hd, n)) * hd ** -0.5
+    # an fp32 softmax (as scaled_dot_product_attention's) also of bf16 scores (autocast)
+    scores = torch.cat([s_prompt.reshape(b * n_kv, group, plen), s_resp], -1)
+    w = scores.softmax(-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(pv.dtype)
+    if shared:
+        w_blocks = w.new_zeros(u, n_kv, r_max, group, plen)
+        w_blocks[slot_u, :, slot_r] = w[..., :plen].reshape(b, n_kv, group, plen)
+        a = torch.bmm(w_blocks.view(u * n_kv, r_max * group, plen),
+                      pv.reshape(u * n_kv, plen, hd))
+        a = a.view(u, n_kv, r_max, group, hd)[slot_u, :, slot_r].reshape(b * n_kv, group, hd)
+    else:
+        a = torch.bmm(w[..., :plen], pv.reshape(b * n_kv, plen, hd))
+    return a + torch.bmm(w[..., plen:], cv.reshape(b * n_kv, n, hd))
 
 
 @functools.cache
@@ -408,15 +436,21 @@ class _FastCache:
         positions = get_position_ids_from_padding_mask(mask)  # [U, P]
         causal = get_causal_mask_from_padding_mask(mask)[:, None]  # [U, 1, P, P]
         x = plan.embed(tokens)
+        cpu = device.type == "cpu"  # attention in fp32 there (_attend)
         for layer in plan.layers:
             q, k, v = _project(layer.attn, layer.sa_norm(x), positions)
+            out_dtype = q.dtype
+            if cpu:
+                q, k, v = _at_least_fp32(q), _at_least_fp32(k), _at_least_fp32(v)
             self.prompt_k.append(k.contiguous())
             self.prompt_v.append(v.contiguous())
             if group > 1:
                 k = k.repeat_interleave(group, dim=1)
                 v = v.repeat_interleave(group, dim=1)
-            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal)
-            x = x + layer.sa_scale(layer.attn.output_proj(a.transpose(1, 2).reshape(u, plen, -1)))
+            with no_autocast(device) if cpu else contextlib.nullcontext():
+                a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal)
+            a = a.to(out_dtype).transpose(1, 2).reshape(u, plen, -1)
+            x = x + layer.sa_scale(layer.attn.output_proj(a))
             x = x + layer.mlp_scale(layer.mlp(layer.mlp_norm(x)))
         self.logits = _head(plan, x[:, -1:])[:, 0][self.prompt_of]  # [B, V]
         self.cache_k = [torch.empty((bsz, n_kv, max_new_tokens, hd), dtype=dtype, device=device)

@@ -4,7 +4,8 @@
 under ``torch.autocast`` to bfloat16 over the parameters of ``dtype`` (fp32 master weights with
 ``dtype: fp32``; the optimizer and the gradients stay in that dtype). The output head makes fp32
 logits all the same (:func:`no_autocast`), and log-probs, entropies, sampling and the loss are
-fp32. ``auto`` is bf16 on a CPU with native bf16 matrix units (x86 AMX, AVX512-BF16;
+fp32. On a CPU attention runs in fp32 too, in the decoder and the trainer alike
+(:func:`cpu_attention_in_fp32`). ``auto`` is bf16 on a CPU with native bf16 matrix units (x86 AMX, AVX512-BF16;
 Arm's BF16 extension) and fp32 anywhere else: bf16 on a CPU without them is emulated and slower
 than fp32. GPU configs train with ``dtype: bf16`` parameters instead.
 """
@@ -129,7 +130,8 @@ def cpu_attention_in_fp32(model: torch.nn.Module) -> int:
     PyTorch's CPU flash attention is slower in bf16 than in fp32 once its backward counts (at
     SmolLM2's shapes in the recipe's update, ``[8, 9, 88, 64]``, 11.5 against 6.0 ms for the
     forward and backward, the casts included), and it is a small part of the work, so the
-    training forward under ``compute_dtype: bf16`` keeps its attention exact to fp32. Inputs
+    training forward under ``compute_dtype: bf16`` keeps its attention exact to fp32, as the
+    in-process decoder's (:mod:`pepo.training.fast_decoder`) on a CPU. Inputs
     on other devices, and fp32 inputs, are left as they are. Returns how many attention modules
     it changed (those already changed are not wrapped again)."""
     changed = 0
