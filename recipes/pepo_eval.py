@@ -49,8 +49,8 @@ from pepo.training.evaluation import (
     format_tables,
     write_results,
 )
+from pepo.training.precision import cpu_attention_in_fp32, resolve_compute_dtype
 from pepo.training.precision import describe as describe_precision
-from pepo.training.precision import resolve_compute_dtype
 from pepo.training.run_lock import RunLock
 from pepo.training.tokenizers import stop_token_ids
 from pepo.training.weights import load_model_weights
@@ -134,6 +134,8 @@ def _setup(cfg: DictConfig) -> dict[str, Any]:
             model = config.instantiate(cfg.model)
         load_model_weights(model, c.checkpoint_dir)
         model.eval()
+        if device.type == "cpu":  # as in training (docs/recipe.md, compute_dtype)
+            cpu_attention_in_fp32(model)
         name, options = c.generation.engine, c.generation.engine_options
         sequence_limit(model, name, options)  # a bad max_model_len before vLLM starts
         src = Path(str(c.checkpoint_dir))

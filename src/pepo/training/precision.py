@@ -5,9 +5,9 @@ under ``torch.autocast`` to bfloat16 over the parameters of ``dtype`` (fp32 mast
 ``dtype: fp32``; the optimizer and the gradients stay in that dtype). The output head makes fp32
 logits all the same (:func:`no_autocast`), and log-probs, entropies, sampling and the loss are
 fp32. On a CPU attention runs in fp32 too, in the decoder and the trainer alike
-(:func:`cpu_attention_in_fp32`). ``auto`` is bf16 on a CPU with native bf16 matrix units (x86 AMX, AVX512-BF16;
-Arm's BF16 extension) and fp32 anywhere else: bf16 on a CPU without them is emulated and slower
-than fp32. GPU configs train with ``dtype: bf16`` parameters instead.
+(:func:`cpu_attention_in_fp32`). ``auto`` is bf16 on a CPU with native bf16 matrix units (x86
+AMX, AVX512-BF16; Arm's BF16 extension) and fp32 anywhere else: bf16 on a CPU without them is
+emulated and slower than fp32. GPU configs train with ``dtype: bf16`` parameters instead.
 """
 
 from __future__ import annotations
