@@ -225,3 +225,32 @@ def test_fast_decoder_attention_in_fp32_on_a_cpu(model, monkeypatch):
         lp, _ = policy_logprobs(trainer, ro, torch.arange(3), chunk_size=4, temperature=1.0)
     gap = float((lp - ro.logprobs).abs()[ro.mask].max())
     assert gap < 5e-2, gap
+
+
+def test_fast_plan_holds_its_fused_weights_in_autocasts_dtype(model):
+    """Built under bf16 autocast, the fast decoder's plan holds its fused q/k/v and gate/up
+    weights in bf16 (autocast caches its casts of the model's own parameters, not of these
+    copies, so it would cast them again at every step), and decodes what a plan of fp32
+    copies decodes under the same autocast, token for token and log-prob for log-prob
+    (catches a cast to another dtype, or of the norms' scales, which stay fp32); built
+    outside autocast, the copies stay fp32 (catches a cast made whatever the context)."""
+    from pepo.training.fast_decoder import FastPlan
+    from pepo.training.generation import decode
+
+    plan32 = FastPlan.of(model)
+    with autocast(CPU, torch.bfloat16):
+        plan16 = FastPlan.of(model)
+    for p, want in ((plan32, torch.float32), (plan16, torch.bfloat16)):
+        assert all(f.qkv is not None and f.up is not None for f in p.fused)
+        assert {f.qkv.dtype for f in p.fused} == {f.up.dtype for f in p.fused} == {want}
+    assert {f.qk_norm.dtype for f in plan16.fused if f.qk_norm is not None} <= {torch.float32}
+    prompts = [[3, 4, 5, 6], [7, 8], [3, 4, 5, 6]]
+    outs = []
+    for p in (plan32, plan16):
+        with autocast(CPU, torch.bfloat16):
+            outs.append(decode([model], [p], prompts, max_new_tokens=6, pad_id=0,
+                               stop_tokens=[], seeds=torch.arange(3), generator=None,
+                               temperature=1.0, top_k=None, top_p=1.0))
+    (_, _, tok32, lp32, valid32, _, _), (_, _, tok16, lp16, valid16, _, _) = outs
+    assert torch.equal(tok32, tok16) and torch.equal(valid32, valid16)
+    assert torch.equal(lp32, lp16)

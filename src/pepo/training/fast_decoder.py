@@ -43,7 +43,9 @@ class FastPlan:
     ``fused`` holds, per layer, the projections the decode step runs as one matrix product
     (:class:`_Fused`), and ``rope`` how it applies the rotary embedding (:func:`_rope_tables`).
     Fused weights are copies: a plan is a snapshot of the model's weights, built per
-    :func:`generate` call.
+    :func:`generate` call. A plan built under ``torch.autocast`` holds them in autocast's
+    dtype, the cast autocast would otherwise make of them at every step (it caches its casts
+    of the model's own parameters, not of copies); it is used under the same autocast.
     """
 
     embed: torch.nn.Module
@@ -131,6 +133,11 @@ class _Fused:
                 f.up, f.up_bias = _cat_linear([mlp.w1, mlp.w3])
             if attn.q_norm is not None and attn.k_norm is not None:
                 f.qk_norm, f.qk_norm_eps = _cat_norms(attn.q_norm, attn.k_norm, attn)
+        device_type = next(layer.parameters()).device.type
+        if torch.is_autocast_enabled(device_type):  # the products' operands, cast once
+            low = torch.get_autocast_dtype(device_type)
+            f.qkv, f.qkv_bias, f.up, f.up_bias = (None if w is None else w.to(low)
+                                                  for w in (f.qkv, f.qkv_bias, f.up, f.up_bias))
         return f
 
 
