@@ -233,7 +233,9 @@ def test_fast_plan_holds_its_fused_weights_in_autocasts_dtype(model):
     copies, so it would cast them again at every step), and decodes what a plan of fp32
     copies decodes under the same autocast, token for token and log-prob for log-prob
     (catches a cast to another dtype, or of the norms' scales, which stay fp32); built
-    outside autocast, the copies stay fp32 (catches a cast made whatever the context)."""
+    outside autocast, the copies stay fp32 (catches a cast made whatever the context), and a
+    float64 model's stay float64, as autocast leaves float64 products alone (catches bf16
+    weights beside float64 inputs, which fail)."""
     from pepo.training.fast_decoder import FastPlan
     from pepo.training.generation import decode
 
@@ -244,6 +246,10 @@ def test_fast_plan_holds_its_fused_weights_in_autocasts_dtype(model):
         assert all(f.qkv is not None and f.up is not None for f in p.fused)
         assert {f.qkv.dtype for f in p.fused} == {f.up.dtype for f in p.fused} == {want}
     assert {f.qk_norm.dtype for f in plan16.fused if f.qk_norm is not None} <= {torch.float32}
+    with autocast(CPU, torch.bfloat16):  # autocast casts no float64: nor does the plan
+        plan64 = FastPlan.of(copy.deepcopy(model).double())
+    assert {f.qkv.dtype for f in plan64.fused} == {f.up.dtype for f in plan64.fused} == {
+        torch.float64}
     prompts = [[3, 4, 5, 6], [7, 8], [3, 4, 5, 6]]
     outs = []
     for p in (plan32, plan16):

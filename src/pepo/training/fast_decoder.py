@@ -135,9 +135,10 @@ class _Fused:
                 f.qk_norm, f.qk_norm_eps = _cat_norms(attn.q_norm, attn.k_norm, attn)
         device_type = next(layer.parameters()).device.type
         if torch.is_autocast_enabled(device_type):  # the products' operands, cast once
-            low = torch.get_autocast_dtype(device_type)
-            f.qkv, f.qkv_bias, f.up, f.up_bias = (None if w is None else w.to(low)
-                                                  for w in (f.qkv, f.qkv_bias, f.up, f.up_bias))
+            low = torch.get_autocast_dtype(device_type)  # (autocast leaves float64 alone)
+            f.qkv, f.qkv_bias, f.up, f.up_bias = (
+                w if w is None or w.dtype == torch.float64 else w.to(low)
+                for w in (f.qkv, f.qkv_bias, f.up, f.up_bias))
         return f
 
 
