@@ -245,7 +245,8 @@ def test_fast_plan_holds_its_fused_weights_in_autocasts_dtype(model):
     for p, want in ((plan32, torch.float32), (plan16, torch.bfloat16)):
         assert all(f.qkv is not None and f.up is not None for f in p.fused)
         assert {f.qkv.dtype for f in p.fused} == {f.up.dtype for f in p.fused} == {want}
-    assert {f.qk_norm.dtype for f in plan16.fused if f.qk_norm is not None} <= {torch.float32}
+    norms = [f.head_norm if f.head_norm is not None else f.qk_norm for f in plan16.fused]
+    assert all(n is not None and n.dtype == torch.float32 for n in norms)
     with autocast(CPU, torch.bfloat16):  # autocast casts no float64: nor does the plan
         plan64 = FastPlan.of(copy.deepcopy(model).double())
     assert {f.qkv.dtype for f in plan64.fused} == {f.up.dtype for f in plan64.fused} == {
