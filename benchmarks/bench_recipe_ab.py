@@ -145,6 +145,10 @@ def steps_label(steps: list[int]) -> str:
     return ", ".join(map(str, steps))
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def seconds(value: float) -> str:
     """Seconds to 0.1 s, or to 0.01 s below 10 s (a small config's steps)."""
     return f"{value:.2f}" if abs(value) < 10 else f"{value:.1f}"
@@ -203,8 +207,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     here = git("describe", "--always")
     if git("status", "--porcelain", "--untracked-files=normal", "--", "src", "recipes"):
         here += " with uncommitted changes"
-    print(f"# {cpu_name()}, {os.cpu_count()} CPUs; --config {args.config}, {args.steps} steps, "
-          f"{args.runs} runs a side, alternating; {rev} against this tree ({here})", flush=True)
+    print(f"# {cpu_name()}, {os.cpu_count()} CPUs; --config {args.config}, "
+          f"{_count(args.steps, 'step')}, {_count(args.runs, 'run')} a side, alternating; "
+          f"{rev} against this tree ({here})", flush=True)
     runs: dict[str, list[dict]] = {"base": [], "new": []}
     with tempfile.TemporaryDirectory(prefix="pepo-ab-") as tmp:
         base_tree = Path(tmp) / "base"

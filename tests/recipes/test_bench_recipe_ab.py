@@ -108,7 +108,8 @@ def test_one_step_against_head_in_a_clone(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(
         [sys.executable, str(clone / "benchmarks" / "bench_recipe_ab.py"), "--against", "HEAD",
-         "--config", "tiny", "--runs", "1", "--steps", "1", "prompts_per_step=2"],
+         "--config", "tiny", "--runs", "1", "--steps", "1", "prompts_per_step=2",
+         "micro_batch_size=4"],
         cwd=clone, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
