@@ -115,7 +115,7 @@ def test_one_step_against_head_in_a_clone(tmp_path):
     out = proc.stdout
     assert "run 1/1, this tree:" in out and "median of steps 1 " in out
     loss_row = next(line for line in out.splitlines() if line.startswith("| step 1: loss"))
-    _, base_loss, new_loss, _ = loss_row.split("|")
+    _, _, base_loss, new_loss, _ = loss_row.split("|")
     assert base_loss.strip() == new_loss.strip() and base_loss.strip() != ""
     assert "| step 1: whole step (mean) |" in out
     listed = subprocess.run(["git", "worktree", "list"], cwd=clone, capture_output=True,
