@@ -135,6 +135,7 @@ def summarize(runs: list[dict], median_steps: list[int]) -> dict:
                          for r in runs],
         "wall_s": [r["wall_s"] for r in runs],
         "peak_rss_gb": [r["peak_rss_gb"] for r in runs],
+        "runs": [{str(k): v for k, v in r["steps"].items()} for r in runs],  # every metric
     }
 
 
@@ -159,8 +160,8 @@ def table(base: dict, new: dict, rev: str, here: str, median_steps: list[int]) -
     def each(values: list[float], fmt=seconds) -> str:
         return ", ".join(fmt(v) for v in values)
 
-    def ratio(a: float, b: float) -> str:
-        return f" ({a / b:.2f}x)" if b > 0 else ""
+    def ratio(a: float, b: float) -> str:  # none against a part that took no time
+        return f" ({a / b:.2f}x)" if b >= 0.01 else ""
 
     span = steps_label(median_steps)
     rows = [f"| seconds | {rev} | this tree ({here}) |", "|---|---:|---:|"]

@@ -283,6 +283,39 @@ def test_rotary_tables_rotate_as_the_modules_do():
         assert torch.equal(FD._rope(plan, plan.layers[0].attn, x, tables), want)
 
 
+def test_the_head_runs_as_one_product_of_its_weight_on_a_cpu():
+    """A head the plan can read (torchtune's ``TiedLinear``, a bias-free ``nn.Linear``) runs in
+    fp32 on a CPU as ``W · xᵀ`` transposed back, without calling the module: the module's
+    logits to fp32 rounding, in its shape. Catches the tied weight not found (the faster product
+    never runs), a product of the wrong orientation or without its transpose (other logits, or
+    ``[V, b]``), and a bias dropped (a head with one, or of another kind, is called as it is;
+    so is a float64 head)."""
+    model = tiny_qwen3(vocab_size=50, num_layers=1).eval()
+    plan = FD.FastPlan.of(model)
+    assert plan.head_weight is model.tok_embeddings.weight
+    x = torch.randn(3, 1, 96)
+    with torch.no_grad():
+        want = model.output(model.norm(x))
+        called = []
+
+        def recorded(plan):
+            def output(h):
+                called.append(h.dtype)
+                return plan.output(h)
+            return dataclasses.replace(plan, output=output)
+
+        got = FD._head(recorded(plan), x)
+        assert called == [] and got.shape == (3, 1, 50) and got.is_contiguous()
+        torch.testing.assert_close(got, want)
+        plan64 = FD.FastPlan.of(tiny_qwen3(vocab_size=50, num_layers=1).double().eval())
+        FD._head(recorded(plan64), x.double())
+        assert called == [torch.float64]
+    lin = torch.nn.Linear(96, 50, bias=False)
+    assert FD._head_weight(lin) is lin.weight
+    assert FD._head_weight(torch.nn.Linear(96, 50)) is None
+    assert FD._head_weight(torch.nn.Sequential(lin)) is None
+
+
 def test_a_row_samples_the_same_alone_and_in_any_batch():
     model = random_model(4, 2)
     prompts = ragged_prompts(12, seed=3)
