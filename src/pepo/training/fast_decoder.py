@@ -306,8 +306,9 @@ def _head(plan: FastPlan, x: torch.Tensor) -> torch.Tensor:
 
     On a CPU an fp32 head runs as ``W · xᵀ`` (``[V, d] x [d, b]``), transposed back: with a
     few rows and a large vocabulary the BLAS takes that form at 1.5-1.8x the rate of
-    ``x · Wᵀ`` (SmolLM2's ``[32, 576] x [576, 49152]`` on a 2-core Zen 3: 25-29 against 43 ms),
-    and the decoder draws the same tokens (docs/performance.md)."""
+    ``x · Wᵀ`` (SmolLM2's ``[32, 576] x [576, 49152]`` on a 2-core Zen 3: 25-29 against 43 ms).
+    The values are those of the module's product to fp32 rounding (bit for bit there at 32
+    rows), and the decodes measured drew the same tokens (docs/performance.md)."""
     with no_autocast(x.device):
         h = plan.norm(x)
         w = plan.head_weight
