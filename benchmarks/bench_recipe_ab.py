@@ -108,7 +108,12 @@ def run_once(label: str, tree: Path, config: str, out: Path, steps: int,
     t0 = time.perf_counter()
     with open(log, "w", encoding="utf-8") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=tree)
-        _, status, usage = os.wait4(proc.pid, 0)
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        except BaseException:  # Ctrl-C: the run ends with the benchmark, not after it
+            proc.kill()
+            proc.wait()
+            raise
     wall = time.perf_counter() - t0
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:

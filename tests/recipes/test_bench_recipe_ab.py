@@ -94,6 +94,31 @@ def test_bad_arguments_are_named(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_an_interrupted_benchmark_takes_its_run_with_it(tmp_path, monkeypatch):
+    """Ctrl-C while a run is under way ends that run too (catches a wait that lets the
+    interrupt through and leaves the training process running, on the cores the next
+    measurement needs, with its worktree removed under it)."""
+    bench = _bench()
+    started, real_popen = [], subprocess.Popen
+
+    def popen(*args, **kwargs):
+        started.append(real_popen(*args, **kwargs))
+        return started[-1]
+
+    def interrupted(pid, options):
+        raise KeyboardInterrupt
+
+    config = tmp_path / "c.yaml"
+    config.write_text("{}\n", encoding="utf-8")
+    monkeypatch.setattr(bench, "tune_command",
+                        lambda: [sys.executable, "-c", "import time; time.sleep(120)"])
+    monkeypatch.setattr(bench.subprocess, "Popen", popen)
+    monkeypatch.setattr(bench.os, "wait4", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        bench.run_once("this tree", tmp_path, str(config), tmp_path / "run1", 1, [])
+    assert len(started) == 1 and started[0].poll() is not None
+
+
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_one_step_against_head_in_a_clone(tmp_path):
     """The whole tool as a user runs it, in a clone (its worktree comes and goes there, not in
