@@ -162,13 +162,21 @@ def strategy_kernel(name, **params):
     return s._triton
 
 
-@pytest.mark.parametrize("name,params", [
-    ("proximal_softmax", dict(window=7, temperature=1.0, apply_to="positive")),
-    ("proximal_softmax", dict(window=101, temperature=0.5, apply_to="all")),
-    ("window_average", dict(window=5, apply_to="positive")),
-    ("window_average", dict(window=101, apply_to="all")),
-])
-@pytest.mark.parametrize("holes,small_chunks", [(False, False), (True, False), (True, True)])
+SMALL = [("proximal_softmax", dict(window=7, temperature=1.0, apply_to="positive")),
+         ("window_average", dict(window=5, apply_to="positive"))]
+WIDE = [("proximal_softmax", dict(window=101, temperature=0.5, apply_to="all")),
+        ("window_average", dict(window=101, apply_to="all"))]
+
+
+# The small chunks are the compaction's test, which the window's width does not reach: they run
+# at the small windows only (at W = 101 the interpreter took 17 s a case for nothing new).
+@pytest.mark.parametrize("name,params,holes,small_chunks", [
+    pytest.param(name, params, holes, small,
+                 id=f"{name}-W{params['window']}-{'holes' if holes else 'prefix'}"
+                    + ("-small_chunks" if small else ""))
+    for cases, chunks in [(SMALL, [(False, False), (True, False), (True, True)]),
+                          (WIDE, [(False, False), (True, False)])]
+    for name, params in cases for holes, small in chunks])
 def test_windowed_kernel_is_the_formula(name, params, holes, small_chunks, monkeypatch):
     """Catches: the window or temperature ignored, the padding not a reflection at each row's
     own ends (or one reflection only, for rows shorter than W // 2), holes in the mask not
@@ -282,7 +290,7 @@ def test_windowed_kernel_row_of_many_chunks(monkeypatch):
     values past the 64th chunk, its lowest (row 2) or its highest (row 3). A loop over the
     first 64 chunks only misses either: the row then comes out finite where the body gives
     NaN (row 2's low values as ratios of tiny exps, row 3's top as exps that still fit)."""
-    monkeypatch.setattr(_triton, "_BLOCK", 2)
+    monkeypatch.setattr(_triton, "_BLOCK", 4)  # one block a chunk (several: the formula test)
     monkeypatch.setattr(_triton, "_CHUNK", 4)
     g = torch.Generator().manual_seed(5)
     ent = torch.rand(4, 300, generator=g)
@@ -306,15 +314,17 @@ def test_windowed_kernel_row_of_many_chunks(monkeypatch):
 def test_windowed_kernel_rows_of_several_chunks_as_shipped():
     """Rows of 4,500 columns (three of the shipped chunks of 2,048), with holes, a row whose
     first chunk is all masked and a row whose range is wide only through its third chunk's
-    values (a shift read from the first chunk misses it): both strategies as their bodies."""
+    values (a shift read from the first chunk misses it): both strategies as their bodies.
+    The window is 11: its width meets the chunks nowhere (the compaction is done before it),
+    and W = 101 cost the interpreter 30 s here."""
     adv, ent, mask = ragged_batch([4500, 3000, 4100], 4500, holes=True, seed=11, scale=3.0)
     adv = adv.abs() + 0.1
     mask[1, :2048] = False
     ent[2] = 0.5 * ent[2] / 3.0
     ent[2, 4096:] += 41.0  # range > 40 = 80 τ at τ = 0.5; exp(84) holds in fp32
     adv, ent, mask = adv.to(DEVICE), ent.to(DEVICE), mask.to(DEVICE)
-    for name, params in [("proximal_softmax", dict(window=101, temperature=0.5)),
-                         ("window_average", dict(window=101))]:
+    for name, params in [("proximal_softmax", dict(window=11, temperature=0.5)),
+                         ("window_average", dict(window=11))]:
         s = pw.get_strategy(name, apply_to="all", **params)
         got = s._triton(adv, ent, mask, None).cpu()
         want = s._body(adv.cpu(), ent.cpu(), mask.cpu(), positive=None)

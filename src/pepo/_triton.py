@@ -150,14 +150,15 @@ if triton is not None:
         return tl.where(nan > 0, float("nan"), hi * scale), (hi - lo) > wide_range
 
     @triton.jit
-    def _window_sum(base, p, valid, W, n, period, shift, PROXIMAL: tl.constexpr,  # noqa: N803
-                    ONCE: tl.constexpr, TILE: tl.constexpr):  # noqa: N803
+    def _window_sum(base, p, valid, W, steps, n, period, shift,  # noqa: N803
+                    PROXIMAL: tl.constexpr, ONCE: tl.constexpr, TILE: tl.constexpr):  # noqa: N803
         """The sum over each token's window of its row's compact values (their exps, shifted,
         for the softmax), the indices reflected at the row's ends: with two comparisons where
-        the row is at least half a window long (``ONCE``), by a remainder otherwise."""
+        the row is at least half a window long (``ONCE``), by a remainder otherwise. ``steps``
+        is ``W``, or 0 for a tile without a valid token (its sums are never read)."""
         half = W // 2
         acc = tl.zeros((TILE,), dtype=tl.float32)
-        for d in range(0, W):
+        for d in range(0, steps):
             j = p + (d - half)
             if ONCE:
                 j = tl.where(j < 0, -j, j)
@@ -189,10 +190,12 @@ if triton is not None:
         wide = False
         if PROXIMAL:
             shift, wide = _row_shift(stat_ptr, row, n_chunks, scale, wide_range)
+        # a tile of padding alone (a short row's tail) skips its W loads: its tokens are all 0
+        steps = tl.where(tl.max(valid.to(tl.int32), axis=0) > 0, W, 0)
         if W // 2 <= n - 1:  # one reflection at most: no remainder (the usual row, and faster)
-            acc = _window_sum(base, p, valid, W, n, period, shift, PROXIMAL, True, TILE)
+            acc = _window_sum(base, p, valid, W, steps, n, period, shift, PROXIMAL, True, TILE)
         else:  # a row shorter than half a window reflects again and again
-            acc = _window_sum(base, p, valid, W, n, period, shift, PROXIMAL, False, TILE)
+            acc = _window_sum(base, p, valid, W, steps, n, period, shift, PROXIMAL, False, TILE)
         x = tl.load(base + p, mask=valid, other=0.0)
         if PROXIMAL:
             e = tl.exp(x - shift) / acc
