@@ -6,6 +6,22 @@ import torch
 
 from pepo import _extras
 
+
+def _share_the_cores() -> None:
+    """Under ``pytest -n N`` (pytest-xdist) each worker, and every process its tests start, gets
+    its share of the cores as torch threads (``OMP_NUM_THREADS``, unless already set): N
+    processes each running torch on every core oversubscribe them, and on 2 cores two such
+    processes ran 8-16x slower than one."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1 or "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = max(1, (cores or 1) // workers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
+_share_the_cores()
 # The core install (torch alone) runs the core's tests: tests/*.py and property_tests/. The
 # layers above it are tested where the recipe extra is installed (the TRL adapter's tests build
 # their model with the recipe's test fixtures, so they go with them).
