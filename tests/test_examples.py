@@ -31,6 +31,7 @@ def batch(seed=0, n=24):
     return policy, prompts, responses, mask
 
 
+@pytest.mark.slow
 def test_the_loop_learns_the_task():
     history = ex.main(steps=400, seed=0, log_every=0)
     first, last = sum(history[:20]) / 20, sum(history[-20:]) / 20

@@ -37,6 +37,7 @@ def tiny(tmp_path_factory):
     return json.loads(out.read_text()), proc.stdout
 
 
+@pytest.mark.slow
 def test_tiny_runs_complete_with_full_length_responses(tiny):
     """Catches: a run that stops before the asked steps (or reports step 1 of 2), a stop token
     or an EOS cutting the responses (random weights, stop tokens switched off: every rollout
@@ -57,6 +58,7 @@ def test_tiny_runs_complete_with_full_length_responses(tiny):
         assert math.isfinite(rep["loss"])
 
 
+@pytest.mark.slow
 def test_tiny_split_sums_within_the_step(tiny):
     """Catches: a split that double counts (the strategy's time, which runs inside the old
     log-probs' or the update's part, added beside them; the rewards outside generation), a part
@@ -76,6 +78,7 @@ def test_tiny_split_sums_within_the_step(tiny):
             r["response_tokens"] / (r["gen_time"] - r["reward_time"]))
 
 
+@pytest.mark.slow
 def test_tiny_pepo_weights_tokens_and_ratio_is_finite(tiny):
     """Catches: the PEPO run silently running GRPO (a strategy override not applied: its token
     advantages would equal the sequence advantage), a GRPO run that is not uniform, all-zero
@@ -93,6 +96,7 @@ def test_tiny_pepo_weights_tokens_and_ratio_is_finite(tiny):
     assert t7["pepo_over_grpo"] == pytest.approx((31 * 60 + 54) / (31 * 60 + 32))
 
 
+@pytest.mark.slow
 def test_tiny_entropy_bench_agrees_with_naive(tiny):
     """Catches: a micro-benchmark that times two different computations (the chunked
     log-probs and entropies must equal the naive full-softmax ones, fp32 here) or no call."""

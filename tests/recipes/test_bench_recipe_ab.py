@@ -119,6 +119,7 @@ def test_an_interrupted_benchmark_takes_its_run_with_it(tmp_path, monkeypatch):
     assert len(started) == 1 and started[0].poll() is not None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_one_step_against_head_in_a_clone(tmp_path):
     """The whole tool as a user runs it, in a clone (its worktree comes and goes there, not in

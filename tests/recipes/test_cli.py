@@ -15,6 +15,7 @@ def tune(tmp_path, *args):
                           timeout=300)
 
 
+@pytest.mark.slow
 def test_tune_run_tiny_one_step(tmp_path):
     r = tune(tmp_path, "--config", "tiny", "num_steps=1", "output_dir=out", "validation.samples=1",
              "val_dataset.size=4", "strategy.name=global_topk")
@@ -33,12 +34,14 @@ def test_tune_run_tiny_one_step(tmp_path):
     (["--config", "no_such_config"], "neither a file nor a bundled config; bundled configs: ["),
     (["--config", "tiny", "strategy.name=nope"], "config error: strategy.name='nope': unknown"),
 ])
+@pytest.mark.slow
 def test_tune_run_bad_config_is_one_clear_line(tmp_path, args, message):
     r = tune(tmp_path, *args)
     assert r.returncode != 0
     assert message in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_list_and_copy_a_config_then_run_the_copy(tmp_path):
     """`python -m pepo.configs ls / cp`: the torchtune habit for pepo's configs; the copy runs,
     and cp never overwrites."""

@@ -95,6 +95,7 @@ def small_cfg(tmp: Path, name: str = "tiny", **overrides):
     return tiny_cfg(tmp, name, num_steps=3, save_every=1, dump_rollouts_every=1, **overrides)
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one_in_group_mode(tmp_path):
     """Catches anything rank-dependent in the step: rollouts seeded per rank, advantages or a
     loss normaliser from the rank's half only, gradients averaged instead of summed, a
@@ -108,6 +109,7 @@ def test_two_processes_equal_one_in_group_mode(tmp_path):
     assert_same_run(tmp_path / "one" / "run", tmp_path / "two" / "run", 3)
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one_in_single_stream_mode_and_trackers_agree(tmp_path):
     """The SPO tracker (values, drift bookkeeping) must be identical on both ranks and equal to
     one process's: catches a tracker updated with a rank's rewards only, or a drift measured
@@ -129,6 +131,7 @@ def test_two_processes_equal_one_in_single_stream_mode_and_trackers_agree(tmp_pa
     assert_same_run(tmp_path / "one" / "run", run, 3)
 
 
+@pytest.mark.slow
 def test_stopped_two_process_run_resumes_exactly_with_two_and_with_one(tmp_path):
     """SIGTERM to torchrun mid-run: every rank stops after the same step with one checkpoint;
     resuming it with 2 processes, or with 1, ends where an uninterrupted run ends. Catches a
@@ -172,6 +175,7 @@ def test_stopped_two_process_run_resumes_exactly_with_two_and_with_one(tmp_path)
     assert ref.step == steps
 
 
+@pytest.mark.slow
 def test_a_failing_rank_stops_the_job_with_its_error(tmp_path):
     """Rank 1 raises at step 2 while rank 0 waits for it in a collective: the job must end
     with rank 1's error, in bounded time, not hang until the collective times out."""
@@ -184,6 +188,7 @@ def test_a_failing_rank_stops_the_job_with_its_error(tmp_path):
     assert time.monotonic() - t0 < 200  # well below the 600 s collective timeout
 
 
+@pytest.mark.slow
 def test_a_config_error_under_torchrun_is_printed_once(tmp_path):
     """Each process printed the same `config error:` line (then torchrun's summary)."""
     cfg = tiny_cfg(tmp_path, num_steps=1)

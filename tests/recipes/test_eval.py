@@ -69,6 +69,7 @@ def test_eval_config_errors(tmp_path):
         pepo_eval.validate_eval_config(cfg)
 
 
+@pytest.mark.slow
 def test_tune_run_pepo_eval_tiny(tmp_path):
     r = subprocess.run([sys.executable, "-m", "torchtune._cli.tune", "run", "pepo_eval",
                         "--config", "eval_tiny", "output_dir=out", "benchmarks.modsum_val.k=1",

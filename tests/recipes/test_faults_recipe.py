@@ -329,6 +329,7 @@ def _worker_pids(tmp_path: Path) -> set[int]:
     return {int(x) for x in f.read_text().split()} if f.is_file() else set()
 
 
+@pytest.mark.slow
 @needs_proc
 def test_sigterm_stops_after_the_step_with_a_checkpoint_and_no_orphans(tmp_path):
     """Catches verifier workers that outlive a SIGTERMed trainer, and a trainer that dies
@@ -354,6 +355,7 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint_and_no_orphans(tmp_path)
     assert pids and all(dead(pid, 10) for pid in pids)
 
 
+@pytest.mark.slow
 @needs_proc
 def test_killed_at_random_points_the_run_resumes_exactly_and_leaves_no_processes(tmp_path):
     """Ten SIGKILLs: six at random moments after a random step (some land inside checkpoint
@@ -423,6 +425,7 @@ def test_killed_at_random_points_the_run_resumes_exactly_and_leaves_no_processes
 # ----------------------------------------------------------------- one run per output_dir
 
 
+@pytest.mark.slow
 @needs_proc
 @pytest.mark.parametrize("second_resumes", [False, True])
 def test_a_second_run_on_a_live_runs_output_dir_is_refused(tmp_path, monkeypatch, capsys,
@@ -526,6 +529,7 @@ def test_a_failed_dump_leaves_no_temporary_file(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 @needs_proc
 @pytest.mark.parametrize("presses", [1, 2])
 def test_ctrl_c_stops_like_sigterm_in_one_line_and_loses_nothing(tmp_path, presses):
@@ -568,6 +572,7 @@ def test_ctrl_c_stops_like_sigterm_in_one_line_and_loses_nothing(tmp_path, press
     assert _worker_pids(tmp_path) and all(dead(pid, 10) for pid in _worker_pids(tmp_path))
 
 
+@pytest.mark.slow
 @needs_proc
 def test_ctrl_c_during_the_opening_validation_trains_nothing_and_writes_nothing(tmp_path):
     """Catches a stop request that is only looked at after a training step: Ctrl-C during the

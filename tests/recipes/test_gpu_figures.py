@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_figures.sh"
 NAMES = {"uniform", "entropy_bonus", "global_topk", "global_topk(proximal)", "window_average",
@@ -24,6 +26,7 @@ def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_quick_run_writes_every_steps_figures(tmp_path):
     """Catches a step left out or writing elsewhere (a missing file), the radix run not made
     (its table absent), and a failing step that the script would hide (exit status 0 with

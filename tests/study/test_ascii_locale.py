@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = r'''
@@ -41,6 +43,7 @@ print("done")
 '''
 
 
+@pytest.mark.slow
 def test_dumps_diagnostics_and_tables_under_an_ascii_locale(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LC_", "PYTHONIOENCODING"))}
     env.update(LC_ALL="C", LANG="C", PYTHONUTF8="0", PYTHONCOERCECLOCALE="0",

@@ -33,6 +33,7 @@ def test_paired_statistics_match_their_definition(study):
     assert study.paired(runs, []) is None
 
 
+@pytest.mark.slow
 def test_two_step_one_seed_study(study, tmp_path, monkeypatch):
     from pepo.training.precision import cpu_model
 
@@ -184,6 +185,7 @@ def test_runs_held_by_another_process_are_left_to_it(study, tmp_path, monkeypatc
     assert len(results) == n_methods and (docs / "results.md").is_file()
 
 
+@pytest.mark.slow
 def test_a_failed_run_raises_with_the_end_of_its_log(study, tmp_path):
     """The recipe runs in a child process: a run that fails (here a config the recipe refuses)
     raises naming the run and quoting its log, instead of reading a summary that is not there.
@@ -371,6 +373,7 @@ def test_the_reported_command_can_be_pasted(study):
     assert shlex.split(cmd)[5:] == ["--methods", "80/20, proximal score", "GTPO"]
 
 
+@pytest.mark.slow
 def test_a_terminated_study_takes_its_training_run_with_it(tmp_path):
     """``kill`` (SIGTERM: a scheduler's, a stop script's) of a running study ends the recipe run
     it started too, instead of leaving an orphan that trains on with nobody to record its

@@ -46,6 +46,7 @@ def first_step(tmp_path_factory):
     return A.load_dump(dumps[0])
 
 
+@pytest.mark.slow
 def test_warm_start_profile_is_at_a_reasoning_models_scale(first_step):
     r = first_step
     assert len(r) == 256
@@ -78,6 +79,7 @@ def _roles(text: str) -> list[str]:
     return roles
 
 
+@pytest.mark.slow
 def test_uncertainty_sits_at_decisions_and_at_meaningless_forks(first_step):
     """The high-entropy tokens are of two kinds: the results (a wrong one loses the answer)
     and the forks (either choice is right). Both are present, and they hold most of the

