@@ -92,6 +92,7 @@ from pepo.training.evaluation import (
 )
 from pepo.training.generation import Rollouts, draw_seeds
 from pepo.training.hf import save_hf
+from pepo.training.models import check_model
 from pepo.training.precision import autocast, cpu_attention_in_fp32, resolve_compute_dtype
 from pepo.training.precision import describe as describe_precision
 from pepo.training.reporting import (
@@ -232,11 +233,8 @@ class PEPORecipe(FTRecipeInterface):
 
         with training.set_default_dtype(self._dtype), self._device:
             self.model = build(cfg, "model")
-        emb = self.model.tok_embeddings.num_embeddings
-        if self.tokenizer.vocab_size > emb:
-            raise ValueError(
-                f"tokenizer has {self.tokenizer.vocab_size} tokens but the model embeds only {emb}"
-            )
+        check_model(self.model, self.tokenizer.vocab_size,
+                    logprobs_from_hidden=self.forward_kw["from_hidden"])
         load_model_weights(self.model, c.checkpoint_dir)
         self.model.eval()  # no dropout anywhere: rollout, old and new log-probs are one function
         if self._device.type == "cpu":  # its bf16 attention is slower than fp32 with a backward

@@ -257,6 +257,30 @@ def test_bad_config_fails_before_model(tmp_path, override, message, monkeypatch)
     recipe.cleanup()
 
 
+def test_logprobs_from_hidden_with_a_head_it_cannot_take_fails_at_setup(tmp_path, monkeypatch):
+    """Catches the recipe not checking the built model (``check_model``): a head with a bias
+    under ``logprobs_from_hidden=true`` is refused when the model is built, before any step,
+    instead of training with the bias dropped from every log-prob."""
+    import pepo.training.models
+
+    real = pepo.training.models.tiny_qwen3
+
+    def biased_head(*a, **k):
+        model = real(*a, **k)
+        emb = model.tok_embeddings
+        model.output = torch.nn.Linear(emb.embedding_dim, emb.num_embeddings)
+        return model
+
+    monkeypatch.setattr(pepo.training.models, "tiny_qwen3", biased_head)
+    cfg = tiny_cfg(tmp_path, logprobs_from_hidden=True)
+    with pytest.raises(ValueError, match="this model's is a Linear with a bias: set "
+                                         "logprobs_from_hidden=false") as raised:
+        run(cfg)
+    # raised by the check of the built model, not by the first update's forward
+    assert "check_model" in [entry.name for entry in raised.traceback]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_a_resumed_run_logs_each_step_once(tmp_path):
     """A run killed after step 3 with its last checkpoint at step 2 logged step 3; the resume
     logs step 3 again. metrics.txt must hold one line per step (and keep step 0's validation)."""

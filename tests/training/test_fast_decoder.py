@@ -19,7 +19,7 @@ import pepo.training.generation as G
 from pepo.entropy import logprobs_and_entropy
 from pepo.tasks.problems import drift_dataset, modsum_dataset
 from pepo.training.config import asset_dir
-from pepo.training.models import tiny_qwen3
+from pepo.training.models import head_weight, tiny_qwen3
 from pepo.training.tokenizers import load_tokenizer
 from pepo.training.weights import load_model_weights
 
@@ -311,9 +311,9 @@ def test_the_head_runs_as_one_product_of_its_weight_on_a_cpu():
         FD._head(recorded(plan64), x.double())
         assert called == [torch.float64]
     lin = torch.nn.Linear(96, 50, bias=False)
-    assert FD._head_weight(lin) is lin.weight
-    assert FD._head_weight(torch.nn.Linear(96, 50)) is None
-    assert FD._head_weight(torch.nn.Sequential(lin)) is None
+    assert head_weight(lin) is lin.weight
+    assert head_weight(torch.nn.Linear(96, 50)) is None
+    assert head_weight(torch.nn.Sequential(lin)) is None
 
 
 def test_a_row_samples_the_same_alone_and_in_any_batch():

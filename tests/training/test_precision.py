@@ -99,6 +99,8 @@ def test_engine_and_trainer_forward_run_at_the_compute_dtype(model, dtype):
     precision than training, and bf16 logits, whose rounding the log-probs would carry).
     Sampled log-probs then match the trainer's to the bf16 body's error, and exactly (1e-5)
     without autocast."""
+    from torchtune.modules import TiedLinear
+
     seen, undo = _record_dtypes(model)
     try:
         engine = build_engine("inprocess", model, compute_dtype=dtype)
@@ -107,10 +109,22 @@ def test_engine_and_trainer_forward_run_at_the_compute_dtype(model, dtype):
                              temperature=1.0, seeds=torch.arange(3))
         assert seen["body"] == {dtype or torch.float32} and seen["head"] == {torch.float32}
         seen["body"].clear(), seen["head"].clear()
+        recording = model.output
         for from_hidden in (True, False):
-            with torch.no_grad(), autocast(CPU, dtype):
-                lp, _ = policy_logprobs(model, ro, torch.arange(3), chunk_size=4,
-                                        temperature=1.0, from_hidden=from_hidden)
+            # from_hidden takes a TiedLinear itself, not the recording subclass: a call of it
+            # would be recorded by TiedLinear's own call, wrapped here
+            model.output = TiedLinear(model.tok_embeddings) if from_hidden else recording
+            call = TiedLinear.__call__
+            TiedLinear.__call__ = lambda self, x: seen["head"].add("called") or call(self, x)
+            try:
+                with torch.no_grad(), autocast(CPU, dtype):
+                    lp, _ = policy_logprobs(model, ro, torch.arange(3), chunk_size=4,
+                                            temperature=1.0, from_hidden=from_hidden)
+            finally:
+                TiedLinear.__call__ = call
+                model.output = recording
+            if not from_hidden:
+                seen["head"].discard("called")  # the recording head calls TiedLinear's
             assert seen["body"] == {dtype or torch.float32}
             assert seen["head"] == ({torch.float32} if not from_hidden else set())
             gap = float((lp - ro.logprobs).abs()[ro.mask].max())

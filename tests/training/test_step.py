@@ -155,6 +155,44 @@ def test_policy_forward_masked_equals_sliced_and_hidden_equals_logits(model):
     assert not math.isnan(float(lp[mask].sum()))
 
 
+def test_from_hidden_takes_only_a_head_that_is_its_weights_product(model):
+    """``from_hidden`` multiplies the hidden states by the head's weight alone. Catches a head
+    with a bias (or of another kind, as a LoRA head) whose extra terms would be dropped in
+    silence (a clear error instead, naming the key to turn off), and an untied bias-free
+    ``nn.Linear`` head read from the wrong place (its logits path's numbers)."""
+    import copy
+
+    from pepo.training.models import check_model
+
+    ro = Rollouts(*pad_prompts([[3, 4, 5], [6]], pad_id=0), torch.tensor([[7, 8], [9, 0]]),
+                  torch.tensor([[True, True], [True, False]]), torch.tensor([True, True]))
+    rows, kw = torch.arange(2), dict(chunk_size=2, temperature=0.7)
+    untied = copy.deepcopy(model)
+    untied.output = torch.nn.Linear(32, model.tok_embeddings.num_embeddings, bias=False)
+    biased = copy.deepcopy(model)
+    biased.output = torch.nn.Linear(32, model.tok_embeddings.num_embeddings)
+    wrapped = copy.deepcopy(model)
+    wrapped.output = torch.nn.Sequential(untied.output)
+    message = ("logprobs_from_hidden=true needs an output head that is one matrix product .* "
+               "this model's is a {}: set logprobs_from_hidden=false")
+    with torch.no_grad():
+        lp, ent = policy_logprobs(untied, ro, rows, **kw)
+        lp_h, ent_h = policy_logprobs(untied, ro, rows, from_hidden=True, **kw)
+        torch.testing.assert_close(lp_h, lp, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent_h, ent, rtol=1e-5, atol=1e-5)
+        for bad, kind in ((biased, "Linear with a bias"), (wrapped, "Sequential")):
+            policy_logprobs(bad, ro, rows, **kw)  # the logits path takes any head
+            with pytest.raises(ValueError, match=message.format(kind)):
+                policy_logprobs(bad, ro, rows, from_hidden=True, **kw)
+            with pytest.raises(ValueError, match=message.format(kind)):
+                check_model(bad, 10, logprobs_from_hidden=True)
+            check_model(bad, 10, logprobs_from_hidden=False)
+    check_model(model, model.tok_embeddings.num_embeddings, logprobs_from_hidden=True)
+    with pytest.raises(ValueError, match=f"tokenizer has {model.tok_embeddings.num_embeddings + 1} "
+                       f"tokens but the model embeds only {model.tok_embeddings.num_embeddings}"):
+        check_model(model, model.tok_embeddings.num_embeddings + 1, logprobs_from_hidden=False)
+
+
 def test_policy_forward_keeps_the_logits_within_its_budget(model, monkeypatch):
     """``save_logits_mib``: the head keeps its logits for the backward exactly when the
     responses' fp32 logits (``[b, T', V]``, the rows' own extent) fit the budget (catches the

@@ -29,6 +29,7 @@ from torchtune.generation import (
 
 from pepo.entropy import logprobs_and_entropy
 from pepo.training.draws import draw_token, row_uniforms_table
+from pepo.training.models import head_weight as weight_of_head
 from pepo.training.precision import no_autocast
 
 __all__ = ["FastPlan", "compiled_step", "decode_step", "generate_fast"]
@@ -86,7 +87,7 @@ class FastPlan:
         return cls(model.tok_embeddings, layers, model.norm, model.output, *shape,
                    fused=[_Fused.of(layer, fuse) for layer in layers],
                    rope=_rope_kind([layer.attn.pos_embeddings for layer in layers]),
-                   head_weight=_head_weight(model.output))
+                   head_weight=weight_of_head(model.output))
 
 
 # The decode step runs the q/k/v projections, and the MLP's gate and up projections, as one
@@ -286,18 +287,6 @@ def _mlp(mlp, f: _Fused, h: torch.Tensor) -> torch.Tensor:
     gu = torch.nn.functional.linear(h, f.up, f.up_bias)
     i = gu.shape[-1] // 2
     return mlp.w2(mlp.activation(gu[:, :i]) * gu[:, i:])
-
-
-def _head_weight(output: Any) -> Optional[torch.Tensor]:
-    """The ``[V, d]`` weight of an output head that is that one product and nothing else
-    (torchtune's ``TiedLinear``, or an ``nn.Linear`` without bias); None for any other head."""
-    from torchtune.modules import TiedLinear
-
-    if type(output) is TiedLinear:
-        return output.tied_module.weight
-    if type(output) is torch.nn.Linear and output.bias is None:
-        return output.weight
-    return None
 
 
 def _head(plan: FastPlan, x: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,8 @@ from torchtune.modules import (
     TransformerSelfAttentionLayer,
 )
 
-__all__ = ["HeadNormProjection", "check_state_matches", "qwen3", "tiny_qwen3"]
+__all__ = ["HeadNormProjection", "check_model", "check_state_matches", "head_weight", "qwen3",
+           "tiny_qwen3"]
 
 
 class HeadNormProjection(nn.Module):
@@ -195,3 +196,33 @@ def check_state_matches(model: nn.Module, state: dict, source: Any) -> None:
             raise ValueError(
                 f"{source}: {k} has shape {list(v.shape)}, the model expects {list(own[k].shape)}"
             )
+
+
+def head_weight(output: Any, *, required: bool = False) -> Optional[torch.Tensor]:
+    """The ``[V, d]`` weight of an output head that is that one product and nothing else
+    (torchtune's ``TiedLinear``, or an ``nn.Linear`` without bias); None for any other head (a
+    bias, an adapter, a subclass: more than the product), or with ``required`` a ``ValueError``
+    saying so (``logprobs_from_hidden`` multiplies by the weight alone)."""
+    if type(output) is TiedLinear:
+        return output.tied_module.weight
+    if type(output) is nn.Linear and output.bias is None:
+        return output.weight
+    if not required:
+        return None
+    kind = type(output).__name__ + (" with a bias" if getattr(output, "bias", None) is not None
+                                    else "")
+    raise ValueError(
+        f"logprobs_from_hidden=true needs an output head that is one matrix product (torchtune's "
+        f"TiedLinear, or an nn.Linear without bias); this model's is a {kind}: set "
+        f"logprobs_from_hidden=false"
+    )
+
+
+def check_model(model: Any, vocab_size: int, *, logprobs_from_hidden: bool) -> None:
+    """A built model's fit to its run, checked before anything runs: the tokenizer's ids within
+    its embedding and, with ``logprobs_from_hidden``, an output head :func:`head_weight` takes."""
+    emb = model.tok_embeddings.num_embeddings
+    if vocab_size > emb:
+        raise ValueError(f"tokenizer has {vocab_size} tokens but the model embeds only {emb}")
+    if logprobs_from_hidden:
+        head_weight(model.output, required=True)

@@ -136,8 +136,9 @@ def policy_logprobs(model: Any, ro: Rollouts, rows: torch.Tensor, *, chunk_size:
     parameters' dtype all the same, as the decoder makes them
     (:func:`pepo.training.precision.no_autocast`).
     """
-    from torchtune.modules import TiedLinear
+    from pepo.training.models import head_weight
 
+    weight = head_weight(model.output, required=True) if from_hidden else None  # [V, D]
     start, end = row_extent(ro.prompt_mask[rows], ro.mask[rows])
     prompt_mask = ro.prompt_mask[rows][:, start:]
     targets = ro.tokens[rows][:, :end]  # [b, T']
@@ -150,8 +151,6 @@ def policy_logprobs(model: Any, ro: Rollouts, rows: torch.Tensor, *, chunk_size:
         if not from_hidden:
             with no_autocast(h.device):
                 return type(model).unembed(model, h)  # [b, S, V]
-        out = model.output
-        weight = out.tied_module.weight if isinstance(out, TiedLinear) else out.weight  # [V, D]
         # keeps the logits in the weight's dtype itself; under autocast the gradient's products
         # run in bf16
         save = targets.numel() * weight.shape[0] * 4 <= save_logits_mib * 2**20
