@@ -113,8 +113,10 @@ def test_two_processes_equal_one_in_group_mode(tmp_path):
 def test_two_processes_equal_one_in_single_stream_mode_and_trackers_agree(tmp_path):
     """The SPO tracker (values, drift bookkeeping) must be identical on both ranks and equal to
     one process's: catches a tracker updated with a rank's rewards only, or a drift measured
-    on a rank's half of the batch."""
-    kw = dict(micro_batch_size=2)
+    on a rank's half of the batch. With ``logprobs_from_hidden``: catches the chunked head
+    reading the tied weight outside the model's forward, where FSDP2 holds a rank's shard of
+    it."""
+    kw = dict(micro_batch_size=2, logprobs_from_hidden=True)
     one = pepo_recipe.recipe_main(small_cfg(tmp_path / "one", "tiny_spo", **kw), log_config=False)
     err = finish(torchrun(small_cfg(tmp_path / "two", "tiny_spo", **kw), 2, tmp_path))
     run = tmp_path / "two" / "run"

@@ -138,7 +138,8 @@ def policy_logprobs(model: Any, ro: Rollouts, rows: torch.Tensor, *, chunk_size:
     """
     from pepo.training.models import head_weight
 
-    weight = head_weight(model.output, required=True) if from_hidden else None  # [V, D]
+    if from_hidden:  # refuses a head that is more than its weight's product, before the forward
+        head_weight(model.output, required=True)
     start, end = row_extent(ro.prompt_mask[rows], ro.mask[rows])
     prompt_mask = ro.prompt_mask[rows][:, start:]
     targets = ro.tokens[rows][:, :end]  # [b, T']
@@ -151,6 +152,8 @@ def policy_logprobs(model: Any, ro: Rollouts, rows: torch.Tensor, *, chunk_size:
         if not from_hidden:
             with no_autocast(h.device):
                 return type(model).unembed(model, h)  # [b, S, V]
+        # read here, inside the model's forward, where FSDP2 has gathered the weight
+        weight = head_weight(model.output)  # [V, D]
         # keeps the logits in the weight's dtype itself; under autocast the gradient's products
         # run in bf16
         save = targets.numel() * weight.shape[0] * 4 <= save_logits_mib * 2**20
