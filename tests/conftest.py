@@ -60,10 +60,10 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The tests marked ``slow`` (whole runs in subprocesses, 8 s to 2 minutes each) first: a
+    """The tests marked ``slow`` (whole runs in subprocesses, 8 s to 2.5 minutes each) first: a
     stable sort, so each keeps its place among its kind and the tests sharing a module's
     fixture stay together. Under ``pytest -n`` (work stealing, below) the workers start on them
-    and end together on the quick ones, where a two-minute test dealt out last kept one worker
+    and end together on the quick ones, where a long test dealt out late can keep one worker
     busy alone."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
