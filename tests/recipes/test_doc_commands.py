@@ -101,9 +101,9 @@ def read_later(cmds: list[str]) -> set[str]:
             if writes and any(writes in touched for touched, _ in dirs[i + 1:])}
 
 
-def shared_with_readme(doc: str, cmds: list[str]) -> set[str]:
-    """The commands of ``doc`` the README's test runs as they would run in ``doc``: run fresh
-    in both documents, and read by no later command of ``doc``."""
+def shared_with_readme(cmds: list[str]) -> set[str]:
+    """The commands of a document's ``cmds`` the README's test runs as they would run there: run
+    fresh in both documents, and read by no later command of ``cmds``."""
     readme = [c for c in commands("README.md") if runnable(c)]
     return run_fresh(readme) & run_fresh(cmds) - read_later(cmds)
 
@@ -142,7 +142,7 @@ def test_a_documents_commands_run_in_order_in_one_directory(tmp_path, doc, must_
     for needle in must_run:
         assert any(needle in c for c in todo), (needle, todo)
     if doc != "README.md":
-        shared = shared_with_readme(doc, todo)
+        shared = shared_with_readme(todo)
         todo = [c for c in todo if c not in shared]
     for cmd in todo:
         out = subprocess.run(shrunk(cmd), cwd=tmp_path, capture_output=True, text=True,
