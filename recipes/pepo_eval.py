@@ -2,7 +2,7 @@
 
     tune run pepo_eval --config eval_tiny [key=value ...]
     tune run pepo_eval --config eval_math checkpoint_dir=/models/Qwen3-4B \
-        benchmarks.AIME2024.path=/data/aime24.parquet ...
+        benchmarks.AIME2024.dataset.path=/data/aime24.parquet ...
 
 Each entry of ``benchmarks`` names a dataset component and its ``k``; the model samples ``k``
 responses per problem with ``generation``'s settings and a fixed seed, ``reward`` scores them,

@@ -114,6 +114,32 @@ def test_errors():
         clipped_policy_loss(lp, old, adv.detach(), mask, num_tokens=0)
 
 
+
+def test_unvalidated_calls_still_refuse_a_bad_layout():
+    """``validate=False`` skips the clip range and gradient checks, not the layout: catches a
+    ``[B]`` ``advantages`` (or a ``[B, 1]`` ``is_weights``) broadcast over ``[B, T]`` into a
+    wrong loss, which the unvalidated path returned before (a sequence-level -1.0)."""
+    lp, old, adv, mask = batch()
+    adv = adv.detach()
+    with pytest.raises(ValueError, match=r"advantages must be \[B, T\]=\[4, 9\] like logprobs, "
+                                         r"got \[4\]; expand"):
+        clipped_policy_loss(lp, old, adv[:, 0], mask, validate=False)
+    with pytest.raises(ValueError, match=r"old_logprobs must be \[B, T\]=\[4, 9\]"):
+        clipped_policy_loss(lp, old[:, :1], adv, mask, validate=False)
+    with pytest.raises(ValueError, match="mask must have dtype torch.bool"):
+        clipped_policy_loss(lp, old, adv, mask.float(), validate=False)
+    with pytest.raises(ValueError, match="logprobs must be a floating-point"):
+        clipped_policy_loss(lp.long(), old, adv, mask, validate=False)
+    with pytest.raises(ValueError, match=r"is_weights must be \[B, T\]=\[4, 9\] like logprobs, "
+                                         r"got \[4, 1\]"):
+        clipped_policy_loss(lp, old, adv, mask, is_weights=torch.ones(4, 1), validate=False)
+    # what validate=False does skip: Python checks of the clip range and of gradients
+    w = torch.rand(4, 9)
+    want = clipped_policy_loss(lp, old, adv, mask, is_weights=w)
+    got = clipped_policy_loss(lp, old, adv.requires_grad_(True), mask,
+                              is_weights=w.requires_grad_(True), validate=False)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
 def test_metrics():
     lp = torch.tensor([[0.5, 0.0, -0.5, 0.1]])
     old = torch.zeros(1, 4)

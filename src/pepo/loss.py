@@ -54,6 +54,20 @@ def _check(
     check_clip_range(eps_low, eps_high)
 
 
+def _same_layout(logprobs: Any, old_logprobs: Any, advantages: Any, mask: Any,
+                 is_weights: Any) -> bool:
+    """The shapes and dtypes :func:`_check` (and the ``is_weights`` check) ask for, in one
+    expression: the unvalidated call's check (the full checks run only to word the error)."""
+    return (isinstance(logprobs, torch.Tensor) and isinstance(old_logprobs, torch.Tensor)
+            and isinstance(advantages, torch.Tensor) and isinstance(mask, torch.Tensor)
+            and logprobs.dim() == 2 and old_logprobs.shape == logprobs.shape
+            and advantages.shape == logprobs.shape and mask.shape == logprobs.shape
+            and mask.dtype == torch.bool and logprobs.is_floating_point()
+            and old_logprobs.is_floating_point() and advantages.is_floating_point()
+            and (is_weights is None or (isinstance(is_weights, torch.Tensor)
+                                        and is_weights.shape == logprobs.shape)))
+
+
 def check_clip_range(eps_low: Any, eps_high: Any) -> None:
     """The rule for the clip range ``[1 - eps_low, 1 + eps_high]``: ``0 <= eps_low < 1`` (the
     floor must stay > 0) and ``eps_high`` finite and ``>= 0``. The recipe's config validation
@@ -116,9 +130,10 @@ def clipped_policy_loss(
             :func:`truncated_is_weights`) multiplying each token's clipped term: the
             correction for rollouts sampled by an engine whose probabilities differ from the
             trainer's.
-        validate: check shapes, dtypes, the mask, the clip range and that ``advantages`` and
-            ``is_weights`` carry no grad (Python checks: no value is read on the host either
-            way). False skips them, for a loop that has checked its tensors once.
+        validate: also check the clip range and that ``advantages`` and ``is_weights`` carry
+            no grad. Shapes, dtypes and the mask's dtype are checked either way (a ``[B]``
+            ``advantages`` would otherwise broadcast silently); no value is read on the host
+            either way.
 
     Shape:
         logprobs, old_logprobs, advantages, mask: ``[B, T]``; returns a 0-dim fp32 tensor.
@@ -126,7 +141,8 @@ def clipped_policy_loss(
     Raises:
         ValueError: mismatched shapes, non-bool mask, advantages that require grad, bad eps.
     """
-    if validate:
+    checked = validate or not _same_layout(logprobs, old_logprobs, advantages, mask, is_weights)
+    if checked:
         _check(logprobs, old_logprobs, advantages, mask, eps_low, eps_high)
     if validate and advantages.requires_grad:
         raise ValueError(
@@ -137,13 +153,13 @@ def clipped_policy_loss(
         logprobs, old_logprobs, advantages, mask, eps_low, eps_high
     )
     per_token = torch.maximum(unclipped, clipped)  # [B, T]
-    if is_weights is not None and validate:
+    if is_weights is not None and checked:
         _checks.check_tensor("is_weights", is_weights)
         if is_weights.shape != logprobs.shape:
             raise ValueError(f"is_weights must be [B, T]={_checks.format_shape(logprobs)} like "
                              f"logprobs, "
                              f"got {_checks.format_shape(is_weights)}")
-        if is_weights.requires_grad:
+        if validate and is_weights.requires_grad:
             raise ValueError("is_weights require grad; importance weights are constants, pass "
                              "is_weights.detach()")
     if is_weights is not None:

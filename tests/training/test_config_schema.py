@@ -93,6 +93,26 @@ def test_the_resume_and_prior_sets_come_from_the_roles():
         "checkpoint_dir", "tokenizer.path", "model.model_dir"}
 
 
+def _named_in(paragraph_start: str, stop: str) -> set[str]:
+    """The backticked names of docs/recipe.md's text from ``paragraph_start`` to ``stop``."""
+    text = (ROOT / "docs" / "recipe.md").read_text(encoding="utf-8")
+    part = text[text.index(paragraph_start):]
+    return set(re.findall(r"`([^`]+)`", part[: part.index(stop)]))
+
+
+def test_the_docs_say_every_key_a_resume_may_change_and_what_the_prior_records():
+    """Catches a key given the RUN role (or a new one) that docs/recipe.md's resume paragraph
+    does not name, so that a reader believes a resume would refuse it (the paragraph missed
+    eight such keys), and a prior key the prior cache's paragraph leaves out."""
+    named = _named_in("What may change", "**Stopping.**")
+    assert set(RESUME_MAY_CHANGE) <= named, sorted(set(RESUME_MAY_CHANGE) - named)
+    from pepo.training.config import PRIOR_KEYS
+
+    recorded = _named_in("The file\nrecords what the prior depends on", ")")
+    by_word = {"seed", "tokenizer", "model", "dataset", "reward", "generation"}  # as words
+    assert set(PRIOR_KEYS) - by_word <= recorded, sorted(set(PRIOR_KEYS) - by_word - recorded)
+
+
 def test_the_prior_fingerprint_ignores_run_settings_only(tmp_path):
     """A run setting inside the prior's sections (generation.batch_size) leaves the fingerprint
     alone; an experiment setting beside it (generation.top_p) changes it."""

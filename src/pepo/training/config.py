@@ -403,7 +403,7 @@ def check_rules(rc: RecipeConfig) -> None:
         raise ValueError(
             f"ppo_mini_batches={minis} does not split the step's prompt groups evenly: "
             f"{rollouts} rollouts are not a whole number of tiles of {tile} (each mini-batch "
-            f"takes the same share of every group)"
+            f"takes the same share of every tile)"
         )
     if rc.distributed.cpu_offload and not str(rc.device).startswith("cuda"):
         raise ValueError("distributed.cpu_offload=true offloads from a GPU: it needs device=cuda")

@@ -237,8 +237,10 @@ class RecipeConfig:
     num_steps: int = key(help="training steps", rule=Int(1), role=RUN)
     prompts_per_step: int = key(help="prompts per step", rule=Int(1))
     ppo_epochs: int = key(help="passes over a step's rollouts", rule=Int(1))
-    ppo_mini_batches: int = key(help="optimizer steps per pass; must split every prompt group "
-                                "(single-stream: the step's rollouts) into equal shares",
+    ppo_mini_batches: int = key(help="optimizer steps per pass; the step's rollouts must form "
+                                "whole tiles of lcm(rollouts per prompt, ppo_mini_batches), "
+                                "each mini-batch taking an equal share of every tile (of "
+                                "every prompt group where ppo_mini_batches divides its size)",
                                 rule=Int(1))
     micro_batch_size: int = key(help="rows per forward/backward; must divide the mini-batch",
                                 rule=Int(1), role=RUN)
