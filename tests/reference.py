@@ -69,6 +69,14 @@ def window_average_row(h: np.ndarray, window: int) -> np.ndarray:
     return out
 
 
+def window_average_row_fast(h: np.ndarray, window: int) -> np.ndarray:
+    """Same as :func:`window_average_row`, vectorised in float64 for 32k-token rows."""
+    half = window // 2
+    p = np.pad(h, half, mode="reflect")
+    total = np.lib.stride_tricks.sliding_window_view(p, window).sum(axis=1)
+    return np.where(total > 0, h / np.where(total > 0, total, 1.0), 1.0 / window)
+
+
 def sum_preserving(w: np.ndarray) -> np.ndarray:
     """c_t = w_t / Σ w · T (Eq. 7); uniform when the row has no positive mass."""
     total = math.fsum(w)

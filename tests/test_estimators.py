@@ -25,18 +25,21 @@ def ref_group(rewards, g, eps=1e-6, unbiased=True, normalize_std=True):
 @pytest.mark.parametrize("g", [2, 4, 8])
 @pytest.mark.parametrize("unbiased", [True, False])
 @pytest.mark.parametrize("normalize_std", [True, False])
-def test_group_advantages_match_reference(g, unbiased, normalize_std):
+@pytest.mark.parametrize("eps", [1e-6, 1e-4, 0.5])
+def test_group_advantages_match_reference(g, unbiased, normalize_std, eps):
+    """``eps`` = 1e-4 (TRL's) and 0.5 catch an ``eps`` ignored for verl's 1e-6; the
+    ``GroupEstimator`` built with the same settings catches one that drops them."""
     gen = torch.Generator().manual_seed(g)
     r = (torch.rand(6 * g, generator=gen) > 0.5).float()
     r[:g] = 1.0  # a degenerate group
     r[g : 2 * g] = torch.rand(g, generator=gen)  # a continuous-reward group
-    got = est.group_advantages(r, g, unbiased=unbiased, normalize_std=normalize_std)
-    torch.testing.assert_close(
-        got.double(),
-        ref_group(r, g, unbiased=unbiased, normalize_std=normalize_std),
-        rtol=1e-6,
-        atol=1e-6,
-    )
+    want = ref_group(r, g, eps=eps, unbiased=unbiased, normalize_std=normalize_std)
+    got = est.group_advantages(r, g, unbiased=unbiased, normalize_std=normalize_std, eps=eps)
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-7)
+    estimator = est.GroupEstimator(group_size=g, normalize_std=normalize_std,
+                                   unbiased=unbiased, eps=eps)
+    ids = [i // g for i in range(len(r))]
+    torch.testing.assert_close(estimator.advantages(ids, r).double(), want, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("normalize_std", [True, False])
@@ -139,6 +142,13 @@ def test_update_with_kl_adaptive_forgetting():
     rho = t.forgetting(torch.tensor([0.0, 0.003, 0.06, 10.0]))
     expected = [min(max(2 ** (-d / 0.06), 0.875), 0.96) for d in (0.0, 0.003, 0.06, 10.0)]
     assert rho.tolist() == pytest.approx(expected)
+    # other bounds and half-life: catches rho_min, rho_max or d_half fixed at their defaults
+    u = est.SingleStreamEstimator(rho_min=0.5, rho_max=0.99, d_half=0.01)
+    u.update(["x"], [1.0], kl=[0.0])  # rho = clip(1, 0.5, 0.99) = 0.99
+    assert u.state_dict()["alpha"]["x"] == pytest.approx(0.99 * 0.5 + 1)
+    d = (0.0, 0.003, 0.01, 10.0)
+    assert u.forgetting(torch.tensor(d)).tolist() == pytest.approx(
+        [min(max(2 ** (-x / 0.01), 0.5), 0.99) for x in d])
 
 
 def test_update_constant_rho_and_repeats_in_order():
@@ -150,11 +160,38 @@ def test_update_constant_rho_and_repeats_in_order():
     assert t.state_dict()["beta"][7] == pytest.approx(b)
 
 
-def test_sampling_weights():
-    t = est.SingleStreamEstimator({"easy": 1.0, "mid": 0.5})
+@pytest.mark.parametrize("sampling_eps", [0.05, 0.2])
+def test_sampling_weights(sampling_eps):
+    t = est.SingleStreamEstimator({"easy": 1.0, "mid": 0.5}, sampling_eps=sampling_eps)
     w = t.sampling_weights(["easy", "mid"])
     p = 8.5 / 9
-    assert w.tolist() == pytest.approx([math.sqrt(p * (1 - p)) + 0.05, math.sqrt(0.5 * 0.5) + 0.05])
+    assert w.tolist() == pytest.approx([math.sqrt(p * (1 - p)) + sampling_eps,
+                                        math.sqrt(0.5 * 0.5) + sampling_eps])
+
+
+def test_choose_draws_in_proportion_to_the_sampling_weights():
+    """SPO's prioritised sampling: catches ``choose`` taking the first candidates (as group
+    mode does) or drawing uniformly."""
+    t = est.SingleStreamEstimator({"easy": 1.0, "mid": 0.5, "hard": 0.0})
+    ids = ["easy", "mid", "hard"]
+    w = t.sampling_weights(ids).double()
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(3, dtype=torch.float64)
+    for _ in range(3000):
+        counts[t.choose(ids, 1, g)[0]] += 1
+    # binomial standard deviations are below 0.009 here; 0.035 is four of them
+    torch.testing.assert_close(counts / 3000, w / w.sum(), atol=0.035, rtol=0)
+    assert abs(float(w[1] / w.sum()) - 1 / 3) > 0.1  # a uniform draw would fail the above
+    assert sorted(t.choose(ids, 3, g)) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("rho_min, n0", [(0.875, 8.0), (0.8, 5.0)])
+def test_prior_weight_follows_rho_min(rho_min, n0):
+    """N0 = 1/(1 - rho_min): catches a prior weight fixed at the default's 8."""
+    t = est.SingleStreamEstimator({"a": 0.25}, rho_min=rho_min)
+    assert t.prior_weight == pytest.approx(n0)
+    assert t.state_dict()["alpha"]["a"] == pytest.approx(n0 * (2 + 0.5) / 9)
+    assert t.state_dict()["beta"]["a"] == pytest.approx(n0 * (6 + 0.5) / 9)
 
 
 def test_state_dict_round_trip_resumes_exactly():

@@ -140,6 +140,7 @@ def test_unvalidated_calls_still_refuse_a_bad_layout():
                               is_weights=w.requires_grad_(True), validate=False)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
+
 def test_metrics():
     lp = torch.tensor([[0.5, 0.0, -0.5, 0.1]])
     old = torch.zeros(1, 4)
@@ -160,11 +161,15 @@ def test_metrics():
     assert int(m["num_tokens"]) == 3
 
 
-def test_clip_fraction_counts_only_active_clips():
+@pytest.mark.parametrize("eps_low, eps_high, want", [
+    (0.2, 0.28, [True, False, True, False, False, False]),
+    (0.05, 0.7, [False, False, True, False, False, True]),
+])
+def test_clip_fraction_counts_only_active_clips(eps_low, eps_high, want):
     """Tokens outside the clip range on the harmless side (ratio above 1 + eps_high with A < 0,
     below 1 - eps_low with A > 0) keep the unclipped term: they are not clipped. A metric that
-    counted `clipped != unclipped`, or any ratio outside the range, would count them."""
-    eps_low, eps_high = 0.2, 0.28
+    counted `clipped != unclipped`, or any ratio outside the range, would count them; the second
+    clip range catches one that ignores ``eps_low``/``eps_high`` for the defaults."""
     log_r = torch.tensor(
         [[0.5, 0.5, -0.5, -0.5, 0.1, -0.1]]
     )  # ratios 1.65, 1.65, 0.61, 0.61, 1.11, 0.90
@@ -176,10 +181,11 @@ def test_clip_fraction_counts_only_active_clips():
     for lr, a in zip(log_r[0].double().tolist(), adv[0].double().tolist()):
         r = math.exp(lr)
         active.append(-a * min(max(r, 1 - eps_low), 1 + eps_high) > -a * r)
-    assert active == [True, False, True, False, False, False]
+    assert active == want
+    high = sum(a and lr > 0 for a, lr in zip(active, log_r[0].tolist()))
     assert m["clip_fraction"].item() == pytest.approx(sum(active) / len(active))
-    assert m["clip_fraction_high"].item() == pytest.approx(1 / 6)
-    assert m["clip_fraction_low"].item() == pytest.approx(1 / 6)
+    assert m["clip_fraction_high"].item() == pytest.approx(high / 6)
+    assert m["clip_fraction_low"].item() == pytest.approx((sum(active) - high) / 6)
 
 
 def ref_loss_float64(lp, old, adv, mask, eps_low, eps_high, n):

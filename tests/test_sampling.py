@@ -19,6 +19,16 @@ def test_sampler_covers_each_epoch_and_resumes():
         PromptSampler(11).load_state_dict(state)
 
 
+def test_sampler_order_depends_on_the_seed_and_the_epoch():
+    """Catches a sampler that ignores its seed, or repeats one permutation every epoch."""
+    a, b = PromptSampler(50, seed=3), PromptSampler(50, seed=4)
+    first, second = a.next(50), a.next(50)
+    assert sorted(first) == sorted(second) == list(range(50))
+    assert first != second  # epoch 1 is another permutation
+    assert b.next(50) != first  # another seed, another order
+    assert PromptSampler(50, seed=3).next(100) == first + second  # the same seed, the same
+
+
 def test_prioritized_sample_follows_weights():
     g = torch.Generator().manual_seed(0)
     w = torch.tensor([1.0, 1.0, 8.0, 1e-6])

@@ -107,6 +107,21 @@ def test_proximal_entropy_long_rows_stay_accurate():
         close(got[i], expected)
 
 
+def test_window_average_entropy_long_rows_stay_accurate():
+    """Catches window sums taken as differences of one cumulative sum over the row (its fp32
+    rounding grows with the row's length: 8e-5 relative at 64k tokens)."""
+    g = torch.Generator().manual_seed(1)
+    t = 65536
+    ent = torch.rand(2, t, generator=g) * 3
+    mask = torch.ones(2, t, dtype=torch.bool)
+    mask[1, 60000:] = False
+    got = pw.window_average_entropy(ent, mask, window=101)
+    for i in range(2):
+        v = ref.valid_values(ent[i].double(), mask[i])
+        expected = ref.scatter_back(ref.window_average_row_fast(v, 101), mask[i])
+        close(got[i], expected)
+
+
 def test_wide_range_takes_exact_log_path():
     # Temperature 0.01 scales entropies in [0, 3) to [0, 300): fp32 exp underflows for a
     # shifted-exp formulation; the result must still match the reference.
@@ -134,6 +149,35 @@ def test_low_precision_inputs_are_upcast(dtype):
     got = pw.proximal_entropy(ent, mask, window=11)
     assert got.dtype == torch.float32
     close(got, ref.proximal_entropy(ent.float(), mask, 11))  # reference from the same values
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["proximal_softmax", "window_average", "entropy_bonus",
+                                  "global_topk", "gtpo"])
+def test_strategies_upcast_low_precision_entropies(name, dtype):
+    """A bf16/fp16 batch gives what the fp32 reference gives on the same values: catches a
+    strategy computing in the input's dtype (cleaning the entropies without upcasting put
+    ``proximal_softmax`` 1e-2 off)."""
+    adv, ent, mask = ragged_batch([3, 20, 64], 64, seed=2, dtype=dtype, holes=True)
+    positive = torch.tensor([True, False, True])
+    groups = torch.tensor([0, 0, 0])
+    params = {"window": 11} if name in ("proximal_softmax", "window_average") else {}
+    got = pw.get_strategy(name, **params)(adv, ent, mask, positive=positive, groups=groups)
+    assert got.dtype == torch.float32
+    e = ent.float()
+    if name == "proximal_softmax":
+        want = ref.multiplicative(adv, e, mask, lambda v: ref.proximal_entropy_row(v, 11),
+                                  "positive", positive)
+    elif name == "window_average":
+        want = ref.multiplicative(adv, e, mask, lambda v: ref.window_average_row(v, 11),
+                                  "positive", positive)
+    elif name == "entropy_bonus":
+        want = ref.entropy_bonus(adv, e, mask, 0.4, 2.0)
+    elif name == "global_topk":
+        want = ref.global_topk(adv, e, mask, 0.2)
+    else:
+        want = ref.gtpo(e, mask, positive, groups, 1.0, 0.1, 1e-8, "group")
+    close(got, want, rtol=1e-5 if name == "gtpo" else RTOL32, atol=1e-5 if name == "gtpo" else 1e-6)
 
 
 def test_padded_row_equals_row_alone():
@@ -457,7 +501,7 @@ def test_global_topk_is_global_not_per_row():
 def test_global_topk_proximal_score_uses_proximal_entropy():
     adv, ent, mask = ragged_batch([10, 40, 64], 64, holes=True, seed=17)
     got = pw.get_strategy("global_topk", fraction=0.2, score="proximal", window=11)(adv, ent, mask)
-    scores = pw.proximal_entropy(ent, mask, window=11)
+    scores = torch.tensor(ref.proximal_entropy(ent, mask, 11), dtype=torch.float32)
     close(got, ref.global_topk(adv, scores, mask, 0.2), rtol=0, atol=0)
 
 
@@ -493,10 +537,17 @@ def test_global_topk_empty_batch():
 # ---------------------------------------------------------------------------- contract
 
 
+_BITS = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("name", pw.list_strategies())
-def test_contract_detached_fp32_zero_on_padding_no_mutation(name):
+def test_contract_detached_fp32_zero_on_padding_no_mutation(name, dtype):
+    """fp32 entropies catch a strategy cleaning them in place (``.float()`` copies only a
+    bf16 input: a ``masked_fill_`` after it would write the caller's padding); the inputs are
+    compared bit for bit."""
     adv, ent, mask = ragged_batch([1, 5, 30], 32, holes=True, seed=23)
-    ent = torch.where(mask, ent, float("nan")).bfloat16().requires_grad_(True)
+    ent = torch.where(mask, ent, float("nan")).to(dtype).requires_grad_(True)
     adv = adv.requires_grad_(True)
     before = (adv.detach().clone(), ent.detach().clone(), mask.clone())
     groups = torch.tensor([0, 0, 0])  # ignored by all strategies but gtpo
@@ -508,7 +559,7 @@ def test_contract_detached_fp32_zero_on_padding_no_mutation(name):
     assert torch.isfinite(out).all()
     assert out[~mask].eq(0).all()
     assert torch.equal(adv.detach(), before[0])
-    assert torch.equal(ent.detach().isnan(), before[1].isnan())
+    assert torch.equal(ent.detach().view(_BITS[dtype]), before[1].view(_BITS[dtype]))
     assert torch.equal(mask, before[2])
 
 
@@ -792,11 +843,15 @@ def test_gtpo_rewards_hand_worked():
 
 @pytest.mark.parametrize("normalize", ["group", "side"])
 @pytest.mark.parametrize("holes", [False, True])
-def test_gtpo_matches_reference(normalize, holes):
+@pytest.mark.parametrize("alpha1, alpha2, eps", [(1.0, 0.1, 1e-8), (0.5, 2.0, 1e-3)])
+def test_gtpo_matches_reference(normalize, holes, alpha1, alpha2, eps):
+    """The second setting catches the strategy building its rewards with the defaults instead
+    of its own ``alpha1``/``alpha2``/``eps`` (under ``"side"`` only ``eps`` shows: ``alpha1``
+    cancels and ``alpha2``'s scale is standardised away)."""
     adv, ent, mask = ragged_batch(GTPO_LENGTHS, 36, holes=holes, seed=43)
-    s = pw.get_strategy("gtpo", normalize=normalize)
+    s = pw.get_strategy("gtpo", normalize=normalize, alpha1=alpha1, alpha2=alpha2, eps=eps)
     got = s(adv, ent, mask, positive=GTPO_POSITIVE, groups=GTPO_GROUPS)
-    expected = ref.gtpo(ent, mask, GTPO_POSITIVE, GTPO_GROUPS, 1.0, 0.1, 1e-8, normalize)
+    expected = ref.gtpo(ent, mask, GTPO_POSITIVE, GTPO_GROUPS, alpha1, alpha2, eps, normalize)
     close(got, expected, rtol=1e-5, atol=1e-5)
     # the all-failed group (-2) and the all-succeeded one (5) get 0, as GRPO's do (a check of
     # "both outcomes" reduced to "any success" would standardise group 5's rewards); the mixed
