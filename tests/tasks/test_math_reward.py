@@ -24,6 +24,7 @@ CASES = [
     (QWEN3, "1/3", 0.0),
     ("<think>\nthe answer might be \\boxed{7}", "7", 0.0),  # thinking never closed: no answer
     ("<think>I guess \\boxed{3}</think> The answer is \\boxed{4}.", "4", 1.0),  # after </think>
+    ("<think>so x = 7? \\boxed{7}</think> The answer is 4.", "7", 0.0),  # not the thinking's
     ("The polar coordinates are $\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}$.",
      "\\left( 3, \\frac{\\pi}{2} \\right)", 1.0),  # MATH500 layout
     ("Therefore the remainder is \\boxed{34}.", "34", 1.0),  # DAPO ground_truth layout
@@ -198,6 +199,21 @@ def test_grace_zero_and_no_think_end_still_score():
     """Catches ``grace=0`` or ``think_end=None`` being accepted but mis-handled (every score 0)."""
     with R.MathVerify(timeout=5, workers=1, grace=0, think_end=None) as mv:
         assert mv(["\\boxed{4}", "\\boxed{3}"], ["4", "4"]) == [1.0, 0.0]
+
+
+def test_think_end_and_max_chars_reach_the_scorer():
+    """Another ``think_end`` and a small ``max_chars``, through a worker: catches the worker
+    given the defaults instead of the verifier's settings, and the first ``max_chars``
+    characters kept instead of the last (answers come at the end)."""
+    responses = [
+        "The answer: \\boxed{3} </reasoning> hmm, I was still thinking",  # no answer after it
+        "\\boxed{9} " + "y" * 300,  # its box is not within the last 200 characters
+        "x" * 5000 + " so \\boxed{7}",  # its box is
+        "<reasoning>\\boxed{1}</reasoning> \\boxed{2}",
+    ]
+    with R.MathVerify(timeout=5, workers=1, think_end="</reasoning>", max_chars=200) as mv:
+        assert mv(responses, ["3", "9", "7", "2"]) == [0.0, 0.0, 1.0, 1.0]
+    assert R.final_answer_text("ab" * 10, max_chars=3) == "bab"
 
 
 def test_bad_arguments():

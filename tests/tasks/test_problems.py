@@ -130,9 +130,13 @@ def test_last_boxed(text, boxed):
 
 
 def test_boxed_match():
+    """The last box, as a whole string: catches a substring match (``17`` for gold 7) and a
+    match on any box (``\\boxed{7} ... \\boxed{8}``: boxing every digit would be rewarded)."""
     assert BoxedMatch()(
-        ["\\boxed{ 7 }", "\\boxed{7}x", "7", "\\boxed{8}"], ["7", "7", "7", "7"]
-    ) == [1.0, 1.0, 0.0, 0.0]
+        ["\\boxed{ 7 }", "\\boxed{7}x", "7", "\\boxed{8}", "\\boxed{17}", "\\boxed{7.0}",
+         "\\boxed{7} or \\boxed{8}", "\\boxed{8} no, \\boxed{7}"],
+        ["7"] * 8,
+    ) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
     with pytest.raises(ValueError, match="2 responses but 1 answers"):
         boxed_match(["a", "b"], ["a"])
 

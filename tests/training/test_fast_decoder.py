@@ -335,19 +335,59 @@ def test_a_row_samples_the_same_alone_and_in_any_batch():
                                        rtol=0, atol=2e-5)
 
 
-def test_recorded_logprobs_match_a_fresh_forward():
+def filtered_logprob(logits, tok, temperature, top_k, top_p):
+    """log p(tok) of one position's sampling distribution, in float64, from the definitions:
+    softmax of ``logits / T`` over the ``top_k`` largest (ties at the k-th kept), then over the
+    fewest most likely of those whose mass reaches ``top_p`` (the one crossing it kept),
+    renormalised; -inf for a token outside that set."""
+    x = logits.double() / temperature
+    kept = list(range(len(x)))
+    if top_k is not None:
+        kth = sorted(x.tolist(), reverse=True)[top_k - 1]
+        kept = [v for v in kept if x[v] >= kth]
+    if top_p < 1.0:
+        p = torch.softmax(x[kept], 0)
+        mass, nucleus = 0.0, []
+        for j in sorted(range(len(kept)), key=lambda j: -float(p[j])):
+            if mass >= top_p:
+                break
+            nucleus.append(kept[j])
+            mass += float(p[j])
+        kept = nucleus
+    if tok not in kept:
+        return float("-inf")
+    return float(x[tok] - torch.logsumexp(x[kept], 0))
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [
+    (0.8, None, 1.0), (0.6, None, 0.6), (1.0, 5, 1.0), (0.7, 5, 0.8)])
+def test_recorded_logprobs_match_a_fresh_forward(temperature, top_k, top_p):
+    """Each recorded log-prob is the sampled token's under the distribution it was drawn from
+    (temperature, then top-k / top-p, renormalised), recomputed from a fresh forward by
+    :func:`filtered_logprob`: catches a log-prob taken before the filters (what the engine /
+    trainer gap and the truncated IS weights would then miss), or at the wrong temperature."""
     model = random_model(4, 2)
     prompts = ragged_prompts(20, seed=4)
     ro = G.generate(model, prompts, max_new_tokens=30, pad_id=0, stop_tokens=[1, 2, 3, 4],
-                    temperature=0.8, seeds=torch.arange(20))
+                    temperature=temperature, top_k=top_k, top_p=top_p, seeds=torch.arange(20))
     seq = torch.cat([ro.prompt_tokens, ro.tokens], 1)
     attn, pos = G.sequence_inputs(ro.prompt_mask, ro.tokens.shape[1])
     P = ro.prompt_tokens.shape[1]
     with torch.no_grad():
         logits = model(seq, mask=attn, input_pos=pos)[:, P - 1 : -1]
-    lp, _ = logprobs_and_entropy(logits / 0.8, ro.tokens)
-    torch.testing.assert_close(ro.logprobs[ro.mask], lp[ro.mask], rtol=0, atol=2e-5)
+    rows, cols = ro.mask.nonzero(as_tuple=True)
+    want = torch.tensor([filtered_logprob(logits[i, t], int(ro.tokens[i, t]), temperature,
+                                          top_k, top_p) for i, t in zip(rows, cols)],
+                        dtype=torch.float64)
+    assert bool(torch.isfinite(want).all())  # every sampled token is inside its filtered set
+    torch.testing.assert_close(ro.logprobs[ro.mask].double(), want, rtol=0, atol=2e-5)
     assert bool((ro.logprobs[~ro.mask] == 0).all())
+    unfiltered, _ = logprobs_and_entropy(logits / temperature, ro.tokens)
+    gap = (ro.logprobs - unfiltered)[ro.mask].mean()
+    if top_k is None and top_p == 1.0:
+        assert float(gap.abs()) < 2e-5
+    else:  # the filters renormalise: the comparison above can tell the two apart
+        assert float(gap) > 0.01
 
 
 def _shipped(task):
