@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -62,7 +63,14 @@ def test_bundled_configs_validate_and_instantiate(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny_spo"])
-def test_resume_is_exact(tmp_path, name):
+def test_resume_is_exact(tmp_path, name, monkeypatch):
+    real = pepo.loss.clipped_policy_loss
+
+    def drawing_loss(*args, **kwargs):  # draws from the global RNG each call, as dropout would
+        torch.rand(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pepo.loss, "clipped_policy_loss", drawing_loss)
     full = run(tiny_cfg(tmp_path / "full", name, num_steps=4))
     full_torch_rng = torch.get_rng_state()
     first = run(tiny_cfg(tmp_path / "split", name, num_steps=2))
@@ -78,6 +86,7 @@ def test_resume_is_exact(tmp_path, name):
     assert second.sampler.state_dict() == full.sampler.state_dict()
     assert torch.equal(second.rng.get_state(), full.rng.get_state())
     assert torch.equal(second.sample_rng.get_state(), full.sample_rng.get_state())
+    # the loss above drew from it: a resume that did not restore it lacks steps 1-2's draws
     assert torch.equal(torch.get_rng_state(), full_torch_rng)
 
 
@@ -372,6 +381,45 @@ def test_resume_refuses_a_different_lr_schedule(tmp_path):
         recipe.setup(cfg)
 
 
+def test_resume_restores_the_lr_schedule(tmp_path):
+    """A run with a warm-up + cosine schedule, resumed from step 2 of 4, follows the LR curve
+    and the losses of the run that was not stopped: catches the scheduler's state not saved or
+    not loaded (the resumed steps then restart the warm-up: step 4 at LR 0.01 instead of 0)."""
+    sched = {"_component_": "torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
+             "num_warmup_steps": 1}
+    full = run(tiny_cfg(tmp_path / "full", num_steps=4, lr_scheduler=sched))
+    run(tiny_cfg(tmp_path / "split", num_steps=4, lr_scheduler=sched, save_every=2,
+                 keep_checkpoints=2))
+    ckpts = tmp_path / "split" / "run" / "checkpoints"
+    shutil.rmtree(ckpts / "step_4")  # as if the run had stopped after step 2
+    (ckpts / "latest").write_text("step_2\n", encoding="utf-8")
+    second = run(tiny_cfg(tmp_path / "split", num_steps=4, lr_scheduler=sched,
+                          resume_from_checkpoint=True))
+    lrs = [[h["lr"] for h in r.history if "lr" in h] for r in (full, second)]
+    assert len(lrs[0]) == 4 and len(set(lrs[0])) > 2  # the schedule moves the LR each step
+    assert lrs[1] == pytest.approx(lrs[0], rel=1e-9, abs=1e-12)
+    torch.testing.assert_close(torch.tensor(losses(second)), torch.tensor(losses(full)),
+                               rtol=0, atol=1e-6)
+
+
+def test_resume_carries_the_non_finite_counts(tmp_path, monkeypatch):
+    """Two skipped optimizer steps (step 1's two mini-batches), then a resume that still sees
+    non-finite losses stops at the third in a row, and reports three in all: catches the
+    guard's counts not restored (the resume would stop only at its own third)."""
+    real = pepo.loss.clipped_policy_loss
+    monkeypatch.setattr(pepo.loss, "clipped_policy_loss",
+                        lambda *a, **k: real(*a, **k) * float("nan"))
+    first = run(tiny_cfg(tmp_path, num_steps=1, max_nonfinite_steps=5))
+    assert first.nonfinite_total == 2
+    cfg = tiny_cfg(tmp_path, num_steps=2, max_nonfinite_steps=3, resume_from_checkpoint=True)
+    recipe = pepo_recipe.PEPORecipe(cfg)
+    recipe.setup(cfg)
+    assert (recipe.nonfinite.total, recipe.nonfinite.in_a_row) == (2, 2)
+    with pytest.raises(pepo_recipe.NonFiniteError, match="3 optimizer steps in a row"):
+        recipe.train()
+    assert recipe.nonfinite_total == 3
+
+
 def test_prompts_too_long_are_dropped(tmp_path):
     cfg = tiny_cfg(tmp_path, num_steps=1, model={"max_seq_len": 32},
                    generation={"max_new_tokens": 12})
@@ -389,7 +437,7 @@ def test_memory_options_give_the_same_losses(tmp_path):
                                enable_activation_checkpointing=True)))
     torch.testing.assert_close(torch.tensor(lean), torch.tensor(plain), rtol=1e-4, atol=1e-6)
     batched = run(tiny_cfg(tmp_path / "c", num_steps=2, generation={"batch_size": 3}))
-    assert all(math.isfinite(v) for v in losses(batched))
+    assert losses(batched) == plain  # each row draws from its own seed: the same rollouts
 
 
 @pytest.mark.parametrize("keep_best", [True, False])
