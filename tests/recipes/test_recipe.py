@@ -420,6 +420,25 @@ def test_resume_carries_the_non_finite_counts(tmp_path, monkeypatch):
     assert recipe.nonfinite_total == 3
 
 
+def test_generation_stop_tokens_reach_training_and_validation(tmp_path, monkeypatch):
+    """Catches the training step or the validation sampling with the tokenizer's stop tokens
+    only, ``generation.stop_tokens`` dropped (every bundled config leaves it empty)."""
+    from pepo.training.engines import InProcessEngine
+
+    seen = []
+    real = InProcessEngine.generate
+
+    def recording(self, prompts, **kwargs):
+        seen.append(list(kwargs["stop_tokens"]))
+        return real(self, prompts, **kwargs)
+
+    monkeypatch.setattr(InProcessEngine, "generate", recording)
+    recipe = run(tiny_cfg(tmp_path, num_steps=1, generation={"stop_tokens": ["+"]},
+                          validation={"every": 1, "samples": 1}))
+    want = [*recipe.tokenizer.stop_tokens, recipe.tokenizer.token_id("+")]
+    assert len(seen) >= 3 and all(s == want for s in seen), seen  # before, the step, after
+
+
 def test_prompts_too_long_are_dropped(tmp_path):
     cfg = tiny_cfg(tmp_path, num_steps=1, model={"max_seq_len": 32},
                    generation={"max_new_tokens": 12})

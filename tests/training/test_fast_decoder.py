@@ -317,10 +317,13 @@ def test_the_head_runs_as_one_product_of_its_weight_on_a_cpu():
 
 
 def test_a_row_samples_the_same_alone_and_in_any_batch():
+    """With the paper's kind of filters: also catches ``batch_size``'s pieces decoded with the
+    default sampling settings instead of the caller's."""
     model = random_model(4, 2)
     prompts = ragged_prompts(12, seed=3)
     seeds = torch.arange(12) * 31 + 5
-    kw = dict(max_new_tokens=30, pad_id=0, stop_tokens=[1, 2, 3])
+    kw = dict(max_new_tokens=30, pad_id=0, stop_tokens=[1, 2, 3], temperature=0.7, top_k=5,
+              top_p=0.8)
     whole = G.generate(model, prompts, seeds=seeds, **kw)
     split = G.generate(model, prompts, seeds=seeds, batch_size=5, **kw)
     perm = torch.randperm(12, generator=torch.Generator().manual_seed(0))

@@ -1,0 +1,85 @@
+"""avg@k (pepo.training.evaluation) through a recording engine: what reaches the decoder, and
+what counts as a success."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pepo.training.evaluation import avg_at_k
+from pepo.training.generation import Rollouts
+from pepo.training.rollouts import is_success
+
+
+class RecordingEngine:
+    """A rollout engine that answers every prompt with its row number (one token, a stop
+    token) and records the keyword arguments of each call."""
+
+    def __init__(self):
+        self.calls: list[dict] = []
+
+    def generate(self, prompts, **kwargs):
+        self.calls.append(kwargs)
+        b = len(prompts)
+        return Rollouts(prompt_tokens=torch.ones(b, 1, dtype=torch.long),
+                        prompt_mask=torch.ones(b, 1, dtype=torch.bool),
+                        tokens=torch.arange(b)[:, None], mask=torch.ones(b, 1, dtype=torch.bool),
+                        finished=torch.ones(b, dtype=torch.bool), logprobs=torch.zeros(b, 1))
+
+
+class RowTokenizer:
+    pad_id, stop_tokens = 0, (7,)
+
+    def encode_prompt(self, prompt):
+        return [1]
+
+    def decode(self, ids):
+        return str(ids[0])
+
+
+class PartialCredit:
+    """Rewards in (0, 1]: 1.0 for even rows, 0.25 for odd ones; a success needs >= 0.5."""
+
+    def __call__(self, responses, answers):
+        return [1.0 if int(r) % 2 == 0 else 0.25 for r in responses]
+
+    @staticmethod
+    def success(rewards):
+        return rewards >= 0.5
+
+
+PROBLEMS = [SimpleNamespace(prompt=f"p{i}", answer="0", id=i) for i in range(3)]
+
+
+def test_avg_at_k_decodes_with_the_callers_sampling_settings():
+    """Catches avg@k (validation, ``pepo_eval``) sampling with the defaults (T = 1, top-p 1)
+    instead of the config's, or dropping ``stop_tokens`` for the tokenizer's."""
+    engine = RecordingEngine()
+    avg_at_k(engine, RowTokenizer(), PROBLEMS, 4, PartialCredit(), max_new_tokens=9,
+             temperature=0.6, top_k=5, top_p=0.7, stop_tokens=[3, 4], batch_size=8,
+             generator=torch.Generator().manual_seed(0))
+    (call,) = engine.calls
+    assert (call["max_new_tokens"], call["temperature"], call["top_k"], call["top_p"]) == (
+        9, 0.6, 5, 0.7)
+    assert call["stop_tokens"] == [3, 4] and call["batch_size"] == 8
+    assert call["seeds"].shape == (12,)
+    avg_at_k(engine, RowTokenizer(), PROBLEMS, 1, PartialCredit(), max_new_tokens=9)
+    assert engine.calls[-1]["stop_tokens"] == [7]  # none given: the tokenizer's
+
+
+def test_a_rewards_own_success_rule_decides_avg_at_k_and_the_records():
+    """Partial credit: 0.25 is a reward above 0 but not a success. Catches ``rewards > 0`` used
+    where the reward defines ``success`` (avg@k would be 1.0, every record a success)."""
+    records: list[dict] = []
+    got = avg_at_k(RecordingEngine(), RowTokenizer(), PROBLEMS, 2, PartialCredit(),
+                   max_new_tokens=4, records=records)
+    assert got == pytest.approx(3 / 6)  # rows 0, 2, 4 of 6
+    assert [r["success"] for r in records] == [True, False] * 3
+    assert [r["reward"] for r in records] == [1.0, 0.25] * 3
+    rewards = torch.tensor([1.0, 0.25, 0.0, 0.5])
+    assert is_success(PartialCredit(), rewards).tolist() == [True, False, False, True]
+    assert is_success(lambda r, a: r, rewards).tolist() == [True, True, False, True]
+    with pytest.raises(ValueError):
+        is_success(SimpleNamespace(success=lambda r: r), rewards)  # not bool flags
