@@ -14,7 +14,7 @@ import pepo.weighting as pw
 from pepo.study import analysis as A
 
 
-def write_dump(path, entropies, rewards=None, prompts=None, tokens=None):
+def write_dump(path, entropies, rewards=None, prompts=None, tokens=None, success=None):
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         for i, h in enumerate(entropies):
@@ -23,6 +23,7 @@ def write_dump(path, entropies, rewards=None, prompts=None, tokens=None):
                 "prompt": "q", "reward": rewards[i] if rewards else 1.0, "advantage": 0.5,
                 "entropies": [float(x) for x in h],
                 "tokens": tokens[i] if tokens else [f"t{t}" for t in range(len(h))],
+                **({} if success is None else {"success": success[i]}),
             }) + "\n")
     return path
 
@@ -43,6 +44,38 @@ def test_trend_shows_in_global_and_vanishes_from_proximal(tmp_path):
     assert g[0] > 0.25 and g[-1] < -0.25 and bool((g[1:] < g[:-1]).all())  # decays
     assert float(p.abs().max()) < 0.05  # flat: |s| * W/2 = 1.5/400 * 10 is small
     assert float(curves["window_average_21"].abs().max()) < 0.05  # windowing alone suffices
+
+
+def ref_positional_curve(rows, n_bins):
+    """Loop reference: each rollout's ``(x_t - mean_i) / mean_i`` (0 where its mean is 0),
+    binned by ``floor(t / T_i * n_bins)`` and averaged over the tokens of all rollouts."""
+    sums, counts = [0.0] * n_bins, [0] * n_bins
+    for row in rows:
+        mean = sum(row) / len(row)
+        for t, x in enumerate(row):
+            b = min(int(t / len(row) * n_bins), n_bins - 1)
+            sums[b] += (x - mean) / mean if mean > 0 else 0.0
+            counts[b] += 1
+    return [s / max(c, 1) for s, c in zip(sums, counts)]
+
+
+def test_positional_bias_matches_a_loop_reference(tmp_path):
+    """Rows of other lengths and levels (one all zero): catches deviations taken from the pooled
+    mean of all tokens instead of each rollout's own (the published global span of the mechanism
+    dumps halves under it), a length-blind bin, or bins averaged per rollout."""
+    g = torch.Generator().manual_seed(5)
+    rows = [(level * torch.rand(n, generator=g)).tolist()
+            for n, level in ((7, 0.3), (40, 3.0), (13, 1.0), (101, 0.05))] + [[0.0] * 9]
+    r = A.load_dump(write_dump(tmp_path / "d.jsonl", rows))
+    curves = A.positional_bias(r, windows=(5,), n_bins=6)
+    torch.testing.assert_close(curves["global"].double(),
+                               torch.tensor(ref_positional_curve(rows, 6), dtype=torch.float64),
+                               rtol=1e-5, atol=1e-6)
+    e = pw.proximal_entropy(r.entropies, r.mask, window=5)
+    prox = [e[i, : len(row)].tolist() for i, row in enumerate(rows)]
+    torch.testing.assert_close(curves["proximal_5"].double(),
+                               torch.tensor(ref_positional_curve(prox, 6), dtype=torch.float64),
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_proximal_entropy_mean_is_one_over_w_in_every_difficulty_group(tmp_path):
@@ -148,6 +181,21 @@ def test_entropy_profile_matches_its_definitions(tmp_path):
     assert prof2["first_over_last_tenth"] == pytest.approx(
         sum(first) / len(first) / (sum(last) / len(last)))
     assert "hard_share" not in prof  # one rollout per prompt: no difficulty groups
+
+
+def test_difficulty_counts_the_dumps_success_flags(tmp_path):
+    """Partial credit: a prompt whose rollouts all earn 0.1 but only one succeeds is hard, not
+    easy. Catches the pass rate taken as ``reward > 0`` where the dump records ``success``."""
+    h = trend_and_shift(n=16, T=30, seed=4)
+    rewards = [1.0] + [0.1] * 7 + [1.0] * 8
+    success = [True] + [False] * 7 + [True] * 8
+    prompts = [f"p{i // 8}" for i in range(16)]
+    r = A.load_dump(write_dump(tmp_path / "d.jsonl", h.tolist(), rewards, prompts,
+                               success=success))
+    table = A.difficulty_bias(r, window=5)
+    assert {g: table[g]["rollouts"] for g in table} == {"hard": 8, "easy": 8}
+    old = A.load_dump(write_dump(tmp_path / "e.jsonl", h.tolist(), rewards, prompts))
+    assert {g: v["rollouts"] for g, v in A.difficulty_bias(old, window=5).items()} == {"easy": 16}
 
 
 def test_entropy_profile_difficulty_numbers(tmp_path):

@@ -186,7 +186,9 @@ def positional_bias(
 
 
 def _difficulty(r: RolloutDump) -> list[Optional[str]]:
-    """hard / moderate / easy per rollout, from its prompt's pass rate within its step."""
+    """hard / moderate / easy per rollout, from its prompt's pass rate within its step: the
+    share of its rollouts whose record says ``success`` (the reward's own rule, as the trainer
+    counts it; dumps without the flag: reward > 0)."""
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, rec in enumerate(r.records):
         groups[(rec.get("source"), rec.get("step"),
@@ -195,7 +197,8 @@ def _difficulty(r: RolloutDump) -> list[Optional[str]]:
     for members in groups.values():
         if len(members) < 2:
             continue  # single-stream: no pass rate within the step
-        rate = sum(r.records[i]["reward"] > 0 for i in members) / len(members)
+        rate = sum(bool(r.records[i].get("success", r.records[i]["reward"] > 0))
+                   for i in members) / len(members)
         label = "hard" if rate <= 1 / 8 else "easy" if rate >= 7 / 8 else "moderate"
         for i in members:
             out[i] = label
