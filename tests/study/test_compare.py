@@ -33,6 +33,28 @@ def test_paired_statistics_match_their_definition(study):
     assert study.paired(runs, []) is None
 
 
+@pytest.mark.parametrize("t, significant", [(3.0, False), (3.5, True), (-3.5, True)])
+def test_significance_is_at_students_t_with_n_minus_1_degrees_of_freedom(study, t, significant):
+    """4 seeds: t = 3.0 lies between the 5% critical values of 4 (2.776) and 3 (3.182) degrees
+    of freedom, t = 3.5 between those of 3 and 2 (4.303). Catches n degrees of freedom, a normal
+    quantile (1.96) and a too-conservative table value."""
+    spread = [-0.01, 0.0, 0.0, 0.01]
+    se = statistics.stdev(spread) / 2
+    base = [{"seed": i, "val_after": 0.5} for i in range(4)]
+    runs = [{"seed": i, "val_after": 0.5 + x + t * se} for i, x in enumerate(spread)]
+    p = study.paired(runs, base)
+    assert p["t"] == pytest.approx(t, rel=1e-6) and p["significant"] is significant
+
+
+def test_differences_without_spread_are_not_tested(study):
+    """Every seed +2 points: t would be infinite; the cell says so instead of a significant t."""
+    base = [{"seed": i, "val_after": 0.5} for i in range(3)]
+    runs = [{"seed": i, "val_after": 0.52} for i in range(3)]
+    p = study.paired(runs, base)
+    assert p["no_spread"] and not p["significant"]
+    assert study._paired_cell(p) == "+2.0, no spread (3/0/0)"
+
+
 @pytest.mark.slow
 def test_two_step_one_seed_study(study, tmp_path, monkeypatch):
     from pepo.training.precision import cpu_model

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import statistics
 
 import pytest
@@ -122,6 +123,54 @@ def test_report_table_and_forest_plot(tmp_path):
     row = next(line for line in text.splitlines() if line.startswith("| PEPO |"))
     assert f"{100 * pepo['mean']:+.1f} [{100 * pepo['lo']:+.1f}, {100 * pepo['hi']:+.1f}]" in row
     assert "| 10 |" in row and "7/1/2" in row
+
+
+def test_the_report_gives_holms_p_not_the_raw_one(tmp_path):
+    """Two comparisons: the p column is Holm's (the smaller raw p doubled here), which the
+    header promises. Catches the raw p printed under that header."""
+    seeds = list(range(10))
+    results = _runs("GRPO", seeds, [0.4] * 10)
+    results += _runs("PEPO", seeds, [0.4 + d for d in D])
+    results += _runs("80/20", seeds, [0.4 + 0.3 * d for d in D[::-1]])
+    text = power.report(results, "GRPO", ["PEPO", "80/20"], tmp_path, "img", "t")
+    comps = power.comparisons(results, "GRPO", ["PEPO", "80/20"])
+    raw = [comps[k]["p"] for k in ("PEPO", "80/20")]
+    for k, adjusted in zip(("PEPO", "80/20"), power.holm(raw)):
+        row = next(line for line in text.splitlines() if line.startswith(f"| {k} |"))
+        assert f"| {power._fmt_p(adjusted)} |" in row
+    assert power._fmt_p(power.holm(raw)[0]) != power._fmt_p(raw[0])  # the test can tell
+
+
+def test_differences_without_spread_are_not_testable(tmp_path):
+    """Every seed +2 points: no p of 0 and no interval of zero width; the other comparison's
+    Holm p counts it as a comparison made (p = 1 in the order)."""
+    got = power.paired([0.02, 0.02, 0.02])
+    assert math.isnan(got["p"]) and math.isnan(got["lo"]) and math.isnan(got["resolvable"])
+    seeds = list(range(10))
+    results = (_runs("GRPO", seeds, [0.4] * 10) + _runs("PEPO", seeds, [0.4 + d for d in D])
+               + _runs("80/20", seeds, [0.42] * 10))
+    comps = power.comparisons(results, "GRPO", ["PEPO", "80/20"])
+    assert math.isnan(comps["80/20"]["p_holm"]) and comps["PEPO"]["m"] == 2
+    assert comps["PEPO"]["p_holm"] == pytest.approx(power.holm([comps["PEPO"]["p"], 1.0])[0])
+    text = power.report(results, "GRPO", ["PEPO", "80/20"], tmp_path, "img", "t")
+    row = next(line for line in text.splitlines() if line.startswith("| 80/20 |"))
+    assert "+2.0 on every seed: no spread, not testable" in row and "nan" not in text
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_steps": 8}, "run 'PEPO' seed 2 has num_steps=8 where run 'GRPO' seed 0 has 40"),
+    ({"mode": "single_stream"}, "has mode='single_stream' where"),
+    ({"val_after": float("nan")}, "run 'PEPO' seed 2: val_after is nan, not a finite accuracy"),
+])
+def test_runs_of_other_settings_or_without_an_accuracy_are_refused(change, message):
+    """A run of 8 steps read into a 40-step study, a single-stream run beside group runs, a
+    NaN accuracy (statistics.stdev failed on it with an AttributeError)."""
+    results = [{**r, "task": "t", "mode": "group", "num_steps": 40, "val_k": 2,
+                "val_problems": 43} for r in _runs("GRPO", range(4), [0.4, 0.5, 0.6, 0.5])
+               + _runs("PEPO", range(4), [0.45, 0.5, 0.65, 0.5])]
+    results[6] = {**results[6], **change}  # PEPO, seed 2
+    with pytest.raises(ValueError, match=re.escape(message)):
+        power.comparisons(results, "GRPO", ["PEPO"])
 
 
 def test_bad_input_is_named():

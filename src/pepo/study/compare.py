@@ -101,9 +101,6 @@ CONFIGS = {"tiny": {"group": "tiny", "single_stream": "tiny_spo"},
            "smollm2": {"group": "smollm2"},
            # the real-model study: the same model on sums and differences asked step by step
            "smollm2_steps": {"group": "smollm2_steps"}}
-# two-sided 5% critical values of Student's t, by degrees of freedom
-T_CRIT = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
-          9: 2.262, 10: 2.228, 15: 2.131, 20: 2.086, 30: 2.042}
 
 
 def methods(mode: str) -> list[tuple[str, dict]]:
@@ -241,7 +238,10 @@ def mean_sd(xs: list[float], scale: float = 100.0) -> str:
 
 
 def paired(runs: list[dict], base: list[dict]) -> Optional[dict[str, Any]]:
-    """Paired comparison of ``val_after`` over the seeds both have."""
+    """Paired comparison of ``val_after`` over the seeds both have: the paired t statistic and
+    whether it passes the two-sided 5% critical value of Student's t with ``n - 1`` degrees of
+    freedom. Differences without spread (``sd`` 0) are not tested (``significant`` False,
+    ``no_spread`` True)."""
     b = {r["seed"]: r["val_after"] for r in base}
     d = [r["val_after"] - b[r["seed"]] for r in runs if r["seed"] in b]
     if not d:
@@ -250,20 +250,22 @@ def paired(runs: list[dict], base: list[dict]) -> Optional[dict[str, Any]]:
                            "wins": sum(x > 0 for x in d), "ties": sum(x == 0 for x in d),
                            "losses": sum(x < 0 for x in d)}
     if len(d) >= 2:
+        from scipy import stats
+
         sd = statistics.stdev(d)
         out["sd"] = sd
-        out["t"] = (out["mean"] / (sd / math.sqrt(len(d)))) if sd > 0 else (
-            0.0 if out["mean"] == 0 else math.copysign(math.inf, out["mean"]))
-        crit = T_CRIT[max(k for k in T_CRIT if k <= len(d) - 1)]
-        out["significant"] = abs(out["t"]) > crit
+        out["no_spread"] = sd == 0
+        out["t"] = (out["mean"] / (sd / math.sqrt(len(d)))) if sd > 0 else math.nan
+        out["significant"] = sd > 0 and abs(out["t"]) > float(stats.t.ppf(0.975, len(d) - 1))
     return out
 
 
 def _paired_cell(p: Optional[dict[str, Any]]) -> str:
     if p is None:
         return "–"
-    if "t" not in p:
-        return f"{100 * p['mean']:+.1f} ({p['wins']}/{p['ties']}/{p['losses']})"
+    if "t" not in p or p["no_spread"]:
+        spread = ", no spread" if "t" in p else ""
+        return f"{100 * p['mean']:+.1f}{spread} ({p['wins']}/{p['ties']}/{p['losses']})"
     sig = " *" if p["significant"] else ""
     return (f"{100 * p['mean']:+.1f} ± {100 * p['sd']:.1f}, t = {p['t']:+.2f}{sig} "
             f"({p['wins']}/{p['ties']}/{p['losses']})")
@@ -322,6 +324,9 @@ def report(results: list[dict], tasks: list[str], command: str,
             rows = [r for r in results if (r["task"], r["mode"]) == (task, mode)]
             if not rows:
                 continue
+            from pepo.study import power  # scipy, as the t quantile below
+
+            power.check_comparable(rows)  # one num_steps, one validation, finite accuracies
             base_label = METHODS[mode][0][0]
             base = [r for r in rows if r["method"] == base_label]
             k, n = rows[0]["val_k"], rows[0]["val_problems"]
@@ -636,7 +641,10 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
                                           args.intervention_k))
         extra[task] = "\n\n".join(p for p in parts if p)
     plot(results, args.tasks, docs / "images" / "comparison.png")
-    text = report(results, args.tasks, command_line(argv), extra)
+    try:
+        text = report(results, args.tasks, command_line(argv), extra)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     discussion = Path(args.discussion) if args.discussion else None
     if discussion is not None and discussion.is_file():  # the authors' reading of the numbers
         text += "\n" + discussion.read_text(encoding="utf-8")

@@ -29,15 +29,45 @@ from typing import Any, Optional, Sequence
 
 from scipy import stats
 
-__all__ = ["holm", "paired", "comparisons", "forest_plot", "report", "seed_table", "collect",
-           "write_result"]
+__all__ = ["holm", "paired", "comparisons", "check_comparable", "forest_plot", "report",
+           "seed_table", "collect", "write_result"]
+
+# what must be equal for two runs' accuracies to be compared (where a result records it)
+SETTINGS = ("task", "mode", "num_steps", "val_k", "val_problems")
+
+
+def check_comparable(results: Sequence[dict]) -> None:
+    """Refuses results that cannot be compared: a ``val_after`` that is not a finite number,
+    or runs whose :data:`SETTINGS` differ (a run of 8 steps beside runs of 40, single-stream
+    beside group mode).
+
+    Raises:
+        ValueError: naming the run (method and seed) and the setting.
+    """
+    first = None
+    for r in results:
+        name = f"run {r.get('method')!r} seed {r.get('seed')}"
+        v = r.get("val_after")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"{name}: val_after is {v!r}, not a finite accuracy")
+        if first is None:
+            first = r
+            continue
+        for key in SETTINGS:
+            if r.get(key) != first.get(key):
+                raise ValueError(
+                    f"{name} has {key}={r.get(key)!r} where run {first.get('method')!r} seed "
+                    f"{first.get('seed')} has {first.get(key)!r}: runs of other settings are "
+                    f"not compared (keep one setting per study directory)")
 
 
 def paired(diffs: Sequence[float], m: int = 1, alpha: float = 0.05,
            power: float = 0.8) -> dict[str, Any]:
     """Statistics of ``n >= 2`` paired differences, one comparison of ``m``: mean, sd, t, the
     uncorrected p, the Bonferroni-simultaneous interval ``[lo, hi]`` and the difference resolvable
-    with ``power`` (both at level ``alpha / m``).
+    with ``power`` (both at level ``alpha / m``). Differences without spread (every seed the
+    same, sd 0) are not testable: ``p``, ``lo``, ``hi`` and ``resolvable`` are NaN there, not a
+    p of 0 and an interval of zero width.
 
     Raises:
         ValueError: fewer than 2 differences, ``m < 1``, or ``alpha``/``power`` outside (0, 1).
@@ -57,12 +87,13 @@ def paired(diffs: Sequence[float], m: int = 1, alpha: float = 0.05,
     if se > 0:
         t = mean / se
         p = float(2 * stats.t.sf(abs(t), n - 1))
-    else:  # every seed gave the same difference
+        lo, hi = mean - crit * se, mean + crit * se
+        resolvable = (crit + float(stats.t.ppf(power, n - 1))) * se
+    else:  # every seed gave the same difference: no spread to test against
         t = 0.0 if mean == 0 else math.copysign(math.inf, mean)
-        p = 1.0 if mean == 0 else 0.0
-    return {"n": n, "mean": mean, "sd": sd, "t": t, "p": p, "lo": mean - crit * se,
-            "hi": mean + crit * se, "resolvable": (crit + float(stats.t.ppf(power, n - 1))) * se,
-            "m": m, "alpha": alpha, "power": power}
+        p = lo = hi = resolvable = math.nan
+    return {"n": n, "mean": mean, "sd": sd, "t": t, "p": p, "lo": lo, "hi": hi,
+            "resolvable": resolvable, "m": m, "alpha": alpha, "power": power}
 
 
 def holm(pvalues: Sequence[float]) -> list[float]:
@@ -82,7 +113,13 @@ def comparisons(results: list[dict], base_label: str, labels: Sequence[str],
     """Each of ``labels`` against ``base_label`` over the seeds both finished (``val_after``),
     corrected for the comparisons made: the labels with at least 2 paired seeds (a label with
     fewer gets ``{"n": k}`` only and is not counted, in the intervals and the resolvable
-    difference as in Holm's p). Adds ``p_holm`` and wins / ties / losses."""
+    difference as in Holm's p). Adds ``p_holm`` and wins / ties / losses; a comparison without
+    spread counts in ``m`` and enters Holm's order as p = 1 (its own ``p_holm`` is NaN).
+
+    Raises:
+        ValueError: results :func:`check_comparable` refuses.
+    """
+    check_comparable(results)
     base = {r["seed"]: r["val_after"] for r in results if r["method"] == base_label}
     diffs = {label: [r["val_after"] - base[r["seed"]]
                      for r in sorted(results, key=lambda r: r["seed"])
@@ -97,8 +134,9 @@ def comparisons(results: list[dict], base_label: str, labels: Sequence[str],
         out[label].update(wins=sum(x > 0 for x in d), ties=sum(x == 0 for x in d),
                           losses=sum(x < 0 for x in d))
     tested = [k for k in out if "p" in out[k]]
-    for k, p in zip(tested, holm([out[k]["p"] for k in tested])):
-        out[k]["p_holm"] = p
+    ps = [out[k]["p"] for k in tested]
+    for k, p, adjusted in zip(tested, ps, holm([1.0 if math.isnan(p) else p for p in ps])):
+        out[k]["p_holm"] = math.nan if math.isnan(p) else adjusted
     return out
 
 
@@ -181,6 +219,9 @@ def report(results: list[dict], base_label: str, labels: Sequence[str], out: Pat
         v = comps.get(label, {})
         if label == base_label:
             cells = "(baseline) | | |"
+        elif "lo" in v and math.isnan(v["p"]):
+            cells = (f"{100 * v['mean']:+.1f} on every seed: no spread, not testable | – | "
+                     f"{v['wins']}/{v['ties']}/{v['losses']} | –")
         elif "lo" in v:
             cells = (f"{100 * v['mean']:+.1f} [{100 * v['lo']:+.1f}, {100 * v['hi']:+.1f}] | "
                      f"{_fmt_p(v['p_holm'])} | {v['wins']}/{v['ties']}/{v['losses']} | "
@@ -189,13 +230,15 @@ def report(results: list[dict], base_label: str, labels: Sequence[str], out: Pat
             cells = f"({v.get('n', 0)} paired seed(s)) | | |"
         lines.append(f"| {label} | {n} | {acc(label, 'val_before')} | {acc(label, 'val_after')} "
                      f"| {cells} |")
-    sds = [v["sd"] for v in comps.values() if "sd" in v]
+    spread = [v for v in comps.values() if "sd" in v and not math.isnan(v["p"])]
+    sds = [v["sd"] for v in spread]
     if sds:
-        ns = [v["n"] for v in comps.values() if "sd" in v]
+        ns = [v["n"] for v in spread]
+        resolvable = statistics.median(v["resolvable"] for v in spread)
         lines += ["", f"Seeds paired per comparison: {min(ns)}–{max(ns)}. The SD of the paired "
                   f"differences is {100 * min(sds):.1f}–{100 * max(sds):.1f} points (median "
                   f"{100 * statistics.median(sds):.1f}); at that spread the study resolves a true "
-                  f"difference of about {100 * statistics.median(v['resolvable'] for v in comps.values() if 'sd' in v):.1f} "  # noqa: E501
+                  f"difference of about {100 * resolvable:.1f} "
                   f"points with probability {power:.0%} at the corrected level (last column: "
                   f"per comparison)."]
         out.mkdir(parents=True, exist_ok=True)
@@ -208,13 +251,13 @@ def report(results: list[dict], base_label: str, labels: Sequence[str], out: Pat
     return "\n".join(lines)
 
 
-def collect(runs: Path, task: str, dest: Path) -> list[dict]:
-    """Every finished run's ``result.json`` of ``task`` under the study directory ``runs``, also
-    copied to ``dest/results/<method>_seed_<n>.json`` (what the report is recomputed from)
-    without its ``checkpoint`` (a path of the machine that ran it)."""
+def collect(runs: Path, task: str, dest: Path, mode: str = "group") -> list[dict]:
+    """Every finished run's ``result.json`` of ``task`` in ``mode`` under the study directory
+    ``runs``, also copied to ``dest/results/<method>_seed_<n>.json`` (what the report is
+    recomputed from) without its ``checkpoint`` (a path of the machine that ran it)."""
     results = []
     (dest / "results").mkdir(parents=True, exist_ok=True)
-    for f in sorted((runs / task).glob("*/*/seed_*/result.json")):
+    for f in sorted((runs / task / mode).glob("*/seed_*/result.json")):
         r = json.loads(f.read_text(encoding="utf-8"))
         results.append(r)
         write_result(r, dest / "results" / f"{f.parent.parent.name}_{f.parent.name}.json")
@@ -233,6 +276,8 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     ap.add_argument("runs", help="a study directory (--out of pepo.study.compare), or a folder "
                                  "of result JSONs (<method>_seed_<n>.json)")
     ap.add_argument("--task", default="smollm2_steps")
+    ap.add_argument("--mode", default="group", choices=("group", "single_stream"),
+                    help="the runs compared (their baselines differ: GRPO, SPO)")
     ap.add_argument("--base", default="GRPO")
     ap.add_argument("--methods", nargs="+", default=None,
                     help="labels to compare with --base (default: every other label found)")
@@ -241,14 +286,20 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     args = ap.parse_args(argv)
     runs, out = Path(args.runs), Path(args.out)
     if (runs / args.task).is_dir():
-        results = collect(runs, args.task, out)
-    else:
-        results = [json.loads(f.read_text(encoding="utf-8")) for f in sorted(runs.glob("*.json"))]
+        results = collect(runs, args.task, out, args.mode)
+    else:  # result JSONs of one study (a docs folder): those of this task and mode
+        results = [r for r in (json.loads(f.read_text(encoding="utf-8"))
+                               for f in sorted(runs.glob("*.json")))
+                   if r.get("task", args.task) == args.task
+                   and r.get("mode", args.mode) == args.mode]
     if not results:
-        raise SystemExit(f"error: no finished runs of {args.task!r} under {runs}")
+        raise SystemExit(f"error: no finished {args.mode} runs of {args.task!r} under {runs}")
     labels = args.methods or sorted({r["method"] for r in results} - {args.base})
-    text = report(results, args.base, labels, out, str(out), f"{args.task}: paired differences",
-                  alpha=args.alpha)
+    try:
+        text = report(results, args.base, labels, out, str(out),
+                      f"{args.task}: paired differences", alpha=args.alpha)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     print(text)
     return text
 
