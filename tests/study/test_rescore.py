@@ -82,6 +82,7 @@ def test_the_report_pairs_the_rescored_runs_by_seed(tmp_path):
     bad = r("GTPO", 0, 0.5, 0.6)
     bad["stated_curve"][-1][1] = 0.49  # its dump does not give its logged accuracy
     rows += [bad, r("GTPO", 1, 0.5, 0.6)]
+    rows.append(r("PEPO, W = 11", 0, 0.5, 0.1))  # an ablation's run: not in the table below
     scored = rescore.stated_results(rows)
     assert ("GTPO", 0) not in {(x["method"], x["seed"]) for x in scored}
     assert {x["val_before"] for x in scored if x["seed"] < 3} == {0.25}
@@ -96,5 +97,7 @@ def test_the_report_pairs_the_rescored_runs_by_seed(tmp_path):
     assert "| GTPO | 1 | 25.0 | 60.0 | (1 paired seed(s)) |" in text  # no interval from one seed
     assert "p (Holm, 1 comparison)" in text  # GTPO, with one paired seed, is not tested
     assert "| GRPO | 3 | 25.0 ± 0.0 | 47.0 ± 2.0 |" in text
+    # the shifts of the table's runs (-2.0 to +40.0 points), not the ablation's -40.0
+    assert "moves a run's final accuracy by -2.0 to +40.0 points" in text
     assert (tmp_path / "stated" / "forest.png").is_file()
     assert rescore.stated_section("smollm2_steps", rows[:3], ["GRPO", "PEPO"], tmp_path) is None

@@ -104,7 +104,8 @@ def stated_section(task: str, rows: list[dict], labels: list[str], dest: Path) -
     found = [k for k in labels[1:] if any(r["method"] == k for r in scored)]
     if not any(sum(r["method"] == k and r["seed"] in base for r in scored) >= 2 for k in found):
         return None
-    shift = [r["stated_curve"][-1][2] - r["stated_curve"][-1][1] for r in scored]
+    shift = [r["stated_curve"][-1][2] - r["stated_curve"][-1][1] for r in scored
+             if r["method"] in labels]  # the runs of the table below, not an ablation's
     return (f"### {task}: scored by the result each response states\n\n"
             "math-verify reads the last number a free-text response writes as its answer. "
             "Here each validation response whose last `= n` states a result is scored by that "
