@@ -46,13 +46,33 @@ def test_significance_is_at_students_t_with_n_minus_1_degrees_of_freedom(study, 
     assert p["t"] == pytest.approx(t, rel=1e-6) and p["significant"] is significant
 
 
-def test_differences_without_spread_are_not_tested(study):
-    """Every seed +2 points: t would be infinite; the cell says so instead of a significant t."""
-    base = [{"seed": i, "val_after": 0.5} for i in range(3)]
-    runs = [{"seed": i, "val_after": 0.52} for i in range(3)]
+def test_significance_between_the_old_tables_entries(study):
+    """12 seeds, t = 2.21: above t(0.975, 11) = 2.201, below the 2.228 of 10 degrees of freedom
+    that the old table's fallback used between its entries 10 and 15."""
+    spread = [0.01 * (i - 5.5) for i in range(12)]
+    se = statistics.stdev(spread) / math.sqrt(12)
+    base = [{"seed": i, "val_after": 0.5} for i in range(12)]
+    runs = [{"seed": i, "val_after": 0.5 + x + 2.21 * se} for i, x in enumerate(spread)]
+    p = study.paired(runs, base)
+    assert p["t"] == pytest.approx(2.21, rel=1e-6) and p["significant"]
+
+
+@pytest.mark.parametrize("before, after", [
+    ([0.5] * 3, [0.52] * 3),
+    ([113 / 418, 84 / 418, 184 / 418], [114 / 418, 85 / 418, 185 / 418]),  # last bits differ
+])
+def test_differences_without_spread_are_not_tested(study, before, after):
+    """Every seed the same gain: t would be infinite (or 1e14, where the accuracies are counts
+    over 418 and the differences differ in their last bits); the cell says so instead."""
+    base = [{"seed": i, "val_after": v} for i, v in enumerate(before)]
+    runs = [{"seed": i, "val_after": v} for i, v in enumerate(after)]
     p = study.paired(runs, base)
     assert p["no_spread"] and not p["significant"]
-    assert study._paired_cell(p) == "+2.0, no spread (3/0/0)"
+    assert study._paired_cell(p) == f"{100 * p['mean']:+.1f}, no spread (3/0/0)"
+    from pepo.study import power
+
+    diffs = [a - b for a, b in zip(after, before)]
+    assert math.isnan(power.paired(diffs)["p"])
 
 
 @pytest.mark.slow
@@ -147,7 +167,7 @@ def test_max_runs_trains_that_many_per_call_and_the_last_call_reports(study, tmp
 
     def fake(task, mode, label, strategy, seed, out, overrides):
         ran.append(label)
-        r = {"task": task, "mode": mode, "method": label, "seed": seed}
+        r = {"task": task, "mode": mode, "method": label, "seed": seed, "val_after": 0.5}
         d = study.run_dir(out, task, mode, label, seed)
         d.mkdir(parents=True, exist_ok=True)
         (d / "result.json").write_text(json.dumps(r), encoding="utf-8")

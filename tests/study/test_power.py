@@ -203,6 +203,19 @@ def test_cli_collects_a_study_without_machine_paths(tmp_path, capsys):
     again = power.main([str(tmp_path / "report" / "results"), "--out", str(tmp_path / "r2")])
     row = next(x for x in text.splitlines() if x.startswith("| PEPO |"))
     assert row in again.splitlines()
+    # single-stream runs beside them are not read into the group comparison, and compare with
+    # SPO by default; a baseline without runs is refused in one line
+    for r in _runs("SPO", seeds, [0.3] * 4) + _runs("PESPO", seeds, [0.3 + x for x in D[:4]]):
+        d = runs / "smollm2_steps" / "single_stream" / r["method"].lower() / f"seed_{r['seed']}"
+        d.mkdir(parents=True)
+        (d / "result.json").write_text(json.dumps({**r, "mode": "single_stream"}))
+    assert row in power.main([str(runs), "--out", str(tmp_path / "r3")]).splitlines()
+    single = power.main([str(runs), "--mode", "single_stream", "--out", str(tmp_path / "r4")])
+    assert "Δ vs SPO" in single and "| PESPO | 4 |" in single and "PEPO" not in single
+    with pytest.raises(SystemExit, match="--base 'GRPO' has no runs here; methods found: "
+                                         "PESPO, SPO"):
+        power.main([str(runs), "--mode", "single_stream", "--base", "GRPO", "--out",
+                    str(tmp_path / "r5")])
 
 
 def test_seed_table_puts_each_run_under_its_seed(tmp_path):

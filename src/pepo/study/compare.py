@@ -61,6 +61,7 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 
 from pepo.study import analysis, intervention, rescore
+from pepo.study.lengths import plot_lengths
 from pepo.training.config import check_output_dir, find_config, register_resolvers
 from pepo.training.precision import cpu_model
 from pepo.training.reporting import read_summary
@@ -252,11 +253,14 @@ def paired(runs: list[dict], base: list[dict]) -> Optional[dict[str, Any]]:
     if len(d) >= 2:
         from scipy import stats
 
+        from pepo.study.power import no_spread
+
         sd = statistics.stdev(d)
         out["sd"] = sd
-        out["no_spread"] = sd == 0
-        out["t"] = (out["mean"] / (sd / math.sqrt(len(d)))) if sd > 0 else math.nan
-        out["significant"] = sd > 0 and abs(out["t"]) > float(stats.t.ppf(0.975, len(d) - 1))
+        out["no_spread"] = no_spread(d)
+        out["t"] = math.nan if out["no_spread"] else out["mean"] / (sd / math.sqrt(len(d)))
+        out["significant"] = (not out["no_spread"]
+                              and abs(out["t"]) > float(stats.t.ppf(0.975, len(d) - 1)))
     return out
 
 
@@ -388,39 +392,6 @@ def length_curve(out: Path, r: dict) -> Optional[list[list[float]]]:
         return None
     return [[h["step"], h["response_len"]] for h in read_summary(str(d))["history"]
             if "response_len" in h]
-
-
-def plot_lengths(rows: list[dict], labels: list[str], path: Path, title: str) -> str:
-    """Mean response length by step per method (mean over seeds) to ``path``; returns the
-    Markdown table of the mean length at the first, middle and last step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 4), dpi=110)
-    table = ["| method | seeds | length at step 1 | at the middle step | at the last step |",
-             "|---|---:|---:|---:|---:|"]
-    for label in labels:
-        curves = [r["len_curve"] for r in rows if r["method"] == label and r.get("len_curve")]
-        if not curves:
-            continue
-        n = min(len(c) for c in curves)
-        steps = [c[0] for c in curves[0][:n]]
-        mean = [statistics.fmean(c[i][1] for c in curves) for i in range(n)]
-        ax.plot(steps, mean, "o-", ms=3, label=f"{label} (n={len(curves)})")
-        table.append(f"| {label} | {len(curves)} | {mean[0]:.1f} | {mean[(n - 1) // 2]:.1f} "
-                     f"(step {steps[(n - 1) // 2]}) | {mean[-1]:.1f} (step {steps[-1]}) |")
-    ax.set_xlabel("step")
-    ax.set_ylabel("mean response length, tokens (mean over seeds)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return "\n".join(table)
 
 
 def powered_sections(task: str, results: list[dict], docs: Path,
@@ -628,6 +599,15 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
             print(f"{elsewhere} run(s) were taken by other processes: write the report with "
                   f"--report-only once they finish", flush=True)
         return results  # the report comes from one --report-only call over all shards
+    try:  # before any section is written: runs of one (task, mode) must compare
+        from pepo.study import power
+
+        for task in args.tasks:
+            for mode in MODES:
+                power.check_comparable([r for r in results
+                                        if (r["task"], r["mode"]) == (task, mode)])
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     docs = Path(args.docs) if args.docs else out
     (docs / "images").mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
@@ -641,10 +621,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
                                           args.intervention_k))
         extra[task] = "\n\n".join(p for p in parts if p)
     plot(results, args.tasks, docs / "images" / "comparison.png")
-    try:
-        text = report(results, args.tasks, command_line(argv), extra)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+    text = report(results, args.tasks, command_line(argv), extra)
     discussion = Path(args.discussion) if args.discussion else None
     if discussion is not None and discussion.is_file():  # the authors' reading of the numbers
         text += "\n" + discussion.read_text(encoding="utf-8")

@@ -29,11 +29,19 @@ from typing import Any, Optional, Sequence
 
 from scipy import stats
 
-__all__ = ["holm", "paired", "comparisons", "check_comparable", "forest_plot", "report",
-           "seed_table", "collect", "write_result"]
+__all__ = ["holm", "paired", "comparisons", "check_comparable", "no_spread", "forest_plot",
+           "report", "seed_table", "collect", "write_result"]
 
 # what must be equal for two runs' accuracies to be compared (where a result records it)
 SETTINGS = ("task", "mode", "num_steps", "val_k", "val_problems")
+
+
+def no_spread(diffs: Sequence[float]) -> bool:
+    """Whether paired differences are all the same up to float rounding: accuracies are counts
+    over the validation set (``k / 418``), so a gain of the same count on every seed differs in
+    its last bits, an sd of 1e-17 and a t of 1e14, not 0."""
+    mean = statistics.fmean(diffs)
+    return max(abs(d - mean) for d in diffs) <= 1e-9 * max(1.0, abs(mean))
 
 
 def check_comparable(results: Sequence[dict]) -> None:
@@ -84,7 +92,7 @@ def paired(diffs: Sequence[float], m: int = 1, alpha: float = 0.05,
     sd = statistics.stdev(diffs)
     se = sd / math.sqrt(n)
     crit = float(stats.t.ppf(1 - alpha / (2 * m), n - 1))
-    if se > 0:
+    if not no_spread(diffs):
         t = mean / se
         p = float(2 * stats.t.sf(abs(t), n - 1))
         lo, hi = mean - crit * se, mean + crit * se
@@ -142,13 +150,14 @@ def comparisons(results: list[dict], base_label: str, labels: Sequence[str],
 
 def forest_plot(comps: dict[str, dict[str, Any]], base_label: str, path: Path,
                 title: str) -> None:
-    """Mean paired difference (points) with its simultaneous interval, one row per method."""
+    """Mean paired difference (points) with its simultaneous interval, one row per method
+    tested (a comparison without spread has no interval: it is left out)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [(k, v) for k, v in comps.items() if "lo" in v]
+    rows = [(k, v) for k, v in comps.items() if "lo" in v and not math.isnan(v["lo"])]
     fig, ax = plt.subplots(figsize=(7.5, 0.55 * len(rows) + 1.4), dpi=110)
     for y, (label, v) in enumerate(reversed(rows)):
         ax.plot([100 * v["lo"], 100 * v["hi"]], [y, y], "-", color="tab:blue", lw=2)
@@ -278,7 +287,8 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     ap.add_argument("--task", default="smollm2_steps")
     ap.add_argument("--mode", default="group", choices=("group", "single_stream"),
                     help="the runs compared (their baselines differ: GRPO, SPO)")
-    ap.add_argument("--base", default="GRPO")
+    ap.add_argument("--base", default=None, help="the baseline (default: GRPO in group mode, "
+                                                 "SPO in single-stream mode)")
     ap.add_argument("--methods", nargs="+", default=None,
                     help="labels to compare with --base (default: every other label found)")
     ap.add_argument("--out", required=True, help="where forest.png (and results/) go")
@@ -294,6 +304,10 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
                    and r.get("mode", args.mode) == args.mode]
     if not results:
         raise SystemExit(f"error: no finished {args.mode} runs of {args.task!r} under {runs}")
+    args.base = args.base or {"group": "GRPO", "single_stream": "SPO"}[args.mode]
+    if not any(r["method"] == args.base for r in results):
+        raise SystemExit(f"error: --base {args.base!r} has no runs here; methods found: "
+                         f"{', '.join(sorted({r['method'] for r in results}))}")
     labels = args.methods or sorted({r["method"] for r in results} - {args.base})
     try:
         text = report(results, args.base, labels, out, str(out),

@@ -118,8 +118,9 @@ class SamplingConfig:
 class GenerationConfig(SamplingConfig):
     """``generation`` of the training recipe."""
 
-    batch_size: Optional[int] = key(None, "rows decoded together (in-process engine; null: all at "
-                                    "once); the KV cache grows with it",
+    batch_size: Optional[int] = key(None, "rows decoded together (in-process engine; null: all "
+                                    "of a step's rollouts at once, and a validation's 256 at a "
+                                    "time); the KV cache grows with it",
                                     rule=Int(1, nullable=True), role=RUN)
     compile: bool = key(False, "`torch.compile` the in-process decoder's step (torchtune "
                         "engine): faster decoding after a one-off compilation of tens of "
