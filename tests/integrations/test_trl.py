@@ -221,15 +221,15 @@ VLLM_IS = {"vllm_importance_sampling_mode": "token_truncate", "vllm_stand_in": T
 @pytest.mark.parametrize("strategy,params,overrides,where", [
     # TRL's default: weighted inside _compute_loss from the loss's own forward
     ("proximal_softmax", {"window": 5, "temperature": 0.5}, {}, "loss"),
-    ("entropy_bonus", {"alpha": 0.4, "kappa": 2.0}, {}, "loss"),
+    ("entropy_bonus", {"alpha": 0.6, "kappa": 1.5}, {}, "loss"),
     # TRL computes old log-probs during generation, and the entropies come from that forward
     ("proximal_softmax", {"window": 5, "temperature": 0.5}, MISALIGNED, "generation"),
     # a batch-wide threshold: every entropy before the first loss, recorded while generate()
     # sampled (no forward pass of the adapter's)
-    ("global_topk", {"fraction": 0.2}, {}, "generation"),
+    ("global_topk", {"fraction": 0.3}, {}, "generation"),
     # GTPO: each prompt's 4 completions compared as one group, over a generation batch that TRL
     # then shuffles and splits into two micro-batches
-    ("gtpo", {"alpha1": 1.0, "alpha2": 0.1}, TWO_MICRO_BATCHES, "generation"),
+    ("gtpo", {"alpha1": 1.0, "alpha2": 0.3}, TWO_MICRO_BATCHES, "generation"),
     # vLLM with its importance-sampling correction (a stand-in): TRL runs its old-log-prob
     # forward, and every strategy takes its entropies from it
     ("proximal_softmax", {"window": 5, "temperature": 0.5}, VLLM_IS, "generation"),
@@ -237,7 +237,8 @@ VLLM_IS = {"vllm_importance_sampling_mode": "token_truncate", "vllm_stand_in": T
 ])
 def test_advantages_reaching_the_loss_are_the_strategy_on_rollout_entropies(
         model_dir, tmp_path, strategy, params, overrides, where):
-    """Catches: entropies not of the rollout policy or at another temperature; success flags
+    """Catches: entropies not of the rollout policy or at another temperature; the strategy's
+    parameters dropped (none of them at its default here); success flags
     from the advantage's sign; GTPO without its groups, or grouped per micro-batch after TRL's
     shuffle; an adapter forward pass where TRL or generate() already gave the entropies
     (global_topk's extra no-grad forward, counted by a forward hook); pepo/ metrics that are
@@ -295,10 +296,61 @@ def test_advantages_reaching_the_loss_are_the_strategy_on_rollout_entropies(
         # micro-batch: on a generation of one micro-batch it selects the tokens pepo does, on a
         # part of it others
         selected = pw.get_strategy(strategy, **params)(torch.ones(len(seq_adv)), ent, mask) != 0
-        assert torch.equal(ours.get_high_entropy_mask(ent, mask, 0.8), selected)
+        quantile = 1 - params["fraction"]
+        assert torch.equal(ours.get_high_entropy_mask(ent, mask, quantile), selected)
         half = len(seq_adv) // 2
-        assert not torch.equal(ours.get_high_entropy_mask(ent[:half], mask[:half], 0.8),
+        assert not torch.equal(ours.get_high_entropy_mask(ent[:half], mask[:half], quantile),
                                selected[:half])
+
+
+class InjectingGRPO(RecordingGRPO):
+    """Plain TRL whose loss gets the strategy's token advantages computed here, independently of
+    the adapter: on entropies of a fresh float64 copy of the initial model (the rollout policy
+    of the first step), with success from the reward on the decoded completions."""
+
+    pepo_strategy = None
+
+    def _compute_loss(self, model, inputs):
+        gen = {k: inputs[k] for k in ("prompt_ids", "prompt_mask", "completion_ids",
+                                      "completion_mask")}
+        ent = rollout_entropies(self.model_dir, gen).float()
+        texts = self.processing_class.batch_decode(inputs["completion_ids"],
+                                                   skip_special_tokens=True)
+        success = torch.tensor(reward_has_seven(texts)) > 0
+        inputs["advantages"] = self.pepo_strategy(inputs["advantages"], ent,
+                                                  inputs["completion_mask"].bool(),
+                                                  positive=success)
+        return super()._compute_loss(model, inputs)
+
+
+@pytest.mark.parametrize("strategy,params", [
+    ("proximal_softmax", {"window": 5, "temperature": 0.5}),
+    ("entropy_bonus", {"alpha": 0.6, "kappa": 1.5}),
+])
+def test_row_wise_weights_are_what_the_loss_trains_on(model_dir, tmp_path, strategy, params):
+    """TRL's default path weights inside ``_compute_loss``: one SGD step of the adapter moves
+    the weights as plain TRL given the strategy's token advantages does, and not as plain TRL
+    does (the loss value alone cannot tell: PEPO's weights keep each row's total). Catches
+    advantages written into the loss's inputs after TRL has read them (what a record of the
+    inputs, taken after the loss, still shows)."""
+    args = dict(max_steps=1, optim="sgd", learning_rate=0.5)
+    ours = train(RecordingPepo, model_dir, config(tmp_path / "a", **args),
+                 pepo_strategy=strategy, pepo_params=params)
+    InjectingGRPO.model_dir = model_dir
+    InjectingGRPO.pepo_strategy = pw.get_strategy(strategy, **params)
+    want = train(InjectingGRPO, model_dir, config(tmp_path / "b", **args))
+    plain = train(RecordingGRPO, model_dir, config(tmp_path / "c", **args))
+    assert torch.equal(ours.generations[0]["completion_ids"], want.generations[0]["completion_ids"])
+    fresh = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+    def moved(trainer):
+        return [p - q for p, q in zip(trainer.model.parameters(), fresh.parameters())]
+
+    off_uniform = 0.0
+    for a, b, c in zip(moved(ours), moved(want), moved(plain)):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-7)
+        off_uniform = max(off_uniform, float((b - c).detach().abs().max()))
+    assert off_uniform > 1e-4  # the weighted step is not the uniform one: the check can fail
 
 
 def tool_rollout(prompts, trainer):
@@ -387,6 +439,30 @@ def test_success_comes_from_rewards_not_the_advantage_sign(model_dir, tmp_path):
     row = adv[:, :1]  # each row's value: constant on its tokens, 0 on padding
     assert torch.equal(adv, torch.where(mask, row, torch.zeros(())))
     assert sorted(row.squeeze(1).tolist()) == sorted(seq.tolist())
+
+
+def test_success_is_the_weighted_reward_sum(model_dir, tmp_path):
+    """A second reward of 1 on every completion, weighted -2: TRL's weighted sum is at most -1,
+    so no completion succeeds by the default rule (> 0) and PEPO keeps every row uniform.
+    Catches the flags taken from the unweighted sum (then every completion would succeed)."""
+    def one(completions, **kwargs):
+        return [1.0 for _ in completions]
+
+    transformers.set_seed(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    with pytest.warns(UserWarning, match="pepo_success"):
+        trainer = RecordingPepo(model=model, reward_funcs=[reward_has_seven, one],
+                                args=config(tmp_path, max_steps=1, reward_weights=[1.0, -2.0]),
+                                train_dataset=dataset(), processing_class=tok,
+                                pepo_strategy="proximal_softmax", pepo_params={"window": 5})
+    trainer.generations, trainer.sequence_advantages = [], []
+    trainer.losses, trainer.loss_inputs = [], []
+    trainer.train()
+    assert (trainer.sequence_advantages[0] > 0).any()
+    inp = trainer.loss_inputs[0]
+    adv, mask = inp["advantages"], inp["completion_mask"].bool()
+    assert torch.equal(adv, torch.where(mask, adv[:, :1], torch.zeros(())))  # every row uniform
 
 
 def test_bad_strategy_or_params_fail_before_training(model_dir, tmp_path):

@@ -124,8 +124,15 @@ def nested(padded, mask):
                                          layout=torch.jagged)
 
 
-def test_trainer_step_writes_back_exactly_the_weighted_advantages(monkeypatch):
+@pytest.mark.parametrize("threshold", [0.0, 0.5])
+def test_trainer_step_writes_back_exactly_the_weighted_advantages(monkeypatch, threshold):
+    """Partial-credit scores in [0, 1): a row succeeds when its score exceeds
+    +pepo.success_threshold. Catches the threshold ignored (every row above 0 would be
+    weighted), and a logged pepo/ metric over the wrong tokens."""
     rewards, scores, mask, entropy = batch(seed=3)
+    rewards = torch.rand(len(rewards), generator=torch.Generator().manual_seed(4))
+    scores = torch.zeros_like(scores)
+    scores[torch.arange(len(rewards)), mask.sum(1) - 1] = rewards
     index = [str(i // G) for i in range(len(rewards))]
     verl_adv, _ = core_algos.compute_grpo_outcome_advantage(
         token_level_rewards=scores, response_mask=mask.float(), index=index)
@@ -137,18 +144,22 @@ def test_trainer_step_writes_back_exactly_the_weighted_advantages(monkeypatch):
     monkeypatch.setattr(pv.PPOTrainerSync, "_compute_advantage", lambda self, b, m: b)
     trainer = object.__new__(pv.PepoPPOTrainer)
     trainer.pepo_strategy, trainer.pepo_success_threshold = pv.strategy_from_config(
-        OmegaConf.create({"strategy": "proximal_softmax", "params": {"window": 5}}))
+        OmegaConf.create({"strategy": "proximal_softmax", "params": {"window": 5},
+                          "success_threshold": threshold}))
     trainer.pepo_adv_estimator = "grpo"
     metrics: dict = {}
     meta = Meta([f"k{i}" for i in range(len(rewards))])
     trainer._compute_advantage(meta, metrics)
     assert len(store.puts) == 1 and set(store.puts[0].keys()) == {"advantages"}
     written = store.puts[0]["advantages"].to_padded_tensor(0.0)
+    positive = rewards > threshold
+    assert 0 < int(positive.sum()) < len(rewards) or threshold == 0.0
     want = pw.get_strategy("proximal_softmax", window=5)(
-        est.group_advantages(rewards, group_size=G), entropy, mask, positive=rewards > 0)
+        est.group_advantages(rewards, group_size=G), entropy, mask, positive=positive)
     torch.testing.assert_close(written, want[:, :written.size(1)], rtol=1e-5, atol=1e-6)
     assert written.size(1) == int(mask.sum(1).max())
-    assert "pepo/token_advantage_abs_mean" in metrics
+    assert metrics["pepo/token_advantage_abs_mean"] == pytest.approx(
+        float(want.abs()[mask].mean()), rel=1e-5)
 
 
 def test_config_errors_name_the_fix():
@@ -173,9 +184,14 @@ def test_the_trainer_checks_its_pepo_section_before_verl_builds_anything(monkeyp
         with pytest.raises(ValueError, match=r"algorithm.adv_estimator=(gae|remax) "):
             pv.PepoPPOTrainer(OmegaConf.create({"pepo": {"strategy": "uniform"},
                                                 "algorithm": algorithm}))
+    # without _compute_old_log_prob's pass there are no rollout entropies: refused here, not at
+    # the first step's advantages
+    with pytest.raises(ValueError, match="bypass_mode=True skips that pass: set it to False"):
+        pv.PepoPPOTrainer(OmegaConf.create({"pepo": {"strategy": "uniform"}, "algorithm": {
+            **grpo, "rollout_correction": {"bypass_mode": True}}}))
     assert built == []
     good = OmegaConf.create({"pepo": {"strategy": "global_topk", "params": {"fraction": 0.3}},
-                             "algorithm": grpo})
+                             "algorithm": {**grpo, "rollout_correction": {"bypass_mode": False}}})
     trainer = pv.PepoPPOTrainer(good)
     assert built == [good] and trainer.pepo_strategy is not None
     assert trainer.pepo_adv_estimator == "grpo"

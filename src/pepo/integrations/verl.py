@@ -185,6 +185,10 @@ def token_advantages(
     return out.to(advantages.dtype)
 
 
+_NO_ENTROPY = ("pepo needs the rollout entropies that verl's _compute_old_log_prob writes; "
+               "algorithm.rollout_correction.bypass_mode=True skips that pass: set it to False")
+
+
 @register_trainer("pepo")
 class PepoPPOTrainer(PPOTrainerSync):
     """verl's synchronous v1 trainer with pepo's token weighting of the advantages."""
@@ -194,6 +198,9 @@ class PepoPPOTrainer(PPOTrainerSync):
         # anything
         self.pepo_strategy, self.pepo_success_threshold = strategy_from_config(config.get("pepo"))
         self.pepo_adv_estimator = check_adv_estimator(config.get("algorithm"))
+        correction = (config.get("algorithm") or {}).get("rollout_correction") or {}
+        if correction.get("bypass_mode", False):
+            raise ValueError(_NO_ENTROPY)
         super().__init__(config, *args, **kwargs)
 
     def _compute_advantage(self, batch, metrics: dict):
@@ -203,10 +210,7 @@ class PepoPPOTrainer(PPOTrainerSync):
             select_fields=["advantages", "entropy", "response_mask", "rm_scores", "uid"],
         )
         if data.get("entropy", None) is None:
-            raise ValueError(
-                "pepo needs the rollout entropies that verl's _compute_old_log_prob writes; "
-                "algorithm.rollout_correction.bypass_mode=True skips that pass"
-            )
+            raise ValueError(_NO_ENTROPY)
         nested_mask = data["response_mask"]
         padded = data.to_padded_tensor()
         groups = group_ids(padded.pop("uid").tolist())  # as verl's own advantage step reads it
