@@ -309,7 +309,7 @@ def test_custom_strategy_with_var_keywords_receives_positive_and_groups():
     try:
         adv, ent, mask = ragged_batch([2, 3, 1], 3)
         s = pw.get_strategy("test_var_keywords")
-        assert not s.needs_groups
+        assert not s.needs_groups and s.reads_groups
         flags, ids = torch.tensor([False, True, True]), torch.tensor([4, 4, -1])
         out = s(adv, ent, mask, positive=flags, groups=ids)
         assert set(seen[-1]) == {"positive", "groups"}
@@ -319,7 +319,9 @@ def test_custom_strategy_with_var_keywords_receives_positive_and_groups():
         assert seen[-1]["positive"].tolist() == [True, False, False]  # default: A > 0
         assert seen[-1]["groups"] is None
         opt = pw.get_strategy("test_optional_groups")
-        assert not opt.needs_groups
+        assert not opt.needs_groups and opt.reads_groups
+        assert not pw.get_strategy("proximal_softmax").reads_groups
+        assert pw.get_strategy("gtpo").reads_groups
         opt(adv, ent, mask, groups=ids)
         assert torch.equal(seen[-1]["groups"], ids)
         opt(adv, ent, mask)

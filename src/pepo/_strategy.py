@@ -303,6 +303,12 @@ class Strategy:
         return self._pass_positive
 
     @property
+    def reads_groups(self) -> bool:
+        """Whether the strategy's function takes ``groups=`` (by name, with or without a default,
+        or through ``**kwargs``): it may compare the rollouts of a group."""
+        return self._pass_groups
+
+    @property
     def needs_groups(self) -> bool:
         """Whether the strategy compares the rollouts of a group (it must get ``groups=``)."""
         return self._needs_groups

@@ -465,6 +465,35 @@ def test_success_is_the_weighted_reward_sum(model_dir, tmp_path):
     assert torch.equal(adv, torch.where(mask, adv[:, :1], torch.zeros(())))  # every row uniform
 
 
+@pytest.mark.parametrize("signature", ["optional", "kwargs"])
+def test_a_user_strategy_that_takes_groups_gets_trls_groups(model_dir, tmp_path, monkeypatch,
+                                                           signature):
+    """A registered strategy declaring ``groups=None`` or ``**kwargs`` gets TRL's groups (the
+    ``num_generations`` consecutive completions of a prompt) and the success flags, as verl's
+    adapter gives them. Catches groups passed only to strategies that require them (these got
+    None)."""
+    seen = []
+
+    def factory():
+        if signature == "optional":
+            def fn(advantages, entropies, mask, positive, groups=None):
+                seen.append({"positive": positive, "groups": groups})
+                return torch.where(mask, advantages[:, None], 0.0)
+        else:
+            def fn(advantages, entropies, mask, **kw):
+                seen.append(kw)
+                return torch.where(mask, advantages[:, None], 0.0)
+        return fn
+
+    monkeypatch.setitem(pw._REGISTRY, "trl_groups_probe", factory)
+    ours = train(RecordingPepo, model_dir, config(tmp_path, max_steps=1),
+                 pepo_strategy="trl_groups_probe")
+    gen = ours.generations[0]
+    texts = ours.processing_class.batch_decode(gen["completion_ids"], skip_special_tokens=True)
+    assert torch.equal(seen[0]["groups"], torch.arange(16) // 4)
+    assert torch.equal(seen[0]["positive"], torch.tensor(reward_has_seven(texts)) > 0)
+
+
 def test_bad_strategy_or_params_fail_before_training(model_dir, tmp_path):
     with pytest.raises(ValueError, match="no_such"):
         PepoGRPOTrainer(model=str(model_dir), reward_funcs=reward_has_seven,

@@ -44,7 +44,8 @@ What it feeds the strategy, following the paper:
   ``top_entropy_quantile`` also gathers the entropies of all processes, but takes its threshold
   per micro-batch (``per_device_train_batch_size`` completions per process): the two select the
   same tokens when a generation is one micro-batch (``steps_per_generation=1``).
-- **each prompt's group** for ``gtpo``: TRL's generation batch holds the ``num_generations``
+- **each prompt's group** for ``gtpo`` and any strategy that takes ``groups=`` (by name or
+  ``**kwargs``): TRL's generation batch holds the ``num_generations``
   completions of a prompt one after another, in the order of the processes; the adapter gathers
   the batch of every process and applies the strategy to it whole, so a group split between
   micro-batches or processes is compared as one.
@@ -365,7 +366,7 @@ class PepoGRPOTrainer(GRPOTrainer):
         mask = batch["completion_mask"].bool()
         if batch.get("tool_mask") is not None:
             mask = mask & batch["tool_mask"].bool()
-        if self._pepo_strategy.needs_groups:
+        if self._pepo_strategy.reads_groups:  # gtpo, and user strategies that take groups=
             out = self._pepo_weigh_groups(advantages, entropies, mask, positive)
         else:
             # batch-global statistics (global_topk's threshold) span every process; the strategy
