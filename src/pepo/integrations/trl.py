@@ -56,7 +56,8 @@ with the largest ``|Â_{i,t}|``, averaged over rows with a nonzero advantage: 0.
 more where a strategy concentrates the weight), beside TRL's own metrics.
 
 ``pepo_strategy="uniform"`` trains exactly as plain ``GRPOTrainer`` (the same completions, losses
-and weights, bit for bit).
+and weights, bit for bit; with sequence-level importance sampling, ``luspo``'s setting, to float
+rounding).
 """
 
 from __future__ import annotations
