@@ -188,6 +188,24 @@ def test_max_runs_trains_that_many_per_call_and_the_last_call_reports(study, tmp
     assert sorted(ran) == sorted(label for label, _ in study.METHODS["single_stream"])
 
 
+def test_runs_of_other_settings_stop_the_report_before_any_section(study, tmp_path):
+    """A finished run of 8 steps among runs of 2: --report-only refuses in one line naming it,
+    before writing results.json or any section. Catches the check left to the report, after the
+    sections (and their copies of every result) were written."""
+    for label, _ in study.METHODS["group"][:2]:
+        for seed in (0, 1):
+            d = study.run_dir(tmp_path, "tiny", "group", label, seed)
+            d.mkdir(parents=True)
+            steps = 8 if (label, seed) == (study.METHODS["group"][1][0], 1) else 2
+            (d / "result.json").write_text(json.dumps(
+                {"task": "tiny", "mode": "group", "method": label, "seed": seed,
+                 "val_after": 0.5, "num_steps": steps, "val_k": 1, "val_problems": 4}))
+    with pytest.raises(SystemExit, match=r"error: run '.*' seed 1 has num_steps=8 where run "):
+        study.main(["--tasks", "tiny", "--seeds", "0", "1", "--only", "group", "--out",
+                    str(tmp_path), "--report-only", "--no-intervention"])
+    assert not (tmp_path / "results.json").exists()
+
+
 _FAKE_SUMMARY = {  # what a run's summary.json holds: 4 validation prompts, 2 steps
     "val_problems": 4,
     "history": [{"step": 0, "val_accuracy": 0.5}, {"step": 1, "step_time": 1.0},

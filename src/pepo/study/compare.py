@@ -241,8 +241,9 @@ def mean_sd(xs: list[float], scale: float = 100.0) -> str:
 def paired(runs: list[dict], base: list[dict]) -> Optional[dict[str, Any]]:
     """Paired comparison of ``val_after`` over the seeds both have: the paired t statistic and
     whether it passes the two-sided 5% critical value of Student's t with ``n - 1`` degrees of
-    freedom. Differences without spread (``sd`` 0) are not tested (``significant`` False,
-    ``no_spread`` True)."""
+    freedom. Differences without spread (equal up to float rounding:
+    :func:`pepo.study.power.no_spread`) are not tested (``significant`` False, ``no_spread``
+    True)."""
     b = {r["seed"]: r["val_after"] for r in base}
     d = [r["val_after"] - b[r["seed"]] for r in runs if r["seed"] in b]
     if not d:
@@ -327,10 +328,7 @@ def report(results: list[dict], tasks: list[str], command: str,
         for mode in MODES:
             rows = [r for r in results if (r["task"], r["mode"]) == (task, mode)]
             if not rows:
-                continue
-            from pepo.study import power  # scipy, as the t quantile below
-
-            power.check_comparable(rows)  # one num_steps, one validation, finite accuracies
+                continue  # main checked them with power.check_comparable before any section
             base_label = METHODS[mode][0][0]
             base = [r for r in rows if r["method"] == base_label]
             k, n = rows[0]["val_k"], rows[0]["val_problems"]
