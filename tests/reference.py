@@ -129,7 +129,8 @@ def entropy_bonus(advantages, entropies, mask, alpha, kappa) -> np.ndarray:
 
 
 def global_topk(advantages, scores, mask, fraction) -> np.ndarray:
-    """80/20 as TRL writes it: threshold = torch.quantile(valid scores, 1 - fraction), keep >=."""
+    """80/20 as TRL writes it, threshold = torch.quantile(valid scores, 1 - fraction), keep >=,
+    but in float64: TRL's quantile of fp32 scores can keep one token fewer or more."""
     valid = torch.tensor(
         [
             float(scores[i, t])

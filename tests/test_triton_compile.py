@@ -39,16 +39,16 @@ KERNELS = [
                           "mask_ptr": "*i1", "out_ptr": "*fp32"},
        {"ALL_ROWS": all_rows, "TILE": 256}) for all_rows in (True, False)],
     *[("_topk_prep_kernel", {"s_ptr": e, "mask_ptr": "*i1", "flat_ptr": "*fp32",
-                             "count_ptr": "*i32"}, {"RADIX": radix, "BLOCK": 1024})
+                             "count_ptr": "*i64"}, {"RADIX": radix, "BLOCK": 1024})
       for e in ENT for radix in (False, True)],
-    *[("_radix_hist_kernel", {"flat_ptr": "*fp32", "count_ptr": "*i32", "q_bits": bits},
+    *[("_radix_hist_kernel", {"flat_ptr": "*fp32", "count_ptr": "*i64", "q_bits": bits},
        {"PASS": p, "BLOCK": 1024}) for p in (1, 2, 3) for bits in ("i64", "i32")],
-    *[("_topk_radix_apply_kernel", {"flat_ptr": "*fp32", "count_ptr": "*i32",
+    *[("_topk_radix_apply_kernel", {"flat_ptr": "*fp32", "count_ptr": "*i64",
                                     "adv_ptr": "*fp32", "mask_ptr": "*i1", "out_ptr": "*fp32",
                                     "q_bits": bits}, {"SELECTED": selected, "BLOCK": 1024})
       for selected in (True, False) for bits in ("i64", "i32")],
     # a float64 argument travels as its bits: an i64, or an i32 where they fit (q = 0.0)
-    *[("_topk_apply_kernel", {"flat_ptr": "*fp32", "ordered_ptr": "*fp32", "count_ptr": "*i32",
+    *[("_topk_apply_kernel", {"flat_ptr": "*fp32", "ordered_ptr": "*fp32", "count_ptr": "*i64",
                               "adv_ptr": "*fp32", "mask_ptr": "*i1", "out_ptr": "*fp32",
                               "q_bits": bits}, {"SELECTED": selected, "BLOCK": 1024})
       for selected in (True, False) for bits in ("i64", "i32")],

@@ -473,6 +473,19 @@ def test_global_topk_matches_trl_quantile_rule(fraction, holes):
     close(got, ref.global_topk(adv, ent, mask, fraction), rtol=0, atol=0)
 
 
+def test_global_topk_takes_the_exact_quantile_not_its_fp32_rounding():
+    """At fraction 0.4 on 26 distinct scores the exact rank q(n-1) is 15, so 11 are kept;
+    ``torch.quantile`` on fp32 scores (TRL's call) rounds q = 0.6 up and keeps 10. Catches a
+    rank computed in fp32 (or a threshold from fp32 ``torch.quantile``), which the float64
+    reference of the other tests would meet only at such sizes."""
+    ent = torch.arange(26, dtype=torch.float32)[None, :] * 0.1
+    mask = torch.ones(1, 26, dtype=torch.bool)
+    out = pw.get_strategy("global_topk", fraction=0.4)(torch.ones(1), ent, mask)
+    assert out.tolist() == [[0.0] * 15 + [1.0] * 11]
+    fp32_rule = ent >= torch.quantile(ent[mask], 0.6)
+    assert int(fp32_rule.sum()) == 10  # the documented difference from TRL's rule
+
+
 def test_global_topk_ties_are_included():
     ent = torch.tensor([[1.0, 2.0, 2.0, 2.0, 0.5]])
     mask = torch.ones(1, 5, dtype=torch.bool)

@@ -248,8 +248,8 @@ if triton is not None:
         v = tl.load(s_ptr + row * s_sb + col * s_st, mask=valid, other=0.0).to(tl.float32)
         tl.store(flat_ptr + row * T + col, tl.where(valid, v + 0.0, float("-inf")), mask=inside)
         bad = valid & ~((v == v) & (tl.abs(v) < float("inf")))
-        tl.atomic_add(count_ptr, tl.sum(valid.to(tl.int32), axis=0))
-        tl.atomic_add(count_ptr + 1, tl.sum(bad.to(tl.int32), axis=0))
+        tl.atomic_add(count_ptr, tl.sum(valid.to(tl.int32), axis=0).to(tl.int64))
+        tl.atomic_add(count_ptr + 1, tl.sum(bad.to(tl.int32), axis=0).to(tl.int64))
         if RADIX:
             key = _order_key(tl.where(valid, v + 0.0, float("-inf")))
             _add_histogram(count_ptr + 2, (key >> 24).to(tl.int32), inside)
@@ -263,7 +263,7 @@ if triton is not None:
     @triton.jit
     def _add_histogram(hist_ptr, digit, keep):  # noqa: N803
         h = tl.histogram(digit, 256, mask=keep)
-        tl.atomic_add(hist_ptr + tl.arange(0, 256), h, mask=h > 0)
+        tl.atomic_add(hist_ptr + tl.arange(0, 256), h.to(tl.int64), mask=h > 0)
 
     @triton.jit
     def _radix_state(hist_ptr, count_ptr, q_bits, PASSES: tl.constexpr):  # noqa: N803
@@ -565,7 +565,8 @@ def global_topk(adv: torch.Tensor, ent: torch.Tensor, mask: torch.Tensor, q: flo
         raise ValueError(f"PEPO_TOPK_SELECT={_TOPK_SELECT!r}: expected 'sort' or 'radix'")
     radix = _TOPK_SELECT == "radix"
     # valid, non-finite valid; with radix, four byte histograms of the keys
-    counts = torch.zeros(2 + 4 * 256 * radix, dtype=torch.int32, device=ent.device)
+    # int64: a batch of 2^31 valid tokens or more would wrap an int32 count
+    counts = torch.zeros(2 + 4 * 256 * radix, dtype=torch.int64, device=ent.device)
     with _on(ent.device):
         _topk_prep_kernel[(b, n_tiles)](score, mask, flat, counts, t, score.stride(0),
                                         score.stride(1), mask.stride(0), mask.stride(1),
