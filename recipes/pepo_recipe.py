@@ -222,11 +222,12 @@ class PEPORecipe(FTRecipeInterface):
         # log-probs and entropies, and a row-local strategy the weights (step.weigh_from_update)
         self.old_from_update = (not self.recompute_old and self.ppo_epochs == 1
                                 and self.ppo_mini_batches == 1 and self.strategy.row_local)
-        # the newest keep_checkpoints, and (keep_best) the one of the best validation accuracy
+        # the newest keep_checkpoints, and (keep_best) the one of the best validation accuracy:
+        # also a resume without validation keeps the best of the steps before it
         self.keep_best = c.keep_best and bool(self.val_every)
         self.checkpointer = AtomicCheckpointer(
             self.output_dir / "checkpoints", keep=c.keep_checkpoints,
-            best_metric="val_accuracy" if self.keep_best else None,
+            best_metric="val_accuracy" if c.keep_best else None,
         )
         resume_state = resumable_checkpoint(self.checkpointer, self.experiment, self.num_steps,
                                             log.warning) if self.resume else None

@@ -306,6 +306,21 @@ def test_without_a_best_metric_only_the_newest_are_kept(tmp_path):
     assert c.best() is None and not (tmp_path / "best").exists()
 
 
+def test_a_checkpointer_without_a_best_metric_removes_a_best_marker_it_prunes(tmp_path):
+    """A run that kept its best (step 1), resumed with ``keep_best=false``: pruning may delete
+    step 1 then, but must not leave ``best`` naming a deleted directory (the old code did);
+    a marker whose checkpoint is still there stays."""
+    m = torch.nn.Linear(3, 2)
+    ck.AtomicCheckpointer(tmp_path, keep=1, best_metric="val_accuracy").save(
+        1, m, {"step": 1}, {"val_accuracy": 0.9})
+    c = ck.AtomicCheckpointer(tmp_path, keep=2)
+    c.save(2, m, {"step": 2})
+    assert (tmp_path / "best").read_text(encoding="utf-8") == "step_1\n"  # step_1 still kept
+    c.save(3, m, {"step": 3})
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_2", "step_3"]
+    assert not (tmp_path / "best").exists()
+
+
 def test_a_marker_path_names_its_checkpoint_directory(tmp_path):
     c = _three_steps(tmp_path)
     assert ck.resolve_marker(str(tmp_path / "latest")) == str(tmp_path / "step_3")

@@ -30,3 +30,23 @@ def test_a_tie_is_not_a_new_best_and_step_0_does_not_count(tmp_path, monkeypatch
     assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_2", "step_4"]
     assert (ckpts / "best").read_text(encoding="utf-8") == "step_2\n"
     assert AtomicCheckpointer.metadata(ckpts / "step_2") == {"step": 2, "val_accuracy": 0.7}
+
+
+def test_a_resume_without_validation_keeps_the_best_of_the_steps_before(tmp_path, monkeypatch):
+    """Steps 1-2 validate (0.9, then 0.5) and keep 1 checkpoint besides the best; a resume to
+    step 4 with ``validation.every=0`` (a key a resume may change) validates nothing more.
+    Catches a resumed run that stops protecting the best: it pruned step_1, the peak's
+    weights, and left ``best`` naming a deleted directory."""
+    accs = iter([0.3, 0.9, 0.5])  # steps 0..2
+    monkeypatch.setattr(pepo_recipe.PEPORecipe, "validate", lambda self: next(accs))
+    cfg = tiny_cfg(tmp_path, num_steps=2, save_every=1, keep_checkpoints=1)
+    cfg.validation = {"every": 1, "samples": 1}
+    pepo_recipe.recipe_main(cfg, log_config=False)
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_1", "step_2"]
+    cfg = tiny_cfg(tmp_path, num_steps=4, save_every=1, keep_checkpoints=1,
+                   resume_from_checkpoint=True)
+    cfg.validation = {"every": 0, "samples": 1}
+    pepo_recipe.recipe_main(cfg, log_config=False)
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_1", "step_4"]
+    assert (ckpts / "best").read_text(encoding="utf-8") == "step_1\n"

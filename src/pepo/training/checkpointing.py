@@ -235,6 +235,15 @@ class AtomicCheckpointer:
                 shutil.rmtree(p, ignore_errors=True)
         if self.best_metric is not None:
             self._write_marker(BEST_MARKER, best.name if best is not None else None)
+        elif not (self.root / self._marker_text(BEST_MARKER)).is_dir():
+            self._write_marker(BEST_MARKER, None)  # an earlier run's marker of a pruned step
+
+    def _marker_text(self, name: str) -> str:
+        """What marker ``name`` holds ("" when it is missing or unreadable)."""
+        try:
+            return (self.root / name).read_text(encoding="utf-8").strip()[:_MARKER_MAX_BYTES]
+        except (OSError, ValueError):
+            return ""
 
     def _write_marker(self, name: str, target: Optional[str]) -> None:
         """Points marker ``name`` at checkpoint ``target`` atomically (None: removes it)."""
