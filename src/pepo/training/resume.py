@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -69,7 +70,8 @@ def save_state(recipe: Any, step: int, metrics: Optional[dict[str, float]] = Non
         checkpointer = recipe.checkpointer
         try:
             checkpointer.save(step, weights, state, metrics)
-        except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a C++ error
+        # torch.save reports a full disk as a C++ error, safetensors as its own
+        except (OSError, RuntimeError, SafetensorError) as e:
             failed = checkpoint_failure(e, step, checkpointer.root, checkpointer.marked())
             if failed is None:
                 raise

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import shutil
 import signal
 import threading
@@ -188,9 +189,13 @@ class CheckpointFailed(RuntimeError):
 
 
 def out_of_space(error: BaseException, where: Path) -> bool:
-    """Whether a failed write was the disk filling up: ENOSPC/EDQUOT, or (torch.save's C++
-    stream errors say nothing about why) less than 1 MiB left where it was writing."""
-    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+    """Whether a failed write was the disk filling up: ENOSPC/EDQUOT (an OSError's, or named
+    in another error's message, as safetensors' own error does), or (torch.save's C++ stream
+    errors say nothing about why) less than 1 MiB left where it was writing."""
+    full = (errno.ENOSPC, errno.EDQUOT)
+    if isinstance(error, OSError) and error.errno in full:
+        return True
+    if any(os.strerror(code) in str(error) for code in full):
         return True
     try:
         return shutil.disk_usage(where).free < 2**20
