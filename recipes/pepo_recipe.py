@@ -66,7 +66,7 @@ from tqdm import tqdm
 from pepo import weighting
 from pepo.loss import policy_loss_metrics, truncated_is_weights
 from pepo.sampling import PromptSampler
-from pepo.training import prior_cache, resume
+from pepo.training import closing, prior_cache, resume
 from pepo.training.checkpointing import AtomicCheckpointer, resolve_marker
 from pepo.training.config import (
     build,
@@ -91,22 +91,15 @@ from pepo.training.evaluation import (
     sample_and_score,
 )
 from pepo.training.generation import Rollouts, draw_seeds
-from pepo.training.hf import save_hf
 from pepo.training.models import check_model
 from pepo.training.precision import autocast, cpu_attention_in_fp32, resolve_compute_dtype
 from pepo.training.precision import describe as describe_precision
-from pepo.training.reporting import (
-    NullLogger,
-    plot_curves,
-    write_rollouts,
-    write_summary,
-)
+from pepo.training.reporting import NullLogger, write_rollouts
 from pepo.training.run_lock import RunLock
 from pepo.training.step import (
     StepStats,
     Trajectory,
     by_length,
-    closing_summary,
     dump_records,
     policy_logprobs,
     step_metrics,
@@ -202,6 +195,7 @@ class PEPORecipe(FTRecipeInterface):
                                    any_rank=self.dist.any if self.dist.enabled else None)
         self.nonfinite = NonFiniteGuard(c.max_nonfinite_steps, log)
         self._diagnostic_failures: set[str] = set()
+        self.validation_pending = False  # a resumed step's validation failed: it is owed
         self.step = 0
         self.history: list[dict[str, Any]] = []
 
@@ -229,8 +223,9 @@ class PEPORecipe(FTRecipeInterface):
             self.output_dir / "checkpoints", keep=c.keep_checkpoints,
             best_metric="val_accuracy" if c.keep_best else None,
         )
-        resume_state = resumable_checkpoint(self.checkpointer, self.experiment, self.num_steps,
-                                            log.warning) if self.resume else None
+        resume_state = resumable_checkpoint(
+            self.checkpointer, self.experiment, self.num_steps, log.warning,
+            closed=closing.is_closed(self.output_dir)) if self.resume else None
 
         with training.set_default_dtype(self._dtype), self._device:
             self.model = build(cfg, "model")
@@ -469,9 +464,9 @@ class PEPORecipe(FTRecipeInterface):
         records = [r for part in self.dist.gather_objects(records) for r in part]  # rank order
         if self.dist.is_main:
             path = self.output_dir / "rollouts" / f"step_{self.step:06d}.jsonl"
-            self._write_diagnostic("rollout dump", path, lambda: write_rollouts(path, records))
+            self.write_diagnostic("rollout dump", path, lambda: write_rollouts(path, records))
 
-    def _write_diagnostic(self, what: str, path: Path, write: Callable[[], Any]) -> Any:
+    def write_diagnostic(self, what: str, path: Path, write: Callable[[], Any]) -> Any:
         """Runs ``write`` (a rollout dump, the curves). A diagnostic that cannot be written (a
         full disk, a quota) is a warning, once per kind, and training goes on: only checkpoints
         hold work that a failed write would lose. Returns ``write``'s result, None on failure."""
@@ -504,7 +499,7 @@ class PEPORecipe(FTRecipeInterface):
                     for part in self.dist.gather_objects(records) for r in part]  # rank order
             if self.dist.is_main:
                 path = self.output_dir / "val_rollouts" / f"step_{self.step:06d}.jsonl"
-                self._write_diagnostic("validation dump", path, lambda: write_rollouts(path, rows))
+                self.write_diagnostic("validation dump", path, lambda: write_rollouts(path, rows))
         return acc
 
     # -------------------------------------------------------------- the loop
@@ -527,6 +522,8 @@ class PEPORecipe(FTRecipeInterface):
             if self.dist.is_main:
                 log.info(f"Validation accuracy before training (avg@{self.val_samples}): {acc:.3f}"
                          + (f" (read from {self.val_cache})" if read else ""))
+        if self.validation_pending:
+            closing.settle_validation(self, log)
         bar = tqdm(total=self.num_steps, initial=self.step, desc=f"pepo[{self.strategy_name}]",
                    dynamic_ncols=True, file=sys.stdout, disable=not self.dist.is_main)
         while self.step < self.num_steps:
@@ -535,7 +532,13 @@ class PEPORecipe(FTRecipeInterface):
             m = self.train_step()
             new_best = False
             if self.val_every and (self.step % self.val_every == 0 or self.step == self.num_steps):
-                m["val_accuracy"] = self.validate()
+                try:
+                    m["val_accuracy"] = self.validate()
+                except TrainingStopped:  # a second signal: at once
+                    raise
+                except Exception:  # the step is trained: keep it (one process)
+                    closing.keep_unvalidated_step(self, m, log)
+                    raise
                 new_best = self.keep_best and m["val_accuracy"] > max(
                     (h["val_accuracy"] for h in self.history
                      if h["step"] >= 1 and "val_accuracy" in h), default=-math.inf)
@@ -559,24 +562,7 @@ class PEPORecipe(FTRecipeInterface):
                 bar.close()
                 self.signals.check(self.checkpointer.root)
         bar.close()
-        if self.dist.is_main:
-            for line in closing_summary(self.history, self.val_samples,
-                                        self.checkpointer if self.keep_best else None):
-                log.info(line)
-            write_summary(self.output_dir, self.history, val_problems=len(self.val_data),
-                          val_samples=self.val_samples, num_steps=self.num_steps)
-        if self.hf_source is not None:
-            weights = resume.model_state_dict(self.model, self.dist, cpu_offload=True)
-            if self.dist.is_main:
-                path = save_hf(weights, self.output_dir / "hf_model", source_dir=self.hf_source)
-                log.info(f"Hugging Face checkpoint of the final model: {path}")
-            self.dist.barrier()
-        if self.plot and self.dist.is_main:
-            curves = self.output_dir / "training_curves.png"
-            title = f"{self.config_name}: {self.strategy_name}, {self.estimator.name}"
-            if self._write_diagnostic("training curves", curves,
-                                      lambda: plot_curves(self.history, curves, title=title)):
-                log.info(f"Training curves: {curves}")
+        closing.close_run(self, log)
 
     def save_checkpoint(self, step: int, metrics: Optional[dict[str, float]] = None) -> None:
         """An atomic checkpoint of the whole state (:func:`pepo.training.resume.save_state`)."""

@@ -118,3 +118,55 @@ def test_loss_normaliser_over_ranks_equals_one_process():
     for total, _ in outs:
         torch.testing.assert_close(total, whole.detach(), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(torch.cat([outs[0][1], outs[1][1]]), lp.grad, rtol=1e-6, atol=1e-8)
+
+
+def _broken_worker(rank, world, init_file, out_dir, case):
+    import datetime
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        adv, ent, mask = _shards()[rank]
+        strategy = pw.get_strategy("global_topk", fraction=0.3, score="proximal", window=5,
+                                   normalize="selected_tokens", process_group=dist.group.WORLD)
+        if case == "nan" and rank == 0:
+            ent = ent.clone()
+            ent[tuple(mask.nonzero()[0])] = float("nan")  # a valid token's, on one rank only
+        if case == "overflow" and rank == 0:  # finite inputs; the selected-token scale (1/0.3)
+            adv = adv.sign() * 3e38  # takes the weighted output beyond float32
+        try:
+            out = strategy(adv, ent, mask, validate=case == "overflow")
+        except ValueError as e:
+            out = str(e)
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    _leave()
+
+
+def _broken(case):
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        mp.spawn(_broken_worker, args=(2, init_file, tmp, case), nprocs=2, join=True)
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2)]
+
+
+def test_a_nan_score_on_one_rank_makes_every_rank_nan():
+    """As one process over the concatenation gives NaN everywhere (the threshold is the whole
+    batch's). Catches a finiteness check per rank: the other rank returned finite weights
+    from a threshold the NaN had moved."""
+    outs = _broken("nan")
+    for out, (_, _, mask) in zip(outs, _shards()):
+        assert torch.isnan(out[mask]).all() and (out[~mask] == 0).all()
+
+
+def test_a_validated_redo_on_one_rank_is_every_rank_s():
+    """An overflow on rank 0 only (advantages of ±3e38 scaled): the validating call redoes the
+    strategy, whose threshold takes 33 collectives. Catches a redo on that rank alone: gloo
+    reported a collective mismatch and aborted. Now both redo; rank 0 refuses the overflow,
+    rank 1 returns what a call without validation returns."""
+    outs = _broken("overflow")
+    assert isinstance(outs[0], str) and "overflow float32" in outs[0]
+    assert isinstance(outs[1], torch.Tensor) and torch.isfinite(outs[1]).all()

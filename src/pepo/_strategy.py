@@ -13,6 +13,7 @@ import torch
 
 from pepo import _checks
 from pepo import _windows as _w
+from pepo._topk import global_count
 
 __all__ = ["Strategy", "StrategyFn", "compile_enabled", "declares", "set_compile",
            "validate_flag"]
@@ -109,9 +110,12 @@ class Strategy:
         # ``**kwargs`` (or ``groups=None``) gets them when the caller has them, else None
         self._pass_groups, self._needs_groups = declares(fn, "groups")
         try:  # only a fn that names it (not one taking **kwargs) gets the process group
-            self._pass_process_group = "process_group" in inspect.signature(fn).parameters
+            group = inspect.signature(fn).parameters.get("process_group")
         except (TypeError, ValueError):
-            self._pass_process_group = False
+            group = None
+        self._pass_process_group = group is not None
+        # the group bound when the strategy was built (global_topk(process_group=...)), if any
+        self._bound_group = None if group is None or group.default is group.empty else group.default
         self._builtin = builtin
         # built-in fns may say they ignore the entropies (no cleaning) and that their output is
         # already fp32 and 0 where masked (no final where): one kernel for ``uniform``
@@ -198,8 +202,12 @@ class Strategy:
             with torch.no_grad():
                 out = self._run(adv, ent, mask, kwargs)
         if validate:  # inputs and output in one host sync, after the strategy ran
-            if not _checks.check_finite_clean(advantages=adv, entropies=_w.clean(ent, mask),
-                                              output=out):
+            redo = not _checks.check_finite_clean(advantages=adv, entropies=_w.clean(ent, mask),
+                                                  output=out)
+            group = kwargs.get("process_group", self._bound_group)
+            if group is not None:  # every rank redoes, or none: the redo's collectives
+                redo = bool(global_count(torch.tensor([redo], device=adv.device), group) > 0)
+            if redo:
                 with torch.no_grad(), _w.exact_windows():  # rows too wide, or an overflow
                     out = self._run(adv, ent, mask, kwargs, eager=True)
                 if not bool(torch.isfinite(out).all()):

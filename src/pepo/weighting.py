@@ -428,8 +428,10 @@ def global_topk(
             s = entropies
         selected, n_valid = select_top(s, mask, q, process_group)
         out = torch.where(selected, advantages[:, None], 0.0)
-        # the threshold is over the whole batch: a NaN/inf score anywhere makes all of it NaN
-        out = torch.where(torch.isfinite(torch.where(mask, s, 0.0)).all(), out, math.nan)
+        # the threshold is over the whole batch: a NaN/inf score anywhere (on any rank) makes
+        # all of it NaN
+        nonfinite = ~torch.isfinite(torch.where(mask, s, 0.0))
+        out = torch.where(global_count(nonfinite, process_group) == 0, out, math.nan)
         if normalize == "selected_tokens":
             n_selected = global_count(selected, process_group)  # on the device: no sync
             scale = n_valid.double() / n_selected.clamp_min(1).double()

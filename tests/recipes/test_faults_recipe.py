@@ -502,6 +502,8 @@ def test_a_diagnostic_that_cannot_be_written_warns_once_and_training_goes_on(tmp
     import errno
     import logging
 
+    from pepo.training import closing
+
     calls = []
 
     def full(path, records):
@@ -509,7 +511,7 @@ def test_a_diagnostic_that_cannot_be_written_warns_once_and_training_goes_on(tmp
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(pepo_recipe, "write_rollouts", full)
-    monkeypatch.setattr(pepo_recipe, "plot_curves", lambda *a, **k: full(a[1], None))
+    monkeypatch.setattr(closing, "plot_curves", lambda *a, **k: full(a[1], None))
     cfg = tiny_cfg(tmp_path, num_steps=3, dump_rollouts_every=1, save_every=3, plot=True)
     with caplog.at_level(logging.WARNING):
         recipe = run(cfg)

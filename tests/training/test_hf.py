@@ -72,6 +72,34 @@ def test_save_hf_round_trips_through_transformers(tmp_path, build):
         torch.testing.assert_close(back(TOKENS).logits, ours(TOKENS), rtol=1e-4, atol=1e-4)
 
 
+def test_an_interrupted_export_leaves_the_earlier_one_or_none(tmp_path, monkeypatch):
+    """Catches an export written in place: a failure after the weights (here, copying the
+    config) left a complete-looking ``out`` with the new weights and no config, or a truncated
+    one; now ``out`` is the earlier export, whole, and no temporary directory stays."""
+    import pepo.training.hf as hf_mod
+
+    qwen3_dir(tmp_path / "src")
+    ours = from_hf(tmp_path / "src")
+    out = tmp_path / "out"
+    save_hf(ours, out, source_dir=tmp_path / "src")
+    first = (out / "model.safetensors").read_bytes()
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.add_(1.0)
+
+    def failing(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(hf_mod.shutil, "copy2", failing)
+    with pytest.raises(OSError, match="No space left"):
+        save_hf(ours, out, source_dir=tmp_path / "src")
+    assert (out / "model.safetensors").read_bytes() == first and (out / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
+    monkeypatch.undo()
+    save_hf(ours, out, source_dir=tmp_path / "src")  # the next export replaces it whole
+    assert (out / "model.safetensors").read_bytes() != first
+
+
 def test_published_config_layout_is_read(tmp_path):
     qwen3_dir(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())

@@ -37,6 +37,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pepo.training.files import follow_umask, sha256_file
+from pepo.training.files import fsync_dir as _fsync_dir
+from pepo.training.files import write_durably as _write_file
 
 __all__ = ["AtomicCheckpointer", "CheckpointWarning", "follow_umask", "resolve_marker",
            "verify_weights"]
@@ -55,17 +57,6 @@ class CheckpointWarning(UserWarning):
     """A checkpoint or the ``latest`` marker was found damaged or invalid and was skipped."""
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # directories cannot be opened on some platforms
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def atomic_write_text(path: Path, text: str, tmp: Optional[Path] = None) -> None:
     """Writes ``text`` to ``path`` atomically and durably: into ``tmp`` (default
     ``PATH.tmp``), fsynced, renamed over ``path``, the directory fsynced; ``tmp`` is removed
@@ -81,12 +72,6 @@ def atomic_write_text(path: Path, text: str, tmp: Optional[Path] = None) -> None
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
-
-
-def _write_file(path: Path, write) -> None:
-    write(path)
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
 
 
 def resolve_marker(path: Any) -> Any:

@@ -315,15 +315,18 @@ def experiment_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[s
 
 
 def resumable_checkpoint(checkpointer: Any, experiment: dict[str, Any], num_steps: int,
-                         warn: Any) -> tuple[Path, dict[str, Any]]:
+                         warn: Any, closed: bool = True) -> tuple[Path, dict[str, Any]]:
     """The newest intact checkpoint of ``checkpointer`` (a
     :class:`pepo.training.checkpointing.Checkpointer`) and its state, for a resume.
 
     ``warn`` (a callable taking one message) hears about a checkpoint with no saved experiment.
+    ``closed``: whether the run wrote its ``summary.json``; a checkpoint at ``num_steps`` of a
+    run that did not (stopped after its last step's checkpoint) resumes to close the run.
 
     Raises:
         ValueError: no intact checkpoint, one whose experiment keys differ from
-            ``experiment`` (naming each change), or one already at ``num_steps``.
+            ``experiment`` (naming each change), one beyond ``num_steps``, or one at
+            ``num_steps`` of a closed run.
     """
     found = checkpointer.load_latest()  # the newest intact one (warns about others)
     if found is None:
@@ -336,7 +339,7 @@ def resumable_checkpoint(checkpointer: Any, experiment: dict[str, Any], num_step
     elif changes := experiment_changes(saved, experiment):
         raise ValueError(f"resuming {path} would change the experiment: {', '.join(changes)}; "
                          f"keep these values, or start a new run in another output_dir")
-    if state["step"] >= num_steps:
+    if state["step"] > num_steps or (state["step"] == num_steps and closed):
         raise ValueError(f"{path} is at step {state['step']}, and num_steps={num_steps} asks for "
                          f"no more; raise num_steps to train further")
     return path, state

@@ -1,14 +1,14 @@
-"""File helpers the checkpoints and the converted models share: content digests and
-permissions."""
+"""File helpers the checkpoints and the exported models share: content digests, permissions
+and durable writes."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 from pathlib import Path
-from typing import Union
+from typing import Any, Callable, Union
 
-__all__ = ["follow_umask", "sha256_file"]
+__all__ = ["follow_umask", "fsync_dir", "sha256_file", "write_durably"]
 
 
 def sha256_file(path: Union[str, Path]) -> str:
@@ -27,3 +27,22 @@ def follow_umask(path: Union[str, Path]) -> None:
     mask = os.umask(0)
     os.umask(mask)
     os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~mask)
+
+
+def fsync_dir(path: Union[str, Path]) -> None:
+    """fsyncs directory ``path`` (its entries are durable), where the platform allows it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # directories cannot be opened on some platforms
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: Path, write: Callable[[Path], Any]) -> None:
+    """``write(path)``, then fsyncs the file it wrote."""
+    write(path)
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())

@@ -16,7 +16,10 @@ interleaved RoPE needs torchtune's q/k permutation (``torchtune.models.convert_w
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -25,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from torchtune.models import convert_weights
 from torchtune.modules import TransformerDecoder
 
-from pepo.training.files import follow_umask
+from pepo.training.files import follow_umask, fsync_dir, write_durably
 from pepo.training.models import check_state_matches
 
 __all__ = [
@@ -275,24 +278,40 @@ def save_hf(
 
     Tokenizer and generation files of ``source_dir`` are copied along, so ``out_dir`` loads
     with ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained``.
-    """
-    import shutil
 
+    The directory is written whole beside ``out_dir``, fsynced, and renamed into place: an
+    interrupted or failed export leaves no ``out_dir`` that looks complete (an earlier one is
+    replaced only once the new one is written).
+    """
     cfg = load_hf_config(source_dir)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
     sd = model.state_dict() if isinstance(model, torch.nn.Module) else model
     state = {k: v.detach().contiguous().cpu() for k, v in sd.items()}
     hf = tune_to_hf_state(state, cfg)
     if cfg.get("tie_word_embeddings"):
         hf.pop("lm_head.weight", None)
-    save_file(hf, str(out / "model.safetensors"), metadata={"format": "pt"})
-    follow_umask(out / "model.safetensors")
-    for name in ("config.json", "generation_config.json", "tokenizer.json",
-                 "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                 "chat_template.jinja"):
-        if (Path(source_dir) / name).is_file():
-            shutil.copy2(Path(source_dir) / name, out / name)
+    for stale in out.parent.glob(f".tmp_{out.name}_*"):  # left by an interrupted export
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp_{out.name}_", dir=out.parent))
+    try:
+        follow_umask(tmp)
+        write_durably(tmp / "model.safetensors",
+                    lambda p: save_file(hf, str(p), metadata={"format": "pt"}))
+        for name in ("config.json", "generation_config.json", "tokenizer.json",
+                     "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                     "merges.txt", "chat_template.jinja"):
+            if (Path(source_dir) / name).is_file():
+                write_durably(tmp / name, lambda p, n=name: shutil.copy2(Path(source_dir) / n, p))
+        follow_umask(tmp / "model.safetensors")
+        fsync_dir(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+        fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out
 
 

@@ -60,6 +60,7 @@ def save_state(recipe: Any, step: int, metrics: Optional[dict[str, float]] = Non
         "history": recipe.history,
         "nonfinite_total": recipe.nonfinite.total,
         "nonfinite_in_a_row": recipe.nonfinite.in_a_row,
+        "validation_pending": recipe.validation_pending,  # this step's validation failed
     }
     if recipe.lr_scheduler is not None:
         state["lr_scheduler"] = recipe.lr_scheduler.state_dict()
@@ -105,6 +106,7 @@ def load_state(recipe: Any, path: Path, state: dict[str, Any],
     recipe.history = list(state["history"])
     recipe.nonfinite.total = state["nonfinite_total"]
     recipe.nonfinite.in_a_row = state["nonfinite_in_a_row"]
+    recipe.validation_pending = state.get("validation_pending", False)
     log(f"Resumed from {path} at step {recipe.step}")
 
 

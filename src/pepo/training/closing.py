@@ -1,0 +1,83 @@
+"""The end of a training run, and a step whose validation failed.
+
+* :func:`close_run` leaves what a finished run leaves, in an order that makes ``summary.json``
+  its last word: the closing lines, the Hugging Face export (``hf_model/``, written whole and
+  renamed into place), ``summary.json``, then the curves (a diagnostic). A run stopped after
+  its last step's checkpoint but before ``summary.json`` (a signal during that step, a crash
+  in the export) is finished by a resume, which trains nothing and closes it.
+* :func:`keep_unvalidated_step` keeps a step whose scheduled validation raised (an out-of-memory
+  error, a verifier that failed): the step is logged and checkpointed, marked as owing its
+  validation, before the error goes on; a resume runs that validation first
+  (:func:`settle_validation`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pepo.training import resume
+from pepo.training.hf import save_hf
+from pepo.training.reporting import SUMMARY_FILE, plot_curves, write_summary
+from pepo.training.step import closing_summary
+
+__all__ = ["close_run", "is_closed", "keep_unvalidated_step", "settle_validation"]
+
+
+def is_closed(output_dir: Any) -> bool:
+    """Whether the run in ``output_dir`` was closed (its ``summary.json`` is written)."""
+    return (output_dir / SUMMARY_FILE).is_file()
+
+
+def close_run(recipe: Any, log: logging.Logger) -> None:
+    """The closing lines, ``hf_model/`` (with a Hugging Face source), ``summary.json`` and the
+    training curves (with ``plot``) of a run whose steps are all trained."""
+    if recipe.dist.is_main:
+        for line in closing_summary(recipe.history, recipe.val_samples,
+                                    recipe.checkpointer if recipe.keep_best else None):
+            log.info(line)
+    if recipe.hf_source is not None:
+        weights = resume.model_state_dict(recipe.model, recipe.dist, cpu_offload=True)
+        if recipe.dist.is_main:
+            path = save_hf(weights, recipe.output_dir / "hf_model", source_dir=recipe.hf_source)
+            log.info(f"Hugging Face checkpoint of the final model: {path}")
+        recipe.dist.barrier()
+    if recipe.dist.is_main:
+        write_summary(recipe.output_dir, recipe.history, val_problems=len(recipe.val_data),
+                      val_samples=recipe.val_samples, num_steps=recipe.num_steps)
+    if recipe.plot and recipe.dist.is_main:
+        curves = recipe.output_dir / "training_curves.png"
+        title = f"{recipe.config_name}: {recipe.strategy_name}, {recipe.estimator.name}"
+        if recipe.write_diagnostic("training curves", curves,
+                                   lambda: plot_curves(recipe.history, curves, title=title)):
+            log.info(f"Training curves: {curves}")
+
+
+def keep_unvalidated_step(recipe: Any, metrics: dict[str, Any], log: logging.Logger) -> None:
+    """Logs and checkpoints step ``recipe.step`` (its ``metrics`` without a validation) as owing
+    its validation. One process only: with several, the others may be waiting in the failed
+    validation's collectives, where a checkpoint's gather would hang."""
+    if recipe.dist.enabled:
+        return
+    recipe.history.append({"step": recipe.step, **metrics})
+    recipe.metric_logger.log_dict(metrics, step=recipe.step)
+    recipe.validation_pending = True
+    recipe.save_checkpoint(recipe.step)
+    log.error(f"the validation at step {recipe.step} failed (below); the step is trained and "
+              f"its checkpoint written in {recipe.checkpointer.root}: resume_from_checkpoint=True "
+              f"runs that validation again and goes on")
+
+
+def settle_validation(recipe: Any, log: logging.Logger) -> None:
+    """The validation a resumed step owes (:func:`keep_unvalidated_step`), recorded in its
+    history, its metrics log and its checkpoint again; nothing when validation is off now."""
+    recipe.validation_pending = False
+    if not recipe.val_every:
+        return
+    acc = recipe.validate()
+    recipe.history[-1]["val_accuracy"] = acc
+    recipe.metric_logger.log_dict({"val_accuracy": acc}, step=recipe.step)
+    recipe.save_checkpoint(recipe.step, {"val_accuracy": acc})
+    if recipe.dist.is_main:
+        log.info(f"Validation accuracy at step {recipe.step} (avg@{recipe.val_samples}), which "
+                 f"the run owed: {acc:.3f}")

@@ -1,0 +1,90 @@
+"""How a run ends: a stop after its last step's checkpoint is closed by a resume, and a step
+whose validation failed is kept and validated by the resume (:mod:`pepo.training.closing`)."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+import pepo_recipe
+from pepo.training.checkpointing import AtomicCheckpointer
+from pepo.training.reporting import read_summary
+from pepo.training.stopping import TrainingStopped
+from tests.recipe_helpers import tiny_cfg
+
+
+def losses(recipe):
+    return [h["loss"] for h in recipe.history if h["step"] >= 1]
+
+
+def test_a_run_stopped_after_its_last_step_is_closed_by_a_resume(tmp_path, monkeypatch):
+    """SIGTERM during the last step: its checkpoint is written, then the run stops before
+    ``summary.json``. Catches the resume that refused it ("num_steps asks for no more"): the
+    run could never be completed, and tools reading summary.json called it unfinished. The
+    resume trains nothing, writes the summary of the whole run; a second resume is refused."""
+    real_step = pepo_recipe.PEPORecipe.train_step
+
+    def signalled(self):
+        m = real_step(self)
+        if self.step == 2:
+            self.signals.handle(signal.SIGTERM)
+        return m
+
+    monkeypatch.setattr(pepo_recipe.PEPORecipe, "train_step", signalled)
+    with pytest.raises(TrainingStopped, match="^stopped by SIGTERM at step 2"):
+        pepo_recipe.recipe_main(tiny_cfg(tmp_path, num_steps=2), log_config=False)
+    out = tmp_path / "run"
+    assert (out / "checkpoints" / "latest").read_text(encoding="utf-8") == "step_2\n"
+    assert not (out / "summary.json").exists()
+    trained = []
+    monkeypatch.setattr(pepo_recipe.PEPORecipe, "train_step",
+                        lambda self: trained.append(self.step) or real_step(self))
+    again = tiny_cfg(tmp_path, num_steps=2, resume_from_checkpoint=True)
+    resumed = pepo_recipe.recipe_main(again, log_config=False)
+    assert trained == []
+    summary = read_summary(out)
+    assert [h["step"] for h in summary["history"]] == [1, 2] and summary["num_steps"] == 2
+    assert [h["loss"] for h in summary["history"]] == losses(resumed)
+    recipe = pepo_recipe.PEPORecipe(again)
+    with pytest.raises(ValueError, match="is at step 2, and num_steps=2 asks for no more"):
+        recipe.setup(again)
+    recipe.cleanup()
+
+
+def test_a_failed_validation_keeps_its_step_and_the_resume_runs_it(tmp_path, monkeypatch):
+    """Validation at step 2 of 3 raises (a verifier that fails, an out-of-memory error).
+    Catches the step lost with it (validation ran before the checkpoint: with save_every=0
+    nothing of steps 1-2 was kept). Now step 2 is checkpointed owing its validation, and the
+    resume validates it first, then trains step 3: the losses and validations are the
+    uninterrupted run's, and the checkpoints record step 2's accuracy (the best)."""
+    scores = {0: 0.3, 1: 0.4, 2: 0.8, 3: 0.6}
+
+    def validate(self):
+        if self.step == 2 and fail:
+            raise RuntimeError("the verifier is down")
+        return scores[self.step]
+
+    monkeypatch.setattr(pepo_recipe.PEPORecipe, "validate", validate)
+
+    def cfg(path, **kw):
+        c = tiny_cfg(path, num_steps=3, save_every=0, **kw)
+        c.validation = {"every": 1, "samples": 1}
+        return c
+
+    fail = False
+    whole = pepo_recipe.recipe_main(cfg(tmp_path / "whole"), log_config=False)
+    fail = True
+    with pytest.raises(RuntimeError, match="the verifier is down"):
+        pepo_recipe.recipe_main(cfg(tmp_path / "cut"), log_config=False)
+    ckpts = tmp_path / "cut" / "run" / "checkpoints"
+    assert (ckpts / "latest").read_text(encoding="utf-8") == "step_2\n"
+    assert AtomicCheckpointer.metadata(ckpts / "step_2") == {"step": 2}
+    fail = False
+    resumed = pepo_recipe.recipe_main(cfg(tmp_path / "cut", resume_from_checkpoint=True),
+                                      log_config=False)
+    assert losses(resumed) == losses(whole)
+    assert ([h.get("val_accuracy") for h in resumed.history]
+            == [h.get("val_accuracy") for h in whole.history] == [0.3, 0.4, 0.8, 0.6])
+    assert AtomicCheckpointer.metadata(ckpts / "step_2") == {"step": 2, "val_accuracy": 0.8}
+    assert (ckpts / "best").read_text(encoding="utf-8") == "step_2\n"
