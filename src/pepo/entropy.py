@@ -341,8 +341,11 @@ def logprobs_and_entropy(
     """Log-probs of ``targets`` and entropies of the distributions ``softmax(logits / τ)``.
 
     ``logprob_t = z_{t, y_t}/τ - logsumexp(z_t/τ)``, ``H_t = -Σ_v p_{t,v} log p_{t,v}`` (Eq. 3).
-    A row with no distribution (all logits -inf, or a NaN or +inf logit) gives NaN for both,
-    and zero gradient; ``-inf`` entries in a row that has others are masked vocabulary.
+    A row with no distribution (all logits -inf, or a NaN or +inf logit) gives NaN for both.
+    Left out of the loss (``torch.where``), an all ``-inf`` row gets zero gradient; a row with a
+    NaN or ``+inf`` logit gets NaN gradient there, as ``log_softmax`` gives, so a non-finite
+    check of the gradient sees it. ``-inf`` entries in a row that has others are masked
+    vocabulary.
 
     Args:
         logits: next-token logits, any float dtype (fp32 inside each chunk).
