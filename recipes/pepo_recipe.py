@@ -278,8 +278,8 @@ class PEPORecipe(FTRecipeInterface):
         self.rng = torch.Generator(device="cpu").manual_seed(self.seed)
         self.sample_rng = torch.Generator(device=self._device).manual_seed(self.seed + 1)
         # logs, plots, dumps and checkpoint files come from rank 0 only
-        if resume_state is not None and self.dist.is_main:
-            resume.truncate_metrics(cfg, resume_state[1]["step"], log.info)
+        if self.dist.is_main:  # a fresh run (-1): an earlier run's lines go
+            resume.truncate_metrics(cfg, resume_state[1]["step"] if resume_state else -1, log.info)
         self.metric_logger = build(cfg, "metric_logger") if self.dist.is_main else NullLogger()
         self.metric_logger.log_config(cfg)
         self.config_name = c.name

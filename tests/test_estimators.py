@@ -299,6 +299,44 @@ def test_spo_bad_config():
         est.SingleStreamEstimator(rho_min=0.97, rho_max=0.96)
 
 
+@pytest.mark.parametrize("call, name", [
+    (lambda v: est.group_advantages(torch.ones(4), 2, normalize_std=v), "normalize_std"),
+    (lambda v: est.group_advantages(torch.ones(4), 2, unbiased=v), "unbiased"),
+    (lambda v: est.GroupEstimator(2, normalize_std=v), "normalize_std"),
+    (lambda v: est.GroupEstimator(2, unbiased=v), "unbiased"),
+    (lambda v: est.SingleStreamEstimator(normalize=v), "normalize"),
+    (lambda v: est.SingleStreamEstimator(adaptive_forgetting=v), "adaptive_forgetting"),
+])
+@pytest.mark.parametrize("value", ["false", "no", 0, None])
+def test_a_switch_must_be_a_bool(call, name, value):
+    """Catches ``bool(value)``: the string "false" (a quoted YAML value) turned the switch on,
+    0 and None off, in silence."""
+    with pytest.raises(ValueError, match=f"^{name} must be True or False, got {value!r}$"):
+        call(value)
+
+
+def test_single_stream_advantages_of_equal_rewards_are_zero_also_without_eps():
+    """Catches 0 / 0 with ``eps=0`` (the config accepts it): every advantage was NaN. Centred
+    equal advantages are 0, as with eps > 0 up to rounding."""
+    for eps in (0.0, 1e-8):
+        a = est.SingleStreamEstimator(eps=eps).advantages(["a", "b", "c"], torch.ones(3) * 0.1)
+        assert torch.isfinite(a).all() and a.abs().max() < 1e-6
+    assert torch.equal(est.SingleStreamEstimator(eps=0.0).advantages(["a", "b"], torch.ones(2)),
+                       torch.zeros(2))
+
+
+@pytest.mark.parametrize("k", [0, -1, 1.5, True])
+def test_choose_refuses_a_count_that_is_not_a_positive_int(k):
+    """Catches the two estimators disagreeing at the edge: the single-stream one raised torch's
+    "cannot sample n_sample <= 0 samples", the group one chose nothing in silence."""
+    g = torch.Generator().manual_seed(0)
+    for e in (est.GroupEstimator(2), est.SingleStreamEstimator()):
+        with pytest.raises(ValueError, match=f"^k must be an int >= 1 \\(prompts to choose\\), "
+                                             f"got {k!r}$"):
+            e.choose(["a", "b", "c"], k, g)
+    assert est.GroupEstimator(2).choose(["a", "b"], 5, g) == [0, 1]  # k > n: all, as documented
+
+
 def test_both_estimators_implement_the_whole_protocol():
     """Catches a loop that must special-case one estimator (``getattr(est, "prior_samples",
     0)``, ``set_prior`` on one only): both are ``Estimator``s with every member, and the group

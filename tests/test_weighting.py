@@ -596,6 +596,29 @@ def test_register_custom_strategy():
         pw._REGISTRY.pop("test_double", None)
 
 
+def test_a_registered_strategy_returning_nan_is_not_called_an_overflow():
+    """Catches every non-finite output blamed on fp32 overflow ("scale the rewards down") when
+    the user's strategy returned NaN itself; an overflow is still named one."""
+
+    @pw.register_strategy("test_nan", overwrite=True)
+    def nan(value: float = math.nan):
+        def fn(advantages, entropies, mask):
+            return advantages[:, None] * value * torch.ones_like(entropies)
+
+        return fn
+
+    try:
+        adv, ent, mask = ragged_batch([2, 3], 3)
+        n = int(mask.sum())
+        with pytest.raises(ValueError, match=f"^strategy 'test_nan' returned {n} NaN token "
+                                             f"advantages from finite inputs$"):
+            pw.get_strategy("test_nan")(adv, ent, mask)
+        with pytest.raises(ValueError, match="the weighted advantages overflow float32"):
+            pw.get_strategy("test_nan", value=1e38)(adv * 1e3, ent, mask)
+    finally:
+        pw._REGISTRY.pop("test_nan", None)
+
+
 @pytest.mark.parametrize(
     "name,params,match",
     [

@@ -104,6 +104,14 @@ def check_window(window: Any) -> int:
     return window
 
 
+def check_flag(name: str, value: Any) -> bool:
+    """``value`` if it is a bool: a string such as ``"false"`` (a quoted YAML value) or ``0``
+    would pass a truth test as the other setting."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 def check_positive(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a positive number, got {value!r}")

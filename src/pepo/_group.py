@@ -53,8 +53,10 @@ def group_advantages(
         raise ValueError(
             f"rewards has {n} entries, not a multiple of group_size={group_size}"
         )
-    if eps < 0 or not math.isfinite(eps):
-        raise ValueError(f"eps must be a finite number >= 0, got {eps}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 <= eps < math.inf):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    _checks.check_flag("normalize_std", normalize_std)
+    _checks.check_flag("unbiased", unbiased)
     out_dtype = torch.promote_types(rewards.dtype, torch.float32)  # fp64 stays fp64
     r = rewards.detach().to(out_dtype).view(-1, group_size)  # [N/G, G]
     # Scaled by a power of two per group (exact: the same numbers as unscaled wherever those do

@@ -211,7 +211,10 @@ class Strategy:
                 with torch.no_grad(), _w.exact_windows():  # rows too wide, or an overflow
                     out = self._run(adv, ent, mask, kwargs, eager=True)
                 if not bool(torch.isfinite(out).all()):
-                    raise ValueError(_checks.overflow_message(self.name, out, adv))
+                    nan = 0 if self._builtin else int(torch.isnan(out).sum())
+                    raise ValueError(  # a registered fn's NaN is its own, not an overflow
+                        f"strategy {self.name!r} returned {nan} NaN token advantages from "
+                        f"finite inputs" if nan else _checks.overflow_message(self.name, out, adv))
         return out
 
     def _run(self, adv: torch.Tensor, entropies: torch.Tensor, mask: torch.Tensor,

@@ -60,7 +60,7 @@ import torch
 
 from pepo import _checks
 from pepo._group import group_advantages
-from pepo.sampling import prioritized_sample
+from pepo.sampling import check_k, prioritized_sample
 
 __all__ = [
     "ESTIMATORS",
@@ -186,8 +186,8 @@ class GroupEstimator:
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 <= eps < math.inf):
             raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
         self.group_size = group_size
-        self.normalize_std = bool(normalize_std)
-        self.unbiased = bool(unbiased)
+        self.normalize_std = _checks.check_flag("normalize_std", normalize_std)
+        self.unbiased = _checks.check_flag("unbiased", unbiased)
         self.eps = float(eps)
 
     @property
@@ -207,7 +207,7 @@ class GroupEstimator:
 
     def choose(self, prompt_ids: PromptIds, k: int, generator: torch.Generator) -> list[int]:
         """The first ``k`` candidates, in order (the pool is already a shuffled draw)."""
-        return list(range(min(k, len(_ids(prompt_ids)))))
+        return list(range(min(check_k(k), len(_ids(prompt_ids)))))
 
     def advantages(self, prompt_ids: PromptIds, rewards: torch.Tensor) -> torch.Tensor:
         """Group advantages of rollouts in contiguous groups. Shape: ``[N]`` -> ``[N]``."""
@@ -322,10 +322,10 @@ class SingleStreamEstimator:
         self.d_half = float(d_half)
         self.rho = float(rho)
         self.sampling_eps = float(sampling_eps)
-        self.normalize = bool(normalize)
+        self.normalize = _checks.check_flag("normalize", normalize)
         self.eps = float(eps)
         self.candidate_pool = candidate_pool
-        self.adaptive_forgetting = bool(adaptive_forgetting)
+        self.adaptive_forgetting = _checks.check_flag("adaptive_forgetting", adaptive_forgetting)
         self._alpha: dict[Hashable, float] = {}
         self._beta: dict[Hashable, float] = {}
         self.drift_total = 0.0
@@ -401,8 +401,9 @@ class SingleStreamEstimator:
         a = r - self.values(ids).double()
         if self.normalize and a.numel() > 0:
             a = a - a.mean()
-            if a.numel() > 1:
-                a = a / (a.std() + self.eps)
+            if a.numel() > 1:  # equal advantages stay 0 (with eps = 0 they were 0 / 0)
+                scale = a.std() + self.eps
+                a = torch.where(scale > 0, a / scale, torch.zeros_like(a))
         return a.float().to(device)
 
     def forgetting(self, kl: Any) -> torch.Tensor:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["PromptSampler", "prioritized_sample"]
+__all__ = ["PromptSampler", "check_k", "prioritized_sample"]
 
 
 class PromptSampler:
@@ -52,6 +52,14 @@ class PromptSampler:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
+def check_k(k: object) -> int:
+    """How many prompts to choose: an int >= 1 (0 was torch's error, a negative an empty
+    choice)."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be an int >= 1 (prompts to choose), got {k!r}")
+    return k
+
+
 def prioritized_sample(
     weights: torch.Tensor, k: int, generator: torch.Generator
 ) -> list[int]:
@@ -59,6 +67,7 @@ def prioritized_sample(
 
     When ``k >= N`` every index is returned (in a random order).
     """
+    check_k(k)
     if weights.ndim != 1 or weights.numel() == 0:
         raise ValueError(f"weights must be a non-empty [N] tensor, got {list(weights.shape)}")
     if not bool(torch.isfinite(weights).all()) or bool((weights <= 0).any()):

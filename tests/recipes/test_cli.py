@@ -33,6 +33,10 @@ def test_tune_run_tiny_one_step(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--config", "no_such_config"], "neither a file nor a bundled config; bundled configs: ["),
     (["--config", "tiny", "strategy.name=nope"], "config error: strategy.name='nope': unknown"),
+    # torchtune's own parser raised a ValueError traceback for these
+    (["--config", "tiny", "num_steps", "5"],
+     "error: 'num_steps': after --config, each override is key=value (such as num_steps=5"),
+    (["--config", "tiny", "--num_steps=5"], "error: '--num_steps=5': after --config, each"),
 ])
 @pytest.mark.slow
 def test_tune_run_bad_config_is_one_clear_line(tmp_path, args, message):

@@ -236,6 +236,18 @@ def test_resume_refuses_what_changes_the_experiment(tmp_path, override, changed)
     recipe.cleanup()
 
 
+def test_a_fresh_run_does_not_append_to_an_earlier_runs_metrics(tmp_path):
+    """A run killed before its first checkpoint leaves logs/metrics.txt; a fresh run in that
+    output_dir (allowed: no checkpoint) appended to it, two "Step 1" lines of two runs."""
+    logs = tmp_path / "run" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "metrics.txt").write_text("Step 1 | loss:9.0 \nStep 2 | loss:8.0 \n",
+                                      encoding="utf-8")
+    run(tiny_cfg(tmp_path, num_steps=1))
+    lines = (logs / "metrics.txt").read_text(encoding="utf-8").splitlines()
+    assert [ln.split("|")[0].strip() for ln in lines] == ["Step 1"] and "9.0" not in lines[0]
+
+
 def test_resume_allows_more_steps_and_other_logging(tmp_path):
     run(tiny_cfg(tmp_path, num_steps=1))
     more = run(tiny_cfg(tmp_path, num_steps=2, resume_from_checkpoint=True, dump_rollouts_every=0,

@@ -318,3 +318,25 @@ def test_the_study_window_sets_table_1_and_the_weights_not_the_largest(tmp_path)
     assert "proximal_5" in header and "proximal_31" in header  # the curves keep every window
     with pytest.raises(ValueError, match="window must be >= 1, got 0"):
         A.run(dump, tmp_path / "out", windows=(5,), window=0)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["intervene", "--config", "tiny", "--replacement", "x", "--window", "4", "--out", "iv"],
+     "argument --window: must be an odd int >= 1, got '4'"),
+    (["d", "--out", "an", "--windows", "31", "4"],
+     "argument --windows: must be an odd int >= 1, got '4'"),
+    (["d", "--out", "an", "--heatmap-rollouts", "-1"],
+     "argument --heatmap-rollouts: must be an int >= 0, got '-1'"),
+])
+def test_bad_windows_and_counts_are_refused_before_any_work(tmp_path, monkeypatch, capsys,
+                                                            argv, message):
+    """The intervention's --window was checked after its generations had started (16 s on
+    tiny, minutes on a real model), a negative heatmap count not at all. Now argparse
+    refuses them first: nothing is read, built or written."""
+    from pepo.study.analysis import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

@@ -47,6 +47,10 @@ def test_benchmarks(tmp_path, rows, answers, ids):
 def test_errors(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         load_math_dataset(tmp_path / "nope.parquet")
+    # a file of another extension was read as JSON: "holds no rows", or a JSON error
+    (tmp_path / "rows.txt").write_text(json.dumps(F.amc_rows()[0]) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"rows.txt is not a .parquet, .jsonl or .json file"):
+        load_math_dataset(tmp_path / "rows.txt")
     with pytest.raises(ValueError, match="layout must be one of"):
         load_math_dataset(tmp_path, layout="gsm8k")
     bad = F.write_parquet(tmp_path / "bad.parquet", [{"text": "x"}])

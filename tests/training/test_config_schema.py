@@ -174,6 +174,39 @@ def test_every_key_is_typed(tmp_path, override, message):
         validate_config(tiny_cfg(tmp_path, **override))
 
 
+@pytest.mark.parametrize("override, message", [
+    # one string iterated as a list: each character a stop token (every run scored 0), or a
+    # module per character
+    ({"generation": {"stop_tokens": "box"}},
+     "generation.stop_tokens must be a list of tokens (strings in the vocabulary) "
+     "(generation.stop_tokens=[box]), got 'box'"),
+    ({"imports": "my_strategies"},
+     "imports must be a list of module names (imports=[my_strategies]), got 'my_strategies'"),
+    # a quoted "false" is True; 0 switched GRPO to Dr. GRPO in silence
+    ({"estimator": {"normalize_std": "false"}},
+     "estimator.normalize_std must be True or False, got 'false'"),
+    ({"estimator": {"unbiased": 0}}, "estimator.unbiased must be True or False, got 0"),
+    # a value where a section belongs: a traceback, a silent pass, a misleading key
+    ({"generation": 5}, "generation must be a section (a mapping of its keys), got 5"),
+    ({"distributed": 5}, "distributed must be a section (a mapping of its keys), got 5"),
+    ({"strategy": "proximal_softmax"}, "strategy must be a section with a name and its "
+     "parameters, got 'proximal_softmax' (did you mean strategy.name=proximal_softmax?)"),
+    ({"estimator": "group"}, "estimator must be a section with a name and its parameters, "
+     "got 'group' (did you mean estimator.name=group?)"),
+    ({"device": "gpu"}, "device must be 'cpu', 'cuda' or 'cuda:N', got 'gpu'"),
+])
+def test_a_value_of_the_wrong_shape_is_refused_naming_it(tmp_path, override, message):
+    """Each was accepted (and trained something else), or failed far from its cause."""
+    cfg = tiny_cfg(tmp_path)
+    for k, v in override.items():  # a whole section replaced, as a command line override does
+        if isinstance(v, dict) and k in cfg and OmegaConf.is_dict(cfg[k]):
+            cfg[k] = OmegaConf.merge(cfg[k], v)
+        else:
+            cfg[k] = v
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        validate_config(cfg)
+
+
 def test_defaults_are_the_schemas_and_the_recipes_read_none_of_their_own(tmp_path):
     """Catches a default written a second time (``cfg.get("logprob_chunk_size", 1024)`` in the
     recipe, ``timeout_s`` 1800 in three places): a config without these keys gets the

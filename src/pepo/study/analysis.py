@@ -538,6 +538,28 @@ def compare_stages(stages: Sequence[tuple[str, str, Sequence[Path]]], dest: Path
     return "\n".join(lines)
 
 
+def window_arg(text: str) -> int:
+    """An argparse type: a window ``W``, an odd int >= 1 (refused before any work starts)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1 or value % 2 == 0:
+        raise argparse.ArgumentTypeError(f"must be an odd int >= 1, got {text!r}")
+    return value
+
+
+def count_arg(text: str) -> int:
+    """An argparse type: an int >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text!r}")
+    return value
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["intervene"]:  # python -m pepo.study.analysis intervene ... (Table 5)
@@ -551,9 +573,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                                             "directory; several are pooled, each run's groups "
                                             "kept apart")
     ap.add_argument("--out", required=True, help="directory for the plots and tables")
-    ap.add_argument("--windows", type=int, nargs="+", default=[31, 51, 101])
-    ap.add_argument("--heatmap-rollouts", type=int, default=4)
-    ap.add_argument("--window", type=int, default=None,
+    ap.add_argument("--windows", type=window_arg, nargs="+", default=[31, 51, 101])
+    ap.add_argument("--heatmap-rollouts", type=count_arg, default=4)
+    ap.add_argument("--window", type=window_arg, default=None,
                     help="the W of the difficulty table, the weight mass and the heatmap "
                          "(default: the largest of --windows)")
     args = ap.parse_args(argv)

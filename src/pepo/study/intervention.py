@@ -38,6 +38,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from pepo import weighting
+from pepo.study.analysis import window_arg
 from pepo.training.checkpointing import atomic_write_text
 from pepo.training.evaluation import eval_generator
 from pepo.training.fast_decoder import FastPlan
@@ -400,7 +401,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, dict[float, float]]:
     ap.add_argument("--budgets", type=float, nargs="+", default=[0, 5, 10, 15, 20, 30],
                     help="percent of each response's positions to replace")
     ap.add_argument("--metrics", nargs="+", default=list(METRICS), choices=METRICS)
-    ap.add_argument("--window", type=int, default=None,
+    ap.add_argument("--window", type=window_arg, default=None,
                     help="proximal entropy window (default: the config's "
                          "strategy.proximal_softmax.window, else 101)")
     ap.add_argument("--k", type=int, default=4, help="samples per problem (avg@k)")

@@ -57,6 +57,9 @@ def _files(path: Path) -> list[Path]:
         return files
     if not path.is_file():
         raise ValueError(f"dataset path {str(path)!r} does not exist")
+    if path.suffix not in (".parquet", ".jsonl", ".json"):
+        raise ValueError(f"{path} is not a .parquet, .jsonl or .json file (it is read by its "
+                         f"extension)")
     return [path]
 
 

@@ -131,11 +131,17 @@ def resolve_config_arg(argv: list[str]) -> list[str]:
     argv = list(argv)
     if "--config" in argv:
         i = argv.index("--config") + 1
-        if i < len(argv):
-            try:
-                argv[i] = find_config(argv[i])
-            except ValueError as e:
-                sys.exit(f"error: {e}")
+        if i == len(argv):
+            sys.exit("error: --config needs a config: a bundled name (`python -m pepo.configs "
+                     "ls` lists them) or a YAML file")
+        try:
+            argv[i] = find_config(argv[i])
+        except ValueError as e:
+            sys.exit(f"error: {e}")
+        for arg in argv[i + 1:]:  # torchtune raises a traceback for these
+            if arg.startswith("-") or ("=" not in arg and not arg.startswith("~")):
+                sys.exit(f"error: {arg!r}: after --config, each override is key=value (such "
+                         f"as num_steps=5; a nested key as generation.temperature=0.6)")
     return argv
 
 

@@ -15,8 +15,8 @@ from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig
 
-__all__ = ["Bool", "Component", "Int", "Number", "OneOf", "Raw", "StrictInt", "Text",
-           "bind_component", "bind_names", "resolve_component"]
+__all__ = ["Bool", "Component", "Device", "Int", "Number", "OneOf", "Raw", "StrictInt", "Text",
+           "Texts", "bind_component", "bind_names", "resolve_component"]
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,33 @@ class StrictInt:
     def check(self, key: str, v: Any) -> Any:
         if isinstance(v, bool) or not isinstance(v, int):
             raise ValueError(f"{key} must be an int{self.note}, got {v!r}")
+        return v
+
+
+@dataclass(frozen=True)
+class Texts:
+    """A list of non-empty strings, or null when ``nullable`` (one string is refused: iterated,
+    it would be its characters)."""
+
+    what: str = "strings"
+    nullable: bool = True
+
+    def check(self, key: str, v: Any) -> Any:
+        if v is None and self.nullable:
+            return v
+        if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) and x for x in v):
+            hint = f" ({key}=[{v}])" if isinstance(v, str) and v else ""
+            raise ValueError(f"{key} must be a list of {self.what}{hint}, got {v!r}")
+        return list(v)
+
+
+@dataclass(frozen=True)
+class Device:
+    """``cpu``, ``cuda`` or ``cuda:N``."""
+
+    def check(self, key: str, v: Any) -> Any:
+        if not isinstance(v, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", v):
+            raise ValueError(f"{key} must be 'cpu', 'cuda' or 'cuda:N', got {v!r}")
         return v
 
 

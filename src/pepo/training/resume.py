@@ -112,12 +112,16 @@ def load_state(recipe: Any, path: Path, state: dict[str, Any],
 
 def truncate_metrics(cfg: Any, step: int, log: Callable[[str], None]) -> None:
     """A resumed run logs the steps after its checkpoint again: the disk log's lines for them
-    (from the run that was stopped) go, so that the file has one line per step."""
+    (from the run that was stopped) go, so that the file has one line per step. A fresh run
+    (``step=-1``) drops every step's line: an earlier run in this output_dir left no
+    checkpoint to go on from."""
     lc = cfg.get("metric_logger")
     if lc is None or not str(lc._component_).endswith("DiskLogger") or not lc.get("filename"):
         return  # DiskLogger without a filename starts a new file per run
     path = Path(str(lc.log_dir)) / str(lc.filename)
     dropped = truncate_metrics_log(path, step)
-    if dropped:
+    if dropped and step < 0:
+        log(f"{path}: dropped {dropped} line(s) of an earlier run that wrote no checkpoint")
+    elif dropped:
         log(f"{path}: dropped {dropped} line(s) logged after step {step}, which this resumed "
             f"run logs again")

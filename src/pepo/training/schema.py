@@ -38,12 +38,14 @@ from pepo.loss import check_clip_range
 from pepo.training.config_rules import (
     Bool,
     Component,
+    Device,
     Int,
     Number,
     OneOf,
     Raw,
     StrictInt,
     Text,
+    Texts,
     bind_names,
     resolve_component,
 )
@@ -101,7 +103,8 @@ class SamplingConfig:
     top_k: Optional[int] = key(None, "top-k sampling (null: off)", rule=Int(1, nullable=True))
     top_p: float = key(help="nucleus sampling (the paper: 0.6)", rule=Number(0.0, 1.0))
     stop_tokens: Optional[list] = key(None, "extra stop tokens besides the tokenizer's eos "
-                                      "(strings in the vocabulary)")
+                                      "(strings in the vocabulary)",
+                                      rule=Texts("tokens (strings in the vocabulary)"))
     engine: str = key("inprocess", "where rollouts come from: `inprocess` (pepo's own "
                       "KV-cached decoder on the training model; `torchtune`, its old name, still "
                       "works) or `vllm` (a colocated vLLM engine; see below)",
@@ -205,7 +208,7 @@ class RecipeConfig:
     output_dir: str = key(help="everything the run writes goes here", role=RUN)
     seed: int = key(help="seeds the model init, the prompt shuffle and the sampler",
                     rule=StrictInt(" (exact resume replays the seeded shuffle)"))
-    device: str = key("cpu", "`cpu`, `cuda`")
+    device: str = key("cpu", "`cpu`, `cuda`", rule=Device())
     dtype: str = key("fp32", "`fp32`, or `bf16` on GPUs", rule=OneOf(("fp32", "bf16"),
                                                                   "'fp32' or 'bf16'"))
     compute_dtype: str = key("fp32", "the matmuls' precision: `bf16` runs every forward (rollouts "
@@ -216,7 +219,7 @@ class RecipeConfig:
     resume_from_checkpoint: bool = key(False, "continue from `output_dir/checkpoints/latest`",
                                        rule=Bool(), role=RUN)
     imports: list = key(help="modules imported first (custom strategies, rewards registering "
-                        "themselves)", factory=list, role=RUN)
+                        "themselves)", factory=list, role=RUN, rule=Texts("module names"))
     tokenizer: Any = key(help="a directory with `tokenizer.json` and `tokenizer_config.json`",
                          rule=Component(roles=(("path", INITIAL),)))
     model: Any = key(help="any builder returning a torchtune `TransformerDecoder`",
@@ -302,7 +305,7 @@ class EvalConfig:
     model_name: Optional[str] = key(None, "the label of the evaluated model (null: from "
                                     "`checkpoint_dir`)", rule=Text("a string"))
     seed: int = key(help="the sampling seed", rule=StrictInt())
-    device: str = key("cpu", "`cpu`, `cuda`")
+    device: str = key("cpu", "`cpu`, `cuda`", rule=Device())
     dtype: str = key("fp32", "`fp32`, or `bf16` on GPUs", rule=OneOf(("fp32", "bf16"),
                                                                   "'fp32' or 'bf16'"))
     compute_dtype: str = key("fp32", "the matmuls' precision: `bf16` samples under "
@@ -384,6 +387,9 @@ def _check_keys(node: Any, cls: type, where: str, variables: set[str] = frozense
             raise unknown_key(str(k), known, where)
         sub = f.metadata.get("section")
         if sub is not None:
+            if node.get(k) is not None and not isinstance(node.get(k), DictConfig):
+                raise ValueError(f"{where}{k} must be a section (a mapping of its keys), got "
+                                 f"{node.get(k)!r}")
             _check_keys(node.get(k), sub, f"{where}{k}.")
 
 
@@ -422,7 +428,18 @@ def _read(node: Any, cls: type, where: str, skip: tuple[str, ...] = ()) -> Any:
     return cls(**values)
 
 
+def _named_section(cfg: DictConfig, key: str) -> None:
+    """``estimator`` and ``strategy`` are sections naming their choice: a bare value (``strategy=
+    proximal_softmax``) is refused with the override that was meant."""
+    value = cfg.get(key)
+    if value is not None and not isinstance(value, DictConfig):
+        hint = f" (did you mean {key}.name={value}?)" if isinstance(value, str) else ""
+        raise ValueError(f"{key} must be a section with a name and its parameters, got "
+                         f"{value!r}{hint}")
+
+
 def _estimator(cfg: DictConfig) -> EstimatorConfig:
+    _named_section(cfg, "estimator")
     section = cfg.get("estimator")
     params = (OmegaConf.to_container(section, resolve=True)
               if isinstance(section, DictConfig) else {})
@@ -444,6 +461,7 @@ def _estimator(cfg: DictConfig) -> EstimatorConfig:
 
 
 def _strategy_name(cfg: DictConfig) -> str:
+    _named_section(cfg, "strategy")
     if not isinstance(cfg.get("strategy"), DictConfig) or cfg.strategy.get("name") is None:
         raise ValueError("config key 'strategy.name' is required")
     name = cfg.strategy.name
@@ -484,7 +502,9 @@ def _strategy(cfg: DictConfig, name: str) -> StrategyConfig:
 
 
 def _import_modules(cfg: DictConfig) -> None:
-    for module in cfg.get("imports") or []:
+    imports = cfg.get("imports")
+    imports = OmegaConf.to_container(imports) if OmegaConf.is_list(imports) else imports
+    for module in Texts("module names").check("imports", imports) or []:
         try:
             importlib.import_module(module)
         except ImportError as e:
@@ -512,7 +532,7 @@ def renamed(cfg: DictConfig) -> None:
     for (dotted, old), new in ALIASES.items():
         section, leaf = dotted.rsplit(".", 1)
         node = OmegaConf.select(cfg, section)
-        if node is not None and node.get(leaf) == old:
+        if isinstance(node, DictConfig) and node.get(leaf) == old:
             logging.getLogger("pepo").warning(
                 f"{dotted}={old} is now called {new}; the old name still works")
             node[leaf] = new

@@ -14,7 +14,7 @@ from typing import Any, Optional, Sequence, Union
 
 from tokenizers import Tokenizer
 
-__all__ = ["ChatTokenizer", "TextTokenizer", "load_tokenizer", "stop_token_ids"]
+__all__ = ["ChatTokenizer", "TextTokenizer", "load_tokenizer", "stop_token_ids", "token_list"]
 
 
 class TextTokenizer:
@@ -40,7 +40,8 @@ class TextTokenizer:
         self.pad_id = self.token_id(pad_token, "pad_token")
         self.eos_id = self.token_id(eos_token, "eos_token")
         self.stop_tokens = [self.eos_id] + [
-            self.token_id(t, "stop_tokens") for t in stop_tokens if t != eos_token
+            self.token_id(t, "stop_tokens") for t in token_list("stop_tokens", stop_tokens)
+            if t != eos_token
         ]
 
     def token_id(self, token: str, key: str = "token") -> int:
@@ -133,7 +134,7 @@ class ChatTokenizer:
         if gen.is_file():
             extra = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id", [])
             stops += extra if isinstance(extra, list) else [extra]
-        stops += [self.token_id(t, "stop_tokens") for t in stop_tokens]
+        stops += [self.token_id(t, "stop_tokens") for t in token_list("stop_tokens", stop_tokens)]
         self.stop_tokens = list(dict.fromkeys(int(t) for t in stops))
 
     def token_id(self, token: str, key: str = "token") -> int:
@@ -166,6 +167,14 @@ class ChatTokenizer:
         return self._tok.decode([int(i)])
 
 
+def token_list(key: str, tokens: Any) -> list[str]:
+    """``tokens`` as a list of token strings; one string is refused (iterated, it would be its
+    characters, each a token of a byte-level vocabulary)."""
+    if isinstance(tokens, str) or not all(isinstance(t, str) for t in tokens):
+        raise ValueError(f"{key} must be a list of tokens (strings), got {tokens!r}")
+    return list(tokens)
+
+
 def stop_token_ids(tokenizer: Any, extra: Optional[Sequence[str]] = None) -> list[int]:
     """The ids that end a response: the tokenizer's own stop tokens, then the config's
     ``generation.stop_tokens`` (``extra``), without repeats. Training and evaluation both use
@@ -175,5 +184,6 @@ def stop_token_ids(tokenizer: Any, extra: Optional[Sequence[str]] = None) -> lis
         ValueError: an extra stop token that is not in the vocabulary.
     """
     ids = list(tokenizer.stop_tokens)
-    ids += [tokenizer.token_id(t, "generation.stop_tokens") for t in extra or ()]
+    extra = token_list("generation.stop_tokens", extra or ())
+    ids += [tokenizer.token_id(t, "generation.stop_tokens") for t in extra]
     return list(dict.fromkeys(int(i) for i in ids))
