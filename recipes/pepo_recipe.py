@@ -280,6 +280,8 @@ class PEPORecipe(FTRecipeInterface):
         # logs, plots, dumps and checkpoint files come from rank 0 only
         if self.dist.is_main:  # a fresh run (-1): an earlier run's lines go
             resume.truncate_metrics(cfg, resume_state[1]["step"] if resume_state else -1, log.info)
+            if resume_state is None or resume_state[1]["step"] < self.num_steps:
+                closing.reopen(self.output_dir)  # it trains: no longer closed
         self.metric_logger = build(cfg, "metric_logger") if self.dist.is_main else NullLogger()
         self.metric_logger.log_config(cfg)
         self.config_name = c.name
@@ -536,8 +538,8 @@ class PEPORecipe(FTRecipeInterface):
                     m["val_accuracy"] = self.validate()
                 except TrainingStopped:  # a second signal: at once
                     raise
-                except Exception:  # the step is trained: keep it (one process)
-                    closing.keep_unvalidated_step(self, m, log)
+                except Exception as e:  # the step is trained: keep it (one process)
+                    closing.keep_unvalidated_step(self, m, e, log)
                     raise
                 new_best = self.keep_best and m["val_accuracy"] > max(
                     (h["val_accuracy"] for h in self.history

@@ -28,22 +28,29 @@ def _leave():
     os._exit(0)
 
 
-def _worker(rank, world, init_file, out_dir, score, given):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def _save_and_leave(rank, out_dir, body):
+    """Saves ``body()`` as this rank's output once every rank has one, then leaves."""
     try:
-        shard = _shards()[rank]
-        group = {"process_group": dist.group.WORLD}
-        strategy = pw.get_strategy(
-            "global_topk", fraction=0.3, score=score, window=5, normalize="selected_tokens",
-            **(group if given == "built" else {}),
-        )
-        out = strategy(*shard, **(group if given == "called" else {}))
-        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save(body(), os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     except BaseException:
         dist.destroy_process_group()
         raise
     _leave()
+
+
+def _worker(rank, world, init_file, out_dir, score, given):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+
+    def body():
+        group = {"process_group": dist.group.WORLD}
+        strategy = pw.get_strategy(
+            "global_topk", fraction=0.3, score=score, window=5, normalize="selected_tokens",
+            **(group if given == "built" else {}),
+        )
+        return strategy(*_shards()[rank], **(group if given == "called" else {}))
+
+    _save_and_leave(rank, out_dir, body)
 
 
 @pytest.mark.parametrize("score, given", [("entropy", "built"), ("proximal", "built"),
@@ -125,25 +132,22 @@ def _broken_worker(rank, world, init_file, out_dir, case):
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
-    try:
+
+    def body():
         adv, ent, mask = _shards()[rank]
         strategy = pw.get_strategy("global_topk", fraction=0.3, score="proximal", window=5,
                                    normalize="selected_tokens", process_group=dist.group.WORLD)
-        if case == "nan" and rank == 0:
+        if case.startswith("nan") and rank == 0:
             ent = ent.clone()
             ent[tuple(mask.nonzero()[0])] = float("nan")  # a valid token's, on one rank only
         if case == "overflow" and rank == 0:  # finite inputs; the selected-token scale (1/0.3)
             adv = adv.sign() * 3e38  # takes the weighted output beyond float32
         try:
-            out = strategy(adv, ent, mask, validate=case == "overflow")
+            return strategy(adv, ent, mask, validate=case in ("overflow", "nan_validated"))
         except ValueError as e:
-            out = str(e)
-        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    _leave()
+            return str(e)
+
+    _save_and_leave(rank, out_dir, body)
 
 
 def _broken(case):
@@ -166,7 +170,17 @@ def test_a_validated_redo_on_one_rank_is_every_rank_s():
     """An overflow on rank 0 only (advantages of ±3e38 scaled): the validating call redoes the
     strategy, whose threshold takes 33 collectives. Catches a redo on that rank alone: gloo
     reported a collective mismatch and aborted. Now both redo; rank 0 refuses the overflow,
-    rank 1 returns what a call without validation returns."""
+    rank 1 returns its redo's finite weights."""
     outs = _broken("overflow")
     assert isinstance(outs[0], str) and "overflow float32" in outs[0]
     assert isinstance(outs[1], torch.Tensor) and torch.isfinite(outs[1]).all()
+
+
+def test_an_input_refused_on_one_rank_is_refused_on_every_rank():
+    """A NaN entropy on rank 0 with validation: rank 0 raised, while rank 1 (whose output the
+    NaN made NaN) asked for a redo and waited in its collectives for rank 0. Now every rank
+    raises: rank 0 naming the NaN, rank 1 saying another rank's inputs were refused."""
+    outs = _broken("nan_validated")
+    assert outs[0].startswith("entropies holds 1 NaN/inf value(s) at valid"), outs[0]
+    assert outs[1] == ("strategy 'global_topk': another rank's inputs were refused (its error "
+                       "names them); the batch-wide result needs them all")

@@ -13,7 +13,6 @@ import torch
 
 from pepo import _checks
 from pepo import _windows as _w
-from pepo._topk import global_count
 
 __all__ = ["Strategy", "StrategyFn", "compile_enabled", "declares", "set_compile",
            "validate_flag"]
@@ -202,19 +201,44 @@ class Strategy:
             with torch.no_grad():
                 out = self._run(adv, ent, mask, kwargs)
         if validate:  # inputs and output in one host sync, after the strategy ran
+            out = self._validated(out, adv, ent, mask, kwargs)
+        return out
+
+    def _validated(self, out: torch.Tensor, adv: torch.Tensor, ent: torch.Tensor,
+                   mask: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+        """``out`` once the inputs are checked; redone exactly where it came out non-finite
+        from finite inputs (rows too wide for the shifted exp, or an overflow, refused then).
+        With a process group every rank raises, redoes, or neither: the redo's threshold takes
+        collectives, which one rank alone would wait on."""
+        group = kwargs.get("process_group", self._bound_group)
+        error: Optional[ValueError] = None
+        try:
             redo = not _checks.check_finite_clean(advantages=adv, entropies=_w.clean(ent, mask),
                                                   output=out)
-            group = kwargs.get("process_group", self._bound_group)
-            if group is not None:  # every rank redoes, or none: the redo's collectives
-                redo = bool(global_count(torch.tensor([redo], device=adv.device), group) > 0)
-            if redo:
-                with torch.no_grad(), _w.exact_windows():  # rows too wide, or an overflow
-                    out = self._run(adv, ent, mask, kwargs, eager=True)
-                if not bool(torch.isfinite(out).all()):
-                    nan = 0 if self._builtin else int(torch.isnan(out).sum())
-                    raise ValueError(  # a registered fn's NaN is its own, not an overflow
-                        f"strategy {self.name!r} returned {nan} NaN token advantages from "
-                        f"finite inputs" if nan else _checks.overflow_message(self.name, out, adv))
+        except ValueError as e:
+            if group is None:
+                raise
+            error, redo = e, False
+        if group is not None:
+            import torch.distributed as dist
+
+            flags = torch.tensor([error is not None, redo], dtype=torch.long, device=adv.device)
+            dist.all_reduce(flags, group=group)
+            refused, redo_anywhere = flags.tolist()
+            if error is not None:
+                raise error
+            if refused:
+                raise ValueError(f"strategy {self.name!r}: another rank's inputs were refused "
+                                 f"(its error names them); the batch-wide result needs them all")
+            redo = redo_anywhere > 0
+        if redo:
+            with torch.no_grad(), _w.exact_windows():
+                out = self._run(adv, ent, mask, kwargs, eager=True)
+            if not bool(torch.isfinite(out).all()):
+                nan = 0 if self._builtin else int(torch.isnan(out).sum())
+                raise ValueError(  # a registered fn's NaN is its own, not an overflow
+                    f"strategy {self.name!r} returned {nan} NaN token advantages from "
+                    f"finite inputs" if nan else _checks.overflow_message(self.name, out, adv))
         return out
 
     def _run(self, adv: torch.Tensor, entropies: torch.Tensor, mask: torch.Tensor,

@@ -18,20 +18,45 @@ def losses(recipe):
     return [h["loss"] for h in recipe.history if h["step"] >= 1]
 
 
+def _signal_at(monkeypatch, step):
+    """SIGTERM arrives during training step ``step``."""
+    real_step = pepo_recipe.PEPORecipe.train_step
+
+    def signalled(self):
+        m = real_step(self)
+        if self.step == step:
+            self.signals.handle(signal.SIGTERM)
+        return m
+
+    monkeypatch.setattr(pepo_recipe.PEPORecipe, "train_step", signalled)
+
+
+def test_a_run_extended_and_stopped_after_its_new_last_step_is_closed_by_a_resume(
+        tmp_path, monkeypatch):
+    """A closed run (summary.json of 1 step) resumed to 2 steps and stopped after step 2's
+    checkpoint. Catches the old summary.json left in place: the run looked closed, its resume
+    was refused, and tools read a 1-step summary of a 2-step run."""
+    out = tmp_path / "run"
+    pepo_recipe.recipe_main(tiny_cfg(tmp_path, num_steps=1), log_config=False)
+    assert read_summary(out)["num_steps"] == 1
+    _signal_at(monkeypatch, 2)
+    more = tiny_cfg(tmp_path, num_steps=2, resume_from_checkpoint=True)
+    with pytest.raises(TrainingStopped):
+        pepo_recipe.recipe_main(more, log_config=False)
+    assert not (out / "summary.json").exists()  # no longer closed once it trains again
+    monkeypatch.undo()
+    pepo_recipe.recipe_main(more, log_config=False)
+    summary = read_summary(out)
+    assert summary["num_steps"] == 2 and [h["step"] for h in summary["history"]] == [1, 2]
+
+
 def test_a_run_stopped_after_its_last_step_is_closed_by_a_resume(tmp_path, monkeypatch):
     """SIGTERM during the last step: its checkpoint is written, then the run stops before
     ``summary.json``. Catches the resume that refused it ("num_steps asks for no more"): the
     run could never be completed, and tools reading summary.json called it unfinished. The
     resume trains nothing, writes the summary of the whole run; a second resume is refused."""
     real_step = pepo_recipe.PEPORecipe.train_step
-
-    def signalled(self):
-        m = real_step(self)
-        if self.step == 2:
-            self.signals.handle(signal.SIGTERM)
-        return m
-
-    monkeypatch.setattr(pepo_recipe.PEPORecipe, "train_step", signalled)
+    _signal_at(monkeypatch, 2)
     with pytest.raises(TrainingStopped, match="^stopped by SIGTERM at step 2"):
         pepo_recipe.recipe_main(tiny_cfg(tmp_path, num_steps=2), log_config=False)
     out = tmp_path / "run"
@@ -88,3 +113,28 @@ def test_a_failed_validation_keeps_its_step_and_the_resume_runs_it(tmp_path, mon
             == [h.get("val_accuracy") for h in whole.history] == [0.3, 0.4, 0.8, 0.6])
     assert AtomicCheckpointer.metadata(ckpts / "step_2") == {"step": 2, "val_accuracy": 0.8}
     assert (ckpts / "best").read_text(encoding="utf-8") == "step_2\n"
+
+
+def test_a_failed_validation_whose_checkpoint_fails_too_raises_the_validation_error(
+        tmp_path, monkeypatch, caplog):
+    """Catches the checkpoint's error replacing the validation's (a full disk would have shown
+    only "could not write the checkpoint"): both are logged, the validation's is raised."""
+    import logging
+
+    def validate(self):
+        if self.step == 1:
+            raise RuntimeError("the verifier is down")
+        return 0.5
+
+    def save(self, step, metrics=None):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pepo_recipe.PEPORecipe, "validate", validate)
+    monkeypatch.setattr(pepo_recipe.PEPORecipe, "save_checkpoint", save)
+    cfg = tiny_cfg(tmp_path, num_steps=2, save_every=0)
+    cfg.validation = {"every": 1, "samples": 1}
+    with caplog.at_level(logging.ERROR), pytest.raises(RuntimeError, match="the verifier is down"):
+        pepo_recipe.recipe_main(cfg, log_config=False)
+    text = caplog.text
+    assert "the validation at step 1 failed: RuntimeError: the verifier is down" in text
+    assert "step 1's checkpoint could not be written either" in text

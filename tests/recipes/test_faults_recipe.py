@@ -248,6 +248,18 @@ def test_a_fresh_run_does_not_append_to_an_earlier_runs_metrics(tmp_path):
     assert [ln.split("|")[0].strip() for ln in lines] == ["Step 1"] and "9.0" not in lines[0]
 
 
+def test_a_fresh_run_leaves_a_metrics_log_outside_its_output_dir_alone(tmp_path):
+    """A log directory shared by several runs (outside output_dir) keeps the others' lines."""
+    shared = tmp_path / "shared_logs"
+    shared.mkdir()
+    (shared / "metrics.txt").write_text("Step 1 | loss:9.0 \n", encoding="utf-8")
+    cfg = tiny_cfg(tmp_path, num_steps=1)
+    cfg.metric_logger.log_dir = str(shared)
+    run(cfg)
+    lines = (shared / "metrics.txt").read_text(encoding="utf-8").splitlines()
+    assert len(lines) == 2 and "9.0" in lines[0]
+
+
 def test_resume_allows_more_steps_and_other_logging(tmp_path):
     run(tiny_cfg(tmp_path, num_steps=1))
     more = run(tiny_cfg(tmp_path, num_steps=2, resume_from_checkpoint=True, dump_rollouts_every=0,

@@ -207,6 +207,14 @@ def test_a_value_of_the_wrong_shape_is_refused_naming_it(tmp_path, override, mes
         validate_config(cfg)
 
 
+def test_imports_resolve_their_interpolations(tmp_path):
+    """Catches the module list read without resolving ``${...}``: 'cannot import '${m}''."""
+    cfg = tiny_cfg(tmp_path)
+    cfg.m = "json"
+    cfg.imports = ["${m}"]
+    validate_config(cfg)
+
+
 def test_defaults_are_the_schemas_and_the_recipes_read_none_of_their_own(tmp_path):
     """Catches a default written a second time (``cfg.get("logprob_chunk_size", 1024)`` in the
     recipe, ``timeout_s`` 1800 in three places): a config without these keys gets the

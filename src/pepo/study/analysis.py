@@ -52,6 +52,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from pepo import weighting
+from pepo.study.cli import count_arg, window_arg
 
 __all__ = [
     "PROFILE_ROWS",
@@ -536,28 +537,6 @@ def compare_stages(stages: Sequence[tuple[str, str, Sequence[Path]]], dest: Path
               + ", ".join(f"[{title}]({link}/{name}/heatmap.html)" for name, title, _ in stages)
               + "."]
     return "\n".join(lines)
-
-
-def window_arg(text: str) -> int:
-    """An argparse type: a window ``W``, an odd int >= 1 (refused before any work starts)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1 or value % 2 == 0:
-        raise argparse.ArgumentTypeError(f"must be an odd int >= 1, got {text!r}")
-    return value
-
-
-def count_arg(text: str) -> int:
-    """An argparse type: an int >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text!r}")
-    return value
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -38,7 +38,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from pepo import weighting
-from pepo.study.analysis import window_arg
+from pepo.study.cli import window_arg
 from pepo.training.checkpointing import atomic_write_text
 from pepo.training.evaluation import eval_generator
 from pepo.training.fast_decoder import FastPlan

@@ -21,12 +21,19 @@ from pepo.training.hf import save_hf
 from pepo.training.reporting import SUMMARY_FILE, plot_curves, write_summary
 from pepo.training.step import closing_summary
 
-__all__ = ["close_run", "is_closed", "keep_unvalidated_step", "settle_validation"]
+__all__ = ["close_run", "is_closed", "keep_unvalidated_step", "reopen", "settle_validation"]
 
 
 def is_closed(output_dir: Any) -> bool:
     """Whether the run in ``output_dir`` was closed (its ``summary.json`` is written)."""
     return (output_dir / SUMMARY_FILE).is_file()
+
+
+def reopen(output_dir: Any) -> None:
+    """Marks the run in ``output_dir`` as not closed before it trains: the ``summary.json`` of
+    the steps before a resume that trains further goes (it would call the run closed, and
+    describe fewer steps than it has)."""
+    (output_dir / SUMMARY_FILE).unlink(missing_ok=True)
 
 
 def close_run(recipe: Any, log: logging.Logger) -> None:
@@ -53,19 +60,28 @@ def close_run(recipe: Any, log: logging.Logger) -> None:
             log.info(f"Training curves: {curves}")
 
 
-def keep_unvalidated_step(recipe: Any, metrics: dict[str, Any], log: logging.Logger) -> None:
+def keep_unvalidated_step(recipe: Any, metrics: dict[str, Any], error: BaseException,
+                          log: logging.Logger) -> None:
     """Logs and checkpoints step ``recipe.step`` (its ``metrics`` without a validation) as owing
-    its validation. One process only: with several, the others may be waiting in the failed
-    validation's collectives, where a checkpoint's gather would hang."""
+    its validation, which failed with ``error`` (the caller raises it again). One process only:
+    with several, the others may be waiting in the failed validation's collectives, where a
+    checkpoint's gather would hang. A checkpoint that fails too is logged, not raised: the
+    validation's error is the one to see."""
+    step = recipe.step
+    log.error(f"the validation at step {step} failed: {type(error).__name__}: {error}")
     if recipe.dist.enabled:
         return
-    recipe.history.append({"step": recipe.step, **metrics})
-    recipe.metric_logger.log_dict(metrics, step=recipe.step)
+    recipe.history.append({"step": step, **metrics})
+    recipe.metric_logger.log_dict(metrics, step=step)
     recipe.validation_pending = True
-    recipe.save_checkpoint(recipe.step)
-    log.error(f"the validation at step {recipe.step} failed (below); the step is trained and "
-              f"its checkpoint written in {recipe.checkpointer.root}: resume_from_checkpoint=True "
-              f"runs that validation again and goes on")
+    try:
+        recipe.save_checkpoint(step)
+    except Exception as e:  # a full disk too
+        log.error(f"step {step}'s checkpoint could not be written either ({e}); the last "
+                  f"checkpoint is {recipe.checkpointer.latest()}")
+        return
+    log.error(f"step {step} is trained and its checkpoint written in {recipe.checkpointer.root}: "
+              f"resume_from_checkpoint=True runs that validation again and goes on")
 
 
 def settle_validation(recipe: Any, log: logging.Logger) -> None:

@@ -119,6 +119,8 @@ def truncate_metrics(cfg: Any, step: int, log: Callable[[str], None]) -> None:
     if lc is None or not str(lc._component_).endswith("DiskLogger") or not lc.get("filename"):
         return  # DiskLogger without a filename starts a new file per run
     path = Path(str(lc.log_dir)) / str(lc.filename)
+    if step < 0 and not path.resolve().is_relative_to(Path(str(cfg.output_dir)).resolve()):
+        return  # a log outside output_dir may be shared: a fresh run leaves it alone
     dropped = truncate_metrics_log(path, step)
     if dropped and step < 0:
         log(f"{path}: dropped {dropped} line(s) of an earlier run that wrote no checkpoint")

@@ -503,7 +503,8 @@ def _strategy(cfg: DictConfig, name: str) -> StrategyConfig:
 
 def _import_modules(cfg: DictConfig) -> None:
     imports = cfg.get("imports")
-    imports = OmegaConf.to_container(imports) if OmegaConf.is_list(imports) else imports
+    if OmegaConf.is_list(imports):
+        imports = OmegaConf.to_container(imports, resolve=True)
     for module in Texts("module names").check("imports", imports) or []:
         try:
             importlib.import_module(module)
