@@ -289,8 +289,10 @@ def test_window_ablation_runs_only_when_named_and_prune_keeps_the_first_grpo(
     monkeypatch.setattr(study, "run_recipe", fake_recipe)
     out = tmp_path / "runs"
     base = ["--tasks", "tiny", "--only", "group", "--out", str(out), "--no-intervention"]
-    study.main([*base, "--seeds", "0", "--methods", "PEPO", "--report-only"])
-    assert calls == []
+    with pytest.raises(SystemExit, match="^error: no finished run of tiny under .*: run the "
+                                         "study \\(without --report-only\\) first$"):
+        study.main([*base, "--seeds", "0", "--methods", "PEPO", "--report-only"])
+    assert calls == [] and not out.exists()  # it trained nothing and wrote no empty report
     study.main([*base, "--seeds", "3", "--methods", "PEPO", "--shard", "0/1"])
     assert [c.strategy.name for c in calls] == ["uniform", "proximal_softmax"]  # no W runs
     calls.clear()

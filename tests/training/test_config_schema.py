@@ -194,6 +194,14 @@ def test_every_key_is_typed(tmp_path, override, message):
     ({"estimator": "group"}, "estimator must be a section with a name and its parameters, "
      "got 'group' (did you mean estimator.name=group?)"),
     ({"device": "gpu"}, "device must be 'cpu', 'cuda' or 'cuda:N', got 'gpu'"),
+    # torch checked these once the model was built: an IndexError traceback for [0.9]
+    ({"optimizer": {"betas": [0.9]}}, "optimizer.betas must be two numbers in [0, 1), got [0.9]"),
+    ({"optimizer": {"betas": [0.9, 1.5]}},
+     "optimizer.betas must be two numbers in [0, 1), got [0.9, 1.5]"),
+    ({"lr_scheduler": {"_component_": "torchtune.training.lr_schedulers."
+                                      "get_cosine_schedule_with_warmup",
+                       "num_warmup_steps": -5}},  # it started already decayed
+     "lr_scheduler.num_warmup_steps must be an int >= 0, got -5"),
 ])
 def test_a_value_of_the_wrong_shape_is_refused_naming_it(tmp_path, override, message):
     """Each was accepted (and trained something else), or failed far from its cause."""
@@ -205,6 +213,12 @@ def test_a_value_of_the_wrong_shape_is_refused_naming_it(tmp_path, override, mes
             cfg[k] = v
     with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
         validate_config(cfg)
+
+
+def test_valid_betas_pass(tmp_path):
+    cfg = tiny_cfg(tmp_path)
+    cfg.optimizer.betas = [0.9, 0.99]
+    validate_config(cfg)
 
 
 def test_imports_resolve_their_interpolations(tmp_path):

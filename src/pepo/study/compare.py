@@ -597,6 +597,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
             print(f"{elsewhere} run(s) were taken by other processes: write the report with "
                   f"--report-only once they finish", flush=True)
         return results  # the report comes from one --report-only call over all shards
+    if not results:  # an empty report (its figure a broken link) helps nobody
+        raise SystemExit(f"error: no finished run of {', '.join(args.tasks)} under {out}: "
+                         f"run the study (without --report-only) first")
     try:  # before any section is written: runs of one (task, mode) must compare
         from pepo.study import power
 

@@ -13,10 +13,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 
-__all__ = ["Bool", "Component", "Device", "Int", "Number", "OneOf", "Raw", "StrictInt", "Text",
-           "Texts", "bind_component", "bind_names", "resolve_component"]
+__all__ = ["Betas", "Bool", "Component", "Device", "Int", "Number", "OneOf", "Raw", "StrictInt",
+           "Text", "Texts", "bind_component", "bind_names", "resolve_component"]
 
 
 @dataclass(frozen=True)
@@ -122,6 +122,21 @@ class Texts:
             hint = f" ({key}=[{v}])" if isinstance(v, str) and v else ""
             raise ValueError(f"{key} must be a list of {self.what}{hint}, got {v!r}")
         return list(v)
+
+
+@dataclass(frozen=True)
+class Betas:
+    """An optimizer's ``betas``: two numbers in ``[0, 1)`` (torch checks them only once the
+    model is built, and a one-item list is an IndexError there)."""
+
+    def check(self, key: str, v: Any) -> Any:
+        if isinstance(v, ListConfig):
+            v = list(v)
+        if (not isinstance(v, (list, tuple)) or len(v) != 2
+                or not all(isinstance(b, (int, float)) and not isinstance(b, bool)
+                           and 0 <= b < 1 for b in v)):
+            raise ValueError(f"{key} must be two numbers in [0, 1), got {v!r}")
+        return v
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from pepo import estimators, weighting
 from pepo.loss import check_clip_range
 from pepo.training.config_rules import (
+    Betas,
     Bool,
     Component,
     Device,
@@ -197,7 +198,7 @@ class StrategyConfig:
         return dict(self.sections.get(self.name) or {})
 
 
-_OPTIMIZER = Component(positional=1, args=(("lr", Number(0, finite=True)),))
+_OPTIMIZER = Component(positional=1, args=(("lr", Number(0, finite=True)), ("betas", Betas())))
 
 
 @dataclass
@@ -270,7 +271,8 @@ class RecipeConfig:
                             "get_cosine_schedule_with_warmup`; the recipe passes "
                             "`num_training_steps`",
                             rule=Component(nullable=True, positional=1,
-                                           given=("num_training_steps",)))
+                                           given=("num_training_steps",),
+                                           args=(("num_warmup_steps", Int(0)),)))
     clip_grad_norm: Optional[float] = key(None, "null = no clipping (the norm is still computed "
                                           "and logged)", rule=Number(0.0, nullable=True))
     max_nonfinite_steps: int = key(help="stop after this many optimizer steps in a row with a "
