@@ -112,6 +112,14 @@ def check_flag(name: str, value: Any) -> bool:
     return value
 
 
+def check_nonnegative(name: str, value: Any) -> float:
+    """``value`` as a float, if it is a finite number >= 0 (a bool is refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            0 <= value < math.inf):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
 def check_positive(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a positive number, got {value!r}")

@@ -53,8 +53,7 @@ def group_advantages(
         raise ValueError(
             f"rewards has {n} entries, not a multiple of group_size={group_size}"
         )
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 <= eps < math.inf):
-        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    _checks.check_nonnegative("eps", eps)
     _checks.check_flag("normalize_std", normalize_std)
     _checks.check_flag("unbiased", unbiased)
     out_dtype = torch.promote_types(rewards.dtype, torch.float32)  # fp64 stays fp64

@@ -71,8 +71,7 @@ def gtpo_rewards(
 
 def check_params(alpha1: Any, alpha2: Any, eps: Any) -> tuple[float, float, float]:
     for name, v in (("alpha1", alpha1), ("alpha2", alpha2)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        _checks.check_nonnegative(name, v)
     if alpha1 == 0 and alpha2 == 0:
         raise ValueError("alpha1 and alpha2 are both 0: every shaped reward would be 0")
     return float(alpha1), float(alpha2), _checks.check_positive("eps", eps)

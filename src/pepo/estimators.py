@@ -183,12 +183,10 @@ class GroupEstimator:
                 f"group_size must be an int >= 2 (advantages are relative to the group; use "
                 f"SingleStreamEstimator for one rollout per prompt), got {group_size!r}"
             )
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 <= eps < math.inf):
-            raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
         self.group_size = group_size
         self.normalize_std = _checks.check_flag("normalize_std", normalize_std)
         self.unbiased = _checks.check_flag("unbiased", unbiased)
-        self.eps = float(eps)
+        self.eps = _checks.check_nonnegative("eps", eps)
 
     @property
     def rollouts_per_prompt(self) -> int:
@@ -449,11 +447,7 @@ class SingleStreamEstimator:
 
     def add_drift(self, drift: float) -> None:
         """Adds one step's policy drift (mean |Δ log-prob| across its update) to the total."""
-        if isinstance(drift, bool) or not isinstance(drift, (int, float)) or not (
-            math.isfinite(drift) and drift >= 0
-        ):
-            raise ValueError(f"drift must be a finite number >= 0, got {drift!r}")
-        self.drift_total += float(drift)
+        self.drift_total += _checks.check_nonnegative("drift", drift)
 
     def drift_since_last_visit(self, prompt_ids: PromptIds) -> torch.Tensor:
         """``D(x)``: the drift total now minus at the prompt's last visit (prior or update);

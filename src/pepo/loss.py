@@ -77,8 +77,7 @@ def check_clip_range(eps_low: Any, eps_high: Any) -> None:
         ValueError: naming the bad value.
     """
     for name, eps in (("eps_low", eps_low), ("eps_high", eps_high)):
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 <= eps < math.inf):
-            raise ValueError(f"{name} must be a finite number >= 0, got {eps!r}")
+        _checks.check_nonnegative(name, eps)
     if eps_low >= 1:
         raise ValueError(f"eps_low must be < 1 (the ratio floor 1 - eps_low must be > 0), got "
                          f"{eps_low}")

@@ -3,27 +3,26 @@
 from __future__ import annotations
 
 import argparse
+from typing import Callable
 
 __all__ = ["count_arg", "window_arg"]
 
 
-def window_arg(text: str) -> int:
-    """An argparse type: a window ``W``, an odd int >= 1 (refused before any work starts)."""
+def _int_arg(text: str, ok: Callable[[int], bool], what: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value < 1 or value % 2 == 0:
-        raise argparse.ArgumentTypeError(f"must be an odd int >= 1, got {text!r}")
+        value = None
+    if value is None or not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
     return value
+
+
+def window_arg(text: str) -> int:
+    """An argparse type: a window ``W``, an odd int >= 1 (refused before any work starts)."""
+    return _int_arg(text, lambda v: v >= 1 and v % 2 == 1, "an odd int >= 1")
 
 
 def count_arg(text: str) -> int:
     """An argparse type: an int >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text!r}")
-    return value
+    return _int_arg(text, lambda v: v >= 0, "an int >= 0")

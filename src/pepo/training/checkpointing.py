@@ -220,15 +220,17 @@ class AtomicCheckpointer:
                 shutil.rmtree(p, ignore_errors=True)
         if self.best_metric is not None:
             self._write_marker(BEST_MARKER, best.name if best is not None else None)
-        elif not (self.root / self._marker_text(BEST_MARKER)).is_dir():
-            self._write_marker(BEST_MARKER, None)  # an earlier run's marker of a pruned step
+        else:  # an earlier run's marker of a step pruned now goes
+            target = self._marker_text(BEST_MARKER)
+            if target is not None and not (self.root / target).is_dir():
+                self._write_marker(BEST_MARKER, None)
 
-    def _marker_text(self, name: str) -> str:
-        """What marker ``name`` holds ("" when it is missing or unreadable)."""
+    def _marker_text(self, name: str) -> Optional[str]:
+        """What marker ``name`` holds (None when it is missing or unreadable)."""
         try:
             return (self.root / name).read_text(encoding="utf-8").strip()[:_MARKER_MAX_BYTES]
         except (OSError, ValueError):
-            return ""
+            return None
 
     def _write_marker(self, name: str, target: Optional[str]) -> None:
         """Points marker ``name`` at checkpoint ``target`` atomically (None: removes it)."""
