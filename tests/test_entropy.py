@@ -86,6 +86,27 @@ def test_minus_inf_logits_are_safe(vocab_block):
     torch.testing.assert_close(ent[1:].double(), r_ent, rtol=1e-5, atol=1e-5)
 
 
+def test_a_target_of_minus_inf_logit_gets_the_lowest_finite_logprob(vocab_block):
+    """The module's rule: a taken token whose logit is -inf (masked after sampling) gets the
+    lowest finite fp32 log-prob, not -inf (the loss's ratio exp(-inf - -inf) would be NaN);
+    the row's entropy, the other log-probs and the gradient stay finite and exact. Catches the
+    floor's clamp left out (both paths share the statistics it is in)."""
+    logits, targets = data(v=20)
+    logits[..., 10:] = float("-inf")
+    targets = targets % 10
+    targets[1, 2] = 15  # a masked column, in a row that has finite ones
+    x = logits.clone().requires_grad_(True)
+    lp, ent = logprobs_and_entropy(x, targets, chunk_size=4)
+    lp.sum().backward()
+    assert lp[1, 2].item() == torch.finfo(torch.float32).min
+    rest = torch.ones_like(lp, dtype=torch.bool)
+    rest[1, 2] = False
+    r_lp, r_ent = ref(logits[..., :10], targets % 10)
+    torch.testing.assert_close(lp[rest].double(), r_lp[rest], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent.double(), r_ent, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(x.grad).all()
+
+
 def test_bf16_logits_computed_in_fp32(vocab_block):
     logits, targets = data(dtype=torch.bfloat16)
     x = logits.clone().requires_grad_(True)

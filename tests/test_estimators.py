@@ -130,6 +130,29 @@ def test_advantages_use_pre_update_values_and_batch_normalisation():
     torch.testing.assert_close(t_raw.advantages(ids, r).double(), raw, rtol=1e-6, atol=1e-7)
 
 
+def test_single_stream_eps_is_added_to_the_batch_std():
+    """``(A - mean A) / (std A + eps)`` with a large eps: catches eps ignored (the default
+    1e-8 is far below any tolerance, so no other test sees it)."""
+    prior = {0: 0.5, 1: 0.25, 2: 0.75}
+    ids, r = [0, 1, 2], torch.tensor([1.0, 0.0, 1.0])
+    raw = r.double() - est.SingleStreamEstimator(prior).values(ids).double()
+    got = est.SingleStreamEstimator(prior, eps=0.5).advantages(ids, r)
+    torch.testing.assert_close(got.double(), (raw - raw.mean()) / (raw.std() + 0.5),
+                               rtol=1e-6, atol=1e-7)
+    assert (got.abs() < est.SingleStreamEstimator(prior).advantages(ids, r).abs()).all()
+
+
+def test_one_normalised_rollout_is_refused():
+    """Centred over a batch of one, the advantage is always 0 (a step that trains on nothing):
+    catches it returned silently; without normalisation one rollout is fine."""
+    with pytest.raises(ValueError, match="at least 2 rollouts"):
+        est.SingleStreamEstimator({"a": 0.25}).advantages(["a"], [1.0])
+    raw = est.SingleStreamEstimator({"a": 0.25}, normalize=False)
+    torch.testing.assert_close(raw.advantages(["a"], [1.0]), 1 - raw.values(["a"]).float())
+    assert 0.7 < float(raw.advantages(["a"], [1.0])) < 0.75  # p: the smoothed prior, 2.5 / 9
+    assert est.SingleStreamEstimator().advantages([], torch.zeros(0)).shape == (0,)
+
+
 def test_update_with_kl_adaptive_forgetting():
     t = est.SingleStreamEstimator()
     t.update(["x"], [1.0], kl=[0.0])  # rho = clip(2^0 = 1) = 0.96

@@ -172,6 +172,19 @@ def test_metrics():
     assert int(m["num_tokens"]) == 3
 
 
+def test_metrics_of_a_batch_without_valid_tokens():
+    """A micro-batch of padding only (a rank can get one): every mean 0, ratio min and max 1,
+    whatever the padding holds. Catches the min/max guards left out (+inf and -inf logged) and
+    means divided by 0 (NaN)."""
+    lp = torch.tensor([[0.5, float("nan")], [-3.0, 2.0]])
+    m = policy_loss_metrics(lp, torch.zeros(2, 2), torch.ones(2, 2),
+                            torch.zeros(2, 2, dtype=torch.bool))
+    assert m["ratio_min"].item() == 1.0 and m["ratio_max"].item() == 1.0
+    for k in ("clip_fraction", "clip_fraction_low", "clip_fraction_high", "ratio_mean",
+              "approx_kl", "weighted_fraction", "num_tokens"):
+        assert m[k].item() == 0, k
+
+
 @pytest.mark.parametrize("eps_low, eps_high, want", [
     (0.2, 0.28, [True, False, True, False, False, False]),
     (0.05, 0.7, [False, False, True, False, False, True]),

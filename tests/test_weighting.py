@@ -263,6 +263,43 @@ def test_positive_flags_are_checked():
         s(adv, ent, mask, positive=torch.tensor([1.0, 0.0]))
 
 
+@pytest.mark.parametrize("name", sorted(pw.list_strategies()))
+def test_row_local_says_whether_rows_can_be_weighted_apart(name):
+    """The recipe weights micro-batches apart when ``row_local`` (it then skips the old-policy
+    pass): a strategy is row-local exactly when each half of a batch, weighted alone, gives
+    that half of the whole batch's weights. Catches ``row_local`` set on GTPO (a group split
+    across micro-batches is standardised in pieces) or on ``global_topk`` (a threshold per
+    micro-batch), and a row-local strategy that reads other rows."""
+    adv, ent, mask = ragged_batch([5, 3, 4, 6], 6, seed=3)
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    groups, pos = torch.tensor([0, 1, 1, 0]), adv > 0  # each group split by the halves
+    fn = pw.get_strategy(name, window=3) if name in ("proximal_softmax", "window_average") \
+        else pw.get_strategy(name)
+    whole = fn(adv, ent, mask, positive=pos, groups=groups)
+    halves = torch.cat([fn(adv[i:i + 2], ent[i:i + 2], mask[i:i + 2], positive=pos[i:i + 2],
+                           groups=groups[i:i + 2]) for i in (0, 2)])
+    assert fn.row_local == torch.allclose(halves, whole, rtol=1e-6, atol=1e-6)
+    assert fn.row_local == (name not in ("global_topk", "gtpo"))
+
+
+def test_a_registered_strategy_is_not_row_local_unless_it_says_so():
+    """Catches a default of True: the recipe would weight a registered strategy's rows per
+    micro-batch, which is wrong for any that reads across rows."""
+    @pw.register_strategy("test_rows", overwrite=True)
+    def rows(local: bool = False):
+        def fn(advantages, entropies, mask):
+            return advantages[:, None].expand(mask.shape)
+        if local:
+            fn.row_local = True
+        return fn
+
+    try:
+        assert not pw.get_strategy("test_rows").row_local
+        assert pw.get_strategy("test_rows", local=True).row_local
+    finally:
+        pw._REGISTRY.pop("test_rows", None)
+
+
 def test_custom_strategy_receives_positive_flags_when_it_asks():
     seen = {}
 

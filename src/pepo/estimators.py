@@ -390,6 +390,10 @@ class SingleStreamEstimator:
     def advantages(self, prompt_ids: PromptIds, rewards: torch.Tensor) -> torch.Tensor:
         """``A = r - p`` (tracker before this batch's update), normalised over the batch.
 
+        Raises:
+            ValueError: one rollout with ``normalize=True`` (its centred advantage is always 0:
+                such a step would train on nothing).
+
         Shape:
             prompt_ids: ``[N]``; rewards: ``[N]``; returns ``[N]`` fp32 on ``rewards``' device.
         """
@@ -397,6 +401,9 @@ class SingleStreamEstimator:
         device = rewards.device if isinstance(rewards, torch.Tensor) else torch.device("cpu")
         r = _rewards(rewards, len(ids))
         a = r - self.values(ids).double()
+        if self.normalize and a.numel() == 1:
+            raise ValueError("SPO's batch normalisation needs at least 2 rollouts (one rollout's "
+                             "centred advantage is always 0); pass more, or normalize=False")
         if self.normalize and a.numel() > 0:
             a = a - a.mean()
             if a.numel() > 1:  # equal advantages stay 0 (with eps = 0 they were 0 / 0)

@@ -106,16 +106,27 @@ def test_odd_output_paths_are_one_config_error_naming_the_link(tmp_path, monkeyp
     assert not (tmp_path / "not_mounted").exists()  # nothing created through the link
 
 
-def test_the_output_dir_check_leaves_nothing_behind(tmp_path):
+def test_the_output_dir_check_leaves_nothing_behind(tmp_path, monkeypatch):
+    import errno
+    import tempfile
+
     from pepo.training.config import check_output_dir
 
     check_output_dir(tmp_path / "new" / "deep" / "run")
     assert list(tmp_path.iterdir()) == []  # probed, then removed: the run creates it
     (tmp_path / "ro").mkdir(mode=0o555)
-    if os.access(tmp_path / "ro", os.W_OK):  # root writes anywhere but a read-only mount
-        pytest.skip("running as root")
+    if os.access(tmp_path / "ro", os.W_OK):  # root writes anywhere: refuse as a read-only mount
+        real = tempfile.mkstemp
+
+        def mkstemp(*args, dir=None, **kwargs):
+            if Path(dir).is_relative_to(tmp_path / "ro"):
+                raise PermissionError(errno.EROFS, os.strerror(errno.EROFS), str(dir))
+            return real(*args, dir=dir, **kwargs)
+
+        monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
     with pytest.raises(ValueError, match=r"output_dir=.*ro/run' is not a writable directory: .*ro"):
         check_output_dir(tmp_path / "ro" / "run")
+    assert not (tmp_path / "ro" / "run").exists()  # the directory it made to probe is gone
 
 def test_the_output_dir_check_survives_another_process_removing_the_directory(tmp_path,
                                                                               monkeypatch):

@@ -297,6 +297,17 @@ def test_gtpo_needs_group_mode(tmp_path):
         pepo_recipe.PEPORecipe(tiny_cfg(tmp_path, "tiny_spo", strategy={"name": "gtpo"}))
 
 
+def test_one_normalised_single_stream_rollout_a_step_is_refused(tmp_path):
+    """Its centred advantage is always 0: catches a run that trains on nothing, silently."""
+    with pytest.raises(ValueError, match=r"prompts_per_step=1 with estimator.name="
+                                         r"'single_stream' gives one rollout a step"):
+        pepo_recipe.PEPORecipe(tiny_cfg(tmp_path, "tiny_spo", prompts_per_step=1,
+                                        ppo_mini_batches=1, micro_batch_size=1))
+    pepo_recipe.PEPORecipe(tiny_cfg(tmp_path, "tiny_spo", prompts_per_step=1,
+                                    ppo_mini_batches=1, micro_batch_size=1,
+                                    estimator={"normalize": False}))
+
+
 def test_interpolation_variables_are_not_typos(tmp_path):
     """A top-level key the config reads as ``${key}`` (the paper configs' ``train_data``) is a
     variable; the same key unused is a typo."""

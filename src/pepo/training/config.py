@@ -395,6 +395,12 @@ def check_rules(rc: RecipeConfig) -> None:
             f"prior (it needs estimator.name=single_stream with prior_samples >= 1)"
         )
     rollouts = estimator.rollouts_per_prompt * rc.prompts_per_step
+    if rollouts == 1 and getattr(estimator, "normalize", False):
+        raise ValueError(
+            f"prompts_per_step=1 with estimator.name={est!r} gives one rollout a step, whose "
+            f"batch-normalised advantage is always 0: set prompts_per_step >= 2, or "
+            f"estimator.normalize=false"
+        )
     minis, micro = rc.ppo_mini_batches, rc.micro_batch_size
     if rollouts % minis:
         raise ValueError(
