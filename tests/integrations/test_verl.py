@@ -197,6 +197,28 @@ def test_the_trainer_checks_its_pepo_section_before_verl_builds_anything(monkeyp
     assert trainer.pepo_adv_estimator == "grpo"
 
 
+def test_the_trainer_runs_as_verls_sync_trainer():
+    """Built from verl's own composed config with trainer_mode=pepo (how verl selects it), it
+    runs as the sync trainer: catches verl's v1 base reading the mode 'pepo' as an asynchronous
+    one (its async replay buffer, which keeps DAPO's surplus groups for later steps, and its
+    one-prompt refills)."""
+    import verl
+    from hydra import compose, initialize_config_dir
+    from verl.trainer.ppo.v1 import get_trainer_cls
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=[
+            "algorithm.adv_estimator=grpo", "trainer.v1.trainer_mode=pepo",
+            "+pepo.strategy=proximal_softmax"])
+    cls = get_trainer_cls(cfg.trainer.v1.trainer_mode)
+    assert cls is pv.PepoPPOTrainer
+    trainer = cls(config=cfg)
+    assert trainer.trainer_mode == "sync" and cfg.trainer.v1.trainer_mode == "sync"
+    assert type(trainer.replay_buffer) is ReplayBuffer
+
+
 def test_import_verl_registers_the_trainer_through_the_entry_point():
     code = ("import sys, verl; from verl.trainer.ppo.v1 import get_trainer_cls; "
             "c = get_trainer_cls('pepo'); print(c.__module__, c.__name__)")

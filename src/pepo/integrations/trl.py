@@ -55,9 +55,9 @@ Each weighting logs ``pepo/token_advantage_abs_mean`` (mean ``|Â_{i,t}|`` over 
 with the largest ``|Â_{i,t}|``, averaged over rows with a nonzero advantage: 0.2 for ``uniform``,
 more where a strategy concentrates the weight), beside TRL's own metrics.
 
-``pepo_strategy="uniform"`` trains exactly as plain ``GRPOTrainer`` (the same completions, losses
-and weights, bit for bit; with sequence-level importance sampling, ``luspo``'s setting, to float
-rounding).
+``pepo_strategy="uniform"`` trains exactly as plain ``GRPOTrainer``: TRL's ``[B]`` advantages pass
+unchanged (the same completions, losses, weights and TRL metrics, bit for bit); only the ``pepo/``
+metrics are added.
 """
 
 from __future__ import annotations
@@ -157,8 +157,9 @@ class PepoGRPOTrainer(GRPOTrainer):
             counts a positive format reward as a success.
 
     Raises:
-        ValueError: an unknown strategy, a bad parameter, or ``process_group`` in ``pepo_params``
-            (before TRL loads anything).
+        ValueError: an unknown strategy, a bad parameter, ``process_group`` in ``pepo_params``,
+            ``pepo_params`` not a mapping or ``pepo_success`` not callable (before TRL loads
+            anything).
     """
 
     def __init__(
@@ -169,6 +170,13 @@ class PepoGRPOTrainer(GRPOTrainer):
         pepo_success: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
         **kwargs: Any,
     ) -> None:
+        if pepo_params is not None and not isinstance(pepo_params, Mapping):
+            raise ValueError(f"pepo_params must be a dict of the strategy's parameters (such as "
+                             f"{{'window': 101}}), got {pepo_params!r}")
+        if pepo_success is not None and not callable(pepo_success):
+            raise ValueError(f"pepo_success must be a function of TRL's rewards [B] returning "
+                             f"bool [B] (such as lambda rewards: rewards >= 1.0), got "
+                             f"{pepo_success!r}")
         params = dict(pepo_params or {})
         if "process_group" in params:
             raise ValueError(
@@ -280,8 +288,12 @@ class PepoGRPOTrainer(GRPOTrainer):
         positive = self.pepo_success(len(inputs))
         if self._pepo_uses_entropy and not old_logps_pass and row_wise:
             output["pepo_positive"] = positive  # weighted in _compute_loss, row by row
-        else:
+        elif self._pepo_uses_entropy:
             output["advantages"] = self.pepo_token_advantages(output, positive)
+        else:  # uniform: A_i on every valid token is what TRL's own [B] advantages give; they
+            # stay [B], so that TRL's per-sequence metrics (clip ratios under sequence-level
+            # importance sampling, vespo's) read them as in plain GRPOTrainer
+            self.pepo_token_advantages(output, positive)  # its pepo/ metrics
         self._pepo_rewards, self._pepo_captured, self._pepo_recorder = None, None, None
         return output
 

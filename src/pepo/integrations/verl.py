@@ -7,7 +7,8 @@ Registered with verl through the ``verl.plugins`` entry point (``pyproject.toml`
         trainer.v1.trainer_mode=pepo \\
         +pepo.strategy=proximal_softmax +pepo.params.window=101
 
-:class:`PepoPPOTrainer` is verl's synchronous v1 trainer with one step changed: after verl's
+:class:`PepoPPOTrainer` is verl's synchronous v1 trainer (it runs as ``trainer_mode=sync``,
+with that section's settings) with one step changed: after verl's
 ``_compute_advantage`` it reads the advantages, the rollout ``entropy`` that
 ``_compute_old_log_prob`` already wrote (the old policy's forward: no extra pass), the response
 mask, the reward scores and each rollout's prompt ``uid`` from verl's data store, applies the
@@ -40,6 +41,7 @@ import pepo.weighting as pw
 
 try:
     import transfer_queue as tq
+    from omegaconf import OmegaConf
     from tensordict import TensorDict
     from verl.trainer.ppo.v1.trainer_base import register_trainer
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
@@ -201,6 +203,11 @@ class PepoPPOTrainer(PPOTrainerSync):
         correction = (config.get("algorithm") or {}).get("rollout_correction") or {}
         if correction.get("bypass_mode", False):
             raise ValueError(_NO_ENTROPY)
+        # verl chose this class by trainer.v1.trainer_mode=pepo, and its v1 base then compares
+        # that value with "sync" (the replay buffer, refills, the data store's checkpoints): this
+        # is the sync trainer, so it runs as trainer_mode=sync, with the `sync` section's settings
+        if OmegaConf.select(config, "trainer.v1.trainer_mode") is not None:
+            OmegaConf.update(config, "trainer.v1.trainer_mode", "sync")
         super().__init__(config, *args, **kwargs)
 
     def _compute_advantage(self, batch, metrics: dict):
