@@ -92,7 +92,12 @@ from pepo.training.evaluation import (
 )
 from pepo.training.generation import Rollouts, draw_seeds
 from pepo.training.models import check_model
-from pepo.training.precision import autocast, cpu_attention_in_fp32, resolve_compute_dtype
+from pepo.training.precision import (
+    autocast,
+    cpu_attention_in_fp32,
+    cpu_warnings,
+    resolve_compute_dtype,
+)
 from pepo.training.precision import describe as describe_precision
 from pepo.training.reporting import NullLogger, write_rollouts
 from pepo.training.run_lock import RunLock
@@ -264,6 +269,8 @@ class PEPORecipe(FTRecipeInterface):
         self.val_data = fitting_prompts(val_data, "val_dataset", *fit) if val_data else []
         if self.dist.is_main:
             log.info(describe_precision(c.compute_dtype, self.compute_dtype, self._device))
+            for line in cpu_warnings(self.compute_dtype, c.dtype, self._device):
+                log.warning(line)
             if engine == "vllm" and self.compute_dtype is not None \
                     and options.get("dtype") != "bfloat16":
                 log.warning(f"generation.vllm.dtype={options.get('dtype')} samples at another "

@@ -19,6 +19,7 @@ from pepo.training.config import (
     find_config,
     prior_fingerprint,
     register_resolvers,
+    val_before_fingerprint,
     validate_config,
     validate_eval_config,
 )
@@ -120,6 +121,23 @@ def test_the_prior_fingerprint_ignores_run_settings_only(tmp_path):
     base = prior_fingerprint(tiny_cfg(tmp_path, "tiny_spo"))
     assert prior_fingerprint(tiny_cfg(tmp_path, "tiny_spo", generation={"batch_size": 3})) == base
     assert prior_fingerprint(tiny_cfg(tmp_path, "tiny_spo", generation={"top_p": 0.5})) != base
+
+
+@pytest.mark.parametrize("units, chosen", [((), "fp32"), (("amx_bf16",), "bf16")])
+def test_the_cache_fingerprints_record_the_precision_auto_chose(tmp_path, monkeypatch, units,
+                                                                 chosen):
+    """``compute_dtype: auto`` samples in bf16 on a CPU with bf16 units and in fp32 elsewhere:
+    catches a prior or validation cache made on one kind of machine read on the other (the
+    fingerprint held only the word ``auto``). An explicit setting adds nothing."""
+    from pepo.training import precision
+
+    register_resolvers()
+    monkeypatch.setattr(precision, "cpu_bf16_units", lambda: units)
+    for fingerprint in (prior_fingerprint, val_before_fingerprint):
+        fp = fingerprint(tiny_cfg(tmp_path, "tiny_spo", compute_dtype="auto"))
+        assert fp["compute_dtype"] == "auto" and fp["compute_dtype_resolved"] == chosen
+        fixed = fingerprint(tiny_cfg(tmp_path, "tiny_spo", compute_dtype="fp32"))
+        assert "compute_dtype_resolved" not in fixed
 
 
 @pytest.mark.parametrize("override, message", [

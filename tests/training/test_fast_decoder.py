@@ -272,15 +272,20 @@ def test_every_architecture_decodes_as_the_reference(arch, fuse, monkeypatch):
 
 def test_rotary_tables_rotate_as_the_modules_do():
     """The step's rotary embedding from per-step tables equals each module's forward, bit for
-    bit, on query and key heads side by side (every head is rotated alike)."""
+    bit, on query and key heads side by side (every head is rotated alike), also for bf16
+    heads (q/k under autocast) with the tables made in the fp32 embedding's dtype, as the
+    decoder makes them: catches the half-rotation done in fp32 where the module's (Qwen's)
+    casts its tables to the heads' dtype, a rollout/trainer gap on every sampled token."""
     for model in (random_model(4, 2), _llama()):
         plan = FD.FastPlan.of(model)
         rope = plan.layers[0].attn.pos_embeddings
-        x = torch.randn(7, 6, 16)
         pos = torch.randint(0, 90, (7, 1))
-        tables = FD._rope_tables(plan, pos, x.dtype)
-        want = rope(x[:, None], input_pos=pos)[:, 0]
-        assert torch.equal(FD._rope(plan, plan.layers[0].attn, x, tables), want)
+        tables = FD._rope_tables(plan, pos, torch.float32)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(7, 6, 16).to(dtype)
+            want = rope(x[:, None], input_pos=pos)[:, 0]
+            got = FD._rope(plan, plan.layers[0].attn, x, tables)
+            assert got.dtype == dtype and torch.equal(got, want), (plan.rope, dtype)
 
 
 def test_the_head_runs_as_one_product_of_its_weight_on_a_cpu():

@@ -54,6 +54,23 @@ def test_auto_is_bf16_only_on_a_cpu_with_bf16_units(monkeypatch, units, want):
     assert ("avx512_bf16" in line) == bool(units)
 
 
+def test_cpu_warnings_say_what_a_precision_setting_costs(monkeypatch):
+    """Forced bf16 products on a CPU without bf16 units (emulated: several times slower, and
+    the log said only "compute_dtype=bf16") and bf16 parameters on a CPU (the schema says bf16
+    is for GPUs) are each one warning; auto's choices and GPUs get none. Catches either
+    warning missing or given where it is wrong."""
+    bf16 = torch.bfloat16
+    monkeypatch.setattr(precision, "cpu_bf16_units", lambda: ())
+    (slow,) = precision.cpu_warnings(bf16, "fp32", CPU)
+    assert "without bf16 matrix units" in slow and "slower than fp32" in slow
+    assert precision.cpu_warnings(None, "fp32", CPU) == []
+    assert precision.cpu_warnings(bf16, "bf16", torch.device("cuda")) == []
+    (weights,) = precision.cpu_warnings(None, "bf16", CPU)
+    assert weights.startswith("dtype=bf16 on a CPU")
+    monkeypatch.setattr(precision, "cpu_bf16_units", lambda: ("amx_bf16",))
+    assert precision.cpu_warnings(bf16, "fp32", CPU) == []
+
+
 @pytest.fixture(scope="module")
 def model():
     from pepo.training.models import tiny_qwen3
@@ -131,6 +148,32 @@ def test_engine_and_trainer_forward_run_at_the_compute_dtype(model, dtype):
             assert gap < (5e-2 if dtype else 1e-5), gap
     finally:
         undo()
+
+
+def test_reference_decoder_under_autocast(model):
+    """The reference decoder (what a model the fast decoder cannot plan uses) under bf16
+    autocast: its KV caches take the bf16 keys and values autocast's products make (an fp32
+    cache raised "Index put requires the source and destination dtypes match") and its head
+    makes fp32 logits, as the fast decoder's and the trainer's. Catches either left as it was
+    (a crash; bf16 logits, whose rounding the sampled log-probs carry)."""
+    from pepo.training.generation import generate
+
+    seen, undo = _record_dtypes(model)
+    try:
+        with torch.no_grad(), autocast(CPU, torch.bfloat16):
+            ro = generate(model, [[3, 4, 5, 6], [7, 8], [9, 10, 11]], max_new_tokens=6,
+                          pad_id=0, stop_tokens=[1], temperature=1.0, seeds=torch.arange(3),
+                          decoder="reference")
+        assert seen["body"] == {torch.bfloat16} and seen["head"] == {torch.float32}
+        assert "unembed" not in vars(model)  # the fp32 head is the decoder's only while it runs
+        fast = build_engine("inprocess", model, compute_dtype=torch.bfloat16).generate(
+            [[3, 4, 5, 6], [7, 8], [9, 10, 11]], max_new_tokens=6, pad_id=0, stop_tokens=[1],
+            temperature=1.0, seeds=torch.arange(3))
+    finally:
+        undo()
+    assert torch.equal(ro.tokens, fast.tokens) and torch.equal(ro.mask, fast.mask)
+    torch.testing.assert_close(ro.logprobs[ro.mask], fast.logprobs[fast.mask], rtol=0,
+                               atol=1e-4)
 
 
 def test_trainer_head_is_fp32_under_autocast(model):

@@ -362,19 +362,35 @@ VAL_BEFORE_KEYS = ("seed", "device", "dtype", "compute_dtype", "tokenizer", "mod
                    "checkpoint_dir", "val_dataset", "reward", "generation", "validation.samples")
 
 
+def _resolved_precision(cfg: DictConfig, fingerprint: dict[str, Any]) -> dict[str, Any]:
+    """``fingerprint`` with, under ``compute_dtype: auto``, the precision it chose on this
+    machine (``compute_dtype_resolved``): ``auto`` samples in bf16 on a CPU with bf16 units and
+    in fp32 on another, so a cache made on one is not the other's."""
+    if fingerprint.get("compute_dtype") == "auto":
+        import torch
+
+        from pepo.training.precision import resolve_compute_dtype
+
+        dtype = resolve_compute_dtype("auto", torch.device(str(cfg.get("device", "cpu"))))
+        fingerprint["compute_dtype_resolved"] = "bf16" if dtype is not None else "fp32"
+    return fingerprint
+
+
 def val_before_fingerprint(cfg: DictConfig) -> dict[str, Any]:
     """The resolved, flattened config keys that determine the validation before training
-    (``VAL_BEFORE_KEYS``), stored in a ``validation.before_cache`` file and compared when read."""
+    (``VAL_BEFORE_KEYS``, and the precision ``auto`` chose), stored in a
+    ``validation.before_cache`` file and compared when read."""
     flat = _flatten(OmegaConf.to_container(cfg, resolve=True))
-    return {k: v for k, v in flat.items() if _under(k, VAL_BEFORE_KEYS)}
+    return _resolved_precision(cfg, {k: v for k, v in flat.items() if _under(k, VAL_BEFORE_KEYS)})
 
 
 def prior_fingerprint(cfg: DictConfig) -> dict[str, Any]:
     """The resolved, flattened config keys that determine the offline prior (``PRIOR_KEYS``,
-    less the schema's ``RUN`` keys, ``PRIOR_IGNORES``), stored in a ``prior_cache`` file and
-    compared when it is read."""
+    less the schema's ``RUN`` keys, ``PRIOR_IGNORES``, and the precision ``auto`` chose), stored
+    in a ``prior_cache`` file and compared when it is read."""
     flat = _flatten(OmegaConf.to_container(cfg, resolve=True))
-    return {k: v for k, v in flat.items() if _under(k, PRIOR_KEYS) and not _under(k, PRIOR_IGNORES)}
+    return _resolved_precision(cfg, {k: v for k, v in flat.items()
+                                     if _under(k, PRIOR_KEYS) and not _under(k, PRIOR_IGNORES)})
 
 
 

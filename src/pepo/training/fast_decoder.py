@@ -233,8 +233,8 @@ def _rope_tables(plan: FastPlan, pos: torch.Tensor, dtype: torch.dtype):
 def _rope(plan: FastPlan, attn, x: torch.Tensor, tables) -> torch.Tensor:
     """The rotary embedding of ``x`` ``[b, H, h_d]`` (query and key heads side by side: every
     head is rotated alike), with the element-wise ops of the module's forward."""
-    if plan.rope == "half":
-        cos, sin = tables
+    if plan.rope == "half":  # in x's dtype, as the module: bf16 q/k under autocast
+        cos, sin = (t.to(x.dtype) for t in tables)
         half = x.shape[-1] // 2
         return (x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin).type_as(x)
     if plan.rope == "pairs":

@@ -42,6 +42,7 @@ from pepo.training.draws import (
     row_uniforms_table,
 )
 from pepo.training.fast_decoder import FastPlan, generate_fast
+from pepo.training.precision import fp32_head
 
 __all__ = ["DECODERS", "Rollouts", "decode", "draw_seeds", "filter_logits", "generate",
            "pad_prompts", "row_uniforms", "row_uniforms_table", "sequence_inputs"]
@@ -256,9 +257,13 @@ def _generate_reference(models, prompt_tokens, prompt_mask, max_new_tokens, pad_
     reported = 0  # rows passed to ``progress``
     with ExitStack() as stack:
         for m in models:
+            dtype = next(m.parameters()).dtype
+            if torch.is_autocast_enabled(device.type) and dtype.is_floating_point:
+                dtype = torch.get_autocast_dtype(device.type)  # k/v of autocast's products
             stack.enter_context(local_kv_cache(
-                m, batch_size=bsz, device=device, dtype=next(m.parameters()).dtype,
+                m, batch_size=bsz, device=device, dtype=dtype,
                 decoder_max_seq_len=plen + max_new_tokens))
+            stack.enter_context(fp32_head(m))  # fp32 logits under autocast, as the trainer's
         logits = [m(prompt_tokens, input_pos=positions[:, :plen],
                     mask=attn_mask[:, :plen])[:, -1] for m in models]  # each [B, V]
         for t in range(max_new_tokens):

@@ -22,7 +22,8 @@ from typing import Any, Callable, ContextManager, Optional
 import torch
 
 __all__ = ["CHOICES", "autocast", "cpu_attention_in_fp32", "cpu_bf16_units", "cpu_model",
-           "describe", "no_autocast", "resolve_compute_dtype", "units_in_cpuinfo"]
+           "cpu_warnings", "describe", "fp32_head", "no_autocast", "resolve_compute_dtype",
+           "units_in_cpuinfo"]
 
 CHOICES = ("auto", "fp32", "bf16")
 _X86_UNITS = ("amx_bf16", "avx512_bf16")
@@ -87,6 +88,28 @@ def autocast(device: torch.device, dtype: Optional[torch.dtype]) -> ContextManag
     return torch.autocast(device.type, dtype=dtype)
 
 
+@contextlib.contextmanager
+def fp32_head(model: torch.nn.Module) -> Any:
+    """While in the block, ``model``'s forward makes its logits outside autocast
+    (:func:`no_autocast`): its ``unembed`` (torchtune's ``TransformerDecoder`` calls it on the
+    last hidden state) is shadowed by one that runs the class's own with autocast off. A model
+    without ``unembed`` is left as it is."""
+    unembed = getattr(type(model), "unembed", None)
+    if unembed is None:
+        yield
+        return
+
+    def head(h: torch.Tensor) -> Any:
+        with no_autocast(h.device):
+            return unembed(model, h)
+
+    model.unembed = head  # an instance attribute: shadows the class's method
+    try:
+        yield
+    finally:
+        del model.unembed
+
+
 def no_autocast(device: torch.device) -> ContextManager:
     """Autocast off on ``device``'s type, for the output head: its logits are made in the
     parameters' dtype also under ``compute_dtype: bf16``, by the decoder and the trainer alike.
@@ -105,6 +128,25 @@ def describe(setting: str, dtype: Optional[torch.dtype], device: torch.device) -
            ) if device.type == "cpu" and setting == "auto" else f"compute_dtype={setting}"
     what = "bf16 (autocast)" if dtype is not None else "the parameters' dtype"
     return f"matmuls in {what}: {why}"
+
+
+def cpu_warnings(compute_dtype: Optional[torch.dtype], dtype: str,
+                 device: torch.device) -> list[str]:
+    """What a CPU run's precision settings cost that nothing else would say: bf16 products
+    forced on a CPU that emulates them, and bf16 parameters (``dtype``) trained on a CPU."""
+    if device.type != "cpu":
+        return []
+    out = []
+    if compute_dtype is not None and not cpu_bf16_units():
+        out.append("compute_dtype=bf16 on a CPU without bf16 matrix units (AMX, AVX512-BF16): "
+                   "bf16 is emulated there, several times slower than fp32 (compute_dtype=auto "
+                   "chooses fp32 on this CPU)")
+    if dtype == "bf16":
+        out.append("dtype=bf16 on a CPU: the parameters and the optimizer's state are bf16, "
+                   "which rounds away an update smaller than about 1/512 of its weight (the GPU "
+                   "configs pair it with a stochastic-rounding AdamW); dtype=fp32 with "
+                   "compute_dtype=bf16 keeps fp32 master weights")
+    return out
 
 
 class _Fp32OnCpu:
