@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import json
 import math
+import re
 import statistics
 from pathlib import Path
 
@@ -134,7 +135,7 @@ def test_two_step_one_seed_study(study, tmp_path, monkeypatch):
            f"{delta:+.1f} (" in text
     assert "| GRPO | 1 |" in text and "(baseline)" in text
     # the intervention table's end points: budget 0 = warm start, 100% = the GRPO checkpoint
-    iv = json.loads((out / "tiny" / "intervention.json").read_text())
+    iv = json.loads((out / "tiny" / "intervention.json").read_text())["results"]
     assert iv["global"]["0.0"] == iv["proximal"]["0.0"]
     assert iv["global"]["1.0"] == iv["replacement"]["1.0"]
     assert "### Token intervention (tiny)" in text and "### Entropy structure of tiny" in text
@@ -428,8 +429,10 @@ def test_the_reported_command_can_be_pasted(study):
     path left in the docs."""
     import shlex
 
-    cmd = study.command_line(["--tasks", "smollm2_steps", "--methods", "80/20, proximal score",
-                              "GTPO", "--out", "/runs/x", "--report-only", "--docs", "/d"])
+    from pepo.study.cli import command_line
+
+    cmd = command_line(["--tasks", "smollm2_steps", "--methods", "80/20, proximal score",
+                        "GTPO", "--out", "/runs/x", "--report-only", "--docs", "/d"])
     assert cmd == ("python -m pepo.study.compare --tasks smollm2_steps --methods "
                    "'80/20, proximal score' GTPO")
     assert shlex.split(cmd)[5:] == ["--methods", "80/20, proximal score", "GTPO"]
@@ -480,3 +483,98 @@ def test_a_terminated_study_takes_its_training_run_with_it(tmp_path):
                 os.kill(child, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def _finished(study, out, label, seed, **extra):
+    """A finished run's result.json (what --report-only reads)."""
+    d = study.run_dir(out, "tiny", "group", label, seed)
+    d.mkdir(parents=True, exist_ok=True)
+    r = {"task": "tiny", "mode": "group", "method": label, "seed": seed, "val_before": 0.5,
+         "val_after": 0.5 + 0.1 * seed + (0.05 if label != "GRPO" else 0.0), "num_steps": 2,
+         "val_k": 1, "val_problems": 4, "step_time_median": 1.0,
+         "val_curve": [[0, 0.5], [2, 0.6]], **extra}
+    (d / "result.json").write_text(json.dumps(r), encoding="utf-8")
+    return r
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seeds", "0", "0", "1"], "--seeds gives 0 more than once"),
+    (["--tasks", "tiny", "tiny"], "--tasks gives tiny more than once"),
+    (["--shard", "3/2"], "--shard: must be I/N with 0 <= I < N"),
+    (["--shard", "0/0"], "--shard: must be I/N"),
+    (["--shard", "1"], "--shard: must be I/N"),
+    (["--steps", "0"], "--steps: must be an int >= 1"),
+    (["--seeds", "-1"], "--seeds: must be an int >= 0"),
+    (["--budgets", "500"], r"--budgets: must be a percentage in \[0, 100\]"),
+    (["--intervention-k", "0"], "--intervention-k: must be an int >= 1"),
+    (["--max-runs", "0"], "--max-runs: must be an int >= 1"),
+])
+def test_bad_study_options_are_refused_before_any_run(study, tmp_path, monkeypatch, capsys,
+                                                      argv, message):
+    """Each was accepted: a repeated seed counted as two paired seeds (the t test with their
+    degrees of freedom), a shard past the last ran nothing and exited 0 (0/0 a traceback),
+    --steps 0 and --budgets 500 failed after hours of training."""
+    monkeypatch.setattr(study, "run_one", lambda *a: pytest.fail("a run started"))
+    with pytest.raises(SystemExit) as e:
+        study.main(["--out", str(tmp_path), *argv])
+    assert e.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_runs_finished_under_other_settings_are_not_reused(study, tmp_path, monkeypatch):
+    """A finished run records its --steps/--set; a call asking others refuses in one line
+    (it printed the new command over the old runs' numbers). Results without the record
+    (published ones) are read as before."""
+    monkeypatch.setattr(study, "run_one", lambda *a: pytest.fail("a run started"))
+    _finished(study, tmp_path, "GRPO", 0, overrides={"num_steps": 60})
+    argv = ["--tasks", "tiny", "--seeds", "0", "--only", "group", "--methods", "GRPO",
+            "--out", str(tmp_path), "--report-only", "--no-intervention"]
+    with pytest.raises(SystemExit, match=r"finished with --steps/--set \{'num_steps': 60\}, and "
+                                         r"this call asks \{'optimizer': \{'lr': 1\}, "
+                                         r"'num_steps': 120\}: give the same, or another --out"):
+        study.main([*argv, "--steps", "120", "--set", "optimizer.lr=1"])
+    assert [r["seed"] for r in study.main([*argv, "--steps", "60"])] == [0]
+    _finished(study, tmp_path, "GRPO", 0)  # no record: read whatever this call asks
+    assert len(study.main([*argv, "--steps", "120"])) == 1
+
+
+def test_report_only_names_missing_runs_and_the_paired_seeds(study, tmp_path, capsys):
+    """Two of three GRPO seeds finished: the report warns that a planned run has no result
+    and PEPO's Δ says it pairs 2 seeds (its "seeds" column counts 3; the Δ and the "after"
+    columns then cover other seeds, silently before)."""
+    for seed in (0, 1, 2):
+        _finished(study, tmp_path, "PEPO", seed)
+    for seed in (0, 1):
+        _finished(study, tmp_path, "GRPO", seed)
+    study.main(["--tasks", "tiny", "--seeds", "0", "1", "2", "--only", "group", "--methods",
+                "PEPO", "--out", str(tmp_path), "--report-only", "--no-intervention"])
+    assert "warning: 1 planned run(s) have no result" in capsys.readouterr().out
+    text = (tmp_path / "results.md").read_text(encoding="utf-8")
+    (row,) = [line for line in text.splitlines() if line.startswith("| PEPO | 3 |")]
+    assert "(2/0/0), 2 paired seeds |" in row
+
+
+def test_the_intervention_is_made_again_for_other_settings(study, tmp_path, monkeypatch):
+    """intervention.json keeps the budgets, k and replacement it was made with: other ones
+    run it again (the old table was kept under the new command); a restored result without a
+    checkpoint gets no intervention (it raised KeyError)."""
+    calls = []
+
+    def fake(argv):
+        calls.append(argv)
+        dest = Path(argv[argv.index("--out") + 1])
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / "intervention.md").write_text("table", encoding="utf-8")
+        return {"global": {0.0: 0.5}}
+
+    monkeypatch.setattr(study.intervention, "main", fake)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    grpo = _finished(study, tmp_path, "GRPO", 0, checkpoint=str(ckpt))
+    args = (grpo["task"], [grpo], tmp_path, tmp_path)
+    assert study.run_intervention(*args, [0, 10], 1) is not None and len(calls) == 1
+    assert study.run_intervention(*args, [0, 10], 1) is not None and len(calls) == 1
+    study.run_intervention(*args, [0, 30, 50], 2)
+    assert len(calls) == 2 and calls[-1][calls[-1].index("--k") + 1] == "2"
+    restored = {k: v for k, v in grpo.items() if k != "checkpoint"}
+    assert study.run_intervention(grpo["task"], [restored], tmp_path, tmp_path, [0], 1) is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 
 import pytest
 import torch
@@ -258,9 +259,14 @@ def test_cli_writes_the_table(tmp_path, capsys):
         analysis.main(["intervene", "--config", str(cfg), "--replacement", str(repl),
                        "--budgets", "0", "10", "100", "--k", "2", "--problems", "3",
                        "--window", "5", "--out", str(out)])
-    with pytest.raises(SystemExit, match=r"--budgets are percentages in \[0, 100\], got 150"):
-        analysis.main(["intervene", "--config", str(cfg), "--replacement", str(repl),
-                       "--budgets", "150", "--out", str(out)])
+    for bad, message in ((["--budgets", "150"], r"--budgets: must be a percentage in \[0, 100\]"),
+                         (["--batch-size", "0"], "--batch-size: must be an int >= 1"),
+                         (["--k", "0"], "--k: must be an int >= 1")):  # before any model loads
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            analysis.main(["intervene", "--config", str(cfg), "--replacement", str(repl),
+                           *bad, "--out", str(out)])
+        assert e.value.code == 2 and re.search(message, capsys.readouterr().err)
     with pytest.raises(SystemExit, match="--replacement="):
         analysis.main(["intervene", "--config", str(cfg), "--replacement", str(tmp_path),
                        "--out", str(out)])

@@ -236,3 +236,48 @@ def test_seed_table_puts_each_run_under_its_seed(tmp_path):
     assert power.seed_table(results, ["GTPO"]) == ""
     report = power.report(results, "GRPO", ["PEPO"], tmp_path, "img", "t")
     assert "| PEPO | 12.0 | 25.0 | – |" in report  # the report carries it
+
+
+def test_cli_family_is_the_studys_methods_as_its_report_tests_them(tmp_path):
+    """By default the family is the study's methods found (an optional ablation beside them,
+    here PEPO at W = 11, made the published report's 5 comparisons 8); a --methods label
+    with no runs is refused (dropping it silently shrank the family)."""
+    import json
+
+    from pepo.study.compare import slug
+
+    seeds = list(range(4))
+    runs = tmp_path / "runs"
+    for r in (_runs("GRPO", seeds, [0.4 + 0.01 * s for s in seeds])
+              + _runs("PEPO", seeds, [0.42 + 0.01 * s + D[s] for s in seeds])
+              + _runs("80/20", seeds, [0.40 + 0.01 * s - D[s] for s in seeds])
+              + _runs("PEPO, W = 11", seeds, [0.41 + 0.01 * s for s in seeds])):
+        d = runs / "smollm2_steps" / "group" / slug(r["method"]) / f"seed_{r['seed']}"
+        d.mkdir(parents=True)
+        (d / "result.json").write_text(json.dumps(r))
+    text = power.main([str(runs), "--out", str(tmp_path / "a")])
+    assert "2 comparisons" in text and "W = 11" not in text
+    named = power.main([str(runs), "--out", str(tmp_path / "b"), "--methods", "PEPO", "80/20",
+                        "PEPO, W = 11"])
+    assert "3 comparisons" in named and "| PEPO, W = 11 |" in named
+    with pytest.raises(SystemExit, match="--methods 'Pepo' has no runs here"):
+        power.main([str(runs), "--out", str(tmp_path / "c"), "--methods", "PEPO", "Pepo"])
+
+
+@pytest.mark.parametrize("n, m", [(10, 5), (5, 3), (5, 8), (10, 1)])
+def test_exact_power_of_the_resolvable_difference_by_simulation(n, m):
+    """The noncentral t's power at the resolvable difference, against a simulation of the
+    paired t test itself (10,000 studies): catches a power computed one-sided, at the
+    uncorrected level, or with the normal approximation (which says 0.8 everywhere)."""
+    from scipy import stats
+
+    rng = random.Random(n * 100 + m)
+    crit = stats.t.ppf(1 - 0.05 / (2 * m), n - 1)
+    delta = crit + stats.t.ppf(0.8, n - 1)  # in units of sd / sqrt(n), sd = 1
+    hits = 0
+    for _ in range(10000):
+        d = [rng.gauss(delta / math.sqrt(n), 1.0) for _ in range(n)]
+        hits += abs(statistics.fmean(d) / (statistics.stdev(d) / math.sqrt(n))) > crit
+    exact = power.exact_power(n, m)
+    assert abs(hits / 10000 - exact) < 0.017  # binomial sd 0.0042: four of them
+    assert exact < 0.8

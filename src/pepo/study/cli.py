@@ -1,11 +1,14 @@
-"""argparse types the study's commands share: a value checked before any work starts."""
+"""The study's command-line pieces: argparse types its commands share (a value checked before
+any work starts), and the command a report prints."""
 
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+import shlex
+import sys
+from typing import Callable, Optional
 
-__all__ = ["count_arg", "window_arg"]
+__all__ = ["command_line", "count_arg", "percent_arg", "positive_arg", "shard_arg", "window_arg"]
 
 
 def _int_arg(text: str, ok: Callable[[int], bool], what: str) -> int:
@@ -26,3 +29,47 @@ def window_arg(text: str) -> int:
 def count_arg(text: str) -> int:
     """An argparse type: an int >= 0."""
     return _int_arg(text, lambda v: v >= 0, "an int >= 0")
+
+
+def positive_arg(text: str) -> int:
+    """An argparse type: an int >= 1."""
+    return _int_arg(text, lambda v: v >= 1, "an int >= 1")
+
+
+def percent_arg(text: str) -> float:
+    """An argparse type: a percentage in [0, 100]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"must be a percentage in [0, 100], got {text!r}")
+    return value
+
+
+def shard_arg(text: str) -> tuple[int, int]:
+    """An argparse type: ``I/N``, the I-th of N shards (``0 <= I < N``)."""
+    parts = text.split("/")
+    try:
+        i, n = (int(x) for x in parts)
+    except ValueError:
+        i = n = -1
+    if not 0 <= i < n:
+        raise argparse.ArgumentTypeError(f"must be I/N with 0 <= I < N (such as 0/2), got "
+                                         f"{text!r}")
+    return i, n
+
+
+def command_line(argv: Optional[list[str]]) -> str:
+    """``pepo.study.compare``'s command without the options that only say where files go or
+    how it ran."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    keep, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a in ("--out", "--docs", "--discussion", "--shard"):
+            skip = True
+        elif a != "--report-only":
+            keep.append(a)
+    return "python -m pepo.study.compare " + shlex.join(keep)  # "80/20, proximal score" quoted

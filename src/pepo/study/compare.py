@@ -34,10 +34,12 @@ statistic, whether |t| exceeds the two-sided 5% critical value, and wins / ties 
 each run's median step time (s), averaged over the seeds.
 
 Finished runs (a ``result.json`` in their directory) are read back, not rerun, so a study can
-be stopped and continued (an unfinished run starts again). To use more cores, start the same
-command several times: each run is taken by one process (a lock on its directory) and the others
-move on; or split the plan with ``--shard I/N`` (every N-th run). Then one ``--report-only``
-call writes the report. The single-stream runs of a seed share one offline prior
+be stopped and continued (an unfinished run starts again); a run records its ``--steps`` and
+``--set``, and a call that asks others is refused. A Δ over fewer seeds than the method ran
+names its paired seeds; ``--report-only`` warns of planned runs without a result. To use more
+cores, start the same command several times: each run is taken by one process (a lock on its
+directory) and the others move on; or split the plan with ``--shard I/N`` (every N-th run).
+Then one ``--report-only`` call writes the report. The single-stream runs of a seed share one offline prior
 (``prior_cache``), computed by the first of them.
 """
 
@@ -48,7 +50,6 @@ import fcntl
 import json
 import math
 import os
-import shlex
 import shutil
 import signal
 import statistics
@@ -61,6 +62,7 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 
 from pepo.study import analysis, intervention, rescore
+from pepo.study.cli import command_line, count_arg, percent_arg, positive_arg, shard_arg
 from pepo.study.lengths import plot_lengths
 from pepo.training.config import check_output_dir, find_config, register_resolvers
 from pepo.training.precision import cpu_model
@@ -186,6 +188,7 @@ def _run(task: str, mode: str, label: str, strategy: dict, seed: int, out: Path,
         # can differ in its last digits
         "cpu": cpu_model(), "precision": precision_line(d / "recipe.log"),
         "checkpoint": str(d / "checkpoints" / f"step_{int(cfg.num_steps)}"),
+        "overrides": overrides,  # --steps and --set: a later call must ask the same
     }
     tmp = d / "result.json.tmp"
     tmp.write_text(json.dumps(result, indent=2), encoding="utf-8")
@@ -265,9 +268,12 @@ def paired(runs: list[dict], base: list[dict]) -> Optional[dict[str, Any]]:
     return out
 
 
-def _paired_cell(p: Optional[dict[str, Any]]) -> str:
+def _paired_cell(p: Optional[dict[str, Any]], runs: Optional[int] = None) -> str:
+    """The Δ cell; it names its seeds when fewer than the method's ``runs`` have a baseline."""
     if p is None:
         return "–"
+    if runs is not None and p["n"] != runs:
+        return _paired_cell(p) + f", {p['n']} paired seeds"
     if "t" not in p or p["no_spread"]:
         spread = ", no spread" if "t" in p else ""
         return f"{100 * p['mean']:+.1f}{spread} ({p['wins']}/{p['ties']}/{p['losses']})"
@@ -341,7 +347,8 @@ def report(results: list[dict], tasks: list[str], command: str,
                 if not runs:
                     continue
                 step_s = statistics.mean(r["step_time_median"] for r in runs)
-                cell = "(baseline)" if label == base_label else _paired_cell(paired(runs, base))
+                cell = ("(baseline)" if label == base_label
+                        else _paired_cell(paired(runs, base), len(runs)))
                 lines.append(f"| {label} | {len(runs)} | "
                              f"{mean_sd([r['val_before'] for r in runs])} | "
                              f"{mean_sd([r['val_after'] for r in runs])} | {cell} | "
@@ -358,17 +365,23 @@ def run_intervention(task: str, results: list[dict], out: Path, docs: Path,
     """The token-intervention table of ``task``: warm start vs its first-seed GRPO run."""
     grpo = sorted((r for r in results if (r["task"], r["mode"], r["method"]) ==
                    (task, "group", "GRPO")), key=lambda r: r["seed"])
-    if not grpo or not Path(grpo[0]["checkpoint"]).is_dir():
+    ckpt = grpo[0].get("checkpoint") if grpo else None  # a restored result has none
+    if not ckpt or not Path(ckpt).is_dir():
         return None
     dest = docs / "images" / f"intervention_{task}"
     saved = out / task / "intervention.json"
     args = ["--config", CONFIGS[task]["group"], "--replacement", grpo[0]["checkpoint"],
             "--budgets", *[f"{b:g}" for b in budgets], "--k", str(k), "--out", str(dest)]
-    # its generations are kept as they finish: a rerun (or a report into other docs) reads them
-    if not saved.is_file() or not (dest / "intervention.md").is_file():
+    # its generations are kept as they finish: a rerun (or a report into other docs) reads them;
+    # a table of other budgets, k or replacement is made again
+    settings = {"budgets": [float(b) for b in budgets], "k": k,
+                "replacement": grpo[0]["checkpoint"]}
+    kept = json.loads(saved.read_text(encoding="utf-8")) if saved.is_file() else {}
+    if kept.get("settings") != settings or not (dest / "intervention.md").is_file():
         res = intervention.main([*args, "--cache", str(out / task / "intervention_cells")])
-        saved.write_text(json.dumps({m: {str(b): v for b, v in d.items()}
-                                     for m, d in res.items()}, indent=2), encoding="utf-8")
+        saved.write_text(json.dumps({"settings": settings, "results": {
+            m: {str(b): v for b, v in d.items()} for m, d in res.items()}}, indent=2),
+            encoding="utf-8")
     table = (dest / "intervention.md").read_text(encoding="utf-8")
     return (f"### Token intervention ({task})\n\nBase: the warm-start checkpoint; replacement: "
             f"the final GRPO checkpoint of seed {grpo[0]['seed']}.\n"
@@ -497,24 +510,10 @@ def run_diagnostics(task: str, results: list[dict], out: Path, docs: Path,
             + files["mass_md"].read_text(encoding="utf-8"))
 
 
-def command_line(argv: Optional[list[str]]) -> str:
-    """The study's command without the options that only say where files go or how it ran."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    keep, skip = [], False
-    for a in args:
-        if skip:
-            skip = False
-        elif a in ("--out", "--docs", "--discussion", "--shard"):
-            skip = True
-        elif a != "--report-only":
-            keep.append(a)
-    return "python -m pepo.study.compare " + shlex.join(keep)  # "80/20, proximal score" quoted
-
-
 def main(argv: Optional[list[str]] = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tasks", nargs="+", choices=sorted(CONFIGS), default=["tiny", "tiny_drift"])
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    ap.add_argument("--seeds", type=count_arg, nargs="+", default=[0, 1, 2, 3, 4])
     ap.add_argument("--out", default="comparison_runs")
     ap.add_argument("--only", choices=MODES, default=None)
     ap.add_argument("--methods", nargs="+", default=None,
@@ -524,11 +523,12 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
                     help="delete each finished run's checkpoints and exported model, except "
                          "the first seed's GRPO (the intervention's replacement): about 2 GB a "
                          "run on SmolLM2; results, logs and rollout dumps stay")
-    ap.add_argument("--steps", type=int, default=None, help="override num_steps")
+    ap.add_argument("--steps", type=positive_arg, default=None, help="override num_steps")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="config overrides for every run (e.g. validation.every=10)")
-    ap.add_argument("--shard", default="0/1", help="I/N: run every N-th run, starting at I")
-    ap.add_argument("--max-runs", type=int, default=None,
+    ap.add_argument("--shard", type=shard_arg, default=(0, 1),
+                    help="I/N: run every N-th run, starting at I")
+    ap.add_argument("--max-runs", type=positive_arg, default=None,
                     help="train at most this many runs, then exit (finished runs are read back "
                          "by the next call, which goes on; the call that finds nothing left to "
                          "train writes the report): a fresh process per run, so that memory a "
@@ -536,14 +536,18 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     ap.add_argument("--report-only", action="store_true",
                     help="write the report from finished runs; run nothing")
     ap.add_argument("--no-intervention", action="store_true")
-    ap.add_argument("--budgets", type=float, nargs="+", default=[0, 5, 10, 15, 20, 30])
-    ap.add_argument("--intervention-k", type=int, default=4)
+    ap.add_argument("--budgets", type=percent_arg, nargs="+", default=[0, 5, 10, 15, 20, 30])
+    ap.add_argument("--intervention-k", type=positive_arg, default=4)
     ap.add_argument("--docs", default=None,
                     help="where results.md and its images go (default: --out)")
     ap.add_argument("--discussion", default=None,
                     help="Markdown appended to the report (what the numbers mean)")
     args = ap.parse_args(argv)
-    shard, n_shards = (int(x) for x in args.shard.split("/"))
+    shard, n_shards = args.shard
+    for name in ("tasks", "seeds", "methods"):  # twice would count as two paired seeds
+        given = getattr(args, name) or []
+        if twice := sorted({str(v) for v in given if given.count(v) > 1}):
+            ap.error(f"--{name} gives {', '.join(twice)} more than once")
     overrides = OmegaConf.to_container(OmegaConf.from_dotlist(args.set)) if args.set else {}
     if args.steps is not None:
         overrides["num_steps"] = args.steps
@@ -574,12 +578,18 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
                             (label, strategy) in OPTIONAL[mode] and not named):
                         continue
                     plan.append((task, mode, label, strategy, seed))
-    results, elsewhere, trained = [], 0, 0
+    results, elsewhere, trained, missing = [], 0, 0, []
     for i, (task, mode, label, strategy, seed) in enumerate(plan):
         saved = saved_result(run_dir(out, task, mode, label, seed))
+        if saved is not None and saved.get("overrides", overrides) != overrides:
+            raise SystemExit(f"error: {run_dir(out, task, mode, label, seed)} finished with "
+                             f"--steps/--set {saved['overrides']}, and this call asks "
+                             f"{overrides}: give the same, or another --out")
         if args.report_only or i % n_shards != shard or saved is not None:
             if saved is not None:
                 results.append(saved)
+            elif args.report_only:
+                missing.append(f"{task} {mode} {label} seed {seed}")
             continue
         if args.max_runs is not None and trained >= args.max_runs:
             print(f"trained {trained} run(s) (--max-runs); call again to go on", flush=True)
@@ -597,6 +607,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
             print(f"{elsewhere} run(s) were taken by other processes: write the report with "
                   f"--report-only once they finish", flush=True)
         return results  # the report comes from one --report-only call over all shards
+    if missing:  # the report covers the finished runs; say which are not among them
+        print(f"warning: {len(missing)} planned run(s) have no result under {out} (first: "
+              f"{missing[0]}); the report covers the {len(results)} finished", flush=True)
     if not results:  # an empty report (its figure a broken link) helps nobody
         raise SystemExit(f"error: no finished run of {', '.join(args.tasks)} under {out}: "
                          f"run the study (without --report-only) first")

@@ -38,7 +38,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from pepo import weighting
-from pepo.study.cli import window_arg
+from pepo.study.cli import percent_arg, positive_arg, window_arg
 from pepo.training.checkpointing import atomic_write_text
 from pepo.training.evaluation import eval_generator
 from pepo.training.fast_decoder import FastPlan
@@ -398,17 +398,17 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, dict[float, float]]:
     ap.add_argument("--replacement", required=True,
                     help="replacement checkpoint directory (a run's checkpoints/step_N, or an "
                          "HF directory)")
-    ap.add_argument("--budgets", type=float, nargs="+", default=[0, 5, 10, 15, 20, 30],
+    ap.add_argument("--budgets", type=percent_arg, nargs="+", default=[0, 5, 10, 15, 20, 30],
                     help="percent of each response's positions to replace")
     ap.add_argument("--metrics", nargs="+", default=list(METRICS), choices=METRICS)
     ap.add_argument("--window", type=window_arg, default=None,
                     help="proximal entropy window (default: the config's "
                          "strategy.proximal_softmax.window, else 101)")
-    ap.add_argument("--k", type=int, default=4, help="samples per problem (avg@k)")
-    ap.add_argument("--problems", type=int, default=None,
+    ap.add_argument("--k", type=positive_arg, default=4, help="samples per problem (avg@k)")
+    ap.add_argument("--problems", type=positive_arg, default=None,
                     help="use the first N validation problems (default: all)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--batch-size", type=positive_arg, default=256)
     ap.add_argument("--compute-dtype", default=None, choices=["auto", "fp32", "bf16"],
                     help="the matmuls' precision (default: the config's compute_dtype, as its "
                          "runs sampled)")
@@ -447,10 +447,7 @@ def _main(args: argparse.Namespace) -> dict[str, dict[float, float]]:
     base_dir = resolve_marker(args.base) or str(cfg.checkpoint_dir)
     check_checkpoint_dir(base_dir, "--base")
     check_checkpoint_dir(args.replacement, "--replacement")
-    budgets = [b / 100 for b in args.budgets]
-    for b in args.budgets:
-        if not 0 <= b <= 100:
-            raise ValueError(f"--budgets are percentages in [0, 100], got {b:g}")
+    budgets = [b / 100 for b in args.budgets]  # percent_arg checked them
     window = args.window or int(OmegaConf.select(cfg, "strategy.proximal_softmax.window",
                                                  default=101))
     tokenizer = tt_config.instantiate(cfg.tokenizer)
