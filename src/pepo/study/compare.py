@@ -39,8 +39,8 @@ be stopped and continued (an unfinished run starts again); a run records its ``-
 names its paired seeds; ``--report-only`` warns of planned runs without a result. To use more
 cores, start the same command several times: each run is taken by one process (a lock on its
 directory) and the others move on; or split the plan with ``--shard I/N`` (every N-th run).
-Then one ``--report-only`` call writes the report. The single-stream runs of a seed share one offline prior
-(``prior_cache``), computed by the first of them.
+Then one ``--report-only`` call writes the report. The single-stream runs of a seed share one
+offline prior (``prior_cache``), computed by the first of them.
 """
 
 from __future__ import annotations
