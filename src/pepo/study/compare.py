@@ -64,39 +64,11 @@ from omegaconf import OmegaConf
 from pepo.study import analysis, intervention, rescore
 from pepo.study.cli import command_line, count_arg, percent_arg, positive_arg, shard_arg
 from pepo.study.lengths import plot_lengths
+from pepo.study.methods import METHODS, MODES, OPTIONAL, methods
 from pepo.training.config import check_output_dir, find_config, register_resolvers
 from pepo.training.precision import cpu_model
 from pepo.training.reporting import read_summary
 
-METHODS = {
-    "group": [
-        ("GRPO", {"name": "uniform"}),
-        ("80/20", {"name": "global_topk"}),
-        ("80/20, proximal score", {"name": "global_topk", "global_topk": {"score": "proximal"}}),
-        ("Entropy Adv.", {"name": "entropy_bonus"}),
-        ("PEPO", {"name": "proximal_softmax"}),
-        ("window_average", {"name": "window_average"}),
-        ("GTPO", {"name": "gtpo"}),
-        # App. F.3's temperature sweep of PEPO (the paper's grid: 0.5, 1, 2)
-        ("PEPO, τ = 0.5", {"name": "proximal_softmax", "proximal_softmax": {"temperature": 0.5}}),
-        ("PEPO, τ = 2", {"name": "proximal_softmax", "proximal_softmax": {"temperature": 2.0}}),
-    ],
-    "single_stream": [
-        ("SPO", {"name": "uniform"}),
-        ("S-80/20", {"name": "global_topk"}),
-        ("S-Entropy Adv.", {"name": "entropy_bonus"}),
-        ("PESPO", {"name": "proximal_softmax"}),
-    ],
-}
-# run only where ``--methods`` names them: PEPO's window ablation (the paper's Table 6), at the
-# windows of the real-model study (about 10 % and 25 % of its responses' mean length, and the
-# paper's 101; its W = 5 is the config's PEPO)
-OPTIONAL = {
-    "group": [(f"PEPO, W = {w}", {"name": "proximal_softmax", "proximal_softmax": {"window": w}})
-              for w in (11, 29, 101)],
-    "single_stream": [],
-}
-MODES = ("group", "single_stream")
 CONFIGS = {"tiny": {"group": "tiny", "single_stream": "tiny_spo"},
            "tiny_drift": {"group": "tiny_drift", "single_stream": "tiny_drift_spo"},
            "tiny_reason": {"group": "tiny_reason", "single_stream": "tiny_reason_spo"},
@@ -104,11 +76,6 @@ CONFIGS = {"tiny": {"group": "tiny", "single_stream": "tiny_spo"},
            "smollm2": {"group": "smollm2"},
            # the real-model study: the same model on sums and differences asked step by step
            "smollm2_steps": {"group": "smollm2_steps"}}
-
-
-def methods(mode: str) -> list[tuple[str, dict]]:
-    """Every method label of ``mode`` with its strategy: the default plan's, then the optional."""
-    return METHODS[mode] + OPTIONAL[mode]
 
 
 def slug(label: str) -> str:

@@ -328,7 +328,7 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         raise SystemExit(f"error: --methods {absent[0]!r} has no runs here (a smaller family "
                          f"would narrow the intervals); methods found: {', '.join(sorted(found))}")
     # default: the study's family, as its report tests it (optional ablations are their own)
-    from pepo.study.compare import METHODS
+    from pepo.study.methods import METHODS
 
     labels = args.methods or [k for k, _ in METHODS[args.mode] if k in found - {args.base}]
     try:
