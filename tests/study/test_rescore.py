@@ -31,6 +31,12 @@ def test_stated_success_lets_the_stated_result_decide_and_falls_back_to_the_veri
     assert last_stated_result("x = 7 and then y = 3 + 4") == 7.0
     assert last_stated_result("7 - 9 = -2") == -2.0
     assert last_stated_result("the answer is 7") is None
+    # a bullet after the result is no operator (it made an earlier "= 5" the stated result);
+    # thousands separators are one number (1,234 was read as 1); "3, 4" is not 34
+    assert last_stated_result("2 + 3 = 5\n- then 5 + 14 = 19\n- so the answer is 19") == 19.0
+    assert last_stated_result("1000 + 234 = 1,234.") == 1234.0
+    assert last_stated_result("so x = 3, 4 + 5 = 9 - 1") == 3.0
+    assert last_stated_result("8 - 1 =\n7") == 7.0
     assert stated_success("0 + 8 = 9. Adding 0 to 8 is easy.", "8", True) is False
     assert stated_success("13 + 16 = 29. This adds 13 and 16.", "29", False) is True
     assert stated_success("It is 8", "8", True) is True

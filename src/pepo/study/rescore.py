@@ -26,14 +26,16 @@ from typing import Optional, Sequence
 __all__ = ["last_stated_result", "gold_number", "stated_success", "read_rows",
            "validation_curve", "stated_results", "stated_section"]
 
-# "= 29" ends a stated result; "= 3 + 4" does not (an operator follows the number).
-_STATED = re.compile(r"=\s*\$?\s*(-?\d+(?:\.\d+)?)(?![\d.]*\s*[-+*/×÷^])")
+# "= 29" ends a stated result; "= 3 + 4" does not (an operator follows the number on its line:
+# "= 19" before a line that starts "- " does); "= 1,234" is 1234.
+_STATED = re.compile(r"=\s*\$?\s*(-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?)"
+                     r"(?![\d.,]*[ \t]*[-+*/×÷^])")
 
 
 def last_stated_result(response: str) -> Optional[float]:
     """The number of the response's last ``= n`` that ends an equation, or None."""
     found = _STATED.findall(response)
-    return float(found[-1]) if found else None
+    return float(found[-1].replace(",", "")) if found else None
 
 
 def gold_number(answer: object) -> Optional[float]:
