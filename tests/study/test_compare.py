@@ -578,3 +578,15 @@ def test_the_intervention_is_made_again_for_other_settings(study, tmp_path, monk
     assert len(calls) == 2 and calls[-1][calls[-1].index("--k") + 1] == "2"
     restored = {k: v for k, v in grpo.items() if k != "checkpoint"}
     assert study.run_intervention(grpo["task"], [restored], tmp_path, tmp_path, [0], 1) is None
+
+
+def test_a_bad_set_is_refused_before_the_first_run(study, tmp_path, monkeypatch):
+    """--set foo=1 and --set generation.temperature=-1 passed until the first run failed (a
+    traceback, after the earlier runs' hours in a resumed study); each is one line naming the
+    method and the key, and nothing runs."""
+    monkeypatch.setattr(study, "run_one", lambda *a: pytest.fail("a run started"))
+    argv = ["--tasks", "tiny", "--seeds", "0", "--only", "group", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit, match=r"error: tiny group GRPO: unknown config key 'foo'"):
+        study.main([*argv, "--set", "foo=1"])
+    with pytest.raises(SystemExit, match=r"error: tiny group GRPO: generation.temperature "):
+        study.main([*argv, "--set", "generation.temperature=-1"])

@@ -128,8 +128,9 @@ def run_one(task: str, mode: str, label: str, strategy: dict, seed: int, out: Pa
         return _run(task, mode, label, strategy, seed, out, overrides)
 
 
-def _run(task: str, mode: str, label: str, strategy: dict, seed: int, out: Path,
-         overrides: dict[str, Any]) -> dict:
+def run_config(task: str, mode: str, label: str, strategy: dict, seed: int, out: Path,
+               overrides: dict[str, Any]) -> Any:
+    """The recipe config of one run of the study."""
     d = run_dir(out, task, mode, label, seed)
     register_resolvers()
     cfg = OmegaConf.load(find_config(CONFIGS[task][mode]))
@@ -139,7 +140,31 @@ def _run(task: str, mode: str, label: str, strategy: dict, seed: int, out: Path,
         fixed["prior_cache"] = str(out / task / mode / f"prior_seed_{seed}.json")
     # the seed's validation before training, the same for every method: computed once
     fixed["validation"] = {"before_cache": str(out / task / mode / f"val_before_seed_{seed}.json")}
-    cfg = OmegaConf.merge(cfg, fixed, overrides)
+    return OmegaConf.merge(cfg, fixed, overrides)
+
+
+def check_configs(plan: list[tuple], out: Path, overrides: dict[str, Any]) -> None:
+    """Each method's config of the plan through the recipe's schema and rules, before any run:
+    a bad ``--set`` (an unknown key, a value out of range) is one line, not a failed first run
+    after the others' hours.
+
+    Raises:
+        ValueError: naming the task, the method and the bad key.
+    """
+    from pepo.training.config import check_rules
+    from pepo.training.schema import parse
+
+    for task, mode, label, strategy, seed in {p[:3]: p for p in plan}.values():
+        try:
+            check_rules(parse(run_config(task, mode, label, strategy, seed, out, overrides)))
+        except ValueError as e:
+            raise ValueError(f"{task} {mode} {label}: {e}") from None
+
+
+def _run(task: str, mode: str, label: str, strategy: dict, seed: int, out: Path,
+         overrides: dict[str, Any]) -> dict:
+    d = run_dir(out, task, mode, label, seed)
+    cfg = run_config(task, mode, label, strategy, seed, out, overrides)
     t0 = time.perf_counter()
     summary = run_recipe(cfg, d)
     history = summary["history"]
@@ -545,6 +570,11 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
                             (label, strategy) in OPTIONAL[mode] and not named):
                         continue
                     plan.append((task, mode, label, strategy, seed))
+    if not args.report_only:
+        try:
+            check_configs(plan, out, overrides)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
     results, elsewhere, trained, missing = [], 0, 0, []
     for i, (task, mode, label, strategy, seed) in enumerate(plan):
         saved = saved_result(run_dir(out, task, mode, label, seed))
