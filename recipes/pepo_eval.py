@@ -49,7 +49,7 @@ from pepo.training.evaluation import (
     format_tables,
     write_results,
 )
-from pepo.training.precision import cpu_attention_in_fp32, resolve_compute_dtype
+from pepo.training.precision import cpu_attention_in_fp32, cpu_warnings, resolve_compute_dtype
 from pepo.training.precision import describe as describe_precision
 from pepo.training.run_lock import RunLock
 from pepo.training.tokenizers import stop_token_ids
@@ -141,6 +141,8 @@ def _setup(cfg: DictConfig) -> dict[str, Any]:
         src = Path(str(c.checkpoint_dir))
         compute_dtype = resolve_compute_dtype(c.compute_dtype, device)  # autocast
         log.info(describe_precision(c.compute_dtype, compute_dtype, device))
+        for line in cpu_warnings(compute_dtype, None, device):
+            log.warning(line)
         engine = build_engine(name, model, compute_dtype=compute_dtype, **(
             {**options, "hf_dir": src if (src / "config.json").is_file() else None,
              "seed": c.seed} if name == "vllm" else {}))

@@ -30,13 +30,16 @@ def printed_value(lines: list[str], end: int) -> Optional[str]:
 
 
 def check_printed(value: Any, shown: str, where: str) -> None:
-    """``value`` equals the list ``shown`` to the decimals it is printed with (exactly where it
-    shows integers)."""
-    decimals = max((len(d) for d in re.findall(r"\.(\d+)", shown)), default=0)
-    atol = 0.5 * 10 ** -decimals + 1e-6 if decimals else 1e-6
+    """``value`` equals the list ``shown``, each number to the decimals it is printed with
+    (exactly where it shows an integer)."""
+    numbers = re.findall(r"-?\d+(?:\.(\d+))?", shown)  # the decimals of each, in order
+    atol = torch.tensor([0.5 * 10 ** -len(d) + 1e-6 if d else 1e-6 for d in numbers],
+                        dtype=torch.float64)
     expected = torch.tensor(ast.literal_eval(shown), dtype=torch.float64)
-    torch.testing.assert_close(value.double(), expected, rtol=0, atol=atol, msg=lambda m: (
-        f"{where}: the docs show {shown}, the code gives {value.tolist()}\n{m}"))
+    got = value.double().flatten()
+    assert got.shape == atol.shape and expected.numel() == atol.numel(), where
+    assert ((got - expected.flatten()).abs() <= atol).all(), (
+        f"{where}: the docs show {shown}, the code gives {value.tolist()}")
 
 
 @pytest.mark.parametrize("path", [p for p in DOCS if blocks(p)], ids=lambda p: p.name)
@@ -48,13 +51,19 @@ def test_examples_run(path):
     checked = 0
     for code in blocks(path):
         lines = code.splitlines()
-        for stmt in ast.parse(code).body:
-            shown = printed_value(lines, stmt.end_lineno)
+        body = ast.parse(code).body
+        before = checked
+        for i, stmt in enumerate(body):
+            last_on_line = i + 1 == len(body) or body[i + 1].lineno > stmt.end_lineno
+            shown = printed_value(lines, stmt.end_lineno) if last_on_line else None
             if isinstance(stmt, ast.Expr) and shown is not None:
                 value = eval(compile(ast.Expression(stmt.value), str(path), "eval"), namespace)
                 check_printed(value, shown, f"{path.name}: {ast.unparse(stmt)}")
                 checked += 1
             else:
                 exec(compile(ast.Module([stmt], []), str(path), "exec"), namespace)
+        # a shown value after anything but a top-level expression would go unchecked
+        shown_here = sum(bool(re.fullmatch(r"# \[\[.*\]\]\s*", x.strip())) for x in lines)
+        assert checked - before == shown_here, f"{path.name}: a shown value is not checked"
     if path.name == "strategies.md":  # its shown values: uniform, PEPO, 80/20, GTPO (2), custom
         assert checked == 6

@@ -149,7 +149,7 @@ def test_uniform_trains_exactly_as_plain_grpo(model_dir, tmp_path, loss):
     assert len(plain.losses) == len(ours.losses) == 2
     for g0, g1 in zip(plain.generations, ours.generations):
         assert torch.equal(g0["completion_ids"], g1["completion_ids"])
-        # uniform: TRL's own sequence advantages, each row's on its valid tokens
+        # uniform: TRL's own [B] sequence advantages, passed on unchanged
         assert torch.equal(g1["advantages"], g0["advantages"])
     assert any((g["advantages"] != 0).any() for g in ours.generations)  # the steps learned
     for l0, l1 in zip(plain.losses, ours.losses):

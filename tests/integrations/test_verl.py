@@ -215,8 +215,9 @@ def test_the_trainer_runs_as_verls_sync_trainer():
     cls = get_trainer_cls(cfg.trainer.v1.trainer_mode)
     assert cls is pv.PepoPPOTrainer
     trainer = cls(config=cfg)
-    assert trainer.trainer_mode == "sync" and cfg.trainer.v1.trainer_mode == "sync"
+    assert trainer.trainer_mode == "sync" and trainer.config.trainer.v1.trainer_mode == "sync"
     assert type(trainer.replay_buffer) is ReplayBuffer
+    assert get_trainer_cls(cfg.trainer.v1.trainer_mode) is pv.PepoPPOTrainer  # caller's intact
 
 
 def test_import_verl_registers_the_trainer_through_the_entry_point():

@@ -195,11 +195,14 @@ def test_cli_collects_a_study_without_machine_paths(tmp_path, capsys):
         d = runs / "smollm2_steps" / "group" / r["method"].lower() / f"seed_{r['seed']}"
         d.mkdir(parents=True)
         (d / "result.json").write_text(json.dumps(
-            {**r, "checkpoint": str(d / "checkpoints" / "step_16")}))
+            {**r, "checkpoint": str(d / "checkpoints" / "step_16"),
+             "overrides": {"num_steps": 16, "prior_cache": str(tmp_path / "p.json")}}))
     text = power.main([str(runs), "--out", str(tmp_path / "report")])
     copies = sorted((tmp_path / "report" / "results").glob("*.json"))
     assert [c.name for c in copies][:2] == ["grpo_seed_0.json", "grpo_seed_1.json"]
     assert len(copies) == 8 and not any(str(tmp_path) in c.read_text() for c in copies)
+    assert json.loads(copies[0].read_text())["overrides"] == {"num_steps": 16,
+                                                              "prior_cache": "<a path>"}
     again = power.main([str(tmp_path / "report" / "results"), "--out", str(tmp_path / "r2")])
     row = next(x for x in text.splitlines() if x.startswith("| PEPO |"))
     assert row in again.splitlines()
@@ -238,7 +241,7 @@ def test_seed_table_puts_each_run_under_its_seed(tmp_path):
     assert "| PEPO | 12.0 | 25.0 | – |" in report  # the report carries it
 
 
-def test_cli_family_is_the_studys_methods_as_its_report_tests_them(tmp_path):
+def test_cli_family_is_the_studys_methods_as_its_report_tests_them(tmp_path, capsys):
     """By default the family is the study's methods found (an optional ablation beside them,
     here PEPO at W = 11, made the published report's 5 comparisons 8); a --methods label
     with no runs is refused (dropping it silently shrank the family)."""
@@ -257,11 +260,17 @@ def test_cli_family_is_the_studys_methods_as_its_report_tests_them(tmp_path):
         (d / "result.json").write_text(json.dumps(r))
     text = power.main([str(runs), "--out", str(tmp_path / "a")])
     assert "2 comparisons" in text and "W = 11" not in text
+    assert "not in this family (name them with --methods to test them): PEPO, W = 11" in \
+        capsys.readouterr().out
     named = power.main([str(runs), "--out", str(tmp_path / "b"), "--methods", "PEPO", "80/20",
                         "PEPO, W = 11"])
     assert "3 comparisons" in named and "| PEPO, W = 11 |" in named
     with pytest.raises(SystemExit, match="--methods 'Pepo' has no runs here"):
         power.main([str(runs), "--out", str(tmp_path / "c"), "--methods", "PEPO", "Pepo"])
+    for bad in (["--alpha", "0"], ["--alpha", "1.5"], ["--methods", "PEPO", "PEPO"]):
+        with pytest.raises(SystemExit) as e:
+            power.main([str(runs), "--out", str(tmp_path / "d"), *bad])
+        assert e.value.code == 2
 
 
 @pytest.mark.parametrize("n, m", [(10, 5), (5, 3), (5, 8), (10, 1)])

@@ -33,6 +33,7 @@ something untested.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
@@ -206,7 +207,9 @@ class PepoPPOTrainer(PPOTrainerSync):
         # verl chose this class by trainer.v1.trainer_mode=pepo, and its v1 base then compares
         # that value with "sync" (the replay buffer, refills, the data store's checkpoints): this
         # is the sync trainer, so it runs as trainer_mode=sync, with the `sync` section's settings
+        # (on a copy: the caller's config still selects this trainer)
         if OmegaConf.select(config, "trainer.v1.trainer_mode") is not None:
+            config = copy.deepcopy(config)
             OmegaConf.update(config, "trainer.v1.trainer_mode", "sync")
         super().__init__(config, *args, **kwargs)
 

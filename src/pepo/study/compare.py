@@ -64,7 +64,16 @@ from omegaconf import OmegaConf
 from pepo.study import analysis, intervention, rescore
 from pepo.study.cli import command_line, count_arg, percent_arg, positive_arg, shard_arg
 from pepo.study.lengths import plot_lengths
-from pepo.study.methods import METHODS, MODES, OPTIONAL, methods
+from pepo.study.methods import (
+    METHODS,
+    MODES,
+    OPTIONAL,
+    check_settings,
+    methods,
+    run_dir,
+    saved_result,
+    slug,
+)
 from pepo.training.config import check_output_dir, find_config, register_resolvers
 from pepo.training.precision import cpu_model
 from pepo.training.reporting import read_summary
@@ -76,21 +85,6 @@ CONFIGS = {"tiny": {"group": "tiny", "single_stream": "tiny_spo"},
            "smollm2": {"group": "smollm2"},
            # the real-model study: the same model on sums and differences asked step by step
            "smollm2_steps": {"group": "smollm2_steps"}}
-
-
-def slug(label: str) -> str:
-    label = label.replace("τ", "tau")
-    return "".join(c if c.isascii() and c.isalnum() else "_" for c in label).strip("_").lower()
-
-
-def run_dir(out: Path, task: str, mode: str, label: str, seed: int) -> Path:
-    return out / task / mode / slug(label) / f"seed_{seed}"
-
-
-def saved_result(d: Path) -> Optional[dict]:
-    """The result a finished run saved in ``d``, or None."""
-    done = d / "result.json"
-    return json.loads(done.read_text(encoding="utf-8")) if done.is_file() else None
 
 
 def _take(d: Path):
@@ -113,7 +107,7 @@ def run_one(task: str, mode: str, label: str, strategy: dict, seed: int, out: Pa
     process) is removed and the run starts again."""
     d = run_dir(out, task, mode, label, seed)
     if (saved := saved_result(d)) is not None:
-        return saved
+        return check_settings(saved, overrides, d)
     lock = _take(d)
     if lock is None:
         print(f"{task:10s} {mode:13s} {label:22s} seed {seed}: running in another process",
@@ -121,7 +115,7 @@ def run_one(task: str, mode: str, label: str, strategy: dict, seed: int, out: Pa
         return None
     with lock:
         if (saved := saved_result(d)) is not None:  # finished before we took the lock
-            return saved
+            return check_settings(saved, overrides, d)
         for p in d.iterdir():
             if p.name != ".lock":
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
@@ -577,11 +571,12 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
             raise SystemExit(f"error: {e}") from None
     results, elsewhere, trained, missing = [], 0, 0, []
     for i, (task, mode, label, strategy, seed) in enumerate(plan):
-        saved = saved_result(run_dir(out, task, mode, label, seed))
-        if saved is not None and saved.get("overrides", overrides) != overrides:
-            raise SystemExit(f"error: {run_dir(out, task, mode, label, seed)} finished with "
-                             f"--steps/--set {saved['overrides']}, and this call asks "
-                             f"{overrides}: give the same, or another --out")
+        saved = saved_result(d := run_dir(out, task, mode, label, seed))
+        if saved is not None:
+            try:
+                check_settings(saved, overrides, d)
+            except ValueError as e:
+                raise SystemExit(f"error: {e}") from None
         if args.report_only or i % n_shards != shard or saved is not None:
             if saved is not None:
                 results.append(saved)
@@ -592,7 +587,10 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
             print(f"trained {trained} run(s) (--max-runs); call again to go on", flush=True)
             return results
         trained += 1
-        result = run_one(task, mode, label, strategy, seed, out, overrides)
+        try:
+            result = run_one(task, mode, label, strategy, seed, out, overrides)
+        except ValueError as e:  # finished meanwhile by a call of other settings
+            raise SystemExit(f"error: {e}") from None
         if result is not None:
             results.append(result)
             if args.prune and (label, seed) != (METHODS[mode][0][0], min(args.seeds)):

@@ -435,7 +435,7 @@ def _main(args: argparse.Namespace) -> dict[str, dict[float, float]]:
         find_config,
         register_resolvers,
     )
-    from pepo.training.precision import describe, resolve_compute_dtype
+    from pepo.training.precision import cpu_warnings, describe, resolve_compute_dtype
     from pepo.training.tokenizers import stop_token_ids
     from pepo.training.weights import load_model_weights
 
@@ -485,6 +485,8 @@ def _main(args: argparse.Namespace) -> dict[str, dict[float, float]]:
     print(f"intervention: {len(problems)} problems x {args.k} samples, budgets "
           f"{args.budgets} %, metrics {args.metrics}, W={window}; "
           + describe(setting, compute_dtype, device), flush=True)
+    for line in cpu_warnings(compute_dtype, None, device):
+        print(f"warning: {line}", flush=True)
     try:
         results = intervene(
             models[0], models[1], tokenizer, problems, reward, budgets=budgets,

@@ -1,10 +1,15 @@
 """The study's methods (:mod:`pepo.study.compare` runs them, :mod:`pepo.study.power` tests
 them as one family): each mode's method labels with their strategy sections, the baseline
-first, and the optional ones, which run only when named."""
+first, and the optional ones, which run only when named; and where a run of one lives."""
 
 from __future__ import annotations
 
-__all__ = ["METHODS", "MODES", "OPTIONAL", "methods"]
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+__all__ = ["METHODS", "MODES", "OPTIONAL", "check_settings", "methods", "run_dir",
+           "saved_result", "slug"]
 
 METHODS = {
     "group": [
@@ -40,3 +45,31 @@ MODES = ("group", "single_stream")
 def methods(mode: str) -> list[tuple[str, dict]]:
     """Every method label of ``mode`` with its strategy: the default plan's, then the optional."""
     return METHODS[mode] + OPTIONAL[mode]
+
+
+def slug(label: str) -> str:
+    label = label.replace("τ", "tau")
+    return "".join(c if c.isascii() and c.isalnum() else "_" for c in label).strip("_").lower()
+
+
+def run_dir(out: Path, task: str, mode: str, label: str, seed: int) -> Path:
+    return out / task / mode / slug(label) / f"seed_{seed}"
+
+
+def saved_result(d: Path) -> Optional[dict]:
+    """The result a finished run saved in ``d``, or None."""
+    done = d / "result.json"
+    return json.loads(done.read_text(encoding="utf-8")) if done.is_file() else None
+
+
+def check_settings(saved: dict, overrides: dict[str, Any], d: Path) -> dict:
+    """``saved`` (the result in run directory ``d``) when it was made with ``overrides`` (its
+    ``--steps`` and ``--set``; a result that records none passes).
+
+    Raises:
+        ValueError: it records other overrides.
+    """
+    if saved.get("overrides", overrides) != overrides:
+        raise ValueError(f"{d} finished with --steps/--set {saved['overrides']}, and this call "
+                         f"asks {overrides}: give the same, or another --out")
+    return saved

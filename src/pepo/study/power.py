@@ -30,6 +30,8 @@ from typing import Any, Optional, Sequence
 
 from scipy import stats
 
+from pepo.study.methods import METHODS
+
 __all__ = ["exact_power", "holm", "paired", "comparisons", "check_comparable", "no_spread",
            "forest_plot", "report", "seed_table", "collect", "write_result"]
 
@@ -288,9 +290,16 @@ def collect(runs: Path, task: str, dest: Path, mode: str = "group") -> list[dict
 
 def write_result(r: dict, path: Path) -> None:
     """A run's result JSON as the docs keep it: without its ``checkpoint``, a path of the
-    machine that ran it."""
-    path.write_text(json.dumps({k: v for k, v in r.items() if k != "checkpoint"}, indent=2),
-                    encoding="utf-8")
+    machine that ran it, and with ``"<a path>"`` for any path among its ``--set`` overrides."""
+    def no_paths(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: no_paths(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [no_paths(x) for x in v]
+        return "<a path>" if isinstance(v, str) and v.startswith(("/", "~")) else v
+
+    kept = {k: no_paths(v) if k == "overrides" else v for k, v in r.items() if k != "checkpoint"}
+    path.write_text(json.dumps(kept, indent=2), encoding="utf-8")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> str:
@@ -307,8 +316,12 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
                          "the study's methods found, as pepo.study.compare's report tests them; "
                          "its optional ablations only when named)")
     ap.add_argument("--out", required=True, help="where forest.png (and results/) go")
-    ap.add_argument("--alpha", type=float, default=0.05)
+    ap.add_argument("--alpha", type=float, default=0.05, help="the family-wise level, in (0, 1)")
     args = ap.parse_args(argv)
+    if not 0 < args.alpha < 1:
+        ap.error(f"--alpha: must be in (0, 1), got {args.alpha}")
+    if args.methods and len(set(args.methods)) < len(args.methods):
+        ap.error("--methods gives a label more than once")
     runs, out = Path(args.runs), Path(args.out)
     if (runs / args.task).is_dir():
         results = collect(runs, args.task, out, args.mode)
@@ -328,9 +341,12 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         raise SystemExit(f"error: --methods {absent[0]!r} has no runs here (a smaller family "
                          f"would narrow the intervals); methods found: {', '.join(sorted(found))}")
     # default: the study's family, as its report tests it (optional ablations are their own)
-    from pepo.study.methods import METHODS
-
     labels = args.methods or [k for k, _ in METHODS[args.mode] if k in found - {args.base}]
+    if not labels:
+        raise SystemExit(f"error: no method to compare with {args.base!r} here; name them with "
+                         f"--methods (found: {', '.join(sorted(found))})")
+    if left := sorted(found - {args.base, *labels}):
+        print(f"not in this family (name them with --methods to test them): {', '.join(left)}")
     try:
         text = report(results, args.base, labels, out, str(out),
                       f"{args.task}: paired differences", alpha=args.alpha)

@@ -27,7 +27,8 @@ __all__ = ["last_stated_result", "gold_number", "stated_success", "read_rows",
            "validation_curve", "stated_results", "stated_section"]
 
 # "= 29" ends a stated result; "= 3 + 4" does not (an operator follows the number on its line:
-# "= 19" before a line that starts "- " does); "= 1,234" is 1234.
+# "= 19" before a line that starts "- " does, and so does "= 3" before a line "+ 4", a wrapped
+# sum); "= 1,234" is 1234 (and a list "= 100,200" one number).
 _STATED = re.compile(r"=\s*\$?\s*(-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?)"
                      r"(?![\d.,]*[ \t]*[-+*/×÷^])")
 

@@ -25,7 +25,7 @@ import shutil
 from pathlib import Path
 from typing import Optional, Sequence
 
-from pepo.study.compare import METHODS, methods, run_dir, saved_result, slug
+from pepo.study.methods import METHODS, methods, run_dir, saved_result, slug
 
 REQUIRED = ("task", "mode", "method", "seed", "val_curve", "val_before", "val_after")
 DUMP = re.compile(r"(?P<method>.+)_seed_(?P<seed>[0-9]+)_(?P<step>step_[0-9]+)\.jsonl\.gz")

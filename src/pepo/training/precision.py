@@ -130,10 +130,11 @@ def describe(setting: str, dtype: Optional[torch.dtype], device: torch.device) -
     return f"matmuls in {what}: {why}"
 
 
-def cpu_warnings(compute_dtype: Optional[torch.dtype], dtype: str,
+def cpu_warnings(compute_dtype: Optional[torch.dtype], dtype: Optional[str],
                  device: torch.device) -> list[str]:
     """What a CPU run's precision settings cost that nothing else would say: bf16 products
-    forced on a CPU that emulates them, and bf16 parameters (``dtype``) trained on a CPU."""
+    forced on a CPU that emulates them, and bf16 parameters (``dtype``; None where nothing is
+    trained) trained on a CPU."""
     if device.type != "cpu":
         return []
     out = []
