@@ -142,6 +142,11 @@ def test_missing_vllm_is_a_one_line_config_error(tmp_path, monkeypatch):
         pepo_recipe.PEPORecipe(
             tiny_cfg(tmp_path, generation={"engine": "vllm", "vllm": {"max_num_seq": 4}})
         )
+    # what the recipe passes the engine itself is no option of the config's
+    for own in ("state_dict", "seed", "hf_dir"):
+        with pytest.raises(ValueError, match=f"unknown config key 'generation.vllm.{own}'"):
+            pepo_recipe.PEPORecipe(
+                tiny_cfg(tmp_path, generation={"engine": "vllm", "vllm": {own: None}}))
 
 
 # ------------------------------------------------------------------------- the recipe

@@ -489,7 +489,7 @@ def run_diagnostics(task: str, results: list[dict], out: Path, docs: Path,
     return (f"### Entropy structure of {task} (the rollouts of the first dumped step of PEPO, "
             f"seed {pepo[0]['seed']})\n\n"
             f"`python -m pepo.study.analysis RUN/rollouts/{dumps[0].name} --windows "
-            + " ".join(map(str, windows)) + "`\n\n"
+            + " ".join(map(str, windows)) + f" --out docs/images/analysis_{task}`\n\n"
             + files["profile_md"].read_text(encoding="utf-8") + "\n"
             + files["difficulty_md"].read_text(encoding="utf-8")
             + f"\n![positional bias](images/analysis_{task}/positional_bias.png)\n\n"

@@ -523,7 +523,9 @@ def _check_vllm(generation: SamplingConfig, where: str = "generation") -> None:
                          f"{generation.vllm!r}")
     from pepo.training.engines import VLLMEngine
 
-    valid = set(inspect.signature(VLLMEngine).parameters) - {"model", "hf_dir", "seed"}
+    # the recipe passes these itself
+    valid = set(inspect.signature(VLLMEngine).parameters) - {"model", "hf_dir", "seed",
+                                                             "state_dict"}
     for k in generation.vllm:
         if k not in valid:
             raise unknown_key(str(k), valid, f"{where}.vllm.")
