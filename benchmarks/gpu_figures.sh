@@ -8,13 +8,18 @@
 #     bash benchmarks/gpu_figures.sh OUT --quick                 # that it runs, on a CPU
 #
 # In this order, each step's output in OUT (default gpu_figures/) as it goes:
-# 1. the Triton kernels' tests on the GPU (kernel_tests.txt);
+# 1. the machine (torch, Triton, Python, the GPU, its driver and memory) and the Triton kernels'
+#    tests on the GPU (kernel_tests.txt);
 # 2. the strategies' table, three back-to-back rounds, with global_topk's threshold by a sort
 #    (the default) and by a radix select (PEPO_TOPK_SELECT=radix): weighting_sort.md/.json,
-#    weighting_radix.md/.json;
+#    weighting_radix.md/.json; the radix log ends with global_topk on 2^25 tokens, checked
+#    against the exact count;
 # 3. where the windowed strategies', global_topk's and gtpo's GPU time goes (profile.md);
 # 4. with --with-paper-shape, Qwen3-1.7B's GRPO and PEPO steps (paper_shape.md/.json).
-# A step that fails is reported and the next one runs.
+# A step that fails, or runs past its time limit, is reported and the next one runs. Seven
+# files in all (eight with the paper's shape: what a device call of this project brings back);
+# every step together ends inside 10 minutes. A strategy whose output differs from its direct
+# formulation, or whose kernel fails, is a row saying so (not a timing of a fallback).
 set -uo pipefail
 
 out=gpu_figures
@@ -29,54 +34,70 @@ for arg in "$@"; do
   esac
 done
 mkdir -p "$out"
+rm -f "$out"/kernel_tests.txt "$out"/weighting_*.md "$out"/weighting_*.json "$out"/profile.* \
+  "$out"/paper_shape.*  # the logs below are appended to
 export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
 failed=()
 
-step() {  # step NAME LOGFILE COMMAND...: run it, tee its output, note a failure
-  local name=$1 log=$2
-  shift 2
-  echo "== $name ($(date -u +%H:%M:%S) UTC)"
-  "$@" 2>&1 | tee "$log"
+step() {  # step NAME SECONDS LOGFILE COMMAND...: run it within SECONDS, tee its output (appended)
+  local name=$1 limit=$2 log=$3
+  shift 3
+  echo "== $name ($(date -u +%H:%M:%S) UTC)" | tee -a "$log"
+  timeout "$limit" "$@" 2>&1 | tee -a "$log"
   local rc=${PIPESTATUS[0]}
-  if [ "$rc" -ne 0 ]; then
-    echo "== $name failed (exit $rc)"
+  if [ "$rc" -eq 124 ]; then
+    echo "== $name stopped after its ${limit} s" | tee -a "$log"
+    failed+=("$name (time)")
+  elif [ "$rc" -ne 0 ]; then
+    echo "== $name failed (exit $rc)" | tee -a "$log"
     failed+=("$name")
   fi
 }
 
-python -c "import torch, platform; print('torch', torch.__version__, '| python',
+$PY -c "import torch, platform; print('torch', torch.__version__, '| python',
 platform.python_version(), '|', torch.cuda.get_device_name() if torch.cuda.is_available()
-else 'no CUDA device')" | tee "$out/machine.txt"
+else 'no CUDA device')" 2>&1 | tee -a "$out/kernel_tests.txt"
+$PY -c "import triton; print('triton', triton.__version__)" 2>&1 | tee -a "$out/kernel_tests.txt"
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 \
+    | tee -a "$out/kernel_tests.txt"
+fi
 
 if [ "$quick" -eq 1 ]; then
-  if python -c "import torch, triton" 2>/dev/null; then
-    step "kernel tests (interpreter, a sample)" "$out/kernel_tests.txt" \
-      env TRITON_INTERPRET=1 python -m pytest -q -p no:cacheprovider -x \
+  if $PY -c "import torch, triton" 2>/dev/null; then
+    step "kernel tests (interpreter, a sample)" 300 "$out/kernel_tests.txt" \
+      env TRITON_INTERPRET=1 $PY -m pytest -q -p no:cacheprovider -x \
       tests/test_triton_kernels.py -k "entropy_bonus"
   else
-    echo "== kernel tests skipped: torch with Triton does not import" | tee "$out/kernel_tests.txt"
+    echo "== kernel tests skipped: torch with Triton does not import" \
+      | tee -a "$out/kernel_tests.txt"
   fi
   weighting=(--quick --sync-table --only weighting)
   profile=(--quick --profile-only --profile global_topk)
 else
-  step "kernel tests" "$out/kernel_tests.txt" \
-    python -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_topk.py
+  step "kernel tests" 120 "$out/kernel_tests.txt" \
+    $PY -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_topk.py
   weighting=(--device cuda --only weighting --no-memory --rounds 3)
   profile=(--profile-only --profile proximal_softmax window_average global_topk gtpo)
 fi
 for select in sort radix; do
-  step "strategies, global_topk by $select" "$out/weighting_$select.md" \
+  step "strategies, global_topk by $select" 150 "$out/weighting_$select.md" \
     env PEPO_TOPK_SELECT=$select PEPO_BENCH_JSON="$out/weighting_$select.json" \
-    python benchmarks/bench_weighting.py "${weighting[@]}"
+    $PY benchmarks/bench_weighting.py "${weighting[@]}"
 done
-step "profiles" "$out/profile.md" \
-  python benchmarks/bench_weighting_variants.py "${profile[@]}" --out "$out/profile.json"
+if [ "$quick" -eq 0 ]; then
+  step "global_topk on 2^25 tokens, radix" 40 "$out/weighting_radix.md" \
+    env PEPO_TOPK_SELECT=radix $PY benchmarks/bench_weighting.py --device cuda --only topk
+fi
+step "profiles" 120 "$out/profile.md" \
+  $PY benchmarks/bench_weighting_variants.py "${profile[@]}" --out "$out/profile.json"
 if [ "$paper" -eq 1 ] && [ "$quick" -eq 1 ]; then
-  step "the paper's shape" "$out/paper_shape.md" \
-    python benchmarks/bench_paper_shape.py --tiny --out "$out/paper_shape.json"
+  step "the paper's shape" 300 "$out/paper_shape.md" \
+    $PY benchmarks/bench_paper_shape.py --tiny --out "$out/paper_shape.json"
 elif [ "$paper" -eq 1 ]; then
-  step "the paper's shape" "$out/paper_shape.md" \
-    python benchmarks/bench_paper_shape.py --out "$out/paper_shape.json"
+  step "the paper's shape" 600 "$out/paper_shape.md" \
+    $PY benchmarks/bench_paper_shape.py --out "$out/paper_shape.json"
 fi
 
 if [ ${#failed[@]} -gt 0 ]; then
