@@ -213,7 +213,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     here = git("describe", "--always")
     if git("status", "--porcelain", "--untracked-files=normal", "--", "src", "recipes"):
         here += " with uncommitted changes"
-    print(f"# {cpu_name()}, {os.cpu_count()} CPUs; --config {args.config}, "
+    from pepo.training.precision import cpu_bf16_units
+
+    units = ", ".join(cpu_bf16_units()) or "no bf16 units: compute_dtype=auto is fp32"
+    print(f"# {cpu_name()} ({units}), {os.cpu_count()} CPUs; --config {args.config}, "
           f"{_count(args.steps, 'step')}, {_count(args.runs, 'run')} a side, alternating; "
           f"{rev} against this tree ({here})", flush=True)
     runs: dict[str, list[dict]] = {"base": [], "new": []}
