@@ -125,7 +125,8 @@ def test_skip_drops_bad_rows_with_one_warning(tmp_path):
     """Catches "skip" keeping the bad rows (as "None"), dropping good ones, or warning per row;
     and a dataset left empty by skipping passing silently."""
     first_bad = {"id": 0, "problem": "Find $0$."}  # also the first row: layout detection must
-    rows = [first_bad, AIME, {"id": 2, "answer": 5}, {**AIME, "id": 3}]  # look past it
+    rows = [first_bad, AIME, {"id": 2, "answer": 5},  # look past it
+            {**AIME, "id": 3, "problem": "Find $2 + 5$."}]
     path = _jsonl(tmp_path / "a.jsonl", rows)
     with pytest.raises(ValueError, match="row 0 \\(line 1\\): field 'answer' is missing"):
         load_math_dataset(path)
@@ -134,7 +135,7 @@ def test_skip_drops_bad_rows_with_one_warning(tmp_path):
         probs = load_math_dataset(path, on_bad_row="skip", template=None)
     assert len(record) == 1
     assert [(p.id, p.prompt, p.answer) for p in probs] == [("a-7", "Find $3 + 4$.", "7"),
-                                                           ("a-3", "Find $3 + 4$.", "7")]
+                                                           ("a-3", "Find $2 + 5$.", "7")]
     with pytest.warns(UserWarning, match="skipped 1 rows"):  # limit counts kept problems
         assert [p.id for p in load_math_dataset(path, on_bad_row="skip", limit=1)] == ["a-7"]
     only_bad = _jsonl(tmp_path / "b.jsonl", [first_bad, {"id": 2, "answer": 5}])
@@ -155,7 +156,8 @@ def test_limit(tmp_path):
     for bad in (-1, True, 1.5):
         with pytest.raises(ValueError, match=f"limit must be None or an int >= 0, got {bad!r}"):
             load_math_dataset(path, limit=bad)
-    rows = [AIME, AIME, {"id": 9, "problem": "x"}]  # a bad row after the limit is never read
+    rows = [AIME, {**AIME, "id": 8, "problem": "Find $1 + 6$."},  # a bad row after the limit is
+            {"id": 9, "problem": "x"}]  # never read
     assert len(load_math_dataset(_jsonl(tmp_path / "l.jsonl", rows), limit=2)) == 2
 
 
@@ -201,3 +203,25 @@ def test_a_template_without_the_question_is_refused(tmp_path):
     path = _jsonl(tmp_path / "a.jsonl", [AIME])
     with pytest.raises(ValueError, match="template must contain \\{question\\}"):
         load_math_dataset(path, template="Solve it step by step.")
+
+
+def test_a_repeated_question_is_one_problem_and_ids_stay_unique(tmp_path):
+    """A dataset that repeats its rows (each with an id of its own, as DAPO's copies) gives one
+    problem per question and answer, with one warning (SPO would track each copy apart and roll
+    each into its prior); the same question with another answer is another problem. Files of
+    one directory numbered alike (aime24 and aime25, ids from 0) keep every question under an
+    id of its own (SPO merged them into one tracker). Catches either left as it was."""
+    rows = [{**AIME, "id": f"u{i}"} for i in range(5)] + [{**AIME, "id": "u9", "answer": "8"}]
+    with pytest.warns(UserWarning, match=r"4 rows repeat an earlier row's question and answer; "
+                                         r"each question is one problem \(2 in all\)"):
+        probs = load_math_dataset(_jsonl(tmp_path / "r.jsonl", rows), template=None)
+    assert [(p.id, p.answer) for p in probs] == [("r-u0", "7"), ("r-u9", "8")]
+    d = tmp_path / "aime"
+    d.mkdir()
+    _jsonl(d / "aime24.jsonl", [AIME, {"id": 8, "problem": "Find $4 + 4$.", "answer": "8"}])
+    _jsonl(d / "aime25.jsonl", [{**AIME, "problem": "Find $5 + 2$."}])
+    with pytest.warns(UserWarning, match=r"1 ids name two different questions \(first: "
+                                         r"'aime-7'\); the later ones are made unique"):
+        probs = load_math_dataset(d, template=None)
+    assert [p.id for p in probs] == ["aime-7", "aime-8", "aime-7#row2"]
+    assert len({p.prompt for p in probs}) == 3

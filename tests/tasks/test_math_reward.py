@@ -216,6 +216,39 @@ def test_think_end_and_max_chars_reach_the_scorer():
     assert R.final_answer_text("ab" * 10, max_chars=3) == "bab"
 
 
+def test_the_think_block_rule_follows_think_end():
+    """``think_end=None`` reads the whole response, also where it mentions ``<think>`` (it read
+    nothing: score 0); another marker's own unclosed block gives no answer, a ``<think>`` in its
+    text does not; a Unicode minus is a minus. Catches the ``<think>`` check hard-coded and the
+    U+2212 left to the parser (which finds no number)."""
+    text = "<think>..</think>\nThe answer is \\boxed{5}."
+    assert R.final_answer_text("Mention <think> here, \\boxed{5}", think_end=None).endswith("{5}")
+    assert R.final_answer_text("<reasoning> cut off", think_end="</reasoning>") == ""
+    assert R.final_answer_text("tags <think> aside, \\boxed{5}", think_end="</reasoning>") != ""
+    assert R.final_answer_text("<think> cut off") == ""  # the default marker's block
+    assert R.final_answer_text("so x = \u22125") == "so x = -5"
+    mv = R.MathVerify(workers=0, think_end=None)
+    assert mv([text, "result: \u22125"], ["5", "-5"]) == [1.0, 1.0]
+
+
+def test_workers_0_off_the_main_thread_is_an_error_not_zeros():
+    """math-verify's SIGALRM timeout raises outside the main thread, and the score swallowed it:
+    every response scored 0. Catches that silent 0."""
+    seen = []
+
+    def score():
+        try:
+            seen.append(R.MathVerify(workers=0)(["\\boxed{12}"], ["12"]))
+        except RuntimeError as e:
+            seen.append(str(e))
+
+    t = threading.Thread(target=score)
+    t.start()
+    t.join()
+    assert "main thread only" in seen[0]
+    assert R.MathVerify(workers=0)(["\\boxed{12}"], ["12"]) == [1.0]
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="2 responses but 1 answers"):
         R.MathVerify(workers=0)(["a", "b"], ["a"])

@@ -267,6 +267,12 @@ def load_math_dataset(
         on_bad_row: a row whose prompt, answer or id is missing, null or empty: ``"error"``
             raises; ``"skip"`` drops it and warns once with the count.
 
+    A row that repeats an earlier row's question and answer is dropped (one problem per
+    question: a dataset that repeats its questions would give SPO several trackers, and its
+    offline prior the rollouts, of one question); an id that an earlier, different question
+    has is made unique with ``#row<N>`` (its row in the dataset). Each warns once with the
+    count.
+
     Raises:
         ValueError: unknown layout or ``on_bad_row``, a bad ``limit`` or ``template``, missing
             path, an unreadable file (naming it, and the line for JSONL), undetectable columns,
@@ -302,6 +308,9 @@ def load_math_dataset(
     name = name or Path(path).stem
     out: list[Problem] = []
     skipped: list[str] = []
+    seen: set[tuple[str, str]] = set()  # (prompt, answer): a repeated question is one problem
+    ids: set[str] = set()
+    repeats, renamed = 0, []
     for i, (f, where, row) in enumerate(rows):
         try:
             pid, question, answer = _convert(row, kind, i, name)
@@ -312,6 +321,14 @@ def load_math_dataset(
             skipped.append(what)
             continue
         prompt = template.format(question=question) if template is not None else question
+        if (prompt, answer) in seen:  # once: SPO tracks each question, its prior rolls each
+            repeats += 1
+            continue
+        seen.add((prompt, answer))
+        if pid in ids:  # another question's id (files of one directory numbered alike)
+            renamed.append(pid)
+            pid = f"{pid}#row{i}"
+        ids.add(pid)
         out.append(Problem(id=pid, prompt=prompt, answer=answer))
         if limit is not None and len(out) == limit:
             break
@@ -325,4 +342,11 @@ def load_math_dataset(
             f"{path}: skipped {len(skipped)} rows with a missing, null or empty field "
             f"(first: {skipped[0]})", stacklevel=2,
         )
+    if repeats:
+        warnings.warn(f"{path}: {repeats} rows repeat an earlier row's question and answer; "
+                      f"each question is one problem ({len(out)} in all)", stacklevel=2)
+    if renamed:
+        warnings.warn(f"{path}: {len(renamed)} ids name two different questions (first: "
+                      f"{renamed[0]!r}); the later ones are made unique with '#row<N>'",
+                      stacklevel=2)
     return out

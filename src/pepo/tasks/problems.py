@@ -222,9 +222,10 @@ def small_sums_dataset(
     ``"12"``, rewarded by math-verify.
 
     Every ordered pair ``a, b`` in ``0..max_operand`` is one problem. A quarter of the pairs (by
-    a hash of ``"a+b"``) form the validation split, so the splits never share a question. ``size``
-    problems of the split are drawn without replacement, reproducibly from ``seed`` (all of them,
-    shuffled, when ``size`` is None).
+    a hash of ``"a+b"``) form the validation split, so the splits never share a question; a
+    sum's commuted twin (``b + a``) can be in the other split (32 of the 43 held-out sums with
+    the defaults have theirs in training). ``size`` problems of the split are drawn without
+    replacement, reproducibly from ``seed`` (all of them, shuffled, when ``size`` is None).
 
     Raises:
         ValueError: bad split or ``max_operand``, or more problems asked for than the split has.
@@ -274,8 +275,10 @@ def step_arithmetic_dataset(
     Every ordered pair ``a + b`` with ``a, b`` in ``0..max_addend`` and every ``a - b`` with
     ``0 <= b <= a <= max_minuend`` is one problem (520 with the defaults). Two fifths of them (by
     a hash of ``"a+b"`` / ``"a-b"``) form the validation split (209 with the defaults), so the
-    splits never share a question. ``size`` problems of the split are drawn without replacement,
-    reproducibly from ``seed`` (all of them, shuffled, when ``size`` is None).
+    splits never share a question; a sum's commuted twin can be in the other split (65 of the
+    106 held-out sums with the defaults have theirs in training). ``size`` problems of the
+    split are drawn without replacement, reproducibly from ``seed`` (all of them, shuffled, when
+    ``size`` is None).
 
     Measured before any training on it (``scripts/probe_smollm2_tasks.py``, 128 random
     questions each, bf16, T = 0.7, up to 256 new tokens, scored with ``number_only``):

@@ -70,16 +70,17 @@ class BoxedMatch:
 def final_answer_text(response: str, think_end: str = "</think>", max_chars: int = 4000) -> str:
     """The part of a response that holds its answer.
 
-    Text after the last ``think_end`` when there is one; nothing when a ``<think>`` block was
-    opened and never closed (a response truncated mid-thought has given no answer); otherwise the
-    whole response. Only the last ``max_chars`` characters are kept: answers come at the end,
-    and a huge LaTeX blob must not reach the parser whole.
+    Text after the last ``think_end`` when there is one; nothing when its block (``<think>``
+    for ``</think>``) was opened and never closed (a response truncated mid-thought has given
+    no answer); otherwise, and always with ``think_end`` None or ``""``, the whole response.
+    Only the last ``max_chars`` characters are kept: answers come at the end, and a huge LaTeX
+    blob must not reach the parser whole. A Unicode minus (U+2212) reads as ``-``.
     """
     if think_end and think_end in response:
         response = response.rsplit(think_end, 1)[1]
-    elif "<think>" in response:
+    elif think_end and think_end.startswith("</") and "<" + think_end[2:] in response:
         return ""
-    return response[-max_chars:]
+    return response[-max_chars:].replace("\u2212", "-")
 
 
 def _gold(answer: str, timeout: int) -> list:
@@ -335,6 +336,11 @@ class MathVerify:
         jobs = [(r, str(a), self.timeout, self.think_end, self.max_chars, self.number_only)
                 for r, a in zip(responses, answers)]
         if self.workers == 0:
+            if threading.current_thread() is not threading.main_thread():
+                raise RuntimeError("MathVerify(workers=0) scores in this process with math-"
+                                   "verify's SIGALRM timeouts, which work in the main thread "
+                                   "only (elsewhere every score was 0): call it from the main "
+                                   "thread, or use workers >= 1")
             return [math_verify_score(*j) for j in jobs]
         self._fill()
         scores = [0.0] * len(jobs)
