@@ -72,6 +72,25 @@ def test_save_hf_round_trips_through_transformers(tmp_path, build):
         torch.testing.assert_close(back(TOKENS).logits, ours(TOKENS), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("source, trained", [(torch.bfloat16, "fp32"), (torch.float32, "bf16")])
+def test_the_export_loads_at_the_dtype_it_was_trained_in(tmp_path, source, trained):
+    """A model trained in fp32 from a bf16 checkpoint: config.json said bfloat16 (the source's)
+    over fp32 tensors, so from_pretrained's dtype="auto" loaded it in bf16, 4e-3 off the
+    trained model's logits; and the reverse. Catches config.json copied unchanged."""
+    hf = qwen3_dir(tmp_path / "src")
+    hf.to(source).save_pretrained(tmp_path / "src")
+    ours = from_hf(tmp_path / "src", dtype=trained)
+    save_hf(ours, tmp_path / "out", source_dir=tmp_path / "src")
+    want = {"fp32": torch.float32, "bf16": torch.bfloat16}[trained]
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert back.dtype == want
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["dtype"] == str(want).removeprefix("torch.")
+    assert {k: v for k, v in cfg.items() if k != "dtype"} == {
+        k: v for k, v in json.loads((tmp_path / "src" / "config.json").read_text()).items()
+        if k != "dtype"}  # the rest as the source's
+
+
 def test_an_interrupted_export_leaves_the_earlier_one_or_none(tmp_path, monkeypatch):
     """Catches an export written in place: a failure after the weights (here, copying the
     config) left a complete-looking ``out`` with the new weights and no config, or a truncated
@@ -142,3 +161,30 @@ def test_an_unreadable_weights_file_is_one_value_error_naming_it(tmp_path, conte
     with pytest.raises(ValueError, match=r"model\.safetensors is not a readable safetensors file "
                                          rf"\({len(content)} bytes"):
         load_model_weights(tiny_qwen3(), tmp_path)
+
+
+@pytest.mark.parametrize("build, field", [(llama_dir, "rms_norm_eps"), (qwen3_dir, "head_dim")])
+def test_a_field_the_config_leaves_out_takes_transformers_default(tmp_path, build, field):
+    """A config.json without rms_norm_eps (Llama: 1e-6) or head_dim (Qwen3: 128, not hidden /
+    heads) is read with transformers' defaults: catches pepo's own (1e-5; 64 / 2 = 32)."""
+    build(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    if field == "head_dim":  # a model of Qwen3's default head_dim, its config without it
+        cfg.update(hidden_size=64, num_attention_heads=2, num_key_value_heads=1)
+        cfg.pop("head_dim")
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+        torch.manual_seed(2)
+        hf = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.from_pretrained(tmp_path)).eval()
+        assert hf.model.layers[0].self_attn.q_proj.weight.shape == (2 * 128, 64)
+        randomise(hf)
+        hf.save_pretrained(tmp_path / "b")
+        (tmp_path / "b" / "config.json").write_text(json.dumps(cfg))
+        tmp_path = tmp_path / "b"
+    else:
+        cfg.pop(field)
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ours = from_hf(tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(TOKENS), ref(TOKENS).logits, rtol=1e-5, atol=1e-5)

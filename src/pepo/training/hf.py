@@ -76,7 +76,13 @@ def load_hf_config(model_dir: Union[str, Path]) -> dict[str, Any]:
 
 
 def _head_dim(cfg: dict[str, Any]) -> int:
-    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    """The config's ``head_dim``, or transformers' default where it has none (128 for Qwen3,
+    ``hidden_size / num_attention_heads`` for Llama)."""
+    if cfg.get("head_dim"):
+        return cfg["head_dim"]
+    if cfg.get("model_type") == "qwen3":
+        return 128
+    return cfg["hidden_size"] // cfg["num_attention_heads"]
 
 
 def architecture_from_hf(
@@ -136,7 +142,7 @@ def architecture_from_hf(
         max_seq_len=seq,
         rope_base=cfg["rope_theta"],
         intermediate_dim=cfg["intermediate_size"],
-        norm_eps=cfg.get("rms_norm_eps", 1e-5),
+        norm_eps=cfg.get("rms_norm_eps", 1e-6),  # LlamaConfig's default
         scale_factor=factor,
         tie_word_embeddings=tied,
     )
@@ -298,7 +304,10 @@ def save_hf(
         follow_umask(tmp)
         write_durably(tmp / "model.safetensors",
                     lambda p: save_file(hf, str(p), metadata={"format": "pt"}))
-        for name in ("config.json", "generation_config.json", "tokenizer.json",
+        write_durably(tmp / "config.json", lambda p: p.write_text(
+            json.dumps(_config_for(Path(source_dir) / "config.json", hf), indent=2) + "\n",
+            encoding="utf-8"))
+        for name in ("generation_config.json", "tokenizer.json",
                      "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                      "merges.txt", "chat_template.jinja"):
             if (Path(source_dir) / name).is_file():
@@ -313,6 +322,20 @@ def save_hf(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _config_for(source: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """``source``'s config.json with its dtype (``dtype``, and ``torch_dtype`` where it has one)
+    that of the ``tensors`` written beside it: a model trained in fp32 from a bf16 checkpoint
+    would otherwise load in bf16 (``from_pretrained``'s ``dtype="auto"``, vLLM's ``auto``)."""
+    cfg = json.loads(source.read_text(encoding="utf-8"))
+    floating = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    if len(floating) == 1:
+        name = str(floating.pop()).removeprefix("torch.")
+        cfg["dtype"] = name
+        if "torch_dtype" in cfg:
+            cfg["torch_dtype"] = name
+    return cfg
 
 
 def hf_config_of(model: TransformerDecoder) -> dict[str, Any]:
