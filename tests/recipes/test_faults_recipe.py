@@ -256,7 +256,7 @@ def test_a_fresh_run_does_not_append_to_an_earlier_runs_metrics(tmp_path):
                                       encoding="utf-8")
     run(tiny_cfg(tmp_path, num_steps=1))
     lines = (logs / "metrics.txt").read_text(encoding="utf-8").splitlines()
-    assert [ln.split("|")[0].strip() for ln in lines] == ["Step 1"] and "9.0" not in lines[0]
+    assert [ln.split("|")[0].strip() for ln in lines] == ["Step 1"] and "loss:9.0 " not in lines[0]
 
 
 def test_a_fresh_run_leaves_a_metrics_log_outside_its_output_dir_alone(tmp_path):
