@@ -18,13 +18,16 @@ def blocks(path: pathlib.Path) -> list[str]:
     return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
 
 
+SHOWN = re.compile(r"# \[\[.*\]\]\s*")  # a value the docs show for the expression above
+
+
 def printed_value(lines: list[str], end: int) -> Optional[str]:
     """The ``# [[...]]`` comment among the comment lines right after line ``end`` (1-based, a
     statement's last line): the value the docs show for that expression, or None."""
     for line in lines[end:]:
         if not line.startswith("#"):
             return None
-        if re.fullmatch(r"# \[\[.*\]\]\s*", line):
+        if SHOWN.fullmatch(line):
             return line[2:]
     return None
 
@@ -63,7 +66,7 @@ def test_examples_run(path):
             else:
                 exec(compile(ast.Module([stmt], []), str(path), "exec"), namespace)
         # a shown value after anything but a top-level expression would go unchecked
-        shown_here = sum(bool(re.fullmatch(r"# \[\[.*\]\]\s*", x.strip())) for x in lines)
+        shown_here = sum(bool(SHOWN.fullmatch(x.strip())) for x in lines)
         assert checked - before == shown_here, f"{path.name}: a shown value is not checked"
     if path.name == "strategies.md":  # its shown values: uniform, PEPO, 80/20, GTPO (2), custom
         assert checked == 6

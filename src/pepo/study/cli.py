@@ -6,19 +6,25 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 __all__ = ["command_line", "count_arg", "percent_arg", "positive_arg", "shard_arg", "window_arg"]
 
 
-def _int_arg(text: str, ok: Callable[[int], bool], what: str) -> int:
+def _parsed(text: str, convert: Callable[[str], Any], ok: Callable[[Any], bool],
+            what: str) -> Any:
+    """``convert(text)`` when it converts and passes ``ok``; else argparse's one-line error."""
     try:
-        value = int(text)
+        value = convert(text)
     except ValueError:
         value = None
     if value is None or not ok(value):
         raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
     return value
+
+
+def _int_arg(text: str, ok: Callable[[int], bool], what: str) -> int:
+    return _parsed(text, int, ok, what)
 
 
 def window_arg(text: str) -> int:
@@ -38,26 +44,16 @@ def positive_arg(text: str) -> int:
 
 def percent_arg(text: str) -> float:
     """An argparse type: a percentage in [0, 100]."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = None
-    if value is None or not 0 <= value <= 100:
-        raise argparse.ArgumentTypeError(f"must be a percentage in [0, 100], got {text!r}")
-    return value
+    return _parsed(text, float, lambda v: 0 <= v <= 100, "a percentage in [0, 100]")
 
 
 def shard_arg(text: str) -> tuple[int, int]:
     """An argparse type: ``I/N``, the I-th of N shards (``0 <= I < N``)."""
-    parts = text.split("/")
-    try:
-        i, n = (int(x) for x in parts)
-    except ValueError:
-        i = n = -1
-    if not 0 <= i < n:
-        raise argparse.ArgumentTypeError(f"must be I/N with 0 <= I < N (such as 0/2), got "
-                                         f"{text!r}")
-    return i, n
+    def shard(t: str) -> tuple[int, int]:
+        i, n = (int(x) for x in t.split("/"))
+        return i, n
+
+    return _parsed(text, shard, lambda v: 0 <= v[0] < v[1], "I/N with 0 <= I < N (such as 0/2)")
 
 
 def command_line(argv: Optional[list[str]]) -> str:
