@@ -216,6 +216,10 @@ def test_every_key_is_typed(tmp_path, override, message):
     ({"optimizer": {"betas": [0.9]}}, "optimizer.betas must be two numbers in [0, 1), got [0.9]"),
     ({"optimizer": {"betas": [0.9, 1.5]}},
      "optimizer.betas must be two numbers in [0, 1), got [0.9, 1.5]"),
+    # torch's own 'Invalid weight_decay value' came only after the model was loaded
+    ({"optimizer": {"weight_decay": -0.1}},
+     "optimizer.weight_decay must be a finite number >= 0, got -0.1"),
+    ({"optimizer": {"eps": -1e-8}}, "optimizer.eps must be a finite number >= 0, got -1e-08"),
     ({"lr_scheduler": {"_component_": "torchtune.training.lr_schedulers."
                                       "get_cosine_schedule_with_warmup",
                        "num_warmup_steps": -5}},  # it started already decayed
@@ -236,6 +240,14 @@ def test_a_value_of_the_wrong_shape_is_refused_naming_it(tmp_path, override, mes
 def test_valid_betas_pass(tmp_path):
     cfg = tiny_cfg(tmp_path)
     cfg.optimizer.betas = [0.9, 0.99]
+    validate_config(cfg)
+
+
+def test_zero_weight_decay_and_eps_pass(tmp_path):
+    """Catches the optimizer's bounds made open (``> 0``): torch accepts 0 for both."""
+    cfg = tiny_cfg(tmp_path)
+    cfg.optimizer.weight_decay = 0.0
+    cfg.optimizer.eps = 0
     validate_config(cfg)
 
 

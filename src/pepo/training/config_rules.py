@@ -37,21 +37,26 @@ class Int:
 
 @dataclass(frozen=True)
 class Number:
-    """A number ``> low`` (and ``<= high``); ``finite``: also finite; ``nullable``: or null."""
+    """A number ``> low`` (``closed``: ``>= low``) and ``<= high``; ``finite``: also finite;
+    ``nullable``: or null."""
 
     low: float
     high: Optional[float] = None
     nullable: bool = False
     finite: bool = False
+    closed: bool = False
 
     def check(self, key: str, v: Any) -> Any:
         if v is None and self.nullable:
             return v
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
-            self.low < v and (self.high is None or v <= self.high)
+            (self.low <= v if self.closed else self.low < v)
+            and (self.high is None or v <= self.high)
             and (not self.finite or v < math.inf)
         ):
-            bound = f"in ({self.low}, {self.high}]" if self.high is not None else f"> {self.low}"
+            low = f"[{self.low}" if self.closed else f"({self.low}"
+            bound = (f"in {low}, {self.high}]" if self.high is not None
+                     else f"{'>=' if self.closed else '>'} {self.low}")
             what = "a finite number" if self.finite else "a number"
             raise ValueError(f"{key} must be {what} {bound}, got {v!r}")
         return float(v)

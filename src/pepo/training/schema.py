@@ -198,7 +198,11 @@ class StrategyConfig:
         return dict(self.sections.get(self.name) or {})
 
 
-_OPTIMIZER = Component(positional=1, args=(("lr", Number(0, finite=True)), ("betas", Betas())))
+_OPTIMIZER = Component(positional=1, args=(
+    ("lr", Number(0, finite=True)), ("betas", Betas()),
+    # torch checks these two only once the model is built and loaded
+    ("weight_decay", Number(0, finite=True, closed=True)),
+    ("eps", Number(0, finite=True, closed=True))))
 
 
 @dataclass
