@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 import weakref
 from typing import Any, Optional, Sequence
 
@@ -229,8 +230,9 @@ class MathVerify:
     not answered ``2 * timeout + grace`` seconds after it got the response (parse and verify
     may each take ``timeout``) is killed and replaced, and that response scores 0. A worker
     that died on its own (OOM killer, a stray signal) is replaced too, and its response is
-    re-run once on the new worker. A pathological response costs at most that time and never
-    stalls or crashes training. ``workers=0`` checks in the calling thread instead (no hard
+    re-run once on the new worker (scoring 0 if that one dies too). A call that scored any
+    response 0 unchecked says so in one ``RuntimeWarning``. A pathological response costs at
+    most that time and never stalls or crashes training. ``workers=0`` checks in the calling thread instead (no hard
     kill; for debugging).
 
     The workers die with their owner: on :meth:`close`, on leaving a ``with`` block, when the
@@ -348,6 +350,7 @@ class MathVerify:
         todo = list(range(len(jobs)))[::-1]
         busy: dict[int, tuple[int, float]] = {}  # worker slot -> (job index, start time)
         limit = 2 * self.timeout + self.grace  # parse and verify may each take `timeout`
+        lost_slow = lost_died = 0  # responses scored 0 unchecked: over the limit, died twice
         while todo or busy:
             for slot in range(len(self._pool)):
                 if slot in busy or not todo:
@@ -361,6 +364,8 @@ class MathVerify:
                     self.died += 1
                     if tries[i] < _MAX_TRIES:
                         todo.append(i)
+                    else:
+                        lost_died += 1
                     continue
                 busy[slot] = (i, time.monotonic())
             if not busy:
@@ -377,12 +382,20 @@ class MathVerify:
                     self.died += 1
                     if tries[i] < _MAX_TRIES:
                         todo.append(i)
+                    else:
+                        lost_died += 1
             now = time.monotonic()
             for slot, (i, start) in list(busy.items()):
                 if now - start > limit:  # the job's own fault: no re-run, scores[i] stays 0
                     self._replace(slot)
                     self.killed += 1
+                    lost_slow += 1
                     del busy[slot]
+        if lost_slow or lost_died:  # a silent 0 would read as a wrong answer
+            warnings.warn(f"MathVerify: {lost_slow + lost_died} of {len(jobs)} responses scored 0 "
+                          f"unchecked ({lost_slow} over the {limit:g} s limit, {lost_died} whose "
+                          f"worker died {_MAX_TRIES} times); {self.killed} killed, {self.died} "
+                          "died so far", RuntimeWarning, stacklevel=2)
         return scores
 
     def _replace(self, slot: int) -> None:
