@@ -36,7 +36,11 @@ reads the same in either mode (the recipe has no mode checks)::
   takes the mean |Δ log-prob|; pepo keeps a running total of each step's policy drift (the
   batch's mean |Δ log-prob| across the update) and, per prompt, the total at its last visit,
   and takes their difference: the drift summed since the visit, without storing or re-scoring
-  old responses.
+  old responses. A prompt's first visit after the prior therefore counts all the drift since
+  :meth:`~SingleStreamEstimator.set_prior`, and usually forgets down to ``rho_min``; the SPO
+  code, with no earlier response to re-score, has ``D = 0`` there and keeps ``rho_max`` of the
+  prior (``alpha0 = 4`` and reward 1 give pepo's ``0.875 * 4 + 1 = 4.5`` once the drift
+  reaches ``rho_min``, the SPO code's ``0.96 * 4 + 1 = 4.84``).
 """
 
 from __future__ import annotations

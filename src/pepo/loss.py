@@ -5,6 +5,11 @@
 (``num_tokens``). Passing the full batch's ``N`` to every micro-batch makes the micro-batch
 losses sum to the full-batch loss, so gradient accumulation reproduces the full-batch gradient
 exactly; dividing each micro-batch by its own count would not.
+
+Eq. (2) as printed divides by one prompt group's tokens (``Σ_j T_j`` over its ``G`` rollouts);
+summed over a batch's groups, dividing by the whole batch's count instead is DAPO's token mean
+(verl's default ``loss_agg_mode: token-mean``, the design notes' choice). It weighs a group by
+its share of the batch's tokens, where a per-group mean would weigh every group alike.
 """
 
 from __future__ import annotations
@@ -271,7 +276,10 @@ def truncated_is_weights(
     actually drawn from) and ``π_old`` the trainer's for the same policy; they differ by kernel
     numerics (vLLM vs the training forward) and, with top-k/top-p, by the truncation. Weighting
     each token's loss by the capped ratio corrects the gradient for that mismatch (as verl's
-    and TRL's ``vllm_importance_sampling_cap`` do); the cap bounds the variance.
+    and TRL's ``vllm_importance_sampling_cap`` do); the cap bounds the variance. Where ``μ`` is
+    a top-p/top-k filtered distribution and ``π_old`` the full one, the ratio of a sampled token
+    is about the filter's kept mass (below 1, least where entropy is high): the weights then
+    scale the loss by the truncation more than they correct the numerics.
 
     Shape:
         old_logprobs, rollout_logprobs, mask: ``[B, T]``; returns ``[B, T]`` fp32, detached,

@@ -294,8 +294,8 @@ def proximal_softmax(
     ``e`` is the proximal entropy of Eq. (6) (:func:`proximal_entropy`), so ``Σ_t c_{i,t} =
     T_i``: the total advantage of each row equals GRPO's. With ``apply_to="positive"`` (the
     paper's default) only the rows flagged ``positive`` (successful rollouts) are weighted and
-    the others keep the uniform advantage; ``"all"`` weights every row (Table 8's "continuous
-    weighting on all rollouts").
+    the others keep the uniform advantage; ``"all"`` weights every row (the weighting ablation's
+    "continuous weighting on all rollouts", the paper's Table 12).
     """
     window = _checks.check_window(window)
     temperature = _checks.check_temperature(temperature)
@@ -328,8 +328,10 @@ def window_average(window: int = 101, apply_to: str = "positive") -> StrategyFn:
 
     ``r_{i,t} = H_{i,t} / Σ_{k ∈ W(t)} H_{i,k}`` (:func:`window_average_entropy`; ``1/W`` where
     the window sums to 0), ``c_{i,t} = r_{i,t} / Σ_k r_{i,k} · T_i``, ``Â_{i,t} = c_{i,t} A_i``.
-    Like PEPO's ``e`` the statistic is relative to its window, so it carries no positional trend
-    and no per-row scale; only the softmax's emphasis on local peaks is gone. A row whose ``r``
+    Like PEPO's ``e`` the statistic is relative to its window, so it carries no slow positional
+    trend and no per-row scale; the softmax's emphasis on local peaks is gone, and so is its
+    invariance to a constant shift (Prop. 1(i)): adding 1 nat to every entropy of a row, as a
+    harder prompt may, flattens ``r`` toward ``1/W``, where ``e`` is unchanged. A row whose ``r``
     are all 0 keeps ``c = 1``. ``apply_to`` as in ``proximal_softmax``.
     """
     window = _checks.check_window(window)
@@ -544,7 +546,7 @@ def weight_rows(advantages: torch.Tensor, c: torch.Tensor,
                 positive: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Token advantages ``c_{i,t} A_i`` on the weighted rows, ``A_i`` on the others.
 
-    The paper weights successful rollouts only (``apply_to="positive"``; Table 8): pass
+    The paper weights successful rollouts only (``apply_to="positive"``; Table 12): pass
     ``positive`` (bool ``[B]``) to weight those rows and leave the rest uniform, or None to
     weight every row.
 
