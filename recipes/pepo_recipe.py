@@ -28,7 +28,8 @@ Both estimators share one interface (``pepo.estimators``), so the step has no mo
 Deviations from the paper's setup, all deliberate:
 
 * Log-probs and entropies ignore top-k/top-p truncation (as verl and TRL do): they are those of
-  the temperature-scaled softmax.
+  the temperature-scaled softmax, so the entropies PEPO weights by are at the sampling
+  temperature (0.6 in the paper's configs; Eq. (3) writes ``π_θ`` without one), as verl's are.
 * Rollouts come from ``generation.engine``: pepo's own KV-cached decoder (``inprocess``) on the
   torchtune model in the training process (the default) or a colocated vLLM engine that receives the
   trainer's weights after every optimizer step (``pepo.training.engines``). Either way the trainer
@@ -77,6 +78,7 @@ from pepo.training.config import (
     register_resolvers,
     resolve_config_arg,
     resumable_checkpoint,
+    sampling_warnings,
     val_before_fingerprint,
     validate_config,
 )
@@ -269,7 +271,8 @@ class PEPORecipe(FTRecipeInterface):
         self.val_data = fitting_prompts(val_data, "val_dataset", *fit) if val_data else []
         if self.dist.is_main:
             log.info(describe_precision(c.compute_dtype, self.compute_dtype, self._device))
-            for line in cpu_warnings(self.compute_dtype, c.dtype, self._device):
+            for line in (cpu_warnings(self.compute_dtype, c.dtype, self._device)
+                         + sampling_warnings(c)):
                 log.warning(line)
             if engine == "vllm" and self.compute_dtype is not None \
                     and options.get("dtype") != "bfloat16":
@@ -381,14 +384,15 @@ class PEPORecipe(FTRecipeInterface):
                 groups=traj.groups, process_group=self.dist.group, validate=False)  # [b, T]
         t_lp = time.perf_counter() - t_lp
         t_update = time.perf_counter()
-        stats = self._update(traj)
+        lr = self.optimizer.param_groups[0]["lr"]  # its first optimizer step's: the scheduler
+        stats = self._update(traj)  # steps after each optimizer step
         stats.times = {"gen_time": t_gen, "logprob_time": t_lp,
                        "update_time": time.perf_counter() - t_update}
         if self.estimator.needs_drift:
             drift = self._policy_drift(traj.rollouts, traj.old_logprobs)
             stats.drift = drift if math.isfinite(drift) else 0.0  # NaN: steps were skipped
         self.estimator.observe(traj.prompt_ids, traj.rewards_all, stats.drift)
-        metrics = step_metrics(traj, stats, self.dist, lr=self.optimizer.param_groups[0]["lr"],
+        metrics = step_metrics(traj, stats, self.dist, lr=lr,
                                nonfinite_skipped=self.nonfinite.total,
                                step_time=time.perf_counter() - t0)
         if self.dump_every and self.step % self.dump_every == 0:

@@ -397,6 +397,18 @@ def test_resume_restores_the_lr_schedule(tmp_path):
                           resume_from_checkpoint=True))
     lrs = [[h["lr"] for h in r.history if "lr" in h] for r in (full, second)]
     assert len(lrs[0]) == 4 and len(set(lrs[0])) > 2  # the schedule moves the LR each step
+    # each step logs the LR its first optimizer step used (2 a step: ppo_mini_batches=2), not
+    # the one the scheduler moved on to after its last (step 1 then logged the warm-up's end)
+    from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-2)
+    curve = get_cosine_schedule_with_warmup(opt, num_warmup_steps=1, num_training_steps=8)
+    used = []
+    for _ in range(8):
+        used.append(opt.param_groups[0]["lr"])
+        opt.step()
+        curve.step()
+    assert lrs[0] == pytest.approx(used[::2], rel=1e-9, abs=1e-12)
     assert lrs[1] == pytest.approx(lrs[0], rel=1e-9, abs=1e-12)
     torch.testing.assert_close(torch.tensor(losses(second)), torch.tensor(losses(full)),
                                rtol=0, atol=1e-6)

@@ -352,6 +352,19 @@ def test_the_old_policy_pass_is_skipped_when_the_update_starts_from_it(tmp_path,
     assert not topk.old_from_update  # a batch-wide threshold needs every row first
 
 
+def test_the_run_warns_of_tis_under_a_sampling_filter(tmp_path, caplog):
+    """Catches :func:`sampling_warnings` never called by the recipe (its cases are tested in
+    test_config_schema)."""
+    import logging
+
+    cfg = tiny_cfg(tmp_path, num_steps=1, generation={"top_p": 0.9}, loss={"tis_cap": 2.0})
+    with caplog.at_level(logging.WARNING):
+        run(cfg)
+    said = [r.getMessage() for r in caplog.records
+            if r.getMessage().startswith("loss.tis_cap=2 with generation.top_p=0.9: ")]
+    assert len(said) == 1, [r.getMessage() for r in caplog.records]
+
+
 @pytest.mark.parametrize("setting, units, want", [
     ("bf16", (), torch.bfloat16), ("auto", ("avx512_bf16",), torch.bfloat16),
     ("auto", (), None), ("fp32", ("amx_bf16",), None)])

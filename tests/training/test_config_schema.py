@@ -19,6 +19,7 @@ from pepo.training.config import (
     find_config,
     prior_fingerprint,
     register_resolvers,
+    sampling_warnings,
     val_before_fingerprint,
     validate_config,
     validate_eval_config,
@@ -344,3 +345,21 @@ def test_a_resume_may_change_how_long_ranks_wait(tmp_path):
     assert "distributed.timeout_s" not in keys and "distributed.timeout_s" in \
         schema.RESUME_MAY_CHANGE
     assert "distributed.mixed_precision" not in schema.RESUME_MAY_CHANGE
+
+
+@pytest.mark.parametrize("generation, tis_cap, filters", [
+    ({"top_p": 0.6}, 2.0, "generation.top_p=0.6"),
+    ({"top_k": 20}, 1.5, "generation.top_k=20"),
+    ({"top_p": 0.9, "top_k": 20}, 2.0, "generation.top_p=0.9 and generation.top_k=20"),
+    ({"top_p": 1.0}, 2.0, None), ({"top_p": 0.6}, None, None)])
+def test_tis_under_a_sampling_filter_is_warned_of(tmp_path, generation, tis_cap, filters):
+    """Catches the warning missing where the capped ratio is the filter's kept mass (every
+    token's loss scaled below 1), or given where there is no filter or no TIS."""
+    cfg = tiny_cfg(tmp_path, generation=generation, loss={"tis_cap": tis_cap})
+    got = sampling_warnings(validate_config(cfg))
+    if filters is None:
+        assert got == []
+    else:
+        (line,) = got
+        assert line.startswith(f"loss.tis_cap={tis_cap:g} with {filters}: the engine's log-prob "
+                               "is the filtered, renormalised distribution's"), line

@@ -52,6 +52,7 @@ __all__ = [
     "prior_fingerprint",
     "register_resolvers",
     "resolve_config_arg",
+    "sampling_warnings",
     "validate_config",
     "validate_eval_config",
 ]
@@ -441,6 +442,22 @@ def check_rules(rc: RecipeConfig) -> None:
     from pepo.training.engines import check_compile
 
     check_compile(rc.generation.engine, rc.generation.compile)
+
+
+def sampling_warnings(rc: RecipeConfig) -> list[str]:
+    """What a run's sampling settings do to other keys that nothing else would say:
+    ``loss.tis_cap`` under a top-p or top-k filter (the ratio it caps is then the filter's
+    kept mass, not only the engines' numerics)."""
+    g = rc.generation
+    filters = ([f"generation.top_p={g.top_p:g}"] if g.top_p < 1 else []) + (
+        [f"generation.top_k={g.top_k}"] if g.top_k is not None else [])
+    if rc.loss.tis_cap is None or not filters:
+        return []
+    return [f"loss.tis_cap={rc.loss.tis_cap:g} with {' and '.join(filters)}: the engine's "
+            f"log-prob is the filtered, renormalised distribution's and the trainer's the full "
+            f"one's, so each weight min(pi_old / mu, C) is about the sampled token's kept mass "
+            f"(< 1, least where entropy is high): it scales the loss by the filter, not only by "
+            f"the engines' numerics (top_p=1 and top_k=null leave only those)"]
 
 
 def check_tokenizer_dir(cfg: DictConfig) -> None:
