@@ -66,6 +66,32 @@ def test_chat_tokenizer(hf_dir):
     assert thinking.endswith("<|im_start|>assistant\n")
 
 
+LLAMA_DATE = (  # Llama 3.1-3.3's date block, cut to what it prints
+    "{%- if not date_string is defined %}{%- if strftime_now is defined %}"
+    "{%- set date_string = strftime_now('%d %b %Y') %}{%- else %}"
+    "{%- set date_string = '26 Jul 2024' %}{%- endif %}{%- endif %}"
+    "{{ 'Today Date: ' + date_string + '\n' }}"
+    "{%- for message in messages %}{{ message['content'] }}{%- endfor %}"
+)
+
+
+def test_a_template_that_prints_the_date_prints_a_fixed_one(tmp_path):
+    """Catches prompts that change with the day they are encoded (Llama 3.x's template reads
+    the clock): a training run's, its validation cache's and an evaluation's prompts differ."""
+    import datetime
+
+    tok = F.build_tokenizer(tmp_path)
+    tok.chat_template = LLAMA_DATE
+    tok.save_pretrained(tmp_path)
+    text = ChatTokenizer(tmp_path).encode_prompt("x")
+    assert ChatTokenizer(tmp_path)._tok.decode(text) == "Today Date: 26 Jul 2024\nx"
+    mine = ChatTokenizer(tmp_path, date_string="01 Jan 2025")
+    assert mine._tok.decode(mine.encode_prompt("x")) == "Today Date: 01 Jan 2025\nx"
+    today = ChatTokenizer(tmp_path, date_string=None)
+    assert today._tok.decode(today.encode_prompt("x")) == (
+        f"Today Date: {datetime.date.today():%d %b %Y}\nx")
+
+
 @pytest.mark.parametrize("name, rows", [("tiny", F.deepmath_rows), ("tiny_spo", F.dapo_rows)])
 def test_recipe_runs_on_hf_qwen3(tmp_path, hf_dir, name, rows):
     data = F.write_parquet(tmp_path / "data.parquet", rows(8))

@@ -106,6 +106,10 @@ class ChatTokenizer:
         enable_thinking: Qwen3's thinking mode (ignored by templates without it).
         system_prompt: optional system turn.
         stop_tokens: further stop strings (tokens of the vocabulary).
+        date_string: the date a template that prints one writes into every prompt (Llama
+            3.1–3.3's system turn says "Today Date: ..."): fixed, so that a prompt is the same
+            whatever day it is encoded (training, validation caches, evaluation); the default
+            is the templates' own fallback. None: today's date, as transformers gives it.
     """
 
     def __init__(
@@ -114,8 +118,12 @@ class ChatTokenizer:
         enable_thinking: bool = True,
         system_prompt: Optional[str] = None,
         stop_tokens: Sequence[str] = (),
+        date_string: Optional[str] = "26 Jul 2024",
     ) -> None:
         from transformers import AutoTokenizer
+
+        if date_string is not None and not isinstance(date_string, str):
+            raise ValueError(f"date_string must be a string or None, got {date_string!r}")
 
         if not Path(path).is_dir():
             raise ValueError(f"tokenizer path {str(path)!r} is not a directory")
@@ -124,6 +132,7 @@ class ChatTokenizer:
             raise ValueError(f"the tokenizer in {str(path)!r} has no chat template")
         self.enable_thinking = enable_thinking
         self.system_prompt = system_prompt
+        self.date_string = date_string
         self.eos_id = self._tok.eos_token_id
         if self.eos_id is None:
             raise ValueError(f"the tokenizer in {str(path)!r} has no eos token")
@@ -157,6 +166,7 @@ class ChatTokenizer:
         text = self._tok.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True,
             enable_thinking=self.enable_thinking,
+            **({} if self.date_string is None else {"date_string": self.date_string}),
         )
         return self.encode(text)
 
