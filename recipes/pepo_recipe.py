@@ -78,7 +78,7 @@ from pepo.training.config import (
     register_resolvers,
     resolve_config_arg,
     resumable_checkpoint,
-    sampling_warnings,
+    setting_warnings,
     val_before_fingerprint,
     validate_config,
 )
@@ -168,7 +168,7 @@ class PEPORecipe(FTRecipeInterface):
                                save_logits_mib=c.save_logits_mib)  # policy_logprobs's options
         self.activation_checkpointing = c.enable_activation_checkpointing
         self.gen_batch_size = g.batch_size
-        self.val_every = c.validation.every
+        self.val_every = c.validation.every if c.val_dataset else 0  # none to run: warned
         self.val_samples = c.validation.samples
         self.val_dump = c.validation.dump
         self.save_every = c.save_every
@@ -272,7 +272,7 @@ class PEPORecipe(FTRecipeInterface):
         if self.dist.is_main:
             log.info(describe_precision(c.compute_dtype, self.compute_dtype, self._device))
             for line in (cpu_warnings(self.compute_dtype, c.dtype, self._device)
-                         + sampling_warnings(c)):
+                         + setting_warnings(c)):
                 log.warning(line)
             if engine == "vllm" and self.compute_dtype is not None \
                     and options.get("dtype") != "bfloat16":

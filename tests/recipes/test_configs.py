@@ -162,8 +162,8 @@ def test_config_values_reach_the_objects_that_use_them(name, tmp_path, stand_ins
                                     "dtype": "fp32"})
         if name == "eval_math":
             cfg = OmegaConf.merge(cfg, {"checkpoint_dir": str(stand_ins["qwen3"]),
-                                        "data_dir": str(tmp_path / "data"),
-                                        "model": {"max_seq_len": 512}})
+                                        "data_dir": str(tmp_path / "data"),  # prompts and 4096
+                                        "model": {"max_seq_len": 4608}})  # new tokens fit
             cfg.benchmarks.AIME2025.dataset.path = str(data["aime25"])
         if name == "eval_smollm2":  # a stand-in for the packaged model
             cfg = OmegaConf.merge(cfg, {"checkpoint_dir": str(stand_ins["llama"]),

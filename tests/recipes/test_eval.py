@@ -167,8 +167,8 @@ def test_eval_refuses_an_output_dir_in_use_and_lets_go_of_its_own(tmp_path, monk
     assert not called
     pepo_eval.eval_main(cfg)  # free again: it runs, and leaves the directory free
     monkeypatch.setattr(pepo_eval, "avg_at_k", lambda *a, **k: 1 / 0)
-    with pytest.raises(ZeroDivisionError):
-        pepo_eval.eval_main(cfg)
+    with pytest.raises(ZeroDivisionError):  # another label: the finished one would be kept
+        pepo_eval.eval_main(_tiny_eval_cfg(tmp_path, model_name="fails"))
     RunLock(cfg.output_dir).release()  # a failed evaluation let go too
 
 
@@ -188,3 +188,128 @@ def test_eval_config_typo_is_one_line(tmp_path):
                        match="unknown config key 'generation.top_pp'; "
                              "did you mean 'generation.top_p'"):
         pepo_eval.validate_eval_config(_tiny_eval_cfg(tmp_path, generation={"top_pp": 0.5}))
+
+
+def _two_benchmarks(tmp_path, **overrides):
+    """The tiny evaluation with a second benchmark (the same split, another seed)."""
+    second = {"modsum_b": {"k": 1, "dataset": {"_component_": "pepo.tasks.problems.modsum_dataset",
+                                               "size": 4, "split": "val", "seed": 1}}}
+    return OmegaConf.merge(_tiny_eval_cfg(tmp_path, benchmarks=second), overrides)
+
+
+def test_a_stopped_evaluation_keeps_its_finished_benchmarks_and_resumes(tmp_path, monkeypatch,
+                                                                        capsys):
+    """Catches results written only at the end (a Ctrl-C in the last benchmark lost hours), a
+    rerun that samples again what it has, and an interruption shown as a traceback."""
+    calls = []
+
+    def first_then_stop(*a, **k):
+        calls.append(a[2])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return 0.5
+
+    monkeypatch.setattr(pepo_eval, "avg_at_k", first_then_stop)
+    cfg = _two_benchmarks(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        pepo_eval._main.__wrapped__(cfg)
+    assert stop.value.code == 130
+    assert "interrupted: the benchmarks finished so far are kept in" in capsys.readouterr().err
+    saved = json.loads((tmp_path / "out" / "tiny_base" / "eval_results.json").read_text())
+    assert saved["results"] == {"modsum_val": 0.5} and saved["complete"] is False
+    monkeypatch.setattr(pepo_eval, "avg_at_k", lambda *a, **k: calls.append(a[2]) or 0.25)
+    assert pepo_eval.eval_main(_two_benchmarks(tmp_path)) == {"modsum_val": 0.5,
+                                                             "modsum_b": 0.25}
+    assert len(calls) == 3  # the rerun sampled modsum_b only
+    saved = json.loads((tmp_path / "out" / "tiny_base" / "eval_results.json").read_text())
+    assert saved["complete"] is True and saved["results"] == {"modsum_val": 0.5,
+                                                              "modsum_b": 0.25}
+    # a benchmark whose own keys changed is sampled again; the other is kept
+    changed = _two_benchmarks(tmp_path, benchmarks={"modsum_b": {"k": 2}})
+    assert pepo_eval.eval_main(changed) == {"modsum_val": 0.5, "modsum_b": 0.25}
+    assert len(calls) == 4
+
+
+def test_results_under_other_settings_are_refused_not_replaced(tmp_path, monkeypatch):
+    """Catches a rerun with another seed (or temperature, precision, reward...) silently
+    replacing a label's results: only the checkpoint was compared."""
+    monkeypatch.setattr(pepo_eval, "avg_at_k", lambda *a, **k: 0.5)
+    pepo_eval.eval_main(_tiny_eval_cfg(tmp_path))
+    with pytest.raises(ValueError, match=r"holds the results labelled 'tiny \(base\)' under other "
+                                         r"settings: "
+                                         r"generation.temperature \(1.0 -> 0.3\); seed \(0 -> 1\);"
+                                         r" give this evaluation another model_name="):
+        pepo_eval.eval_main(_tiny_eval_cfg(tmp_path, seed=1, generation={"temperature": 0.3}))
+    saved = json.loads((tmp_path / "out" / "tiny_base" / "eval_results.json").read_text())
+    assert saved["settings"]["seed"] == 0 and saved["settings"]["generation.temperature"] == 1.0
+    assert saved["pepo_version"] and saved["benchmarks"]["modsum_val"]["problems"] == 4
+
+
+def test_the_table_says_where_its_rows_were_sampled_differently(tmp_path, monkeypatch):
+    """Catches one table mixing avg@8 at temperature 1 with avg@1 at 0.3 in silence."""
+    monkeypatch.setattr(pepo_eval, "avg_at_k", lambda *a, **k: 0.5)
+    pepo_eval.eval_main(_tiny_eval_cfg(tmp_path, model_name="a"))
+    table = (tmp_path / "out" / "eval_results.md").read_text()
+    assert "different settings" not in table
+    pepo_eval.eval_main(_tiny_eval_cfg(tmp_path, model_name="b", generation={"temperature": 0.3},
+                                       benchmarks={"modsum_val": {"k": 2}}))
+    note = (tmp_path / "out" / "eval_results.md").read_text().strip().splitlines()[-1]
+    assert note == ("The rows were evaluated with different settings: benchmarks.modsum_val.k "
+                    "(a: 1, b: 2); generation.temperature (a: 1.0, b: 0.3).")
+
+
+def test_prompts_that_do_not_fit_and_an_empty_benchmark_are_refused_before_sampling(
+        tmp_path, monkeypatch):
+    """Catches a traceback after earlier benchmarks ran (the decoder's own check), and a
+    benchmark silently evaluated on the prompts that fit."""
+    called = []
+    monkeypatch.setattr(pepo_eval, "avg_at_k", lambda *a, **k: called.append(1) or 0.5)
+    with pytest.raises(ValueError, match=r"^benchmarks.modsum_val: 4 of 4 prompts \(the longest "
+                                         r"\d+ tokens\) do not fit 128 tokens with "
+                                         r"generation.max_new_tokens=120; raise model.max_seq_len"):
+        pepo_eval.eval_main(_tiny_eval_cfg(tmp_path, generation={"max_new_tokens": 120}))
+    monkeypatch.setattr(pepo_eval.config, "instantiate", _empty_datasets(pepo_eval.config))
+    with pytest.raises(ValueError, match="^benchmarks.modsum_val: its dataset has no problems$"):
+        pepo_eval.eval_main(_tiny_eval_cfg(tmp_path))
+    assert not called
+
+
+def _empty_datasets(config):
+    real = config.instantiate
+
+    def instantiate(node, *a, **k):
+        out = real(node, *a, **k)
+        return [] if str(node.get("_component_", "")).endswith("modsum_dataset") else out
+    return instantiate
+
+
+def test_avg_at_k_counts_the_truncated_responses(tmp_path):
+    """Catches the count read from the wrong flag (finished, not truncated) or left out: the
+    same rollouts sampled again give the count."""
+    from pepo.tasks.problems import modsum_dataset
+    from pepo.tasks.rewards import BoxedMatch
+    from pepo.training.config import asset_dir
+    from pepo.training.engines import build_engine
+    from pepo.training.evaluation import avg_at_k, eval_generator, sample_and_score
+    from pepo.training.generation import draw_seeds
+    from pepo.training.models import tiny_qwen3
+    from pepo.training.tokenizers import load_tokenizer
+    from pepo.training.weights import load_model_weights
+
+    model = tiny_qwen3()
+    load_model_weights(model, asset_dir("tiny"))
+    model.eval()
+    engine, tok = build_engine("inprocess", model), load_tokenizer(asset_dir("tiny"))
+    problems = list(modsum_dataset(size=6, split="val", seed=0))
+    counts: dict = {}
+    kw = dict(max_new_tokens=50, temperature=1.0, batch_size=64)  # responses of 40-58 tokens
+    avg = avg_at_k(engine, tok, problems, 2, BoxedMatch(), generator=eval_generator(0),
+                   counts=counts, **kw)
+    rows = [p for p in problems for _ in range(2)]
+    ro, rewards, _ = sample_and_score(engine, tok, rows, BoxedMatch(),
+                                      stop_tokens=tok.stop_tokens,
+                                      seeds=draw_seeds(eval_generator(0), len(rows)), **kw)
+    want = int((~ro.finished).sum())
+    assert 0 < want < len(rows), want  # both kinds, so a flipped flag fails
+    assert counts == {"rollouts": 12, "correct": int((rewards > 0).sum()), "truncated": want}
+    assert avg == pytest.approx(counts["correct"] / 12)

@@ -353,7 +353,7 @@ def test_the_old_policy_pass_is_skipped_when_the_update_starts_from_it(tmp_path,
 
 
 def test_the_run_warns_of_tis_under_a_sampling_filter(tmp_path, caplog):
-    """Catches :func:`sampling_warnings` never called by the recipe (its cases are tested in
+    """Catches :func:`setting_warnings` never called by the recipe (its cases are tested in
     test_config_schema)."""
     import logging
 
@@ -363,6 +363,20 @@ def test_the_run_warns_of_tis_under_a_sampling_filter(tmp_path, caplog):
     said = [r.getMessage() for r in caplog.records
             if r.getMessage().startswith("loss.tis_cap=2 with generation.top_p=0.9: ")]
     assert len(said) == 1, [r.getMessage() for r in caplog.records]
+
+
+def test_validation_without_a_val_dataset_is_off_not_nan(tmp_path):
+    """Catches the paper configs' validation.every with val_dataset=null printing and saving a
+    NaN accuracy at every validation (summary.json then is not strict JSON)."""
+    recipe = run(tiny_cfg(tmp_path, num_steps=2, val_dataset=None, validation={"every": 1}))
+    assert recipe.step == 2 and not any("val_accuracy" in h for h in recipe.history)
+
+    def refuse(constant):
+        raise ValueError(f"{constant} in summary.json")
+
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text(encoding="utf-8"),
+                         parse_constant=refuse)
+    assert summary
 
 
 @pytest.mark.parametrize("setting, units, want", [

@@ -19,7 +19,7 @@ from pepo.training.config import (
     find_config,
     prior_fingerprint,
     register_resolvers,
-    sampling_warnings,
+    setting_warnings,
     val_before_fingerprint,
     validate_config,
     validate_eval_config,
@@ -356,10 +356,20 @@ def test_tis_under_a_sampling_filter_is_warned_of(tmp_path, generation, tis_cap,
     """Catches the warning missing where the capped ratio is the filter's kept mass (every
     token's loss scaled below 1), or given where there is no filter or no TIS."""
     cfg = tiny_cfg(tmp_path, generation=generation, loss={"tis_cap": tis_cap})
-    got = sampling_warnings(validate_config(cfg))
+    got = setting_warnings(validate_config(cfg))
     if filters is None:
         assert got == []
     else:
         (line,) = got
         assert line.startswith(f"loss.tis_cap={tis_cap:g} with {filters}: the engine's log-prob "
                                "is the filtered, renormalised distribution's"), line
+
+
+def test_validation_without_a_val_dataset_is_warned_of(tmp_path):
+    """Catches the paper configs' validation.every=50 with val_dataset=null passing in silence
+    (every validation printed nan, and summary.json held a NaN)."""
+    got = setting_warnings(validate_config(tiny_cfg(tmp_path, val_dataset=None,
+                                                    validation={"every": 5})))
+    assert got == ["validation.every=5 with val_dataset=null: no validation is run (and no "
+                   "best checkpoint kept); set val_dataset to validate"]
+    assert setting_warnings(validate_config(tiny_cfg(tmp_path, val_dataset=None))) == []

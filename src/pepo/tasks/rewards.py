@@ -232,8 +232,8 @@ class MathVerify:
     that died on its own (OOM killer, a stray signal) is replaced too, and its response is
     re-run once on the new worker (scoring 0 if that one dies too). A call that scored any
     response 0 unchecked says so in one ``RuntimeWarning``. A pathological response costs at
-    most that time and never stalls or crashes training. ``workers=0`` checks in the calling thread instead (no hard
-    kill; for debugging).
+    most that time and never stalls or crashes training. ``workers=0`` checks in the calling
+    thread instead (no hard kill; for debugging).
 
     The workers die with their owner: on :meth:`close`, on leaving a ``with`` block, when the
     object is garbage-collected, at interpreter exit, and when the owning process is killed

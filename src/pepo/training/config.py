@@ -48,11 +48,12 @@ __all__ = [
     "experiment_changes",
     "experiment_config",
     "find_config",
+    "flatten_config",
     "list_configs",
     "prior_fingerprint",
     "register_resolvers",
     "resolve_config_arg",
-    "sampling_warnings",
+    "setting_warnings",
     "validate_config",
     "validate_eval_config",
 ]
@@ -306,11 +307,17 @@ def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: node}
 
 
+def flatten_config(node: Any, leave_out: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``node`` (a config or a section of one) resolved and flattened to ``a.b.c`` keys, but
+    for the keys under ``leave_out``."""
+    flat = _flatten(OmegaConf.to_container(node, resolve=True))
+    return {k: v for k, v in flat.items() if not _under(k, leave_out)}
+
+
 def experiment_config(cfg: DictConfig) -> dict[str, Any]:
     """The keys that define the experiment (resolved, flattened ``a.b.c``), saved in each
     checkpoint so that a resume cannot silently change them."""
-    flat = _flatten(OmegaConf.to_container(cfg, resolve=True))
-    return {k: v for k, v in flat.items() if not _under(k, RESUME_MAY_CHANGE)}
+    return flatten_config(cfg, RESUME_MAY_CHANGE)
 
 
 def experiment_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -444,16 +451,21 @@ def check_rules(rc: RecipeConfig) -> None:
     check_compile(rc.generation.engine, rc.generation.compile)
 
 
-def sampling_warnings(rc: RecipeConfig) -> list[str]:
-    """What a run's sampling settings do to other keys that nothing else would say:
-    ``loss.tis_cap`` under a top-p or top-k filter (the ratio it caps is then the filter's
-    kept mass, not only the engines' numerics)."""
+def setting_warnings(rc: RecipeConfig) -> list[str]:
+    """What a run's settings do to other keys that nothing else would say: validation asked
+    for with no ``val_dataset`` (none is run), and ``loss.tis_cap`` under a top-p or top-k
+    filter (the ratio it caps is then the filter's kept mass, not only the engines' numerics).
+    """
+    out = []
+    if rc.validation.every and rc.val_dataset is None:
+        out.append(f"validation.every={rc.validation.every} with val_dataset=null: no validation "
+                   f"is run (and no best checkpoint kept); set val_dataset to validate")
     g = rc.generation
     filters = ([f"generation.top_p={g.top_p:g}"] if g.top_p < 1 else []) + (
         [f"generation.top_k={g.top_k}"] if g.top_k is not None else [])
     if rc.loss.tis_cap is None or not filters:
-        return []
-    return [f"loss.tis_cap={rc.loss.tis_cap:g} with {' and '.join(filters)}: the engine's "
+        return out
+    return out + [f"loss.tis_cap={rc.loss.tis_cap:g} with {' and '.join(filters)}: the engine's "
             f"log-prob is the filtered, renormalised distribution's and the trainer's the full "
             f"one's, so each weight min(pi_old / mu, C) is about the sampled token's kept mass "
             f"(< 1, least where entropy is high): it scales the loss by the filter, not only by "

@@ -10,6 +10,7 @@ reward component defines its own rule.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -57,6 +58,7 @@ def avg_at_k(
     dist: Optional[Any] = None,
     progress: Optional[str] = None,
     records: Optional[list] = None,
+    counts: Optional[dict] = None,
 ) -> float:
     """avg@k of ``problems`` (objects with ``prompt`` and ``answer``), sampled by ``engine``
     (a rollout engine of :mod:`pepo.training.engines`, or a model).
@@ -68,6 +70,9 @@ def avg_at_k(
     counts this process's rollouts as they finish, on the main process only; None: no bar.
     ``records``: a list that receives one dict per rollout of this process, in problem order
     (``prompt_id``, ``prompt``, ``answer``, ``response``, ``reward``, ``success``).
+    ``counts``: a dict that receives ``rollouts``, ``correct`` and ``truncated`` (responses that
+    reached ``max_new_tokens`` without a stop token; the reward scored their text as it is), over
+    every process.
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
@@ -84,7 +89,7 @@ def avg_at_k(
         bar = tqdm(total=len(mine), desc=progress, unit="rollout", leave=False,
                    dynamic_ncols=True)
     try:
-        _, rewards, texts = sample_and_score(
+        ro, rewards, texts = sample_and_score(
             engine, tokenizer, mine, reward_fn,
             stop_tokens=list(tokenizer.stop_tokens if stop_tokens is None else stop_tokens),
             batch_size=batch_size, max_new_tokens=max_new_tokens, temperature=temperature,
@@ -99,10 +104,14 @@ def avg_at_k(
         records.extend({"prompt_id": getattr(p, "id", None), "prompt": p.prompt,
                         "answer": p.answer, "response": t, "reward": float(r), "success": bool(s)}
                        for p, t, r, s in zip(mine, texts, rewards.tolist(), success.tolist()))
-    correct = success.float().sum().reshape(1)
+    tally = torch.stack([success.float().sum(),
+                         (~ro.finished).float().sum().to(success.device)])  # [2]
     if dist is not None:
-        correct = dist.sum(correct)
-    return float(correct) / len(rows)
+        tally = dist.sum(tally)
+    correct, truncated = (int(v) for v in tally.tolist())
+    if counts is not None:
+        counts.update(rollouts=len(rows), correct=correct, truncated=truncated)
+    return correct / len(rows)
 
 
 def format_table(results: Mapping[str, float], model_name: str = "model") -> str:
@@ -132,12 +141,15 @@ def write_results(
     results: Mapping[str, float], out_dir: Union[str, Path], model_name: str,
     meta: Optional[Mapping[str, Any]] = None,
 ) -> tuple[Path, Path]:
-    """Writes ``eval_results.json`` and ``eval_results.md`` into ``out_dir``."""
+    """Writes ``eval_results.json`` and ``eval_results.md`` into ``out_dir``, each whole or not
+    at all (a temporary file renamed over it)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    js = out / "eval_results.json"
-    js.write_text(json.dumps({"model": model_name, "results": dict(results), **(meta or {})},
-                             indent=2) + "\n", encoding="utf-8")
-    md = out / "eval_results.md"
-    md.write_text(format_table(results, model_name) + "\n", encoding="utf-8")
+    js, md = out / "eval_results.json", out / "eval_results.md"
+    for path, text in ((js, json.dumps({"model": model_name, "results": dict(results),
+                                        **(meta or {})}, indent=2)),
+                       (md, format_table(results, model_name))):
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(text + "\n", encoding="utf-8")
+        os.replace(tmp, path)
     return js, md

@@ -100,9 +100,11 @@ class SamplingConfig:
     """``generation``: how responses are sampled (shared by training and evaluation)."""
 
     max_new_tokens: int = key(help="response length limit", rule=Int(1))
-    temperature: float = key(help="sampling temperature (the paper: 0.6)", rule=Number(0.0))
+    temperature: float = key(help="sampling temperature (the paper trains at 0.6)",
+                             rule=Number(0.0))
     top_k: Optional[int] = key(None, "top-k sampling (null: off)", rule=Int(1, nullable=True))
-    top_p: float = key(help="nucleus sampling (the paper: 0.6)", rule=Number(0.0, 1.0))
+    top_p: float = key(help="nucleus sampling (the paper trains at 0.6)",
+                       rule=Number(0.0, 1.0))
     stop_tokens: Optional[list] = key(None, "extra stop tokens besides the tokenizer's eos "
                                       "(strings in the vocabulary)",
                                       rule=Texts("tokens (strings in the vocabulary)"))
