@@ -75,7 +75,11 @@ def final_answer_text(response: str, think_end: str = "</think>", max_chars: int
     for ``</think>``) was opened and never closed (a response truncated mid-thought has given
     no answer); otherwise, and always with ``think_end`` None or ``""``, the whole response.
     Only the last ``max_chars`` characters are kept: answers come at the end, and a huge LaTeX
-    blob must not reach the parser whole. A Unicode minus (U+2212) reads as ``-``.
+    blob must not reach the parser whole. A Unicode minus (U+2212) reads as ``-``. A chat
+    template that opens the block in the prompt (Qwen3's Thinking-2507 models, the R1
+    distills) leaves no ``<think>`` in the response, so a response truncated mid-thought is then
+    read whole, and so is any truncated response without the block: math-verify may find a
+    number in it (``pepo_eval`` reports the share of truncated responses).
     """
     if think_end and think_end in response:
         response = response.rsplit(think_end, 1)[1]
