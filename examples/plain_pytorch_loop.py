@@ -14,7 +14,7 @@ The task is small enough to learn in a minute on a CPU: the prompt is ``a + b =`
 ``a, b``, the reward is 1 when the response's first token is ``(a + b) mod 10``; a response is up
 to four tokens and ends at EOS. Run it::
 
-    python examples/plain_pytorch_loop.py --strategy proximal_softmax     # 400 steps, ~10 s
+    python examples/plain_pytorch_loop.py --strategy proximal_softmax     # 400 steps, ~20 s
 """
 
 from __future__ import annotations
@@ -75,6 +75,20 @@ def rewards_of(prompts: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
     return (responses[:, 0] == (prompts[:, 0] + prompts[:, 2]) % 10).float()
 
 
+def weigh_batch(policy, weigh, prompts, responses, mask, rewards, group_size):
+    """Step 2-3 for one batch: the rollout policy's log-probs and entropies from one forward
+    without grad, group advantages, and the strategy's token advantages. Returns the three
+    tensors the update needs (old log-probs, token advantages) and the entropies."""
+    targets = responses.clamp_max(VOCAB - 1)  # PAD is a valid id; masked anyway
+    with torch.no_grad():  # once per batch: old log-probs and entropies from one forward
+        old_logprobs, entropies = logprobs_and_entropy(
+            response_logits(policy, prompts, responses), targets)
+    advantages = est.group_advantages(rewards, group_size)  # rows of a prompt are contiguous
+    groups = torch.arange(len(prompts)) // group_size  # which prompt each row answers (GTPO)
+    token_adv = weigh(advantages, entropies, mask, positive=rewards > 0, groups=groups)
+    return old_logprobs, token_adv, entropies
+
+
 def update(policy, optimizer, prompts, responses, mask, old_logprobs, token_adv, micro_batch):
     """One optimizer step over the batch in micro-batches. Each micro-batch's loss is divided by
     the whole batch's valid tokens (``num_tokens``), so the summed gradients equal those of one
@@ -112,13 +126,11 @@ def main(steps: int = 400, strategy: str = "proximal_softmax", prompts_per_step:
                                torch.full_like(digits[:, 0], EQUALS)], dim=1)
         prompts = prompts.repeat_interleave(group_size, dim=0)  # G rollouts per prompt, contiguous
         responses, mask = sample(policy, prompts, gen)
-        targets = responses.clamp_max(VOCAB - 1)  # PAD is a valid id; masked anyway
-        with torch.no_grad():  # once per batch: old log-probs and entropies from one forward
-            old_logprobs, entropies = logprobs_and_entropy(
-                response_logits(policy, prompts, responses), targets)
         rewards = rewards_of(prompts, responses)
-        advantages = est.group_advantages(rewards, group_size)
-        token_adv = weigh(advantages, entropies, mask, positive=rewards > 0)
+        old_logprobs, token_adv, entropies = weigh_batch(policy, weigh, prompts, responses, mask,
+                                                         rewards, group_size)
+        # one optimizer step a batch: the update starts from the rollout policy, so its ratio
+        # is 1 and the clip never binds; it matters with several mini-batches or epochs
         update(policy, optimizer, prompts, responses, mask, old_logprobs, token_adv, micro_batch)
         history.append(float(rewards.mean()))
         if log_every and (step % log_every == 0 or step == 1):
@@ -133,6 +145,9 @@ if __name__ == "__main__":
     ap.add_argument("--strategy", default="proximal_softmax", choices=pw.list_strategies())
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
+    if a.steps < 1:
+        ap.error(f"--steps must be >= 1, got {a.steps}")
     h = main(steps=a.steps, strategy=a.strategy, seed=a.seed)
-    print(f"mean reward: first 10 steps {sum(h[:10]) / 10:.3f}, "
-          f"last 10 steps {sum(h[-10:]) / 10:.3f}")
+    n = min(10, len(h))
+    print(f"mean reward: first {n} steps {sum(h[:n]) / n:.3f}, "
+          f"last {n} steps {sum(h[-n:]) / n:.3f}")

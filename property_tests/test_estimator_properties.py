@@ -29,6 +29,27 @@ def test_group_mean_zero_and_unit_std(data):
     assert a[~ok].eq(0).all()
 
 
+@given(grouped_rewards())
+def test_group_advantages_order_the_rollouts_as_their_rewards(data):
+    """Within a group, a higher reward gets a higher advantage and equal rewards equal ones.
+    Catches negated or permuted advantages (mean 0, unit std and the affine property hold for
+    both). Differences fp32 cannot resolve against the group's spread need only keep the
+    order weakly."""
+    r, g = data
+    a = est.group_advantages(r, g, eps=0.0).view(-1, g)
+    rg = r.view(-1, g)
+    for rs, as_ in zip(rg.tolist(), a.tolist()):
+        spread = max(rs) - min(rs)
+        for x in range(g):
+            for y in range(g):
+                if rs[x] - rs[y] > 1e-3 * spread:
+                    assert as_[x] > as_[y]
+                elif rs[x] > rs[y]:
+                    assert as_[x] >= as_[y]
+                elif rs[x] == rs[y]:
+                    assert as_[x] == as_[y]
+
+
 @given(grouped_rewards(), st.floats(0.1, 10), st.floats(-10, 10))
 def test_group_affine_invariance(data, scale, shift):
     """r -> a r + b leaves std-normalised advantages unchanged (a > 0), flips them for a < 0."""
@@ -55,6 +76,23 @@ def test_spo_advantages_normalised(rewards, priors):
     raw = torch.tensor(rewards[:n]).double() - t.values(list(range(n))).double()
     if float(raw.std()) > 1e-3:
         assert abs(float(a.std()) - 1) < 1e-3
+
+
+@given(
+    st.lists(st.sampled_from([0.0, 1.0]), min_size=2, max_size=30),
+    st.lists(st.floats(0.01, 0.99), min_size=2, max_size=30),
+)
+def test_spo_advantages_order_the_rollouts_as_reward_minus_baseline(rewards, priors):
+    """A rollout whose reward beats its prompt's baseline by more gets the higher advantage.
+    Catches negated advantages and a baseline ignored (both stay normalised)."""
+    n = min(len(rewards), len(priors))
+    t = est.SingleStreamEstimator({i: p for i, p in enumerate(priors[:n])})
+    a = t.advantages(list(range(n)), torch.tensor(rewards[:n])).tolist()
+    raw = (torch.tensor(rewards[:n]).double() - t.values(list(range(n))).double()).tolist()
+    for x in range(n):
+        for y in range(n):
+            if raw[x] > raw[y] + 1e-6:
+                assert a[x] > a[y]
 
 
 @given(

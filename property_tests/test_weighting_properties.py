@@ -1,4 +1,5 @@
-"""Properties of the weighting strategies (Prop. 1 and the invariances of DESIGN.md)."""
+"""Properties of the weighting strategies (Prop. 1, the invariances the strategies promise, and
+the orderings that tell a statistic from a constant)."""
 
 import math
 
@@ -171,6 +172,49 @@ def test_topk_monotone_in_fraction(batch, f1, f2, score):
     assert not (sel_lo & ~sel_hi).any()
     n = int(mask.sum())
     assert int(sel_lo.sum()) >= n - math.ceil((1 - lo) * (n - 1))  # at least k (ties add more)
+
+
+@given(batches(min_valid=1), st.floats(0.01, 0.5), st.sampled_from(["entropy", "proximal"]))
+def test_topk_keeps_the_highest_scores_and_no_more_than_its_share(batch, fraction, score):
+    """Every kept token scores at least every dropped one, and with distinct scores at most
+    ``n - floor((1 - f)(n - 1))`` are kept (torch.quantile's linear rule keeps
+    ``n - ceil(...)``). Catches keeping every token (the monotonicity test above holds for it)
+    or the lowest ones."""
+    adv, ent, mask = batch
+    s = (ent if score == "entropy" else pw.proximal_entropy(ent, mask, window=5))[mask]
+    n = len(s)
+    assume(n >= 3 and len(torch.unique(s)) == n)
+    kept = pw.get_strategy("global_topk", fraction=fraction, score=score, window=5)(
+        torch.ones_like(adv), ent, mask)[mask] != 0
+    assert kept.any()
+    if (~kept).any():
+        assert float(s[kept].min()) >= float(s[~kept].max())
+    assert int(kept.sum()) <= n - math.floor((1 - fraction) * (n - 1))
+
+
+@given(batches(min_valid=2), windows.filter(lambda w: w > 1), temperatures,
+       st.floats(0.5, 2.0), st.data())
+def test_raising_a_tokens_entropy_raises_its_weight(batch, window, tau, bump, data):
+    """e_t = exp(H_t / τ) / Σ_{k ∈ W(t)} exp(H_k / τ) grows with H_t and no other token's e
+    grows; r_t = H_t / Σ_W H likewise (its other entropies kept > 0); a token already the
+    whole of its window (e = 1 in fp32) stays so. Catches a statistic that ignores H (a constant
+    1/W passes the shift, scale, trend and sum properties)."""
+    _, ent, mask = batch
+    rows = [i for i in range(len(mask)) if int(mask[i].sum()) >= 2]
+    assume(rows)
+    i = data.draw(st.sampled_from(rows))
+    t = data.draw(st.sampled_from(torch.nonzero(mask[i]).flatten().tolist()))
+    for stat, base in ((lambda h: pw.proximal_entropy(h, mask, window, tau), ent),
+                       (lambda h: pw.window_average_entropy(h, mask, window), ent + 0.25)):
+        raised = base.clone()
+        raised[i, t] += bump
+        before, after = stat(base), stat(raised)
+        assert float(after[i, t]) >= float(before[i, t])
+        if float(before[i, t]) < 0.99:  # not already the whole of its window in fp32
+            assert float(after[i, t]) > float(before[i, t])
+        others = mask.clone()
+        others[i, t] = False
+        assert bool((after[others] <= before[others] * (1 + 1e-5) + 1e-9).all())
 
 
 @given(batches(), windows, temperatures)

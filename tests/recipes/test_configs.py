@@ -20,7 +20,7 @@ from pepo.training.config import find_config, list_configs, register_resolvers
 from tests import hf_fixtures as F
 from tests.recipe_helpers import MODEL_OVERRIDES, random_checkpoint
 
-# Appendix B: W = 101, τ = 1, positive-only, ε 0.2 / 0.28, T 0.6, top-p 0.6, G = 8, lr 1e-6,
+# App. C.1 (Table 7): W = 101, τ = 1, positive-only, ε 0.2 / 0.28, T 0.6, top-p 0.6, G = 8, lr 1e-6,
 # responses up to 4096 tokens.
 PAPER = dict(
     strategy=("proximal_softmax", {"window": 101, "temperature": 1.0, "apply_to": "positive"}),
@@ -212,3 +212,28 @@ def test_config_values_reach_the_objects_that_use_them(name, tmp_path, stand_ins
         assert configured == value, key
         if key != "prior_samples":  # shrunk above for speed
             assert getattr(recipe.estimator, key) == value, key
+
+
+@pytest.mark.parametrize("name", ["qwen3_1_7b_pepo", "qwen3_4b_pepo", "qwen3_4b_pespo",
+                                  "llama3_2_3b_pepo"])
+def test_the_paper_configs_pass_their_rules_as_shipped(name, tmp_path, stand_ins):
+    """The paper configs with only their required paths filled in (the test above shrinks the
+    batch and the steps before anything is checked): catches a batch layout the rules refuse
+    (mini-batches, micro-batches, tiles of the 500-step, 256-rollout step). The schema and the
+    rules only: the machine check wants a GPU."""
+    from pepo.training import schema
+    from pepo.training.config import check_rules, setting_warnings
+
+    register_resolvers()
+    data = F.write_parquet(tmp_path / "train.parquet", F.deepmath_rows(4))
+    cfg = OmegaConf.merge(OmegaConf.load(find_config(name)), {
+        "checkpoint_dir": str(stand_ins["llama" if "llama" in name else "qwen3"]),
+        "train_data": str(data),
+        "output_dir": str(tmp_path / "run")})
+    rc = schema.parse(cfg)
+    check_rules(rc)
+    assert rc.num_steps == 500 and rc.prompts_per_step * rc.estimator.build(
+    ).rollouts_per_prompt == 256
+    assert setting_warnings(rc) == [  # the user gives the validation set
+        "validation.every=50 with val_dataset=null: no validation is run (and no best "
+        "checkpoint kept); set val_dataset to validate"]

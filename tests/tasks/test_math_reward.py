@@ -332,8 +332,14 @@ def test_the_audit_script_counts_rewards_given_by_value_only(tmp_path, capsys):
     mod.main([str(run)])
     row = capsys.readouterr().out.splitlines()[-1]
     assert row.startswith("| gtpo/seed_1 | step 1: 1 of 2 rewarded |") and "3 of 4 (75 %)" in row
-    with pytest.raises(SystemExit, match="has no rollouts/"):
+    with pytest.raises(SystemExit, match="no run given has a rollouts/ directory"):
         mod.main([str(tmp_path)])
+    # a run without dumps among others (a restored study's) is left out, not the end of it
+    (tmp_path / "80_20" / "seed_0").mkdir(parents=True)
+    mod.main([str(tmp_path / "80_20" / "seed_0"), str(run)])
+    out = capsys.readouterr()
+    assert "80_20/seed_0: no rollouts/ directory; left out" in out.err
+    assert out.out.splitlines()[-1] == row
 
 
 def test_the_audit_script_compares_the_last_stated_result_with_the_reward(tmp_path, capsys):
@@ -371,7 +377,7 @@ def test_the_audit_script_compares_the_last_stated_result_with_the_reward(tmp_pa
     (run / "rollouts" / "step_000001.jsonl").rename(val / "val_rollouts" / "step_000001.jsonl")
     mod.main(["--validation", str(val)])
     assert capsys.readouterr().out.splitlines()[-1].endswith("| 1 of 3 (33 %) | 1 of 3 (33 %) |")
-    with pytest.raises(SystemExit, match="has no rollouts/"):
+    with pytest.raises(SystemExit, match="has a rollouts/ directory"):
         mod.main([str(val)])
-    with pytest.raises(SystemExit, match="has no val_rollouts/"):
+    with pytest.raises(SystemExit, match="has a val_rollouts/ directory"):
         mod.main(["--validation", str(run)])
