@@ -17,22 +17,26 @@ evaluation in ``output_dir``, one row each (the base model beside the trained on
 where rows were sampled or scored with different settings.
 
 The results file is written after every benchmark and records, besides avg@k, everything that
-decides it: the resolved settings (seed, precision, tokenizer, reward, sampling), each
-benchmark's dataset, ``k``, problem count and share of truncated responses, and pepo's version.
-An evaluation that stopped (Ctrl-C, a crash) keeps the benchmarks it finished; the same command
-again evaluates only the rest. A label's results are never replaced by another checkpoint's or
-by other settings': that is refused, naming what differs.
+decides it: the resolved settings (seed, precision, tokenizer, reward, sampling), the weight
+files (name, size, time), each benchmark's dataset, ``k``, a digest of its encoded prompts and
+answers, its problem count and share of truncated responses, and pepo's version. An evaluation
+that stopped (Ctrl-C, a crash) keeps the benchmarks it finished, and the same command again
+evaluates only the rest: a saved benchmark is kept while the weight files, the settings, its
+``k`` and its prompts are unchanged, and sampled again (said in one line) when its ``k`` or
+prompts changed or the weights were rewritten. A label's results are never replaced by another
+checkpoint path's or by other settings': that is refused, naming what differs.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.resources
 import json
 import re
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pepo
 from pepo import _extras
@@ -42,6 +46,7 @@ _extras.require("pepo_eval")  # before torchtune: a missing extra gets the line 
 from omegaconf import DictConfig, OmegaConf
 from torchtune import config, training, utils
 
+from pepo.training import schema
 from pepo.training.checkpointing import resolve_marker
 from pepo.training.config import (
     check_output_dir,
@@ -95,90 +100,142 @@ def _results_dir(cfg: DictConfig, label: str) -> Path:
     return Path(str(cfg.output_dir)) / name
 
 
-# keys that change no benchmark's number (a rollout samples alike in any batch), or that are
-# compared apart (the checkpoint, each benchmark)
+# keys that change no benchmark's number (a rollout samples alike in any batch, and a verifier
+# scores alike with any number of workers), or that are compared apart: the checkpoint (by its
+# weight files), the tokenizer (by the prompts it encodes) and each benchmark (by its k and data)
 _NOT_SETTINGS = ("output_dir", "model_name", "batch_size", "checkpoint_dir", "data_dir",
-                 "benchmarks")
+                 "benchmarks", "reward.workers", "tokenizer.path", "model.model_dir")
 
 
-def _settings(cfg: DictConfig) -> dict[str, Any]:
-    """What decides every benchmark's avg@k besides the weights: the resolved config (flattened
-    ``a.b``) but for :data:`_NOT_SETTINGS` and the paths that are the checkpoint's, as JSON
-    gives them back."""
-    ckpt = str(cfg.checkpoint_dir)
-    return json.loads(json.dumps({k: v for k, v in flatten_config(cfg, _NOT_SETTINGS).items()
-                                  if v != ckpt}))
+def _settings(cfg: DictConfig, typed: Any) -> dict[str, Any]:
+    """What decides every benchmark's avg@k besides the weights, the prompts and the benchmark:
+    the resolved config (flattened ``a.b``, each default filled in from ``typed``, the
+    validated config) but for :data:`_NOT_SETTINGS`, with the device's type (``cuda:1`` samples
+    as ``cuda``) and the precision ``compute_dtype: auto`` chose here, as JSON gives it back."""
+    flat = flatten_config(cfg, _NOT_SETTINGS)
+    for key, _ in schema.fields_of(schema.EvalConfig):
+        if not any(k == key or k.startswith(key + ".") for k in flat) and \
+                key.split(".")[0] not in _NOT_SETTINGS:
+            value = typed
+            for part in key.split("."):
+                value = getattr(value, part)
+            flat[key] = value
+    flat["device"] = str(flat["device"]).split(":")[0]
+    if flat.get("compute_dtype") == "auto":
+        resolved = resolve_compute_dtype("auto", utils.get_device(str(cfg.device)))
+        flat["compute_dtype_resolved"] = "bf16" if resolved is not None else "fp32"
+    return json.loads(json.dumps(flat))
 
 
-def _benchmark_settings(cfg: DictConfig, name: str) -> dict[str, Any]:
-    """Benchmark ``name``'s own keys (its ``k`` and dataset), resolved and flattened."""
-    return json.loads(json.dumps(flatten_config(cfg.benchmarks[name])))
+def _weights(checkpoint_dir: Any) -> list:
+    """The checkpoint's weight files as ``[name, size, mtime_ns]``: a checkpoint rewritten at
+    the same path (a resumed run's ``hf_model``) is another checkpoint."""
+    files = sorted(f for f in Path(str(checkpoint_dir)).iterdir() if f.is_file()
+                   and f.suffix in (".safetensors", ".bin", ".pt", ".pth"))
+    return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
 
 
-def _check_results_dir(cfg: DictConfig, label: str) -> tuple[RunLock, dict[str, Any]]:
+def _check_results_dir(cfg: DictConfig, label: str, typed: Any) -> tuple[RunLock, Any]:
     """``output_dir`` must be writable, not in use by another evaluation or run (it is locked
     until the evaluation ends: the returned lock), and its folder for ``label`` must not hold
     another checkpoint's results, or results under other settings (they would be silently
-    replaced). Also returns the benchmarks that folder already holds under this config's
-    settings (:func:`_previous_results`)."""
+    replaced). Also returns what that folder holds (:func:`_previous_results`)."""
     check_output_dir(cfg.get("output_dir"))
     lock = RunLock(str(cfg.output_dir))
     try:
-        return lock, _previous_results(cfg, label)
+        return lock, _previous_results(cfg, label, typed)
     except BaseException:
         lock.release()
         raise
 
 
-def _previous_results(cfg: DictConfig, label: str) -> dict[str, Any]:
-    """The benchmark entries of ``label``'s results file that this config would evaluate
-    again alike (same checkpoint, settings and benchmark keys), to be kept, not re-sampled.
+def _previous_results(cfg: DictConfig, label: str, typed: Any) -> Optional[dict[str, Any]]:
+    """``label``'s saved results when they are this checkpoint path's under these settings
+    (:func:`_reusable` then picks the benchmarks to keep); None when there are none, or when
+    an earlier pepo wrote them without their settings (evaluated again and replaced).
 
     Raises:
-        ValueError: the file holds another checkpoint's results or other settings'.
+        ValueError: the file is unreadable, or holds another checkpoint's results or other
+            settings'.
     """
     previous = _results_dir(cfg, label) / "eval_results.json"
     if not previous.is_file():
-        return {}
+        return None
     try:
         saved = json.loads(previous.read_text(encoding="utf-8"))
-        saved = saved if isinstance(saved, dict) else {}
-    except json.JSONDecodeError:
-        saved = {}
+        if not isinstance(saved, dict):
+            raise ValueError("not a JSON object")
+    except (ValueError, OSError) as e:  # UnicodeDecodeError and JSONDecodeError included
+        raise ValueError(f"{previous} cannot be read as an evaluation's results ({e}); move or "
+                         f"remove it") from None
     here = str(Path(str(cfg.checkpoint_dir)).resolve())
     if saved.get("checkpoint_dir") != here:
         raise ValueError(
             f"{previous} holds the results of another evaluation labelled {label!r} "
             f"(checkpoint_dir={saved.get('checkpoint_dir')!r}); give this one another "
             f"model_name=, choose another output_dir, or remove {previous}")
-    changes = (experiment_changes(saved["settings"], _settings(cfg))
-               if isinstance(saved.get("settings"), dict) else ["its settings (not recorded)"])
+    if not isinstance(saved.get("settings"), dict):
+        log.warning(f"{previous} was written by an earlier pepo that recorded no settings: "
+                    f"every benchmark is evaluated again and it is replaced")
+        return None
+    changes = experiment_changes(saved["settings"], _settings(cfg, typed))
     if changes:
         more = f" and {len(changes) - 3} more" if len(changes) > 3 else ""
         raise ValueError(
             f"{previous} holds the results labelled {label!r} under other settings: "
             f"{'; '.join(changes[:3])}{more}; give this evaluation another model_name=, choose "
             f"another output_dir, or remove {previous}")
+    return saved
+
+
+def _reusable(saved: Optional[dict[str, Any]], cfg: DictConfig, weights: list,
+              prompts: dict[str, str]) -> dict[str, Any]:
+    """The benchmark entries of ``saved`` (already checked: the same checkpoint path and
+    settings) that need no sampling: all of them when the weight files are unchanged, minus
+    those of this config whose ``k`` or prompts (``prompts``: a digest per benchmark) differ,
+    each said in one line; none when the weights changed."""
+    if saved is None:
+        return {}
     done = saved.get("benchmarks") if isinstance(saved.get("benchmarks"), dict) else {}
-    return {n: e for n, e in done.items() if n in cfg.benchmarks and isinstance(e, dict)
-            and e.get("settings") == _benchmark_settings(cfg, n)}
+    if saved.get("weights") != weights:
+        log.info(f"the weights in {cfg.checkpoint_dir} changed since its saved results: every "
+                 f"benchmark is evaluated again")
+        return {}
+    keep = {}
+    for name, entry in done.items():
+        if not isinstance(entry, dict):
+            continue
+        if name in cfg.benchmarks and (entry.get("k"), entry.get("prompts")) != (
+                cfg.benchmarks[name].k, prompts[name]):
+            log.info(f"{name}: its k or its prompts changed since the saved result "
+                     f"(k {entry.get('k')} -> {cfg.benchmarks[name].k}): sampled again")
+            continue
+        keep[name] = entry
+    return keep
 
 
-def _check_prompts_fit(data: dict[str, list], tokenizer: Any, limit: int,
-                       max_new_tokens: int) -> None:
+def _check_benchmarks(data: dict[str, list], tokenizer: Any, limit: int,
+                      max_new_tokens: int) -> dict[str, str]:
     """Every benchmark has problems, and each prompt fits ``limit`` with ``max_new_tokens``
-    (dropping one would change the benchmark; the training recipe's validation drops them)."""
+    (dropping one would change the benchmark; the training recipe's validation drops them).
+    Returns a digest of each benchmark's encoded prompts and answers: the same digest, the
+    same questions asked alike (tokenizer, chat template and data file included)."""
+    digests = {}
     for name, problems in data.items():
         if not problems:
             raise ValueError(f"benchmarks.{name}: its dataset has no problems")
-        lengths = [len(tokenizer.encode_prompt(p.prompt)) for p in problems]
-        long = [n for n in lengths if n + max_new_tokens > limit]
+        encoded = [tokenizer.encode_prompt(p.prompt) for p in problems]
+        long = [len(ids) for ids in encoded if len(ids) + max_new_tokens > limit]
         if long:
             raise ValueError(
                 f"benchmarks.{name}: {len(long)} of {len(problems)} prompts (the longest "
                 f"{max(long)} tokens) do not fit {limit} tokens with generation.max_new_tokens="
                 f"{max_new_tokens}; raise model.max_seq_len (or generation.vllm.max_model_len) "
                 f"or lower generation.max_new_tokens")
+        text = json.dumps([[list(map(int, ids)), str(p.answer)]
+                           for ids, p in zip(encoded, problems)])
+        digests[name] = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    return digests
 
 
 def _setup(cfg: DictConfig) -> dict[str, Any]:
@@ -188,7 +245,7 @@ def _setup(cfg: DictConfig) -> dict[str, Any]:
     cfg.checkpoint_dir = resolve_marker(given)  # RUN/checkpoints/best works
     c = validate_eval_config(cfg)  # typed, with every default filled in
     label = c.model_name or evaluation_label(given, c.checkpoint_dir)
-    lock, previous = _check_results_dir(cfg, label)
+    lock, previous = _check_results_dir(cfg, label, c)
     reward = None
     try:
         device = utils.get_device(c.device)
@@ -204,8 +261,9 @@ def _setup(cfg: DictConfig) -> dict[str, Any]:
         if device.type == "cpu":  # as in training (docs/recipe.md, compute_dtype)
             cpu_attention_in_fp32(model)
         name, options = c.generation.engine, c.generation.engine_options
-        _check_prompts_fit(data, tokenizer, sequence_limit(model, name, options),
-                           c.generation.max_new_tokens)  # before vLLM starts
+        prompts = _check_benchmarks(data, tokenizer, sequence_limit(model, name, options),
+                                    c.generation.max_new_tokens)  # before vLLM starts
+        weights = _weights(c.checkpoint_dir)
         src = Path(str(c.checkpoint_dir))
         compute_dtype = resolve_compute_dtype(c.compute_dtype, device)  # autocast
         log.info(describe_precision(c.compute_dtype, compute_dtype, device))
@@ -219,7 +277,8 @@ def _setup(cfg: DictConfig) -> dict[str, Any]:
         raise
     return dict(device=device, tokenizer=tokenizer, stop_tokens=stop_tokens, data=data,
                 reward=reward, engine=engine, lock=lock, label=label, config=c,
-                previous=previous)
+                prompts=prompts, weights=weights, settings=_settings(cfg, c),
+                done=_reusable(previous, cfg, weights, prompts))
 
 
 def _close(*owners: Any) -> None:
@@ -230,17 +289,20 @@ def _close(*owners: Any) -> None:
 
 
 def _save(cfg: DictConfig, setup: dict[str, Any], done: dict[str, Any]) -> Path:
-    """Writes the results of the benchmarks in ``done`` (name -> entry), with what decided
+    """Writes the results of the benchmarks in ``done`` (name -> entry: this config's, then
+    those an earlier evaluation of the same checkpoint and settings left), with what decided
     them; ``complete`` once every benchmark of the config is there."""
     label = setup["label"]
-    names = [n for n in cfg.benchmarks if n in done]
+    names = [n for n in cfg.benchmarks if n in done] + [n for n in done
+                                                         if n not in cfg.benchmarks]
     js, _ = write_results(
         {n: done[n]["avg"] for n in names}, _results_dir(cfg, label), label,
         meta={"checkpoint_dir": str(Path(str(cfg.checkpoint_dir)).resolve()),
-              "complete": len(names) == len(cfg.benchmarks),
+              "complete": all(n in done for n in cfg.benchmarks),
               "k": {n: done[n]["k"] for n in names},
               "generation": OmegaConf.to_container(cfg.generation, resolve=True),
-              "settings": _settings(cfg), "benchmarks": {n: done[n] for n in names},
+              "settings": setup["settings"], "weights": setup["weights"],
+              "benchmarks": {n: done[n] for n in names},
               "pepo_version": pepo.__version__,
               "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
     return js
@@ -249,7 +311,7 @@ def _save(cfg: DictConfig, setup: dict[str, Any], done: dict[str, Any]) -> Path:
 def _evaluate(cfg: DictConfig, setup: dict[str, Any]) -> dict[str, float]:
     c = setup["config"]
     g = c.generation
-    done = dict(setup["previous"])
+    done = dict(setup["done"])
     js = _results_dir(cfg, setup["label"]) / "eval_results.json"
     try:
         for name, b in cfg.benchmarks.items():
@@ -273,7 +335,8 @@ def _evaluate(cfg: DictConfig, setup: dict[str, Any]) -> dict[str, float]:
             share = None if cut is None else cut / max(1, counts["rollouts"])
             done[name] = {"avg": avg, "k": b.k, "problems": len(problems),
                           "truncated": share, "seconds": round(seconds, 1),
-                          "settings": _benchmark_settings(cfg, name)}
+                          "prompts": setup["prompts"][name],
+                          "dataset": flatten_config(b.dataset)}
             log.info(f"{name}: avg@{b.k} = {100 * avg:.2f} over {len(problems)} problems "
                      f"({seconds:.1f}s" + ("" if share is None else
                                             f"; {100 * share:.1f}% of responses truncated, "
@@ -305,10 +368,13 @@ def _write_summary(out: Path) -> tuple[str, Path]:
         mine = dict(saved.get("settings") or {"settings": "not recorded"})
         for name, k in (saved.get("k") or {}).items():
             mine[f"benchmarks.{name}.k"] = k
+        for name, entry in (saved.get("benchmarks") or {}).items():
+            if isinstance(entry, dict) and entry.get("prompts"):  # the questions, as asked
+                mine[f"benchmarks.{name}.prompts"] = str(entry["prompts"])[:12]
         settings.append((label, mine))
     table = format_tables(rows)
 
-    def values(key: str) -> list[tuple[str, Any]]:  # a benchmark's k where a row has it
+    def values(key: str) -> list[tuple[str, Any]]:  # a benchmark's keys where a row has it
         return [(n, s[key] if key in s else "<unset>") for n, s in settings
                 if key in s or not key.startswith("benchmarks.")]
 
@@ -335,14 +401,20 @@ def _main(cfg: DictConfig) -> None:
         setup = _setup(cfg)
     except ValueError as e:
         config_error_exit(e)
+    except KeyboardInterrupt:
+        print("interrupted while loading, before any benchmark was evaluated", file=sys.stderr)
+        sys.exit(130)
+    saved = len(setup["done"])
     try:
         _evaluate(cfg, setup)
     except RewardError as e:  # the user's reward code: one line
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
-        print(f"interrupted: the benchmarks finished so far are kept in "
-              f"{_results_dir(cfg, setup['label'])}; the same command evaluates the rest",
-              file=sys.stderr)
+        js = _results_dir(cfg, setup["label"]) / "eval_results.json"
+        kept = len(json.loads(js.read_text(encoding="utf-8"))["results"]) if js.is_file() else 0
+        print(f"interrupted: {kept - saved} benchmark(s) finished in this run"
+              + (f"; {js} keeps {kept}, and the same command evaluates the rest" if kept
+                 else ", none is kept"), file=sys.stderr)
         sys.exit(130)
 
 

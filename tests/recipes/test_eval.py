@@ -214,7 +214,9 @@ def test_a_stopped_evaluation_keeps_its_finished_benchmarks_and_resumes(tmp_path
     with pytest.raises(SystemExit) as stop:
         pepo_eval._main.__wrapped__(cfg)
     assert stop.value.code == 130
-    assert "interrupted: the benchmarks finished so far are kept in" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("interrupted: 1 benchmark(s) finished in this run; ") and \
+        err.rstrip().endswith("eval_results.json keeps 1, and the same command evaluates the rest")
     saved = json.loads((tmp_path / "out" / "tiny_base" / "eval_results.json").read_text())
     assert saved["results"] == {"modsum_val": 0.5} and saved["complete"] is False
     monkeypatch.setattr(pepo_eval, "avg_at_k", lambda *a, **k: calls.append(a[2]) or 0.25)
@@ -224,10 +226,25 @@ def test_a_stopped_evaluation_keeps_its_finished_benchmarks_and_resumes(tmp_path
     saved = json.loads((tmp_path / "out" / "tiny_base" / "eval_results.json").read_text())
     assert saved["complete"] is True and saved["results"] == {"modsum_val": 0.5,
                                                               "modsum_b": 0.25}
-    # a benchmark whose own keys changed is sampled again; the other is kept
+    # a benchmark whose k changed is sampled again; the other is kept
     changed = _two_benchmarks(tmp_path, benchmarks={"modsum_b": {"k": 2}})
     assert pepo_eval.eval_main(changed) == {"modsum_val": 0.5, "modsum_b": 0.25}
     assert len(calls) == 4
+    # and so is one whose data changed under the same keys (a file rewritten at its path)
+    real = pepo_eval.config.instantiate
+
+    def other_problems(node, *a, **k):
+        out = real(node, *a, **k)
+        return out[1:] if node.get("seed") == 1 else out
+
+    monkeypatch.setattr(pepo_eval.config, "instantiate", other_problems)
+    assert pepo_eval.eval_main(changed) == {"modsum_val": 0.5, "modsum_b": 0.25}
+    assert len(calls) == 5
+    monkeypatch.setattr(pepo_eval.config, "instantiate", real)
+    # a rerun with one benchmark keeps the other's result in the file
+    assert pepo_eval.eval_main(_tiny_eval_cfg(tmp_path)) == {"modsum_val": 0.5}
+    saved = json.loads((tmp_path / "out" / "tiny_base" / "eval_results.json").read_text())
+    assert saved["results"] == {"modsum_val": 0.5, "modsum_b": 0.25} and len(calls) == 5
 
 
 def test_results_under_other_settings_are_refused_not_replaced(tmp_path, monkeypatch):
@@ -243,6 +260,57 @@ def test_results_under_other_settings_are_refused_not_replaced(tmp_path, monkeyp
     saved = json.loads((tmp_path / "out" / "tiny_base" / "eval_results.json").read_text())
     assert saved["settings"]["seed"] == 0 and saved["settings"]["generation.temperature"] == 1.0
     assert saved["pepo_version"] and saved["benchmarks"]["modsum_val"]["problems"] == 4
+    # what changes no number is no other setting: the batch, the verifier's workers, a default
+    # written out, the GPU's index
+    calls = []
+    monkeypatch.setattr(pepo_eval, "avg_at_k", lambda *a, **k: calls.append(1) or 0.5)
+    pepo_eval.eval_main(_tiny_eval_cfg(tmp_path, batch_size=3, compute_dtype="fp32",
+                                       generation={"top_k": None}))
+    assert calls == []  # kept, not refused or sampled again
+
+
+def test_auto_precision_is_compared_as_what_it_chose(tmp_path, monkeypatch):
+    """Catches compute_dtype=auto recorded as 'auto': a machine with bf16 units (bf16 samples)
+    and one without (fp32) then share results."""
+    from pepo.training import precision
+
+    monkeypatch.setattr(pepo_eval, "avg_at_k", lambda *a, **k: 0.5)
+    monkeypatch.setattr(precision, "cpu_bf16_units", lambda: ())
+    pepo_eval.eval_main(_tiny_eval_cfg(tmp_path, compute_dtype="auto"))
+    monkeypatch.setattr(precision, "cpu_bf16_units", lambda: ("amx_bf16",))
+    with pytest.raises(ValueError, match=r"under other settings: compute_dtype_resolved "
+                                         r"\('fp32' -> 'bf16'\)"):
+        pepo_eval.eval_main(_tiny_eval_cfg(tmp_path, compute_dtype="auto"))
+
+
+def test_weights_rewritten_at_the_same_path_are_evaluated_again(tmp_path, monkeypatch):
+    """Catches a run's hf_model rewritten by a later run (the same path) answering with the
+    earlier weights' numbers; and an earlier pepo's results file (no settings recorded) is
+    evaluated again and replaced, as that pepo did."""
+    import os
+
+    from tests.recipe_helpers import MODEL_OVERRIDES, random_checkpoint
+
+    calls = []
+    monkeypatch.setattr(pepo_eval, "avg_at_k", lambda *a, **k: calls.append(1) or 0.5)
+    ckpt = random_checkpoint(tmp_path / "ckpt")
+    cfg = dict(checkpoint_dir=str(ckpt), model=MODEL_OVERRIDES, model_name="mine")
+    pepo_eval.eval_main(_tiny_eval_cfg(tmp_path, **cfg))
+    pepo_eval.eval_main(_tiny_eval_cfg(tmp_path, **cfg))
+    assert len(calls) == 1
+    weights = ckpt / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    pepo_eval.eval_main(_tiny_eval_cfg(tmp_path, **cfg))
+    assert len(calls) == 2
+    js = tmp_path / "out" / "mine" / "eval_results.json"
+    js.write_text(json.dumps({"model": "mine", "results": {"modsum_val": 0.1},
+                              "checkpoint_dir": str(ckpt.resolve())}))
+    pepo_eval.eval_main(_tiny_eval_cfg(tmp_path, **cfg))
+    assert len(calls) == 3 and json.loads(js.read_text())["results"] == {"modsum_val": 0.5}
+    js.write_text("{not json")
+    with pytest.raises(ValueError, match=r"eval_results.json cannot be read as an evaluation's "
+                                         r"results \(.*\); move or remove it$"):
+        pepo_eval.eval_main(_tiny_eval_cfg(tmp_path, **cfg))
 
 
 def test_the_table_says_where_its_rows_were_sampled_differently(tmp_path, monkeypatch):
@@ -262,12 +330,23 @@ def test_prompts_that_do_not_fit_and_an_empty_benchmark_are_refused_before_sampl
         tmp_path, monkeypatch):
     """Catches a traceback after earlier benchmarks ran (the decoder's own check), and a
     benchmark silently evaluated on the prompts that fit."""
+    from pepo.tasks.problems import modsum_dataset
+    from pepo.training.config import asset_dir
+    from pepo.training.tokenizers import load_tokenizer
+
     called = []
     monkeypatch.setattr(pepo_eval, "avg_at_k", lambda *a, **k: called.append(1) or 0.5)
-    with pytest.raises(ValueError, match=r"^benchmarks.modsum_val: 4 of 4 prompts \(the longest "
-                                         r"\d+ tokens\) do not fit 128 tokens with "
-                                         r"generation.max_new_tokens=120; raise model.max_seq_len"):
-        pepo_eval.eval_main(_tiny_eval_cfg(tmp_path, generation={"max_new_tokens": 120}))
+    tok = load_tokenizer(asset_dir("tiny"))
+    longest = max(len(tok.encode_prompt(p.prompt))
+                  for p in modsum_dataset(size=4, split="val", seed=0))
+    budget = 128 - longest  # the tiny model's max_seq_len: the longest prompt fits exactly
+    with pytest.raises(ValueError, match=rf"^benchmarks.modsum_val: \d of 4 prompts \(the longest "
+                                         rf"{longest} tokens\) do not fit 128 tokens with "
+                                         rf"generation.max_new_tokens={budget + 1}; raise "):
+        pepo_eval.eval_main(_tiny_eval_cfg(tmp_path, generation={"max_new_tokens": budget + 1}))
+    pepo_eval.eval_main(_tiny_eval_cfg(tmp_path / "fits", generation={"max_new_tokens": budget}))
+    assert called == [1]
+    called.clear()
     monkeypatch.setattr(pepo_eval.config, "instantiate", _empty_datasets(pepo_eval.config))
     with pytest.raises(ValueError, match="^benchmarks.modsum_val: its dataset has no problems$"):
         pepo_eval.eval_main(_tiny_eval_cfg(tmp_path))

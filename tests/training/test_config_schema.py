@@ -373,3 +373,7 @@ def test_validation_without_a_val_dataset_is_warned_of(tmp_path):
     assert got == ["validation.every=5 with val_dataset=null: no validation is run (and no "
                    "best checkpoint kept); set val_dataset to validate"]
     assert setting_warnings(validate_config(tiny_cfg(tmp_path, val_dataset=None))) == []
+    assert setting_warnings(validate_config(tiny_cfg(
+        tmp_path, val_dataset=None, validation={"every": 5}, keep_best=False))) == [
+        "validation.every=5 with val_dataset=null: no validation is run; set val_dataset to "
+        "validate"]

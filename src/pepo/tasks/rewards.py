@@ -9,6 +9,7 @@ callable.
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import multiprocessing
 import multiprocessing.connection
@@ -18,7 +19,6 @@ import signal
 import sys
 import threading
 import time
-import warnings
 import weakref
 from typing import Any, Optional, Sequence
 
@@ -139,6 +139,7 @@ _PARENT_ENDS: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _PARENT_ENDS_LOCK = threading.Lock()  # MathVerify objects may spawn from several threads
 _LIVENESS_S = 1.0  # how often an idle worker checks that its parent still exists
 _MAX_TRIES = 2  # a job whose worker dies under it is re-run once, then scores 0
+_log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -235,9 +236,10 @@ class MathVerify:
     may each take ``timeout``) is killed and replaced, and that response scores 0. A worker
     that died on its own (OOM killer, a stray signal) is replaced too, and its response is
     re-run once on the new worker (scoring 0 if that one dies too). A call that scored any
-    response 0 unchecked says so in one ``RuntimeWarning``. A pathological response costs at
-    most that time and never stalls or crashes training. ``workers=0`` checks in the calling
-    thread instead (no hard kill; for debugging).
+    response 0 unchecked says so in one logged warning (a log line, not a Python warning: one
+    made an error by ``-W error`` would crash the training step it reports on). A pathological
+    response costs at most that time and never stalls or crashes training. ``workers=0`` checks
+    in the calling thread instead (no hard kill; for debugging).
 
     The workers die with their owner: on :meth:`close`, on leaving a ``with`` block, when the
     object is garbage-collected, at interpreter exit, and when the owning process is killed
@@ -396,10 +398,10 @@ class MathVerify:
                     lost_slow += 1
                     del busy[slot]
         if lost_slow or lost_died:  # a silent 0 would read as a wrong answer
-            warnings.warn(f"MathVerify: {lost_slow + lost_died} of {len(jobs)} responses scored 0 "
-                          f"unchecked ({lost_slow} over the {limit:g} s limit, {lost_died} whose "
-                          f"worker died {_MAX_TRIES} times); {self.killed} killed, {self.died} "
-                          "died so far", RuntimeWarning, stacklevel=2)
+            _log.warning(f"MathVerify: {lost_slow + lost_died} of {len(jobs)} responses scored 0 "
+                         f"unchecked ({lost_slow} over the {limit:g} s limit, {lost_died} whose "
+                         f"worker died {_MAX_TRIES} times); {self.killed} killed, {self.died} "
+                         "died so far")
         return scores
 
     def _replace(self, slot: int) -> None:

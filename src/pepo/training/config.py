@@ -458,8 +458,9 @@ def setting_warnings(rc: RecipeConfig) -> list[str]:
     """
     out = []
     if rc.validation.every and rc.val_dataset is None:
+        best = " (and no best checkpoint kept)" if rc.keep_best else ""
         out.append(f"validation.every={rc.validation.every} with val_dataset=null: no validation "
-                   f"is run (and no best checkpoint kept); set val_dataset to validate")
+                   f"is run{best}; set val_dataset to validate")
     g = rc.generation
     filters = ([f"generation.top_p={g.top_p:g}"] if g.top_p < 1 else []) + (
         [f"generation.top_k={g.top_k}"] if g.top_k is not None else [])
