@@ -384,8 +384,8 @@ class PEPORecipe(FTRecipeInterface):
                 groups=traj.groups, process_group=self.dist.group, validate=False)  # [b, T]
         t_lp = time.perf_counter() - t_lp
         t_update = time.perf_counter()
-        lr = self.optimizer.param_groups[0]["lr"]  # its first optimizer step's: the scheduler
-        stats = self._update(traj)  # steps after each optimizer step
+        lr = self.optimizer.param_groups[0]["lr"]  # what the step's first optimizer step uses
+        stats = self._update(traj)  # (the scheduler moves it after each)
         stats.times = {"gen_time": t_gen, "logprob_time": t_lp,
                        "update_time": time.perf_counter() - t_update}
         if self.estimator.needs_drift:

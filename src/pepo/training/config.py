@@ -464,13 +464,14 @@ def setting_warnings(rc: RecipeConfig) -> list[str]:
     g = rc.generation
     filters = ([f"generation.top_p={g.top_p:g}"] if g.top_p < 1 else []) + (
         [f"generation.top_k={g.top_k}"] if g.top_k is not None else [])
-    if rc.loss.tis_cap is None or not filters:
-        return out
-    return out + [f"loss.tis_cap={rc.loss.tis_cap:g} with {' and '.join(filters)}: the engine's "
-            f"log-prob is the filtered, renormalised distribution's and the trainer's the full "
-            f"one's, so each weight min(pi_old / mu, C) is about the sampled token's kept mass "
-            f"(< 1, least where entropy is high): it scales the loss by the filter, not only by "
-            f"the engines' numerics (top_p=1 and top_k=null leave only those)"]
+    if rc.loss.tis_cap is not None and filters:
+        out.append(f"loss.tis_cap={rc.loss.tis_cap:g} with {' and '.join(filters)}: the engine's "
+                   f"log-prob is the filtered, renormalised distribution's and the trainer's the "
+                   f"full one's, so each weight min(pi_old / mu, C) is about the sampled token's "
+                   f"kept mass (< 1, least where entropy is high): it scales the loss by the "
+                   f"filter, not only by the engines' numerics (top_p=1 and top_k=null leave "
+                   f"only those)")
+    return out
 
 
 def check_tokenizer_dir(cfg: DictConfig) -> None:
