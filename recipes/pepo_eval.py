@@ -337,12 +337,14 @@ def _evaluate(cfg: DictConfig, setup: dict[str, Any]) -> dict[str, float]:
                           "truncated": share, "seconds": round(seconds, 1),
                           "prompts": setup["prompts"][name],
                           "dataset": flatten_config(b.dataset)}
+            note = "" if not share else (f"; {100 * share:.1f}% of responses truncated, scored "
+                                         f"on their text")
             log.info(f"{name}: avg@{b.k} = {100 * avg:.2f} over {len(problems)} problems "
-                     f"({seconds:.1f}s" + ("" if share is None else
-                                            f"; {100 * share:.1f}% of responses truncated, "
-                                            f"scored on their text") + ")")
+                     f"({seconds:.1f}s{note})")
             js = _save(cfg, setup, done)  # a stop later keeps this benchmark
-        js = _save(cfg, setup, done)
+        # every benchmark kept: the file, and its row's place in the table, stay as they were
+        if not js.is_file():
+            js = _save(cfg, setup, done)
         table, everything = _write_summary(Path(str(cfg.output_dir)))
     finally:
         _close(setup["reward"], setup["engine"], setup["lock"])

@@ -264,9 +264,12 @@ def test_results_under_other_settings_are_refused_not_replaced(tmp_path, monkeyp
     # written out, the GPU's index
     calls = []
     monkeypatch.setattr(pepo_eval, "avg_at_k", lambda *a, **k: calls.append(1) or 0.5)
+    js = tmp_path / "out" / "tiny_base" / "eval_results.json"
+    before = js.stat().st_mtime_ns
     pepo_eval.eval_main(_tiny_eval_cfg(tmp_path, batch_size=3, compute_dtype="fp32",
                                        generation={"top_k": None}))
     assert calls == []  # kept, not refused or sampled again
+    assert js.stat().st_mtime_ns == before  # nor rewritten (the table orders rows by it)
 
 
 def test_auto_precision_is_compared_as_what_it_chose(tmp_path, monkeypatch):
