@@ -384,3 +384,12 @@ def test_the_audit_script_compares_the_last_stated_result_with_the_reward(tmp_pa
         mod.main([str(val)])
     with pytest.raises(SystemExit, match="has a val_rollouts/ directory"):
         mod.main(["--validation", str(run)])
+
+
+def test_several_boxed_answers_are_read_as_a_set_as_documented():
+    """Pins what math_verify_score's docstring says of several boxes (math-verify reads them as
+    one set): a repeated final box scores, an intermediate box before the final one does not.
+    Catches the docstring going stale when math-verify or the extraction changes."""
+    assert R.math_verify_score("so \\boxed{5}.\nCheck: \\boxed{5}", "5") == 1.0
+    assert R.math_verify_score("first \\boxed{3}\nfinal \\boxed{5}", "5") == 0.0
+    assert R.math_verify_score("first \\boxed{3}\nfinal \\boxed{5}", "3, 5") == 1.0

@@ -115,6 +115,11 @@ def math_verify_score(
     final answer must be a number as written (an integer, a decimal, a ``\\frac`` of integers:
     sympy's ``is_Number``), which is what an arithmetic task asks for.
 
+    Several ``\\boxed{}`` answers are read together as a set (math-verify's rule for problems
+    with several answers): ``\\boxed{5}`` twice scores as 5, but an intermediate ``\\boxed{3}``
+    before a final ``\\boxed{5}`` is ``{3, 5}`` and scores 0 against 5, where a last-box rule
+    (verl's ``last_boxed_only_string``) would score 1.
+
     Runs math-verify's own SIGALRM timeouts, so call it from a main thread (the
     :class:`MathVerify` workers do). Any error scores 0.
     """
