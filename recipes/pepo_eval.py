@@ -278,7 +278,7 @@ def _setup(cfg: DictConfig) -> dict[str, Any]:
     return dict(device=device, tokenizer=tokenizer, stop_tokens=stop_tokens, data=data,
                 reward=reward, engine=engine, lock=lock, label=label, config=c,
                 prompts=prompts, weights=weights, settings=_settings(cfg, c),
-                done=_reusable(previous, cfg, weights, prompts))
+                done=_reusable(previous, cfg, weights, prompts), finished=[])
 
 
 def _close(*owners: Any) -> None:
@@ -342,6 +342,7 @@ def _evaluate(cfg: DictConfig, setup: dict[str, Any]) -> dict[str, float]:
             log.info(f"{name}: avg@{b.k} = {100 * avg:.2f} over {len(problems)} problems "
                      f"({seconds:.1f}s{note})")
             js = _save(cfg, setup, done)  # a stop later keeps this benchmark
+            setup["finished"].append(name)
         # every benchmark kept: the file, and its row's place in the table, stay as they were
         if not js.is_file():
             js = _save(cfg, setup, done)
@@ -406,15 +407,15 @@ def _main(cfg: DictConfig) -> None:
     except KeyboardInterrupt:
         print("interrupted while loading, before any benchmark was evaluated", file=sys.stderr)
         sys.exit(130)
-    saved = len(setup["done"])
     try:
         _evaluate(cfg, setup)
     except RewardError as e:  # the user's reward code: one line
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
         js = _results_dir(cfg, setup["label"]) / "eval_results.json"
-        kept = len(json.loads(js.read_text(encoding="utf-8"))["results"]) if js.is_file() else 0
-        print(f"interrupted: {kept - saved} benchmark(s) finished in this run"
+        new = len(setup["finished"])
+        kept = len(setup["done"]) + new  # what the file holds once this run saved anything
+        print(f"interrupted: {new} benchmark(s) finished in this run"
               + (f"; {js} keeps {kept}, and the same command evaluates the rest" if kept
                  else ", none is kept"), file=sys.stderr)
         sys.exit(130)
