@@ -316,6 +316,32 @@ def test_advantages_reaching_the_loss_are_the_strategy_on_rollout_entropies(
                                selected[:half])
 
 
+@pytest.mark.parametrize("generation", [{"repetition_penalty": 1.5},
+                                        {"generation_kwargs": {"no_repeat_ngram_size": 2}}])
+def test_a_processor_before_sampling_means_a_forward_not_the_recorded_logits(
+        model_dir, tmp_path, generation):
+    """Under a repetition penalty (or another of generate()'s logit processors, which run before
+    the recorder) the logits generate() samples from are not the policy's. Catches the adapter
+    recording them anyway: GTPO's weights would then come from the penalised distribution, where
+    TRL's forward and loss, and the row-wise strategies, read the policy's. The adapter runs one
+    no-grad forward per generation instead (counted against plain TRL)."""
+    args = config(tmp_path, **generation)
+    params = {"alpha1": 1.0, "alpha2": 0.3}
+    ours = train(RecordingPepo, model_dir, args, pepo_strategy="gtpo", pepo_params=params)
+    gen = ours.generations[0]
+    mask = gen["completion_mask"].bool()
+    ent = rollout_entropies(model_dir, gen)
+    texts = ours.processing_class.batch_decode(gen["completion_ids"], skip_special_tokens=True)
+    success = torch.tensor(reward_has_seven(texts)) > 0
+    seq_adv = ours.sequence_advantages[0]
+    groups = torch.arange(len(seq_adv)) // args.num_generations
+    expected = pw.get_strategy("gtpo", **params)(seq_adv, ent.float(), mask, positive=success,
+                                                 groups=groups)
+    torch.testing.assert_close(gen["advantages"], expected, rtol=1e-4, atol=1e-5)
+    plain = train(RecordingGRPO, model_dir, config(tmp_path / "plain", **generation))
+    assert len(ours.forwards) == len(plain.forwards) + len(ours.generations)
+
+
 class InjectingGRPO(RecordingGRPO):
     """Plain TRL whose loss gets the strategy's token advantages computed here, independently of
     the adapter: on entropies of a fresh float64 copy of the initial model (the rollout policy
@@ -525,6 +551,33 @@ def test_bad_strategy_or_params_fail_before_training(model_dir, tmp_path, monkey
             PepoGRPOTrainer(model=str(model_dir), reward_funcs=reward_has_seven,
                             args=config(tmp_path), train_dataset=dataset(), **kw)
     assert loads == []
+
+
+def test_liger_loss_that_bypasses_the_weights_is_refused(model_dir, tmp_path, monkeypatch):
+    """TRL before 1.16 computes the loss with Liger's kernel (``compute_liger_loss``, sequence
+    advantages only) when ``use_liger_kernel=True``, never calling ``_compute_loss``: training
+    would run as plain GRPO in silence. Catches the check missing, or made on a TRL without that
+    path (1.16 routes Liger through ``_compute_loss``: accepted there), or for ``uniform``."""
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    args = config(tmp_path, use_liger_kernel=True)
+    loaded = []
+    def stand_in(self, *a, **k):  # TRL's __init__, loading nothing
+        loaded.append(1)
+        self.reward_funcs = [reward_has_seven]
+
+    monkeypatch.setattr(GRPOTrainer, "__init__", stand_in)
+    kw = dict(model=model, reward_funcs=reward_has_seven, args=args, train_dataset=dataset(),
+              processing_class=tok)
+    PepoGRPOTrainer(**kw)  # this TRL: no Liger loss path, nothing to refuse
+    monkeypatch.setattr(GRPOTrainer, "compute_liger_loss", lambda *a: None, raising=False)
+    PepoGRPOTrainer(pepo_strategy="uniform", **kw)  # nothing to drop
+    assert len(loaded) == 2
+    with pytest.raises(ValueError, match="use_liger_kernel=True: this TRL version"):
+        PepoGRPOTrainer(pepo_strategy="gtpo", **kw)
+    with pytest.raises(ValueError, match="'proximal_softmax' with use_liger_kernel"):
+        PepoGRPOTrainer(model, reward_has_seven, args)  # args given by position
+    assert len(loaded) == 2  # refused before TRL loaded anything
 
 
 def test_several_reward_functions_without_pepo_success_warn_once(model_dir, tmp_path):

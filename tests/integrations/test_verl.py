@@ -169,6 +169,18 @@ def test_config_errors_name_the_fix():
         pv.strategy_from_config(OmegaConf.create({"strategy": "no_such"}))
     strategy, _ = pv.strategy_from_config(OmegaConf.create({"strategy": "gtpo"}))
     assert strategy.name == "gtpo"  # accepted: the trainer passes the groups (uid)
+    # a parameter outside params (dropped before: trained with the default window of 101), a
+    # misspelt threshold (dropped: 0), a threshold that is not a number (float's own message)
+    with pytest.raises(ValueError, match=r"pepo.window is not a key.*\+pepo.params.window="):
+        pv.strategy_from_config(OmegaConf.create({"strategy": "proximal_softmax", "window": 5}))
+    with pytest.raises(ValueError, match="pepo.sucess_threshold is not a key"):
+        pv.strategy_from_config(OmegaConf.create({"strategy": "gtpo", "sucess_threshold": 0.5}))
+    with pytest.raises(ValueError, match="pepo.success_threshold must be a number.*'high'"):
+        pv.strategy_from_config(OmegaConf.create({"strategy": "gtpo",
+                                                  "success_threshold": "high"}))
+    strategy, threshold = pv.strategy_from_config(OmegaConf.create(
+        {"strategy": "proximal_softmax", "params": {"window": 5}, "success_threshold": "0.5"}))
+    assert (strategy.params["window"], threshold) == (5, 0.5)
 
 
 def test_the_trainer_checks_its_pepo_section_before_verl_builds_anything(monkeypatch):

@@ -31,7 +31,10 @@ What it feeds the strategy, following the paper:
     adapter records them while ``transformers``' ``generate`` samples the completions (a logits
     processor that reads each step's logits and changes nothing). Where generation does not go
     through ``generate`` (vLLM without the importance-sampling correction, continuous batching,
-    tool calling, a ``rollout_func``) it adds one no-grad forward over the generation batch.
+    tool calling, a ``rollout_func``), or where ``generate`` changes the logits before sampling
+    (a ``repetition_penalty`` other than 1, or ``generation_kwargs`` such as ``suppress_tokens``
+    or ``min_new_tokens``), it adds one no-grad forward over the generation batch, so that every
+    strategy reads the policy's entropies, as TRL's own forward and loss do.
     ``uniform`` needs no entropies.
 
 - **successful completions** (``positive=``) from TRL's rewards: the weighted sum of the reward
@@ -83,15 +86,27 @@ __all__ = ["EntropyRecorder", "PepoGRPOTrainer", "top_fifth_weight_share"]
 # _compute_loss when the loss's policy is the rollout policy, with no forward of their own.
 ROW_WISE = frozenset({"proximal_softmax", "window_average", "entropy_bonus"})
 
+# generate() settings that add no logits processor before EntropyRecorder: the warpers (which run
+# after it), lengths, ids and the cache. Any other (a repetition penalty other than 1, suppressed
+# tokens, a minimum length, n-gram blocking, a sequence bias, ...) changes the logits the recorder
+# would read, which are then not the policy's that TRL's forward and loss see.
+_RECORDABLE = frozenset({
+    "max_new_tokens", "max_length", "do_sample", "pad_token_id", "bos_token_id", "eos_token_id",
+    "temperature", "top_p", "top_k", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
+    "top_h", "repetition_penalty", "cache_implementation", "use_cache", "disable_compile",
+})
+
 
 class EntropyRecorder(LogitsProcessor):
     """Records the entropy of each generation step's distribution at ``temperature``, changing
     nothing.
 
     ``generate`` runs custom processors after its own logit processors (repetition penalty,
-    suppressed tokens, …) and before its warpers (temperature, top-k, top-p, min-p): with TRL's
-    defaults the scores seen here are the model's logits, and ``softmax(scores / temperature)``
-    is the distribution TRL's forward computes its entropies from.
+    suppressed tokens, …) and before its warpers (temperature, top-k, top-p, min-p): without
+    such processors the scores seen here are the model's logits, and
+    ``softmax(scores / temperature)`` is the distribution TRL's forward computes its entropies
+    from. :class:`PepoGRPOTrainer` records only then; with a repetition penalty or another
+    processor it runs one forward instead.
     """
 
     def __init__(self, temperature: float) -> None:
@@ -158,8 +173,9 @@ class PepoGRPOTrainer(GRPOTrainer):
 
     Raises:
         ValueError: an unknown strategy, a bad parameter, ``process_group`` in ``pepo_params``,
-            ``pepo_params`` not a mapping or ``pepo_success`` not callable (before TRL loads
-            anything).
+            ``pepo_params`` not a mapping, ``pepo_success`` not callable, or
+            ``use_liger_kernel=True`` on a TRL whose loss then bypasses ``_compute_loss`` (before
+            TRL loads anything).
     """
 
     def __init__(
@@ -182,6 +198,16 @@ class PepoGRPOTrainer(GRPOTrainer):
             raise ValueError(
                 "pepo_params must not set process_group: PepoGRPOTrainer passes the trainer's own "
                 "when it runs on several processes"
+            )
+        trl_args = kwargs.get("args", args[2] if len(args) > 2 else None)
+        if (pepo_strategy != "uniform" and getattr(trl_args, "use_liger_kernel", False)
+                and hasattr(type(self), "compute_liger_loss")):
+            # TRL before 1.16 computes the loss with Liger's kernel, which takes sequence
+            # advantages [B] and never calls _compute_loss: every weighting would be dropped
+            raise ValueError(
+                f"pepo_strategy={pepo_strategy!r} with use_liger_kernel=True: this TRL version "
+                f"computes the loss with Liger's fused kernel, which takes no token advantages, "
+                f"so pepo's weights would be dropped; set use_liger_kernel=False or use TRL 1.16"
             )
         self.pepo_strategy_name = pepo_strategy
         self.pepo_params = params
@@ -315,9 +341,15 @@ class PepoGRPOTrainer(GRPOTrainer):
 
     def _pepo_generates_with_transformers(self) -> bool:
         """Whether this generation samples every completion in one ``transformers`` ``generate``
-        call (TRL's default), where :class:`EntropyRecorder` can see each step."""
-        return not (self.use_vllm or self.use_transformers_continuous_batching
-                    or self.rollout_func is not None or self.tools)
+        call (TRL's default), where :class:`EntropyRecorder` can see each step, with logits that
+        are the policy's: no repetition penalty and no other ``generation_kwargs`` that add a
+        logits processor before the recorder (then the adapter runs a forward instead)."""
+        if (self.use_vllm or self.use_transformers_continuous_batching
+                or self.rollout_func is not None or self.tools):
+            return False
+        kwargs = getattr(self, "generation_kwargs", None) or {}
+        penalty = kwargs.get("repetition_penalty")
+        return penalty in (None, 1.0) and all(k in _RECORDABLE for k in kwargs)
 
     def pepo_success(self, local_count: int) -> torch.Tensor:
         """This process's successful completions (bool ``[B]``) from the rewards TRL computed for

@@ -110,20 +110,37 @@ def check_adv_estimator(algorithm: Optional[Mapping[str, Any]]) -> Optional[str]
     return name
 
 
+_PEPO_KEYS = ("strategy", "params", "success_threshold")
+
+
 def strategy_from_config(cfg: Optional[Mapping[str, Any]]) -> tuple[pw.Strategy, float]:
     """The strategy and success threshold named by verl's top-level ``pepo`` config block.
 
     Raises:
-        ValueError: no ``pepo.strategy``, an unknown strategy or a bad parameter.
+        ValueError: no ``pepo.strategy``, an unknown strategy or a bad parameter, a key of the
+            block other than ``strategy``, ``params`` and ``success_threshold`` (a parameter
+            written as ``+pepo.window=5`` would be dropped), or a threshold that is not a number.
     """
     if cfg is None or cfg.get("strategy") is None:
         raise ValueError(
             "trainer.v1.trainer_mode=pepo needs a strategy: add +pepo.strategy=NAME (one of "
             f"{', '.join(pw.list_strategies())}) and its parameters as +pepo.params.KEY=VALUE"
         )
+    unknown = sorted(str(k) for k in cfg.keys() if k not in _PEPO_KEYS)
+    if unknown:
+        raise ValueError(
+            f"pepo.{unknown[0]} is not a key of verl's pepo block (strategy, params, "
+            f"success_threshold); a strategy's parameter goes in +pepo.params.{unknown[0]}=VALUE"
+        )
     params = dict(cfg.get("params") or {})
     strategy = pw.get_strategy(str(cfg["strategy"]), **params)
-    return strategy, float(cfg.get("success_threshold", 0.0))
+    threshold = cfg.get("success_threshold", 0.0)
+    try:
+        threshold = float(threshold)
+    except (TypeError, ValueError):
+        raise ValueError(f"pepo.success_threshold must be a number (a rollout succeeds when its "
+                         f"reward is above it), got {threshold!r}") from None
+    return strategy, threshold
 
 
 def group_ids(uids: Sequence[Any]) -> torch.Tensor:
@@ -190,6 +207,9 @@ def token_advantages(
 
 _NO_ENTROPY = ("pepo needs the rollout entropies that verl's _compute_old_log_prob writes; "
                "algorithm.rollout_correction.bypass_mode=True skips that pass: set it to False")
+_NO_ENTROPY_FIELD = ("verl's batch holds no 'entropy' field at its advantage step: pepo reads "
+                     "the rollout entropies that verl 0.9.1's _compute_old_log_prob writes "
+                     "there, which this verl version names otherwise or does not keep")
 
 
 @register_trainer("pepo")
@@ -219,8 +239,8 @@ class PepoPPOTrainer(PPOTrainerSync):
             keys=batch.keys, partition_id=batch.partition_id,
             select_fields=["advantages", "entropy", "response_mask", "rm_scores", "uid"],
         )
-        if data.get("entropy", None) is None:
-            raise ValueError(_NO_ENTROPY)
+        if data.get("entropy", None) is None:  # bypass_mode was refused in __init__
+            raise ValueError(_NO_ENTROPY_FIELD)
         nested_mask = data["response_mask"]
         padded = data.to_padded_tensor()
         groups = group_ids(padded.pop("uid").tolist())  # as verl's own advantage step reads it

@@ -267,7 +267,9 @@ def dump_records(traj: Trajectory, *, step: int, strategy: str,
                  id_to_token: Any) -> list[dict[str, Any]]:
     """One record per rollout of this rank (``rollouts/step_NNNNNN.jsonl``): the inputs of the
     strategy and its token advantages, so that ``get_strategy(strategy, **params)(advantage,
-    entropies, mask, positive=success)`` over a step's file gives back ``token_advantages``.
+    entropies, mask, positive=success)`` over a step's file gives back ``token_advantages``
+    (``gtpo`` also takes ``groups=``: the rows' ``prompt_id``, numbered in order of first
+    appearance).
     ``token_weights`` is token advantage / advantage (None where the advantage is 0)."""
     records = []
     adv, success = traj.advantages, traj.success
