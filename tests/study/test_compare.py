@@ -423,6 +423,28 @@ def test_mechanism_pools_seeds_and_takes_one_warm_start_dump_per_seed(study, tmp
     assert again["mean_entropy"] == pytest.approx(saved["mean_entropy"], rel=1e-6)
 
 
+def test_diagnostics_use_the_configs_window(study, tmp_path):
+    """The entropy-structure section of a task without the powered study (tiny: W = 11) gives
+    its difficulty table and weight mass at the W its strategies trained with. Catches the
+    largest of the curves' windows (21) used instead, as the published tiny tables once were,
+    and a printed command that would not reproduce them."""
+    from tests.study.test_analysis import trend_and_shift, write_dump
+
+    out = tmp_path / "runs"
+    rows = [{"task": "tiny", "mode": "group", "method": "PEPO", "seed": 0, "num_steps": 10}]
+    d = study.run_dir(out, "tiny", "group", "PEPO", 0) / "rollouts"
+    rewards = [1.0 if i % 8 < 3 else 0.0 for i in range(16)]
+    write_dump(d / "step_000010.jsonl", trend_and_shift(n=16, T=60).tolist(), rewards,
+               [f"p{i // 8}" for i in range(16)])
+    text = study.run_diagnostics("tiny", rows, out, tmp_path / "docs", (5, 21))
+    assert "--windows 5 11 21 --window 11 --out" in text
+    table = text[text.index("by prompt difficulty"):]
+    assert "W = 11)" in table.splitlines()[0]
+    row = next(x for x in table.splitlines() if x.startswith("| Moderate |"))
+    assert abs(float(row.split("|")[4]) - 1 / 11) < 0.01  # proximal entropy's mean is 1/W
+    assert "proximal_11_max_abs" in text and "proximal_5_max_abs" in text
+
+
 def test_the_reported_command_can_be_pasted(study):
     """The report's command quotes a label with spaces and drops where files went: catches a
     plain join ("--methods 80/20, proximal score" is three arguments in a shell) and a machine

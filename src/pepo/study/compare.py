@@ -475,7 +475,8 @@ def mechanism_sections(task: str, results: list[dict], out: Path, docs: Path) ->
 
 def run_diagnostics(task: str, results: list[dict], out: Path, docs: Path,
                     windows: tuple[int, ...]) -> Optional[str]:
-    """``pepo.study.analysis`` of the first dump of one PEPO run: the task's entropy structure."""
+    """``pepo.study.analysis`` of the first dump of one PEPO run: the task's entropy structure,
+    its difficulty table and weight mass at the config's W (``windows`` and W in the curves)."""
     pepo = sorted((r for r in results if (r["task"], r["mode"], r["method"]) ==
                    (task, "group", "PEPO")), key=lambda r: r["seed"])
     if not pepo:
@@ -484,12 +485,15 @@ def run_diagnostics(task: str, results: list[dict], out: Path, docs: Path,
                    .glob("step_*.jsonl"))
     if not dumps:
         return None
+    register_resolvers()
+    w = int(OmegaConf.load(find_config(CONFIGS[task]["group"])).strategy.proximal_softmax.window)
+    windows = tuple(sorted({*windows, w}))
     dest = docs / "images" / f"analysis_{task}"
-    files = analysis.run(dumps[0], dest, windows=windows)
+    files = analysis.run(dumps[0], dest, windows=windows, window=w)
     return (f"### Entropy structure of {task} (the rollouts of the first dumped step of PEPO, "
             f"seed {pepo[0]['seed']})\n\n"
             f"`python -m pepo.study.analysis RUN/rollouts/{dumps[0].name} --windows "
-            + " ".join(map(str, windows)) + f" --out docs/images/analysis_{task}`\n\n"
+            + " ".join(map(str, windows)) + f" --window {w} --out docs/images/analysis_{task}`\n\n"
             + files["profile_md"].read_text(encoding="utf-8") + "\n"
             + files["difficulty_md"].read_text(encoding="utf-8")
             + f"\n![positional bias](images/analysis_{task}/positional_bias.png)\n\n"
