@@ -161,10 +161,13 @@ def test_differences_without_spread_are_not_testable(tmp_path):
     ({"num_steps": 8}, "run 'PEPO' seed 2 has num_steps=8 where run 'GRPO' seed 0 has 40"),
     ({"mode": "single_stream"}, "has mode='single_stream' where"),
     ({"val_after": float("nan")}, "run 'PEPO' seed 2: val_after is nan, not a finite accuracy"),
+    # a second copy of PEPO's seed 1 (a copied result file): counted as a fifth pair before
+    ({"seed": 1}, "run 'PEPO' seed 1 has two results"),
 ])
 def test_runs_of_other_settings_or_without_an_accuracy_are_refused(change, message):
     """A run of 8 steps read into a 40-step study, a single-stream run beside group runs, a
-    NaN accuracy (statistics.stdev failed on it with an AttributeError)."""
+    NaN accuracy (statistics.stdev failed on it with an AttributeError), one method's seed
+    twice."""
     results = [{**r, "task": "t", "mode": "group", "num_steps": 40, "val_k": 2,
                 "val_problems": 43} for r in _runs("GRPO", range(4), [0.4, 0.5, 0.6, 0.5])
                + _runs("PEPO", range(4), [0.45, 0.5, 0.65, 0.5])]
@@ -267,6 +270,9 @@ def test_cli_family_is_the_studys_methods_as_its_report_tests_them(tmp_path, cap
     assert "3 comparisons" in named and "| PEPO, W = 11 |" in named
     with pytest.raises(SystemExit, match="--methods 'Pepo' has no runs here"):
         power.main([str(runs), "--out", str(tmp_path / "c"), "--methods", "PEPO", "Pepo"])
+    # the baseline among --methods was compared with itself: a comparison more, wider intervals
+    with pytest.raises(SystemExit, match="--methods names the baseline 'GRPO'"):
+        power.main([str(runs), "--out", str(tmp_path / "c"), "--methods", "GRPO", "PEPO"])
     for bad in (["--alpha", "0"], ["--alpha", "1.5"], ["--methods", "PEPO", "PEPO"]):
         with pytest.raises(SystemExit) as e:
             power.main([str(runs), "--out", str(tmp_path / "d"), *bad])

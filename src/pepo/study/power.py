@@ -49,15 +49,21 @@ def no_spread(diffs: Sequence[float]) -> bool:
 
 def check_comparable(results: Sequence[dict]) -> None:
     """Refuses results that cannot be compared: a ``val_after`` that is not a finite number,
-    or runs whose :data:`SETTINGS` differ (a run of 8 steps beside runs of 40, single-stream
-    beside group mode).
+    runs whose :data:`SETTINGS` differ (a run of 8 steps beside runs of 40, single-stream
+    beside group mode), or two results of one method and seed (a copied file would count a
+    seed twice, as two pairs).
 
     Raises:
         ValueError: naming the run (method and seed) and the setting.
     """
     first = None
+    seen = set()
     for r in results:
         name = f"run {r.get('method')!r} seed {r.get('seed')}"
+        if (r.get("method"), r.get("seed")) in seen:
+            raise ValueError(f"{name} has two results: each seed of a method is counted once "
+                             f"(remove the copy)")
+        seen.add((r.get("method"), r.get("seed")))
         v = r.get("val_after")
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             raise ValueError(f"{name}: val_after is {v!r}, not a finite accuracy")
@@ -337,6 +343,9 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         raise SystemExit(f"error: --base {args.base!r} has no runs here; methods found: "
                          f"{', '.join(sorted({r['method'] for r in results}))}")
     found = {r["method"] for r in results}
+    if args.methods and args.base in args.methods:
+        raise SystemExit(f"error: --methods names the baseline {args.base!r}, which each method "
+                         f"is compared with (as a comparison with itself it widens the others)")
     if args.methods and (absent := [m for m in args.methods if m not in found]):
         raise SystemExit(f"error: --methods {absent[0]!r} has no runs here (a smaller family "
                          f"would narrow the intervals); methods found: {', '.join(sorted(found))}")
