@@ -157,7 +157,12 @@ def _relative_deviation(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _bins(mask: torch.Tensor, n_bins: int) -> torch.Tensor:
-    """Generation-percentile bin of every token: ``floor(t / T * n_bins)``."""
+    """Generation-percentile bin of every token: ``floor(t / T * n_bins)``.
+
+    A response of ``T < n_bins`` tokens puts its first token in the first bin and never reaches
+    the last, so where many responses are short the first bin weighs more than the last; the
+    midpoint rule ``floor((t + 1/2) / T * n_bins)`` is symmetric. The published tables use
+    this rule (docs/results.md says by how much the midpoint rule differs on SmolLM2)."""
     t = torch.arange(mask.shape[1], dtype=torch.float32)
     T = mask.sum(-1, keepdim=True).clamp_min(1).float()
     return (t / T * n_bins).floor().clamp_max(n_bins - 1).long()  # [N, T]
