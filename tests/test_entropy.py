@@ -105,6 +105,13 @@ def test_a_target_of_minus_inf_logit_gets_the_lowest_finite_logprob(vocab_block)
     torch.testing.assert_close(lp[rest].double(), r_lp[rest], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ent.double(), r_ent, rtol=1e-5, atol=1e-5)
     assert torch.isfinite(x.grad).all()
+    # the floor is a constant: no gradient from that token (it had g/τ at its masked column
+    # and -g·p/τ on the row's others), the other rows' gradients the reference's
+    assert (x.grad[1, 2] == 0).all()
+    r_x = logits[..., :10].double().requires_grad_(True)
+    r_lp, _ = ref(r_x, targets % 10)
+    r_lp[rest].sum().backward()
+    torch.testing.assert_close(x.grad[..., :10].double(), r_x.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_bf16_logits_computed_in_fp32(vocab_block):
@@ -421,18 +428,18 @@ def _saved_bytes(fn):
 
 def test_autograd_saves_no_softmax_sized_tensor():
     # A naive log_softmax saves its [N, V] fp32 output; the chunked function saves only its
-    # inputs and one fp32 per row.
+    # inputs and two fp32 per row (the logsumexp and the log-prob).
     n, v = 64, 1000
     logits = torch.randn(n, v, requires_grad=True)
     targets = torch.randint(0, v, (n,))
     naive = _saved_bytes(lambda: torch.log_softmax(logits, -1).gather(1, targets[:, None]))
     ours = _saved_bytes(lambda: logprobs_and_entropy(logits, targets, chunk_size=8))
     assert naive >= n * v * 4
-    assert ours <= n * v * 4 + n * 8 + n * 4  # logits (a reference, not a copy), targets, lse
+    assert ours <= n * v * 4 + n * 8 + 2 * n * 4  # logits (a reference), targets, lse, lp
     h = torch.randn(n, 32, requires_grad=True)
     w = torch.randn(v, 32, requires_grad=True)
     ours_h = _saved_bytes(lambda: logprobs_and_entropy_from_hidden(h, w, targets, chunk_size=8))
-    assert ours_h <= (n * 32 + v * 32) * 4 + n * 8 + n * 4  # no [N, V] at all
+    assert ours_h <= (n * 32 + v * 32) * 4 + n * 8 + 2 * n * 4  # no [N, V] at all
 
 
 def test_errors():

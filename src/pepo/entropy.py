@@ -21,10 +21,10 @@ elsewhere the vocabulary is one block.
 Log-probs carry gradient; entropies are returned detached (they are importance signals, not
 part of the objective). ``-inf`` logits (masked vocabulary entries) are safe: they have
 probability 0, contribute 0 to the entropy and get gradient 0. A target whose logit is ``-inf``
-gets the lowest finite fp32 log-prob instead of ``-inf``. A row of all ``-inf`` has no
-distribution, nor has a row with a NaN or ``+inf`` logit (including logits that overflow after
-dividing by the temperature) has no distribution: its log-prob and entropy are NaN, never a
-finite stand-in, so a non-finite check downstream sees it.
+gets the lowest finite fp32 log-prob instead of ``-inf``, a constant: no gradient flows from it.
+A row of all ``-inf`` has no distribution, nor has a row with a NaN or ``+inf`` logit (including
+logits that overflow after dividing by the temperature): its log-prob and entropy are NaN,
+never a finite stand-in, so a non-finite check downstream sees it.
 """
 
 from __future__ import annotations
@@ -96,16 +96,16 @@ class _FromLogits(torch.autograd.Function):
             lp, ent, lse = _chunked(logits, chunk, lambda s, e: _blocked_stats(
                 lambda a, b: _logits_block(logits[s:e], a, b, temperature), targets[s:e],
                 blocks, dt))
-        ctx.save_for_backward(logits, targets, lse)
+        ctx.save_for_backward(logits, targets, lse, lp)
         ctx.chunk, ctx.temperature, ctx.blocks = chunk, temperature, blocks
         ctx.mark_non_differentiable(ent)
         return lp, ent
 
     @staticmethod
     def backward(ctx: Any, g_lp: torch.Tensor, g_ent: Optional[torch.Tensor]):  # type: ignore[override]
-        logits, targets, lse = ctx.saved_tensors
+        logits, targets, lse, lp = ctx.saved_tensors
         grad = torch.empty_like(logits)
-        g_lp = g_lp.to(lse.dtype)
+        g_lp = _unfloored(g_lp.to(lse.dtype), lp)
         with _no_autocast(logits.device.type):
             for s in range(0, logits.shape[0], ctx.chunk):
                 e = min(s + ctx.chunk, logits.shape[0])
@@ -176,6 +176,12 @@ def _in_block(targets: torch.Tensor, a: int, b: int) -> tuple[torch.Tensor, torc
     """Which ``targets`` fall in columns ``a..b``, and their columns there ``[n, 1]`` (clamped
     into the block for the others, whose entries the caller discards)."""
     return (targets >= a) & (targets < b), (targets - a).clamp(0, b - a - 1)[:, None]
+
+
+def _unfloored(g: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
+    """The log-probs' gradient ``g`` with 0 where the log-prob is the floor (a target of logit
+    ``-inf``): the floor is a constant, so nothing flows back from it."""
+    return torch.where(lp == _LOGPROB_FLOOR, 0.0, g)
 
 
 def _softmax_grad_(x: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g: torch.Tensor,
@@ -251,7 +257,7 @@ class _FromHidden(torch.autograd.Function):
         with _no_autocast(hidden.device.type):
             lp, ent, lse = _chunked(hidden, chunk, lambda s, e: _blocked_stats(
                 lambda a, b: block(s, e, a, b), targets[s:e], blocks, dt))
-        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.save_for_backward(hidden, weight, targets, lse, lp)
         ctx.chunk, ctx.temperature, ctx.gmm, ctx.blocks = chunk, temperature, gmm, blocks
         ctx.kept = kept
         ctx.mark_non_differentiable(ent)
@@ -259,9 +265,9 @@ class _FromHidden(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g_lp: torch.Tensor, g_ent: Optional[torch.Tensor]):  # type: ignore[override]
-        hidden, weight, targets, lse = ctx.saved_tensors
+        hidden, weight, targets, lse, lp = ctx.saved_tensors
         kept, ctx.kept = ctx.kept, None
-        g_lp = g_lp.to(lse.dtype)
+        g_lp = _unfloored(g_lp.to(lse.dtype), lp)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         cast = ctx.gmm != weight.dtype  # autocast: the gradient's products in its dtype
         acc = lse.dtype  # each block's share of a gradient is summed in fp32 (fp64)
