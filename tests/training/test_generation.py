@@ -124,6 +124,25 @@ def test_generation_is_reproducible_from_the_generator(model):
     assert not model.caches_are_setup()
 
 
+def test_without_seeds_each_row_draws_the_same_in_any_batch_and_decoder(model):
+    """Without ``seeds`` the rows' seeds come from the generator, once before any split, for
+    either decoder. Catches the reference decoder drawing from the generator itself
+    (``torch.multinomial``: its tokens then depend on ``batch_size`` and differ from the fast
+    decoder's for the same generator) and seeds drawn per piece of the batch."""
+    kw = dict(max_new_tokens=8, pad_id=0, stop_tokens=[1], temperature=0.9, top_p=0.95)
+    prompts = PROMPTS + [[8]]
+    runs = [G.generate(model, prompts, generator=torch.Generator().manual_seed(5),
+                       decoder=decoder, batch_size=bs, **kw)
+            for decoder in ("reference", "fast") for bs in (None, 1, 3)]
+    runs.append(G.generate(model, prompts, decoder="reference",
+                           seeds=D.draw_seeds(torch.Generator().manual_seed(5), 4), **kw))
+    base = runs[0]
+    assert base.mask.sum() > 8  # rows of several tokens: draws that could differ
+    for ro in runs[1:]:
+        assert torch.equal(ro.tokens, base.tokens) and torch.equal(ro.mask, base.mask)
+        torch.testing.assert_close(ro.logprobs, base.logprobs, rtol=1e-5, atol=1e-5)
+
+
 def test_masks_are_prefixes_and_padding_is_pad(model):
     ro = G.generate(model, PROMPTS * 4, max_new_tokens=12, pad_id=0, stop_tokens=[1, 2, 3],
                     generator=torch.Generator().manual_seed(0))

@@ -3,7 +3,8 @@ per-row uniforms, and the inverse-CDF draw both in-process decoders
 (:mod:`pepo.training.generation`, :mod:`pepo.training.fast_decoder`) sample with.
 
 A row's uniforms are a function of its seed and the decoding step only, so a row samples the
-same tokens whatever batch, decoder or process decodes it.
+same tokens whatever batch, decoder or process decodes it. Without seeds, the decoders draw the
+rows' seeds from the caller's generator (:func:`draw_seeds`), once for the whole batch.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ def filter_logits(
 ) -> torch.Tensor:
     """Temperature-scaled fp32 logits with tokens outside the top-k / nucleus set to ``-inf``.
 
-    Top-p keeps the smallest set of most likely tokens whose probability reaches ``top_p``
-    (always at least the most likely one), after top-k, as Hugging Face and vLLM do.
+    Top-k keeps every token whose logit is at least the k-th largest, so more than k where
+    logits tie there (as Hugging Face's ``TopKLogitsWarper`` does). Top-p keeps the smallest set
+    of most likely tokens whose probability reaches ``top_p`` (always at least the most likely
+    one), after top-k, as Hugging Face and vLLM do.
 
     Shape:
         logits: ``[B, V]`` → ``[B, V]``.
@@ -119,15 +122,11 @@ def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, x, right=True).squeeze(-1).clamp_max(probs.shape[-1] - 1)
 
 
-def draw_token(logits: torch.Tensor, u: Optional[torch.Tensor],
-               generator: Optional[torch.Generator], temperature: float,
+def draw_token(logits: torch.Tensor, u: torch.Tensor, temperature: float,
                top_k: Optional[int], top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row from ``logits`` ``[b, V]`` after the filters, and its log-probability
-    under the filtered distribution: inverse-CDF with the uniforms ``u`` ``[b]``, or
-    ``torch.multinomial`` with ``generator`` when ``u`` is None."""
+    under the filtered distribution: the inverse-CDF draw with the row uniforms ``u`` ``[b]``
+    (:func:`row_uniforms`)."""
     probs = filter_logits(logits, temperature, top_k, top_p).softmax(-1)
-    if u is None:
-        tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [b]
-    else:
-        tok = inverse_cdf_sample(probs, u).to(logits.device)  # [b]
+    tok = inverse_cdf_sample(probs, u).to(logits.device)  # [b]
     return tok, probs.gather(1, tok[:, None]).squeeze(1).log()

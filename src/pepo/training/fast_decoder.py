@@ -5,7 +5,9 @@ It samples the tokens the reference decoder (:func:`pepo.training.generation.gen
 the same per-row seeds, and it is faster because it attends over the filled part of the cache
 only, holds and reads each distinct prompt's keys and values once for all its rollouts (prefix
 sharing), drops finished rows from the batch and runs the q/k/v and the MLP's gate/up
-projections as one product each (``benchmarks/bench_decoder.py`` has the figures).
+projections as one product each in models of at most 256 MiB of parameters (larger ones keep
+their own products, since the fused weights are copies; ``benchmarks/bench_decoder.py`` has the
+figures).
 
 :func:`pepo.training.generation.generate` (the default ``decoder="fast"``) and
 :func:`pepo.training.generation.decode` are the usual entries; here are
@@ -558,7 +560,7 @@ def generate_fast(plans: Sequence[FastPlan], prompt_tokens: torch.Tensor,
         logits = caches[0].logits
         if len(caches) > 1:
             logits = torch.where(replace[rows, t, None], caches[1].logits.to(logits.dtype), logits)
-        tok, lp = draw_token(logits, uniforms[rows, t], None, temperature, top_k, top_p)
+        tok, lp = draw_token(logits, uniforms[rows, t], temperature, top_k, top_p)
         if ent is not None:
             _, h = logprobs_and_entropy(caches[0].logits, tok, temperature=temperature)
             ent[rows, t] = torch.where(live, h, 0.0)

@@ -6,15 +6,15 @@ are left-padded; positions and the attention mask come from the padding (torchtu
 helpers), so a row's tokens are what the same prompt alone would give.
 
 Two decoders sample the same tokens for the same per-row seeds: the fast one (the default,
-:mod:`pepo.training.fast_decoder`) runs the model's own modules with its own KV cache,
-attending over the filled part of the cache only, holding and reading each distinct prompt's
-keys and values once for all its rollouts (prefix sharing), dropping finished rows from the
-batch and running the q/k/v and the MLP's gate/up projections as one product each; the
-reference one (here) runs the model's forward through torchtune's KV cache with every row in
-lock-step to the end (what the fast one is tested and benchmarked against,
-``benchmarks/bench_decoder.py``). Both draw their tokens with :mod:`pepo.training.draws`, whose
-names (:func:`filter_logits`, :func:`row_uniforms`, :func:`draw_seeds`, ...) import from here
-too.
+:mod:`pepo.training.fast_decoder`) runs the model's own modules with its own KV cache, attending
+over the filled part of the cache only, holding and reading each distinct prompt's keys and
+values once for all its rollouts (prefix sharing), dropping finished rows from the batch and
+running the q/k/v and the MLP's gate/up projections as one product each (for models of at most
+256 MiB of parameters); the reference one (here) runs the model's forward through torchtune's KV
+cache with every row in lock-step to the end (what the fast one is tested and benchmarked
+against, ``benchmarks/bench_decoder.py``). Both draw their tokens with
+:mod:`pepo.training.draws`, whose names (:func:`filter_logits`, :func:`row_uniforms`,
+:func:`draw_seeds`, ...) import from here too.
 
 The layout ``[left-padded prompt | response]`` is also what :func:`sequence_inputs` builds for
 the training forward, so old and new log-probs see exactly the positions the sampler saw.
@@ -131,9 +131,10 @@ def generate(
         pad_id: padding id.
         stop_tokens: ids that end a response.
         temperature, top_k, top_p: sampling filters (:func:`filter_logits`).
-        generator: RNG for the draws (seed it for reproducible rollouts), when no ``seeds``.
-            The fast decoder draws each row's seed from it (:func:`draw_seeds`); the reference
-            decoder draws the tokens from it with ``torch.multinomial``.
+        generator: RNG for the rows' seeds (:func:`draw_seeds`; seed it for reproducible
+            rollouts) when no ``seeds`` are given, drawn once for all prompts before any split
+            into ``batch_size`` pieces, so that either decoder samples the same tokens from it
+            in any batch; an unseeded draw where it is None too.
         batch_size: decode at most this many rows at once (the KV cache grows with it); the
             pieces are merged into one :class:`Rollouts`.
         seeds: one seed per prompt (``[B]`` int64, :func:`draw_seeds`): each row's tokens are
@@ -168,15 +169,14 @@ def generate(
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     plan = FastPlan.of(model) if decoder == "fast" else None
-    if plan is not None and seeds is None:
-        seeds = (draw_seeds(generator, len(prompts)) if generator is not None
-                 else torch.randint(0, 2**31 - 1, (len(prompts),)))
+    if seeds is None:
+        seeds = _seeds(generator, len(prompts))
     if batch_size is not None and len(prompts) > batch_size:
         parts = [
             generate(model, prompts[i : i + batch_size], max_new_tokens=max_new_tokens,
                      pad_id=pad_id, stop_tokens=stop_tokens, temperature=temperature,
                      top_k=top_k, top_p=top_p, generator=generator, decoder=decoder,
-                     compile=compile, seeds=None if seeds is None else seeds[i : i + batch_size],
+                     compile=compile, seeds=seeds[i : i + batch_size],
                      progress=progress)
             for i in range(0, len(prompts), batch_size)
         ]
@@ -187,6 +187,13 @@ def generate(
         compile=compile, temperature=temperature, top_k=top_k, top_p=top_p, progress=progress)
     return Rollouts(prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, tokens=out,
                     mask=valid, finished=done, logprobs=out_lp)
+
+
+def _seeds(generator: Optional[torch.Generator], n: int) -> torch.Tensor:
+    """``n`` rows' seeds from ``generator`` (:func:`draw_seeds`), or unseeded where it is None."""
+    if generator is not None:
+        return draw_seeds(generator, n)
+    return torch.randint(0, 2**31 - 1, (n,))
 
 
 def decode(models: Sequence[torch.nn.Module], plans: Optional[Sequence[FastPlan]],
@@ -200,10 +207,13 @@ def decode(models: Sequence[torch.nn.Module], plans: Optional[Sequence[FastPlan]
     (the fast decoder with ``plans``, one :meth:`FastPlan.of` per model; the reference decoder
     when ``plans`` is None) and trims the outputs to the longest response. ``replace`` and
     ``entropies`` as in :func:`pepo.training.fast_decoder.generate_fast`, ``compile`` and
-    ``progress`` as in :func:`generate` (``compile`` applies to the fast decoder, which needs
-    ``seeds``). Returns prompt tokens and mask ``[B, P]``, tokens, log-probs and valid mask
-    ``[B, T]``, finished ``[B]`` and the entropies (None unless asked)."""
+    ``progress`` as in :func:`generate` (``compile`` applies to the fast decoder); without
+    ``seeds`` the rows' seeds are drawn from ``generator``. Returns prompt tokens and mask
+    ``[B, P]``, tokens, log-probs and valid mask ``[B, T]``, finished ``[B]`` and the entropies
+    (None unless asked)."""
     device = next(models[0].parameters()).device
+    if seeds is None:
+        seeds = _seeds(generator, len(prompts))
     prompt_tokens, prompt_mask = pad_prompts(prompts, pad_id, device)
     plen = prompt_tokens.shape[1]
     total = plen + max_new_tokens
@@ -228,7 +238,7 @@ def decode(models: Sequence[torch.nn.Module], plans: Optional[Sequence[FastPlan]
         else:
             out, out_lp, valid, done, ent = _generate_reference(
                 models, prompt_tokens, prompt_mask, max_new_tokens, pad_id, stops, seeds,
-                generator, **sample)
+                **sample)
     finally:
         for m, mode in zip(models, modes):
             m.train(mode)
@@ -238,7 +248,7 @@ def decode(models: Sequence[torch.nn.Module], plans: Optional[Sequence[FastPlan]
 
 
 def _generate_reference(models, prompt_tokens, prompt_mask, max_new_tokens, pad_id, stops,
-                        seeds, generator, *, temperature, top_k, top_p, replace=None,
+                        seeds, *, temperature, top_k, top_p, replace=None,
                         entropies=False, progress=None):
     """The decoder through torchtune's KV caches (``local_kv_cache``): every row decodes in
     lock-step until all have stopped, attending over the whole preallocated cache. One or two
@@ -269,8 +279,7 @@ def _generate_reference(models, prompt_tokens, prompt_mask, max_new_tokens, pad_
         for t in range(max_new_tokens):
             z = logits[0] if len(models) == 1 else torch.where(
                 replace[:, t, None], logits[1].to(logits[0].dtype), logits[0])
-            u = None if seeds is None else row_uniforms(seeds, t)
-            tok, lp = draw_token(z, u, generator, temperature, top_k, top_p)
+            tok, lp = draw_token(z, row_uniforms(seeds, t), temperature, top_k, top_p)
             if ent is not None:
                 _, h = logprobs_and_entropy(logits[0].float(), tok, temperature=temperature)
                 ent[:, t] = torch.where(done, 0.0, h)
