@@ -121,8 +121,13 @@ def test_report_table_and_forest_plot(tmp_path):
     assert (tmp_path / "forest.png").stat().st_size > 1000
     pepo = power.paired(D, m=2)
     row = next(line for line in text.splitlines() if line.startswith("| PEPO |"))
-    assert f"{100 * pepo['mean']:+.1f} [{100 * pepo['lo']:+.1f}, {100 * pepo['hi']:+.1f}]" in row
-    assert "| 10 |" in row and "7/1/2" in row
+    assert f"{100 * pepo['mean']:+.1f} [{100 * pepo['lo']:+.1f}, {100 * pepo['hi']:+.1f}] |" in row
+    assert "| 10 |" in row and "7/1/2" in row and "paired seeds" not in text
+    # a seed the baseline lacks: the seeds column counts 11 runs, Δ says it is over 10
+    extra = _runs("PEPO", [10], [0.9])
+    text = power.report(results + extra, "GRPO", ["PEPO", "80/20"], tmp_path, "img", "t")
+    row = next(line for line in text.splitlines() if line.startswith("| PEPO |"))
+    assert "| 11 |" in row and f"{100 * pepo['hi']:+.1f}] over 10 paired seeds |" in row
 
 
 def test_the_report_gives_holms_p_not_the_raw_one(tmp_path):

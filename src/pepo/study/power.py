@@ -244,13 +244,15 @@ def report(results: list[dict], base_label: str, labels: Sequence[str], out: Pat
         if not n:
             continue
         v = comps.get(label, {})
+        # the seeds column counts every run; Δ only those whose seed the baseline has too
+        over = f" over {v['n']} paired seeds" if "lo" in v and v["n"] != n else ""
         if label == base_label:
             cells = "(baseline) | | |"
         elif "lo" in v and math.isnan(v["p"]):
-            cells = (f"{100 * v['mean']:+.1f} on every seed: no spread, not testable | – | "
+            cells = (f"{100 * v['mean']:+.1f} on every seed{over}: no spread, not testable | – | "
                      f"{v['wins']}/{v['ties']}/{v['losses']} | –")
         elif "lo" in v:
-            cells = (f"{100 * v['mean']:+.1f} [{100 * v['lo']:+.1f}, {100 * v['hi']:+.1f}] | "
+            cells = (f"{100 * v['mean']:+.1f} [{100 * v['lo']:+.1f}, {100 * v['hi']:+.1f}]{over} | "
                      f"{_fmt_p(v['p_holm'])} | {v['wins']}/{v['ties']}/{v['losses']} | "
                      f"{100 * v['resolvable']:.1f}")
         else:
