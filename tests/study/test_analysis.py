@@ -147,6 +147,28 @@ def test_weight_mass_sums_to_one_and_uniform_follows_token_counts(tmp_path):
     assert shares == sorted(shares, reverse=True) and len(set(shares)) == 4, shares
 
 
+def test_weight_mass_selects_80_20_tokens_within_each_step(tmp_path):
+    """global_topk's threshold is over one step's batch, as in training. Two steps of equal
+    token counts, the first's entropies a hundredth of the second's: within each step 80/20
+    keeps a fifth of its tokens, so the first step (moderate prompts) holds half the weight.
+    Catches one threshold over the pooled dump (the first step would hold none of it)."""
+    g = torch.Generator().manual_seed(0)
+    low = (torch.rand(8, 50, generator=g) * 0.01).tolist()
+    high = (torch.rand(8, 50, generator=g) + 1.0).tolist()
+    path = write_dump(tmp_path / "d.jsonl", low + high,
+                      rewards=[float(i % 2) for i in range(8)] + [1.0] * 8,
+                      prompts=["a"] * 8 + ["b"] * 8)
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    for rec in recs[8:]:
+        rec["step"] = 2
+    path.write_text("".join(json.dumps(rec) + "\n" for rec in recs))
+    mass = A.weight_mass(A.load_dump(path), window=11)
+    topk = mass["global_topk (80/20)"]
+    assert topk["moderate"] == pytest.approx(0.5, abs=1e-6)
+    assert topk["easy"] == pytest.approx(0.5, abs=1e-6)
+    assert mass["uniform (GRPO)"]["moderate"] == pytest.approx(0.5, abs=1e-6)
+
+
 def test_entropy_profile_matches_its_definitions(tmp_path):
     rows = [[0.0, 0.005, 0.5, 2.0, 0.0], [1.0, 0.0, 0.02], [0.009, 0.3, 0.0, 0.0, 0.0, 4.0]]
     r = A.load_dump(write_dump(tmp_path / "d.jsonl", rows))
