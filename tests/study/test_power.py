@@ -150,6 +150,24 @@ def test_the_report_gives_holms_p_not_the_raw_one(tmp_path):
     assert power._fmt_p(power.holm(raw)[0]) != power._fmt_p(raw[0])  # the test can tell
 
 
+def test_a_holm_p_below_alpha_beside_an_interval_holding_0_is_named(tmp_path):
+    """Two comparisons: one clear, one at t = 2.3 (raw p 0.047): Holm's p stays 0.047 < 0.05,
+    while its Bonferroni interval (t at 1 - 0.05/4) holds 0. Catches the report printing the
+    two verdicts without a word, and a note where they agree."""
+    seeds = list(range(10))
+    base = [x - statistics.fmean(D) for x in D]
+    se = statistics.stdev(base) / math.sqrt(len(base))
+    results = (_runs("GRPO", seeds, [0.4] * 10)
+               + _runs("PEPO", seeds, [0.4 + x + 8 * se for x in base])
+               + _runs("80/20", seeds, [0.4 + x + 2.3 * se for x in base]))
+    comps = power.comparisons(results, "GRPO", ["PEPO", "80/20"])
+    c = comps["80/20"]
+    assert c["p_holm"] < 0.05 and c["lo"] < 0 < c["hi"]  # the case itself
+    text = power.report(results, "GRPO", ["PEPO", "80/20"], tmp_path, "img", "t")
+    assert "80/20: Holm's p is below 0.05 while the simultaneous interval" in text
+    assert "PEPO: Holm" not in text and "PEPO, 80/20:" not in text
+
+
 def test_differences_without_spread_are_not_testable(tmp_path):
     """Every seed +2 points: no p of 0 and no interval of zero width; the other comparison's
     Holm p counts it as a comparison made (p = 1 in the order)."""

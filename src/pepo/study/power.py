@@ -273,6 +273,15 @@ def report(results: list[dict], base_label: str, labels: Sequence[str], out: Pat
                   f"per comparison; the usual t approximation, whose exact power from the "
                   f"noncentral t is {min(exact):.0%}" + (f"–{max(exact):.0%}" if len(exact) > 1
                                                         else "") + ")."]
+        # Holm's step-down p can pass where the Bonferroni interval holds 0 (and never the
+        # other way): name such rows rather than print two verdicts that disagree
+        split = [k for k, v in comps.items() if "lo" in v and not math.isnan(v["p"])
+                 and v["p_holm"] < alpha and v["lo"] <= 0 <= v["hi"]]
+        if split:
+            lines += ["", f"{', '.join(split)}: Holm's p is below {alpha:g} while the "
+                      f"simultaneous interval (Bonferroni's, at {alpha:g}/{m} each) still holds "
+                      f"0; Holm's test is the more powerful of the two, the interval the more "
+                      f"conservative."]
         out.mkdir(parents=True, exist_ok=True)
         forest_plot(comps, base_label, out / "forest.png", title)
         lines += ["", f"![paired differences]({image_prefix}/forest.png)"]
