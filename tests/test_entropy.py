@@ -7,13 +7,18 @@ import pepo.entropy
 from pepo.entropy import logprobs_and_entropy, logprobs_and_entropy_from_hidden
 
 
-@pytest.fixture(params=[4096, 7], ids=["one-vocab-block", "vocab-blocks-of-7"])
+@pytest.fixture(params=[4096, 7, None], ids=["one-vocab-block", "vocab-blocks-of-7",
+                                              "gpu-path"])
 def vocab_block(request, monkeypatch):
     """The CPU vocabulary block of both paths: the shipped size (one block for these
     vocabularies) and 7 columns (several blocks, the last one short, wherever V > 7), so that
     the tests also run the running maximum across blocks and the per-block target and
-    gradient."""
-    monkeypatch.setattr(pepo.entropy, "_CPU_VOCAB_BLOCK", request.param)
+    gradient; and the other devices' path (one block, no exp floor: underflowed and masked
+    terms zeroed in place), run here on the CPU."""
+    if request.param is None:
+        monkeypatch.setattr(pepo.entropy, "_cpu_path", lambda device: False)
+    else:
+        monkeypatch.setattr(pepo.entropy, "_CPU_VOCAB_BLOCK", request.param)
     return request.param
 
 

@@ -132,11 +132,17 @@ _CPU_VOCAB_BLOCK = 4096
 _CPU_EXP_FLOOR = -80.0
 
 
+def _cpu_path(device: torch.device) -> bool:
+    """Whether ``device`` takes the CPU's path: vocabulary blocks and the ``exp`` floor (the
+    tests also run the other devices' path on a CPU through this)."""
+    return device.type == "cpu"
+
+
 def _softmax_terms_(x: torch.Tensor) -> torch.Tensor:
     """``exp(x)`` of a block's shifted logits (``x <= 0``), with ``x`` changed in place so that
     ``exp(x) * x`` is finite and 0 where the term is (``0 · log 0 = 0``: masked vocabulary
     entries, underflow). On a CPU, ``x`` is clamped to ``_CPU_EXP_FLOOR``."""
-    if x.device.type == "cpu":
+    if _cpu_path(x.device):
         return torch.exp(x.clamp_min_(_CPU_EXP_FLOOR))
     e = torch.exp(x)
     x.masked_fill_(e == 0, 0.0)
@@ -146,14 +152,14 @@ def _softmax_terms_(x: torch.Tensor) -> torch.Tensor:
 def _exp_(x: torch.Tensor) -> torch.Tensor:
     """``exp`` in place (``x <= 0``) for the gradient; on a CPU, 0 below ``_CPU_EXP_FLOOR``
     (a masked vocabulary entry gets exactly zero gradient)."""
-    if x.device.type != "cpu":
+    if not _cpu_path(x.device):
         return x.exp_()
     low = x < _CPU_EXP_FLOOR
     return x.clamp_min_(_CPU_EXP_FLOOR).exp_().masked_fill_(low, 0.0)
 
 
 def _vocab_blocks(device: torch.device, vocab: int) -> list[tuple[int, int]]:
-    size = max(1, min(_CPU_VOCAB_BLOCK, vocab) if device.type == "cpu" else vocab)
+    size = max(1, min(_CPU_VOCAB_BLOCK, vocab) if _cpu_path(device) else vocab)
     return [(a, min(a + size, vocab)) for a in range(0, vocab, size)]
 
 
