@@ -78,6 +78,12 @@ def row_uniforms(seeds: torch.Tensor, step: int) -> torch.Tensor:
     is split, or on which process decodes it: what makes rollouts independent of the number of
     processes and of ``batch_size``.
 
+    Seeds are meant to be :func:`draw_seeds`' (random in ``[0, 2^31 - 1)``). Small integers
+    are not: the seed and the step go through the same hash, so seed ``2a`` at step ``b`` and
+    seed ``2b`` at step ``a`` share the top 27 bits of their uniforms (rows seeded 0, 1, 2, ...
+    draw correlated streams). The hash is kept as it is because it fixes every recorded run's
+    draws.
+
     Shape: seeds ``[B]`` int64 in ``[0, 2^31)``; returns ``[B]`` float64.
     """
     return _uniforms(seeds.long()[:, None], torch.tensor([step]))[:, 0]
