@@ -435,3 +435,16 @@ def test_a_user_strategy_with_kwargs_gets_positive_and_groups(monkeypatch):
     assert torch.equal(seen["positive"], rewards > 0)
     assert torch.equal(seen["groups"], torch.tensor([firsts.index(u) for u in uids]))
     assert torch.equal(pv.group_ids(["x", "y", "x", 3, "y", 3]), torch.tensor([0, 1, 0, 2, 1, 2]))
+
+
+def test_verl_writes_the_entropy_field_the_adapter_reads():
+    """The stand-in store above supplies ``entropy`` itself; this pins that verl's own
+    old-log-prob step (the base of the trainer the adapter extends) writes a field of that
+    name into the store, computed at the rollout's temperature. Catches a verl whose field is
+    named otherwise, which every stand-in test would pass."""
+    import inspect
+
+    source = inspect.getsource(pv.PPOTrainerSync._compute_old_log_prob)
+    assert 'fields=data.select("old_log_probs", "entropy")' in source
+    assert '"calculate_entropy": True' in source
+    assert '"temperature": self.config.actor_rollout_ref.rollout.temperature' in source
