@@ -225,3 +225,78 @@ def test_a_repeated_question_is_one_problem_and_ids_stay_unique(tmp_path):
         probs = load_math_dataset(d, template=None)
     assert [p.id for p in probs] == ["aime-7", "aime-8", "aime-7#row2"]
     assert len({p.prompt for p in probs}) == 3
+
+
+def test_dapo_reads_the_user_turn_after_a_system_message(tmp_path):
+    """verl-format files often open with a system message. Catches ``prompt[0]`` read blindly:
+    every problem's prompt was the system text."""
+    rows = F.dapo_rows(2)
+    for r in rows:
+        r["prompt"] = [{"role": "system", "content": "You are a helpful assistant."}, *r["prompt"]]
+    probs = load_math_dataset(_jsonl(tmp_path / "d.jsonl", rows), template=None)
+    assert [p.prompt for p in probs] == ["Compute $0 \\times 3$.", "Compute $1 \\times 3$."]
+
+
+def test_a_worked_solution_is_no_final_answer(tmp_path):
+    """GSM8K's rows (question, answer = solution ending '#### 72') were read as the aime layout,
+    the whole solution the gold answer. Catches that detection; a short answer still is aime."""
+    gsm = {"question": "Natalia sold 48 clips in April and half as many in May. How many?",
+           "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72"}
+    with pytest.raises(ValueError, match="cannot tell the dataset layout"):
+        load_math_dataset(_jsonl(tmp_path / "gsm.jsonl", [gsm]))
+    short = {"question": "Find $3 + 4$.", "answer": " 7 "}
+    assert load_math_dataset(_jsonl(tmp_path / "q.jsonl", [short]))[0].answer == "7"
+
+
+def test_answers_that_are_not_one_value_are_bad_rows(tmp_path):
+    """Catches str() of a list or a bool made a gold answer ('[1, 2]' math-verify may read as
+    an interval, 'True'), and an integral float kept as '3.0' outside the amc layout."""
+    for bad, kind in (([1, 2], "list"), (True, "bool")):
+        row = {"question": "Q?", "final_answer": bad}
+        with pytest.raises(ValueError, match=f"field 'final_answer' is not a single answer "
+                                             f"\\({kind}\\) for the 'deepmath' layout"):
+            load_math_dataset(_jsonl(tmp_path / f"{kind}.jsonl", [row]))
+    ok = load_math_dataset(_jsonl(tmp_path / "f.jsonl", [{"question": "Q?", "final_answer": 3.0},
+                                                         {"question": "R?", "final_answer": 2.5}]))
+    assert [p.answer for p in ok] == ["3", "2.5"]
+
+
+def test_a_directory_reads_each_file_in_its_own_layout_and_names_what_it_skips(tmp_path):
+    """A benchmark directory of AIME and MATH-500 files: each file's layout from its own columns
+    (the first file's was applied to all: MATH-500's unique_id lost). Upper-case suffixes are
+    read; compressed files are named in a warning instead of dropped in silence."""
+    d = tmp_path / "bench"
+    d.mkdir()
+    _jsonl(d / "a_aime.jsonl", [AIME])
+    _jsonl(d / "b_math500.JSONL", F.math500_rows())
+    (d / "c.jsonl.gz").write_bytes(b"\x1f\x8b")
+    with pytest.warns(UserWarning, match=r"1 file\(s\) not read .*: c.jsonl.gz"):
+        probs = load_math_dataset(d)
+    assert [p.id for p in probs] == ["bench-7", "test/precalculus/807.json",
+                                     "test/prealgebra/1.json"]
+
+
+def test_a_json_object_without_data_is_named(tmp_path):
+    """A single-object .json file was read as zero rows ('holds no rows'), and inside a
+    directory contributed nothing in silence."""
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps(AIME))
+    with pytest.raises(ValueError, match=r"one.json holds one JSON object with keys "
+                                         r"\['answer', 'id', 'problem'\], not rows"):
+        load_math_dataset(one)
+    wrapped = tmp_path / "wrapped.json"
+    wrapped.write_text(json.dumps({"data": [AIME]}))
+    assert load_math_dataset(wrapped)[0].answer == "7"
+
+
+@pytest.mark.parametrize("template, field", [("{question} \\boxed{}", "{}"),
+                                             ("{question} {x}", "{x}")])
+def test_a_template_with_another_field_is_refused(tmp_path, template, field):
+    """Catches an IndexError / KeyError from str.format at the first row instead of one line
+    naming the template and the fix (a literal brace written twice)."""
+    path = _jsonl(tmp_path / "a.jsonl", [AIME])
+    with pytest.raises(ValueError, match=f"template's only field is .question., got "
+                                         f"{field.replace('{', '.').replace('}', '.')}"):
+        load_math_dataset(path, template=template)
+    assert load_math_dataset(path, template="{question} \\boxed{{}}")[0].prompt.endswith(
+        "\\boxed{}")

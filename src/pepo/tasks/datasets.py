@@ -1,20 +1,26 @@
 """Math datasets from local files in their published layouts → :class:`pepo.tasks.problems.Problem`.
 
-Reads Parquet (``.parquet``), JSON lines (``.jsonl``) or JSON (``.json``, a list of rows), or a
-directory of such files (read in sorted order). No hub access: point ``path`` at the files.
+Reads Parquet (``.parquet``), JSON lines (``.jsonl``) or JSON (``.json``: a list of rows, or
+``{"data": [...]}``), or a directory of such files (read in sorted order; compressed or other
+table files there are named in a warning, not read). No hub access: point ``path`` at the files.
 
 The layouts, each as ``layout`` (published as): prompt; answer; id:
 
-* ``deepmath`` (zwhe99/DeepMath-103K): ``question``; ``final_answer``; ``deepmath-<row>``.
-* ``dapo`` (BytedTsinghua-SIA/DAPO-Math-17k): the problem inside ``prompt[0].content`` (DAPO's
-  "Answer:" instructions removed); ``reward_model.ground_truth``; ``extra_info.index``.
+* ``deepmath`` (zwhe99/DeepMath-103K): ``question``; ``final_answer``; ``<name>-<row>``.
+* ``dapo`` (BytedTsinghua-SIA/DAPO-Math-17k): the problem inside the first user message of
+  ``prompt`` (``prompt[0]`` in DAPO's file; DAPO's "Answer:" instructions removed);
+  ``reward_model.ground_truth``; ``extra_info.index``.
 * ``math500`` (HuggingFaceH4/MATH-500): ``problem``; ``answer``; ``unique_id``.
 * ``amc`` (AI-MO/aimo-validation-amc): ``problem``; ``answer`` (``142.0`` → ``142``); ``id``.
 * ``aime`` (Maxwell-Jia/AIME_2024, HuggingFaceH4/aime_2024, yentinglin/aime_2025,
   opencompass/AIME2025, math-ai/aime25): ``problem`` / ``Problem`` / ``question``; ``answer`` /
   ``Answer``; ``id`` / ``ID`` / row.
 
-``layout="auto"`` picks the layout from the columns. A row whose prompt or answer is missing,
+Generated ids are ``<name>-<row>``: ``name`` is ``load_math_dataset``'s (default: the file's or
+directory's name without its extension) and the row counts over the whole dataset.
+
+``layout="auto"`` picks each file's layout from its columns (an ``answer`` holding a worked
+solution, as GSM8K's ``... #### 72``, fits none). A row whose prompt or answer is missing,
 null (``None``, NaN) or empty is an error naming its file, row and field (``on_bad_row="skip"``
 drops such rows instead, with one warning that counts them): a ``"None"`` gold answer would
 score every response 0 without a word. Every prompt is then wrapped in
@@ -47,17 +53,26 @@ _DAPO_PREFIX = (
     "of the form Answer: $Answer (without quotes) where $Answer is the answer to the problem."
 )
 _DAPO_SUFFIX = 'Remember to put your answer on its own line after "Answer:".'
+_SUFFIXES = (".parquet", ".jsonl", ".json")
+# files of a dataset directory that hold data pepo does not read: named in a warning
+_UNREAD = (".gz", ".bz2", ".xz", ".zst", ".zip", ".csv", ".tsv", ".arrow", ".txt")
 
 
 def _files(path: Path) -> list[Path]:
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in (".parquet", ".jsonl", ".json"))
+        found = sorted(p for p in path.rglob("*") if p.is_file())
+        files = [p for p in found if p.suffix.lower() in _SUFFIXES]
+        unread = [p for p in found if p.suffix.lower() in _UNREAD]
+        if unread:
+            warnings.warn(f"{path}: {len(unread)} file(s) not read (pepo reads .parquet, .jsonl "
+                          f"and .json, uncompressed): {', '.join(p.name for p in unread[:3])}"
+                          + (", ..." if len(unread) > 3 else ""), stacklevel=3)
         if not files:
             raise ValueError(f"{path} holds no .parquet, .jsonl or .json file")
         return files
     if not path.is_file():
         raise ValueError(f"dataset path {str(path)!r} does not exist")
-    if path.suffix not in (".parquet", ".jsonl", ".json"):
+    if path.suffix.lower() not in _SUFFIXES:
         raise ValueError(f"{path} is not a .parquet, .jsonl or .json file (it is read by its "
                          f"extension)")
     return [path]
@@ -71,7 +86,7 @@ def _object(f: Path, where: str, row: Any) -> dict[str, Any]:
 
 def _file_rows(f: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     """``(where, row)`` for each row of file ``f``; ``where`` is "row j" (and its JSONL line)."""
-    if f.suffix == ".parquet":
+    if f.suffix.lower() == ".parquet":
         import pyarrow
         import pyarrow.parquet as pq
 
@@ -81,7 +96,7 @@ def _file_rows(f: Path) -> Iterator[tuple[str, dict[str, Any]]]:
             raise ValueError(f"{f}: not a readable Parquet file ({e})") from None
         for j, row in enumerate(table.to_pylist()):
             yield f"row {j}", row
-    elif f.suffix == ".jsonl":
+    elif f.suffix.lower() == ".jsonl":
         j = 0
         with open(f, "rb") as fh:  # bytes, so that a bad encoding is reported with its line
             for lineno, raw in enumerate(fh, 1):
@@ -113,7 +128,12 @@ def _file_rows(f: Path) -> Iterator[tuple[str, dict[str, Any]]]:
             raise ValueError(
                 f"{f} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})"
             ) from None
-        rows = data.get("data", []) if isinstance(data, dict) else data
+        if isinstance(data, dict) and "data" not in data:
+            raise ValueError(
+                f"{f} holds one JSON object with keys {sorted(data)[:8]}, not rows: pepo reads "
+                f"a JSON list of rows, {{\"data\": [...]}} or JSON lines (.jsonl)"
+            )
+        rows = data["data"] if isinstance(data, dict) else data
         if not isinstance(rows, list):
             raise ValueError(
                 f"{f} must hold a JSON list of rows (or {{\"data\": [...]}}), got "
@@ -148,11 +168,23 @@ def _detect(row: dict[str, Any]) -> Optional[str]:
     if {"problem", "answer", "url"} <= keys and "year" not in keys:
         return "amc"
     if keys & {"problem", "Problem", "question"} and keys & {"answer", "Answer"}:
+        answer = row.get("answer", row.get("Answer"))
+        if isinstance(answer, str) and ("\n" in answer.strip() or "####" in answer):
+            return None  # a worked solution (GSM8K's "... #### 72"), not a final answer
         return "aime"
     return None
 
 
-def _number(x: Any) -> str:
+def _answer(x: Any, field: str) -> str:
+    """A gold answer as text: an integral float without its ``.0`` (``142.0`` → ``142``),
+    stripped.
+
+    Raises:
+        _BadRow: a list, mapping or bool, which is no single answer (``str`` would make
+            ``"[1, 2]"`` or ``"True"`` of it).
+    """
+    if isinstance(x, (bool, list, tuple, dict)):
+        raise _BadRow(field, f"not a single answer ({type(x).__name__})")
     if isinstance(x, float) and x.is_integer():
         return str(int(x))
     return str(x).strip()
@@ -221,30 +253,34 @@ def _convert(row: dict[str, Any], layout: str, i: int, name: str) -> tuple[str, 
         _BadRow: a field the layout needs is missing, null or empty.
     """
     if layout == "deepmath":
-        return f"{name}-{i}", _get(row, "question", text=True), str(_get(row, "final_answer"))
+        return (f"{name}-{i}", _get(row, "question", text=True),
+                _answer(_get(row, "final_answer"), "final_answer"))
     if layout == "dapo":
         prompt = _get(row, "prompt")
-        if isinstance(prompt, list):  # chat messages: the problem is the first one's content
-            first = _get(prompt, "prompt[0]", 0)
-            content = _get(first, "prompt[0].content", "content", text=True)
+        if isinstance(prompt, list):  # chat messages: the problem is the first user turn's
+            users = [j for j, m in enumerate(prompt)
+                     if isinstance(m, dict) and m.get("role") == "user"]
+            j = users[0] if users else 0  # DAPO's own file: one user message, prompt[0]
+            first = _get(prompt, f"prompt[{j}]", j)
+            content = _get(first, f"prompt[{j}].content", "content", text=True)
         else:
             content = _get(row, "prompt", text=True)
         answer = _get(_get(row, "reward_model"), "reward_model.ground_truth", "ground_truth")
         extra = row.get("extra_info")
         index = _optional_id(extra, "index") if isinstance(extra, dict) else None
         pid = str(index) if index is not None else f"{name}-{i}"
-        return pid, _dapo_problem(content), str(answer)
+        return pid, _dapo_problem(content), _answer(answer, "reward_model.ground_truth")
     if layout == "math500":
         return (str(_get(row, "unique_id")), _get(row, "problem", text=True),
-                str(_get(row, "answer")))
+                _answer(_get(row, "answer"), "answer"))
     if layout == "amc":
         rid = _optional_id(row, "id")
         pid = f"{name}-{rid if rid is not None else i}"
-        return pid, _get(row, "problem", text=True), _number(_get(row, "answer"))
+        return pid, _get(row, "problem", text=True), _answer(_get(row, "answer"), "answer")
     question = _get(row, "problem", "problem", "Problem", "question", text=True)
     answer = _get(row, "answer", "answer", "Answer")
     rid = _optional_id(row, "id", "ID")
-    return f"{name}-{rid if rid is not None else i}", question, _number(answer)
+    return f"{name}-{rid if rid is not None else i}", question, _answer(answer, "answer")
 
 
 def load_math_dataset(
@@ -284,27 +320,36 @@ def load_math_dataset(
         raise ValueError(f"on_bad_row must be one of {list(ON_BAD_ROW)}, got {on_bad_row!r}")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
         raise ValueError(f"limit must be None or an int >= 0, got {limit!r}")
-    if template is not None and "question" not in {
-        field for _, field, _, _ in string.Formatter().parse(template)
-    }:
-        raise ValueError(f"template must contain {{question}}, got {template!r}")
+    if template is not None:
+        fields = {field for _, field, _, _ in string.Formatter().parse(template)} - {None}
+        if "question" not in fields:
+            raise ValueError(f"template must contain {{question}}, got {template!r}")
+        if fields != {"question"}:
+            other = sorted(fields - {"question"})[0]
+            raise ValueError(
+                f"template's only field is {{question}}, got {{{other}}} in {template!r}: write "
+                f"a literal brace twice (\\boxed{{{{}}}} for \\boxed{{}})")
     rows = _located_rows(path)
     if not rows:
         raise ValueError(f"{path} holds no rows")
     if limit == 0:
         return []
-    if layout == "auto":
-        # the first row that shows a layout: a first row with its answer missing must end up
-        # reported (or skipped) as a bad row, not as an unknown layout
-        kind = next((k for k in (_detect(r) for _, _, r in rows) if k is not None), None)
+    kinds: dict[Path, str] = {}  # each file's layout
+    for f in dict.fromkeys(f for f, _, _ in rows):
+        if layout != "auto":
+            kinds[f] = layout
+            continue
+        # the first row of the file that shows a layout: a first row with its answer missing
+        # must end up reported (or skipped) as a bad row, not as an unknown layout
+        mine = [(where, r) for g, where, r in rows if g == f]
+        kind = next((k for k in (_detect(r) for _, r in mine) if k is not None), None)
         if kind is None:
-            f, where, row = rows[0]
+            where, row = mine[0]
             raise ValueError(
                 f"{f}: cannot tell the dataset layout from the columns {sorted(row)} of {where} "
                 f"(nor of any other row); pass layout= one of {list(LAYOUTS[1:])}"
             )
-    else:
-        kind = layout
+        kinds[f] = kind
     name = name or Path(path).stem
     out: list[Problem] = []
     skipped: list[str] = []
@@ -312,6 +357,7 @@ def load_math_dataset(
     ids: set[str] = set()
     repeats, renamed = 0, []
     for i, (f, where, row) in enumerate(rows):
+        kind = kinds[f]
         try:
             pid, question, answer = _convert(row, kind, i, name)
         except _BadRow as e:
