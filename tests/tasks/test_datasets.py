@@ -300,3 +300,20 @@ def test_a_template_with_another_field_is_refused(tmp_path, template, field):
         load_math_dataset(path, template=template)
     assert load_math_dataset(path, template="{question} \\boxed{{}}")[0].prompt.endswith(
         "\\boxed{}")
+
+
+def test_parquet_files_are_read_for_the_layouts_columns_only(tmp_path, monkeypatch):
+    """DeepMath-103K carries three long R1 solutions per row: reading every column made Python
+    strings of all of them. Catches the whole table read (the spy sees which columns), and a
+    file of unknown columns read without them (its error must still name them)."""
+    import pyarrow.parquet as pq
+
+    rows = [{**r, "r1_solution_1": "x" * 1000} for r in F.deepmath_rows(2)]
+    path = F.write_parquet(tmp_path / "dm.parquet", rows)
+    asked = []
+    real = pq.read_table
+    monkeypatch.setattr(pq, "read_table", lambda f, columns=None, **kw: asked.append(columns)
+                        or real(f, columns=columns, **kw))
+    assert [p.answer for p in load_math_dataset(path)] == ["1", "3"]
+    assert asked and "r1_solution_1" not in asked[0] and {"question", "final_answer"} <= set(
+        asked[0])

@@ -84,14 +84,27 @@ def _object(f: Path, where: str, row: Any) -> dict[str, Any]:
     return row
 
 
-def _file_rows(f: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    """``(where, row)`` for each row of file ``f``; ``where`` is "row j" (and its JSONL line)."""
+# every column a layout reads (or detects a layout by): what a Parquet file is read for by
+# load_math_dataset, so that DeepMath-103K's three long R1 solutions per row stay on disk
+_LAYOUT_COLUMNS = frozenset({
+    "question", "final_answer", "prompt", "reward_model", "extra_info", "problem", "Problem",
+    "answer", "Answer", "unique_id", "url", "year", "id", "ID",
+})
+
+
+def _file_rows(f: Path, layout_columns: bool = False) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(where, row)`` for each row of file ``f``; ``where`` is "row j" (and its JSONL line).
+    ``layout_columns``: of a Parquet file, only the columns a layout reads (all of them where
+    it has none, so that an error can name them)."""
     if f.suffix.lower() == ".parquet":
         import pyarrow
         import pyarrow.parquet as pq
 
         try:
-            table = pq.read_table(f)
+            wanted = None
+            if layout_columns:
+                wanted = [c for c in pq.read_schema(f).names if c in _LAYOUT_COLUMNS] or None
+            table = pq.read_table(f, columns=wanted)
         except (pyarrow.ArrowException, OSError) as e:
             raise ValueError(f"{f}: not a readable Parquet file ({e})") from None
         for j, row in enumerate(table.to_pylist()):
@@ -143,8 +156,10 @@ def _file_rows(f: Path) -> Iterator[tuple[str, dict[str, Any]]]:
             yield f"row {j}", _object(f, f"row {j}", row)
 
 
-def _located_rows(path: Union[str, Path]) -> list[tuple[Path, str, dict[str, Any]]]:
-    return [(f, where, row) for f in _files(Path(path)) for where, row in _file_rows(f)]
+def _located_rows(path: Union[str, Path], layout_columns: bool = False,
+                  ) -> list[tuple[Path, str, dict[str, Any]]]:
+    return [(f, where, row) for f in _files(Path(path))
+            for where, row in _file_rows(f, layout_columns)]
 
 
 def read_rows(path: Union[str, Path]) -> list[dict[str, Any]]:
@@ -329,7 +344,7 @@ def load_math_dataset(
             raise ValueError(
                 f"template's only field is {{question}}, got {{{other}}} in {template!r}: write "
                 f"a literal brace twice (\\boxed{{{{}}}} for \\boxed{{}})")
-    rows = _located_rows(path)
+    rows = _located_rows(path, layout_columns=True)
     if not rows:
         raise ValueError(f"{path} holds no rows")
     if limit == 0:
