@@ -32,6 +32,7 @@ def test_tune_run_tiny_one_step(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--config", "no_such_config"], "neither a file nor a bundled config; bundled configs: ["),
+    (["--config", "tyny"], "neither a file nor a bundled config; did you mean 'tiny'? bundled"),
     (["--config", "tiny", "strategy.name=nope"], "config error: strategy.name='nope': unknown"),
     # torchtune's own parser raised a ValueError traceback for these
     (["--config", "tiny", "num_steps", "5"],

@@ -107,8 +107,12 @@ def find_config(name_or_path: str) -> str:
     bundled = _configs_dir() / f"{name_or_path}.yaml"
     if bundled.is_file():
         return str(bundled)
+    import difflib
+
+    close = difflib.get_close_matches(str(name_or_path), list_configs(), n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
     raise ValueError(
-        f"--config {name_or_path!r} is neither a file nor a bundled config; "
+        f"--config {name_or_path!r} is neither a file nor a bundled config; {hint}"
         f"bundled configs: {list_configs()}"
     )
 
@@ -152,7 +156,9 @@ def check_checkpoint_dir(ckpt: Any, key: str = "checkpoint_dir") -> None:
     if ckpt is None:
         raise ValueError(f"config key {key!r} is required")
     if not Path(str(ckpt)).exists():
-        raise ValueError(f"{key}={str(ckpt)!r} does not exist")
+        raise ValueError(f"{key}={str(ckpt)!r} does not exist (a relative path is read from "
+                         f"the directory you run in; a training run writes its checkpoints to "
+                         f"<output_dir>/checkpoints, best and latest among them)")
     if not Path(str(ckpt)).is_dir():
         raise ValueError(f"{key}={str(ckpt)!r} is a file, not a checkpoint directory")
     if not any(

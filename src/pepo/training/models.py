@@ -189,7 +189,9 @@ def check_state_matches(model: nn.Module, state: dict, source: Any) -> None:
     unexpected = sorted(set(state) - set(own))
     if missing or unexpected:
         raise ValueError(
-            f"{source} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            f"{source} does not match the model: missing {missing[:5]}, unexpected "
+            f"{unexpected[:5]} (a checkpoint of another model: load it with the config that "
+            f"trained it, or one whose model section is that config's)"
         )
     for k, v in state.items():
         if v.shape != own[k].shape:
