@@ -191,7 +191,8 @@ class PEPORecipe(FTRecipeInterface):
                     f"checkpoint; start without it for a new run"
                 )
         except BaseException:
-            self._release_run_lock()
+            if self.run_lock is not None:  # refused: no empty output_dir left behind
+                self.run_lock.abandon()
             raise
         self.experiment = experiment_config(cfg)
         self.prior_path = c.prior_cache

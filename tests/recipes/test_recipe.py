@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -327,9 +328,16 @@ def test_truncate_metrics_log_keeps_other_lines_and_is_a_no_op_without_later_ste
 
 
 def test_resume_without_checkpoint_is_clear(tmp_path):
+    """Refused before anything is built, leaving no directory behind (the run lock's
+    .pepo.lock kept a new output_dir in place); a directory that was there stays."""
     cfg = tiny_cfg(tmp_path, resume_from_checkpoint=True)
     with pytest.raises(ValueError, match="holds no checkpoint"):
         pepo_recipe.PEPORecipe(cfg)  # before anything is built
+    assert not Path(cfg.output_dir).exists()
+    Path(cfg.output_dir).mkdir()
+    with pytest.raises(ValueError, match="holds no checkpoint"):
+        pepo_recipe.PEPORecipe(cfg)
+    assert Path(cfg.output_dir).is_dir()
 
 
 def test_custom_strategy_through_imports(tmp_path, monkeypatch):

@@ -69,6 +69,7 @@ class RunLock:
 
     def __init__(self, directory: Union[str, Path], key: str = "output_dir") -> None:
         self.directory = Path(directory)
+        self.created = not self.directory.exists()  # by this lock: abandon() may remove it
         self.directory.mkdir(parents=True, exist_ok=True)
         self.path = self.directory / LOCK_FILE
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -110,6 +111,16 @@ class RunLock:
             self._fd = None
 
     close = release
+
+    def abandon(self) -> None:
+        """Drops the lock of a run refused before it wrote anything: where this lock created the
+        directory and nothing but the lock file is in it, both are removed (a refused run
+        leaves no directory behind); otherwise as :meth:`release`."""
+        self.release()
+        if self.created and [p.name for p in self.directory.iterdir()] == [LOCK_FILE]:
+            self.path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # another process wrote into it meanwhile
+                self.directory.rmdir()
 
     def __enter__(self) -> "RunLock":
         return self
