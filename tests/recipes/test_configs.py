@@ -107,6 +107,13 @@ EXPECTED = {
     "eval_tiny": dict(
         eval={"modsum_val": 8}, temperature=1.0, top_p=1.0, top_k=None, max_new_tokens=64
     ),
+    # the training runs' validations: k 4, T 1, their 232 new tokens
+    "eval_tiny_drift": dict(
+        eval={"drift_val": 4}, temperature=1.0, top_p=1.0, top_k=None, max_new_tokens=232
+    ),
+    "eval_tiny_reason": dict(
+        eval={"reason_val": 4}, temperature=1.0, top_p=1.0, top_k=None, max_new_tokens=232
+    ),
 }
 
 
