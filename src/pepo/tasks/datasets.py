@@ -349,22 +349,22 @@ def load_math_dataset(
         raise ValueError(f"{path} holds no rows")
     if limit == 0:
         return []
-    kinds: dict[Path, str] = {}  # each file's layout
-    for f in dict.fromkeys(f for f, _, _ in rows):
-        if layout != "auto":
-            kinds[f] = layout
-            continue
-        # the first row of the file that shows a layout: a first row with its answer missing
-        # must end up reported (or skipped) as a bad row, not as an unknown layout
-        mine = [(where, r) for g, where, r in rows if g == f]
-        kind = next((k for k in (_detect(r) for _, r in mine) if k is not None), None)
+    # each file's layout: with "auto", that of the first of its rows that shows one (a first
+    # row with its answer missing must end up reported, or skipped, as a bad row, not as an
+    # unknown layout)
+    kinds: dict[Path, Optional[str]] = {}
+    first: dict[Path, tuple[str, dict[str, Any]]] = {}
+    for f, where, row in rows:
+        first.setdefault(f, (where, row))
+        if kinds.get(f) is None:
+            kinds[f] = layout if layout != "auto" else _detect(row)
+    for f, kind in kinds.items():
         if kind is None:
-            where, row = mine[0]
+            where, row = first[f]
             raise ValueError(
                 f"{f}: cannot tell the dataset layout from the columns {sorted(row)} of {where} "
                 f"(nor of any other row); pass layout= one of {list(LAYOUTS[1:])}"
             )
-        kinds[f] = kind
     name = name or Path(path).stem
     out: list[Problem] = []
     skipped: list[str] = []
