@@ -82,6 +82,10 @@ LISTED_BY_HAND = {
     "logprob_chunk_size", "logprobs_from_hidden", "save_logits_mib",
     "enable_activation_checkpointing",
     "max_nonfinite_steps", "reward.workers", "distributed.timeout_s", "recompute_old_logprobs",
+    # memory settings given the RUN role since (a resume after running out of memory)
+    "distributed.cpu_offload", *(f"generation.vllm.{k}" for k in (
+        "gpu_memory_utilization", "kv_cache_memory_bytes", "max_num_seqs", "enforce_eager",
+        "sleep_level")),
 }
 
 
@@ -221,6 +225,19 @@ def test_every_key_is_typed(tmp_path, override, message):
     ({"optimizer": {"weight_decay": -0.1}},
      "optimizer.weight_decay must be a finite number >= 0, got -0.1"),
     ({"optimizer": {"eps": -1e-8}}, "optimizer.eps must be a finite number >= 0, got -1e-08"),
+    # infinity passed: an eval sampled uniformly and reported 0.00; training failed after its
+    # first generation, in pepo.entropy, naming no config key
+    ({"generation": {"temperature": float("inf")}},
+     "generation.temperature must be a finite number > 0.0, got inf"),
+    ({"distributed": {"timeout_s": float("inf")}},  # an OverflowError on every rank
+     "distributed.timeout_s must be a finite number > 0, got inf"),
+    # a TypeError from the cache's file handling, after the model was built
+    ({"validation": {"before_cache": True}},
+     "validation.before_cache must be a file path or null, got True"),
+    # a run's object, not a setting: an AttributeError after the first generation
+    ({"strategy": {"name": "global_topk", "global_topk": {"process_group": "abc"}}},
+     "strategy.global_topk.process_group is not a config key: the recipe passes its "
+     "process_group itself"),
     ({"lr_scheduler": {"_component_": "torchtune.training.lr_schedulers."
                                       "get_cosine_schedule_with_warmup",
                        "num_warmup_steps": -5}},  # it started already decayed
@@ -377,3 +394,114 @@ def test_validation_without_a_val_dataset_is_warned_of(tmp_path):
         tmp_path, val_dataset=None, validation={"every": 5}, keep_best=False))) == [
         "validation.every=5 with val_dataset=null: no validation is run; set val_dataset to "
         "validate"]
+
+
+def test_a_resume_may_change_the_vllm_engines_memory_but_not_its_dtype(tmp_path):
+    """Catches ``generation.vllm`` kept whole in the experiment record: a run that ran out of
+    memory could not resume with a smaller KV cache (and an in-process run, which never reads
+    these options, could not change them either), while the engine's dtype, which changes the
+    rollouts, must still be refused."""
+    from pepo.training.config import experiment_config, recipe_changes
+
+    def experiment(**vllm):
+        return experiment_config(tiny_cfg(tmp_path, generation={"vllm": {
+            "max_num_seqs": 128, "kv_cache_memory_bytes": 2**28, "dtype": "float32", **vllm}}))
+
+    saved = experiment()
+    assert recipe_changes(saved, experiment(
+        max_num_seqs=64, kv_cache_memory_bytes=2**27, gpu_memory_utilization=0.3,
+        enforce_eager=True, sleep_level=1)) == []
+    assert recipe_changes(saved, experiment(dtype="bfloat16")) == [
+        "generation.vllm.dtype ('float32' -> 'bfloat16')"]
+    assert recipe_changes(saved, experiment(max_model_len=64)) == [
+        "generation.vllm.max_model_len ('<unset>' -> 64)"]
+
+
+def test_a_default_spelled_out_is_no_change_of_experiment_or_cache(tmp_path):
+    """Catches the comparison of the raw configs: ``compute_dtype=fp32`` (the default) given on
+    a resume refused it as ``compute_dtype ('<unset>' -> 'fp32')``, and a checkpoint or cache
+    written before a key existed must still match a config that leaves it at its default.
+    A real change is still named."""
+    from pepo.training.config import experiment_config, recipe_changes
+
+    plain = tiny_cfg(tmp_path, "tiny_spo")
+    spelled = tiny_cfg(tmp_path, "tiny_spo", compute_dtype="fp32",
+                       loss={"_component_": "pepo.loss.ClippedPolicyLoss", "tis_cap": None},
+                       generation={"top_k": None})
+    for made in (experiment_config, prior_fingerprint, val_before_fingerprint):
+        assert recipe_changes(made(plain), made(spelled)) == [], made.__name__
+        assert recipe_changes(made(spelled), made(plain)) == [], made.__name__
+    assert "compute_dtype ('fp32' -> 'bf16')" in recipe_changes(
+        experiment_config(spelled), experiment_config(tiny_cfg(tmp_path, "tiny_spo",
+                                                               compute_dtype="bf16")))
+
+
+def test_val_dataset_null_on_the_command_line_means_none(tmp_path):
+    """torchtune turns ``val_dataset=null`` into ``val_dataset._component_=null`` and keeps the
+    section's other keys; catches a nullable component that takes only a literal null (the
+    override failed: "val_dataset must be a section with a _component_"). A required component
+    set to null is still refused."""
+    from argparse import Namespace
+
+    from torchtune.config._utils import _merge_yaml_and_cli_args
+
+    def merged(*overrides):
+        base = OmegaConf.to_container(tiny_cfg(tmp_path), resolve=False)
+        return _merge_yaml_and_cli_args(Namespace(**base), list(overrides))
+
+    cfg = merged("val_dataset=null")
+    assert cfg.val_dataset._component_ is None and cfg.val_dataset.size == 4
+    assert validate_config(cfg).val_dataset is None
+    assert validate_config(merged()).val_dataset is not None
+    with pytest.raises(ValueError, match="^config key 'reward' is required$"):
+        validate_config(merged("reward=null"))
+
+
+def test_a_benchmark_set_to_null_is_dropped(tmp_path):
+    """``benchmarks.NAME=null`` is how an evaluation leaves out a bundled benchmark; catches the
+    ``TypeError`` it raised, and dropping every benchmark passing."""
+    register_resolvers()
+    cfg = OmegaConf.load(find_config("eval_tiny"))
+    cfg.output_dir = str(tmp_path / "out")
+    (name,) = cfg.benchmarks
+    cfg.benchmarks.copy = OmegaConf.to_container(cfg.benchmarks[name])
+    cfg.benchmarks[name] = None
+    typed = validate_eval_config(cfg)
+    assert list(typed.benchmarks) == ["copy"] and list(cfg.benchmarks) == ["copy"]
+    cfg.benchmarks.copy = None
+    with pytest.raises(ValueError, match=r"^every benchmark is dropped \(null\): \['copy'\]"):
+        validate_eval_config(cfg)
+    cfg.benchmarks = {"x": 5}
+    with pytest.raises(ValueError, match=r"^benchmarks.x must be a section with dataset and k"):
+        validate_eval_config(cfg)
+
+
+def test_the_command_line_forms_torchtune_cannot_take_are_named(capsys):
+    """``--config=tiny`` (argparse's form, which ``python -m pepo_recipe`` takes) is resolved as
+    ``--config tiny`` (it was read as a file in the working directory); an override whose value
+    holds '=' (a directory named lr=1e-6) exits with one line instead of torchtune's
+    traceback."""
+    from pepo.training.config import resolve_config_arg
+
+    assert resolve_config_arg(["x", "--config=tiny", "seed=1"]) == [
+        "x", "--config", find_config("tiny"), "seed=1"]
+    with pytest.raises(SystemExit, match="torchtune's overrides take one '='"):
+        resolve_config_arg(["x", "--config", "tiny", "output_dir=runs/lr=1e-6"])
+    assert resolve_config_arg(["x", "--config", "tiny", "~val_dataset"])[-1] == "~val_dataset"
+
+
+def test_fsdp_settings_on_one_process_are_refused(tmp_path):
+    """``distributed.mixed_precision`` and ``cpu_offload`` apply to FSDP2, which a run of one
+    process does not use: catches them accepted there and dropped in silence (an fp32 run
+    recorded as bf16 mixed precision)."""
+    from pepo.training.config import check_world_size
+
+    cfg = tiny_cfg(tmp_path, prompts_per_step=4, micro_batch_size=2)
+    check_world_size(cfg, 1)
+    cfg.distributed = {"mixed_precision": "bf16"}
+    with pytest.raises(ValueError, match=r"^distributed.mixed_precision=bf16 is FSDP2's"):
+        check_world_size(cfg, 1)
+    check_world_size(cfg, 2)
+    cfg.distributed = {"mixed_precision": None, "cpu_offload": True}
+    with pytest.raises(ValueError, match=r"^distributed.cpu_offload=true is FSDP2's"):
+        check_world_size(cfg, 1)

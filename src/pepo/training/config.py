@@ -24,7 +24,7 @@ import importlib.util
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -51,6 +51,7 @@ __all__ = [
     "flatten_config",
     "list_configs",
     "prior_fingerprint",
+    "recipe_changes",
     "register_resolvers",
     "resolve_config_arg",
     "setting_warnings",
@@ -135,6 +136,10 @@ def resolve_config_arg(argv: list[str]) -> list[str]:
     import sys
 
     argv = list(argv)
+    for j, arg in enumerate(argv):  # argparse's --config=NAME form, as two arguments
+        if arg.startswith("--config="):
+            argv[j:j + 1] = ["--config", arg[len("--config="):]]
+            break
     if "--config" in argv:
         i = argv.index("--config") + 1
         if i == len(argv):
@@ -148,6 +153,9 @@ def resolve_config_arg(argv: list[str]) -> list[str]:
             if arg.startswith("-") or ("=" not in arg and not arg.startswith("~")):
                 sys.exit(f"error: {arg!r}: after --config, each override is key=value (such "
                          f"as num_steps=5; a nested key as generation.temperature=0.6)")
+            if not arg.startswith("~") and arg.count("=") > 1:
+                sys.exit(f"error: {arg!r}: torchtune's overrides take one '=' (key=value), so "
+                         f"a value holding '=' is set in a copy of the config file instead")
     return argv
 
 
@@ -215,13 +223,21 @@ def check_world_size(cfg: Union[RecipeConfig, DictConfig], world_size: int) -> N
     """Raises ``ValueError`` unless the step's batch splits evenly over ``world_size``
     processes: whole prompt groups per process, and every process's share of each mini-batch
     a whole number of micro-batches (with the same number of forwards on every process, which
-    FSDP2's collectives need)."""
+    FSDP2's collectives need), and that FSDP2's own settings are not asked of one process
+    (where they would not apply)."""
     from pepo.training.distributed import tile_rows
 
-    if world_size == 1:
-        return
     if not isinstance(cfg, RecipeConfig):
         cfg = schema.parse(cfg)
+    if world_size == 1:
+        d = cfg.distributed
+        if d.mixed_precision is not None or d.cpu_offload:
+            bad = (f"distributed.mixed_precision={d.mixed_precision}" if d.mixed_precision
+                   else "distributed.cpu_offload=true")
+            raise ValueError(f"{bad} is FSDP2's, for runs of several processes (torchrun), and "
+                             f"this run has one: unset it (compute_dtype=bf16 runs one "
+                             f"process's matmuls in bf16)")
+        return
     per_prompt = cfg.estimator.build().rollouts_per_prompt
     prompts, minis, micro = cfg.prompts_per_step, cfg.ppo_mini_batches, cfg.micro_batch_size
     rows = prompts * per_prompt
@@ -326,12 +342,25 @@ def experiment_config(cfg: DictConfig) -> dict[str, Any]:
     return flatten_config(cfg, RESUME_MAY_CHANGE)
 
 
-def experiment_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """``key (saved -> current)`` for every experiment key that differs."""
+def experiment_changes(saved: dict[str, Any], current: dict[str, Any],
+                       defaults: Optional[dict[str, Any]] = None) -> list[str]:
+    """``key (saved -> current)`` for every experiment key that differs; a key one side leaves
+    out reads as its value in ``defaults`` (:func:`schema.defaults`), so that spelling out a
+    default changes nothing."""
     saved = {k: schema.canonical(k, v) for k, v in saved.items()}  # a value's old name
-    return [f"{k} ({saved.get(k, '<unset>')!r} -> {current.get(k, '<unset>')!r})"
-            for k in sorted(set(saved) | set(current))
-            if saved.get(k, "<unset>") != current.get(k, "<unset>")]
+    unset = dict(defaults or {})
+
+    def value(side: dict[str, Any], k: str) -> Any:
+        return side[k] if k in side else unset.get(k, "<unset>")
+
+    return [f"{k} ({value(saved, k)!r} -> {value(current, k)!r})"
+            for k in sorted(set(saved) | set(current)) if value(saved, k) != value(current, k)]
+
+
+def recipe_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """:func:`experiment_changes` with the recipe's defaults: a checkpoint's experiment, a prior
+    cache's or a validation cache's fingerprint against this run's."""
+    return experiment_changes(saved, current, schema.defaults(schema.RecipeConfig))
 
 
 def resumable_checkpoint(checkpointer: Any, experiment: dict[str, Any], num_steps: int,
@@ -356,7 +385,7 @@ def resumable_checkpoint(checkpointer: Any, experiment: dict[str, Any], num_step
     saved = state.get("experiment")
     if saved is None:
         warn(f"{path} records no experiment config; the resume cannot check it")
-    elif changes := experiment_changes(saved, experiment):
+    elif changes := recipe_changes(saved, experiment):
         raise ValueError(f"resuming {path} would change the experiment: {', '.join(changes)}; "
                          f"keep these values, or start a new run in another output_dir")
     if state["step"] > num_steps or (state["step"] == num_steps and closed):

@@ -177,7 +177,10 @@ class Component:
     roles: tuple[tuple[str, str], ...] = ()
 
     def check(self, key: str, v: Any) -> Any:
-        if v is None:
+        # `key=null` on torchtune's command line sets the section's _component_ to null and
+        # keeps its other keys: that is the section set to null too
+        if v is None or (isinstance(v, DictConfig) and "_component_" in v
+                         and v.get("_component_") is None):
             if self.nullable:
                 return None
             raise ValueError(f"config key {key!r} is required")

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
 
 from pepo.training.checkpointing import atomic_write_text
-from pepo.training.config import experiment_changes
+from pepo.training.config import recipe_changes
 from pepo.training.run_lock import locked, process_gone
 
 __all__ = ["cached_value", "locked", "prepare_estimator", "read_prior", "write_prior"]
@@ -94,7 +94,7 @@ def _load(path: Path, fingerprint: Mapping[str, Any], field: str, key: str, kind
             raise KeyError("version")
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{key}={str(path)!r} is not {kind} ({e})") from None
-    changed = experiment_changes(saved, dict(fingerprint))
+    changed = recipe_changes(saved, dict(fingerprint))
     if changed:
         raise ValueError(f"{key}={str(path)!r} was made under other settings: "
                          f"{', '.join(changed)}; delete it or point {key} elsewhere")

@@ -61,6 +61,7 @@ __all__ = [
     "EvalConfig",
     "RecipeConfig",
     "canonical",
+    "defaults",
     "fields_of",
     "parse",
     "unknown_key",
@@ -70,6 +71,10 @@ EXPERIMENT, RUN, INITIAL = "experiment", "run", "initial"
 ENGINE_NAMES = ("inprocess", "vllm")  # pepo.training.engines.ENGINES (a test holds them equal)
 # old names of config values, still accepted with a one-line notice: (key, old) -> new
 ALIASES = {("generation.engine", "torchtune"): "inprocess"}
+# the vLLM engine's options that set its memory and speed, not its numbers: a resume may
+# change them (a run that ran out of memory resumes with a smaller KV cache)
+VLLM_MEMORY_OPTIONS = ("gpu_memory_utilization", "kv_cache_memory_bytes", "max_num_seqs",
+                       "enforce_eager", "sleep_level")
 
 
 class _Required:
@@ -81,9 +86,12 @@ REQUIRED: Any = _Required()  # the default of a key every config must set
 
 
 def key(default: Any = REQUIRED, help: str = "", *, rule: Any = None, role: str = EXPERIMENT,
-        factory: Optional[Callable[[], Any]] = None) -> Any:
-    """One config key: its default, rule, help and role (see the module docstring)."""
-    meta = {"help": help, "rule": rule if rule is not None else Raw(), "role": role}
+        factory: Optional[Callable[[], Any]] = None,
+        sub_roles: tuple[tuple[str, str], ...] = ()) -> Any:
+    """One config key: its default, rule, help and role (see the module docstring);
+    ``sub_roles``: other roles of some keys of a mapping value (``generation.vllm``)."""
+    meta = {"help": help, "rule": rule if rule is not None else Raw(), "role": role,
+            "sub_roles": sub_roles}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -101,7 +109,7 @@ class SamplingConfig:
 
     max_new_tokens: int = key(help="response length limit", rule=Int(1))
     temperature: float = key(help="sampling temperature (the paper trains at 0.6)",
-                             rule=Number(0.0))
+                             rule=Number(0.0, finite=True))
     top_k: Optional[int] = key(None, "top-k sampling (null: off)", rule=Int(1, nullable=True))
     top_p: float = key(help="nucleus sampling (the paper trains at 0.6)",
                        rule=Number(0.0, 1.0))
@@ -112,7 +120,8 @@ class SamplingConfig:
                       "KV-cached decoder on the training model; `torchtune`, its old name, still "
                       "works) or `vllm` (a colocated vLLM engine; see below)",
                       rule=OneOf(ENGINE_NAMES, f"one of {list(ENGINE_NAMES)}"))
-    vllm: Any = key(None, "the vLLM engine's options (below), with `engine: vllm`")
+    vllm: Any = key(None, "the vLLM engine's options (below), with `engine: vllm`",
+                    sub_roles=tuple((k, RUN) for k in VLLM_MEMORY_OPTIONS))
 
     @property
     def engine_options(self) -> dict[str, Any]:
@@ -157,7 +166,7 @@ class ValidationConfig:
         "the same settings (model, checkpoint, validation data, reward, sampling, seed, "
         "precision, samples; another setting is an error naming it), else computed and "
         "written. Runs that differ only in how they train share it: a study's methods of one "
-        "seed", role=RUN)
+        "seed", rule=Text("a file path"), role=RUN)
     dump: bool = key(False, "write each validation's responses, answers and rewards to "
                      "`val_rollouts/step_NNNNNN.jsonl` (step 0: the validation before training, "
                      "when it is computed, not read from `before_cache`), so that they can be "
@@ -167,12 +176,14 @@ class ValidationConfig:
 @dataclass
 class DistributedConfig:
     timeout_s: float = key(1800.0, "how long a collective waits for the other processes before "
-                           "it fails", rule=Number(0), role=RUN)
+                           "it fails", rule=Number(0, finite=True), role=RUN)
     cpu_offload: bool = key(False, "FSDP2 keeps parameters and optimizer state on the CPU "
-                            "(needs device=cuda)", rule=Bool())
+                            "(needs device=cuda and several processes)", rule=Bool(), role=RUN)
     mixed_precision: Optional[str] = key(None, "FSDP2 compute dtype (`bf16`, `fp16`; null: the "
-                                         "model's)", rule=OneOf((None, "bf16", "fp16"),
-                                                                "null, 'bf16' or 'fp16'"))
+                                         "model's); several processes only (one process: "
+                                         "`compute_dtype`)",
+                                         rule=OneOf((None, "bf16", "fp16"),
+                                                    "null, 'bf16' or 'fp16'"))
 
 
 @dataclass
@@ -342,6 +353,18 @@ def fields_of(cls: type, prefix: str = "") -> list[tuple[str, dataclasses.Field]
     return out
 
 
+def defaults(cls: type) -> dict[str, Any]:
+    """Every key of ``cls`` that has a default, flattened (``generation.top_k``), with it: what
+    a config that leaves the key out means."""
+    out: dict[str, Any] = {}
+    for name, f in fields_of(cls):
+        if f.default_factory is not dataclasses.MISSING:
+            out[name] = f.default_factory()
+        elif f.default is not dataclasses.MISSING and f.default is not REQUIRED:
+            out[name] = f.default
+    return out
+
+
 def _role_keys(cls: type, roles: tuple[str, ...]) -> tuple[str, ...]:
     """The keys of ``cls`` (whole sections where the section has the role) in ``roles``."""
     out: list[str] = []
@@ -353,6 +376,9 @@ def _role_keys(cls: type, roles: tuple[str, ...]) -> tuple[str, ...]:
             out.extend(f"{f.name}.{k}" for k in _role_keys(sub, roles))
         elif isinstance(rule, Component):
             out.extend(f"{f.name}.{a}" for a, role in rule.roles if role in roles)
+        else:
+            out.extend(f"{f.name}.{a}" for a, role in f.metadata.get("sub_roles", ())
+                       if role in roles)
     return tuple(out)
 
 
@@ -484,6 +510,11 @@ def _strategy_name(cfg: DictConfig) -> str:
     return str(name)
 
 
+# strategy parameters that are objects of the run, not settings (a factory taking **kwargs
+# would otherwise accept them)
+_RUNTIME_PARAMETERS = ("process_group",)
+
+
 def _strategy(cfg: DictConfig, name: str) -> StrategyConfig:
     section = cfg.strategy
     valid = {"name", *weighting.list_strategies()}
@@ -497,7 +528,12 @@ def _strategy(cfg: DictConfig, name: str) -> StrategyConfig:
             raise ValueError(f"strategy.{sub} must be a mapping of its parameters, got "
                              f"{section[sub]!r}")
         params = weighting.strategy_parameters(str(sub))
+        if params is not None:  # the recipe passes the process group itself
+            params = [p for p in params if p not in _RUNTIME_PARAMETERS]
         for p in section[sub]:
+            if p in _RUNTIME_PARAMETERS:
+                raise ValueError(f"strategy.{sub}.{p} is not a config key: the recipe passes "
+                                 f"its {p} itself")
             if params is not None and p not in params:
                 raise unknown_key(str(p), params, f"strategy.{sub}.")
         sections[str(sub)] = OmegaConf.to_container(section[sub], resolve=True)
@@ -588,8 +624,19 @@ def parse_eval(cfg: DictConfig) -> EvalConfig:
     _check_keys(cfg.get("generation"), SamplingConfig, "generation.")
     if not cfg.get("benchmarks"):
         raise ValueError("config key 'benchmarks' is required (name -> {dataset, k})")
+    if not isinstance(cfg.benchmarks, DictConfig):
+        raise ValueError(f"benchmarks must be a mapping name -> {{dataset, k}}, got "
+                         f"{cfg.benchmarks!r}")
+    dropped = sorted(str(n) for n, b in cfg.benchmarks.items() if b is None)
+    for name in dropped:  # benchmarks.NAME=null drops a benchmark (from the config itself)
+        cfg.benchmarks.pop(name)
+    if not cfg.benchmarks:
+        raise ValueError(f"every benchmark is dropped (null): {dropped}; keep at least one")
     benchmarks = {}
     for name, b in cfg.benchmarks.items():
+        if not isinstance(b, DictConfig):
+            raise ValueError(f"benchmarks.{name} must be a section with dataset and k (or null "
+                             f"to drop it), got {b!r}")
         for k in b:
             if k not in ("k", "dataset"):
                 raise ValueError(f"unknown config key 'benchmarks.{name}.{k}'; valid keys: "
