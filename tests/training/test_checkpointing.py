@@ -40,6 +40,76 @@ def test_crash_during_save_keeps_previous(tmp_path, monkeypatch):
     assert not (tmp_path / "step_2").exists() and not list(tmp_path.glob(".tmp*"))
 
 
+def test_a_crash_while_a_step_is_saved_again_keeps_its_checkpoint(tmp_path, monkeypatch):
+    """A step's checkpoint is saved again when its validation settles after a resume. Catches
+    the old copy deleted before the new one is renamed into place: a crash between the two
+    left ``latest`` naming nothing, and with ``keep=1`` no checkpoint at all."""
+    import os
+
+    m = torch.nn.Linear(3, 2)
+    c = ck.AtomicCheckpointer(tmp_path, keep=1)
+    c.save(1, m, {"step": 1})
+    c.save(2, m, {"step": 2}, {"val_accuracy": 0.25})
+    real = os.replace
+
+    def killed(src, dst):  # the kill lands on the rename of the new copy
+        if os.path.basename(str(src)).startswith(".tmp_step_2"):
+            raise KeyboardInterrupt
+        return real(src, dst)
+
+    monkeypatch.setattr(ck.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        c.save(2, m, {"step": 2}, {"val_accuracy": 0.5})
+    monkeypatch.setattr(ck.os, "replace", real)
+    path, state = c.load_latest()  # the old copy is put back
+    assert path.name == "step_2" and state == {"step": 2}
+    assert c.metadata(path)["val_accuracy"] == 0.25
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
+        "latest", "step_2"]
+    c.save(2, m, {"step": 2}, {"val_accuracy": 0.5})  # and the re-save then goes through
+    assert c.metadata(c.latest())["val_accuracy"] == 0.5
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith((".tmp", ".replaced"))]
+    # a crash after the new copy is in place: the old one is deleted, the new one kept
+    (tmp_path / ".replaced_step_2").mkdir()
+    assert c.load_latest()[0].name == "step_2" and not (tmp_path / ".replaced_step_2").exists()
+    assert c.metadata(c.latest())["val_accuracy"] == 0.5
+
+
+def test_a_disk_filling_up_in_torch_save_is_reported_as_full(tmp_path, monkeypatch):
+    """torch.save reports a full disk as a C++ stream error that names no cause, and deleting
+    the partial checkpoint frees the space again. Catches the free space measured only after
+    that clean-up (the recipe then printed a traceback, not the 'no space left ... resume'
+    line naming the last intact checkpoint)."""
+    import pepo.training.files as files
+    from pepo.training.stopping import CheckpointFailed, checkpoint_failure
+
+    m = torch.nn.Linear(3, 2)
+    c = ck.AtomicCheckpointer(tmp_path)
+    c.save(1, m, {"step": 1})
+    real_usage = files.shutil.disk_usage
+
+    def usage(path):  # full while the partial checkpoint takes the space
+        free = 10 if list(tmp_path.glob(".tmp_step_*")) else 2**30
+        return type("Usage", (), {"free": free, "total": real_usage(path).total})()
+
+    def torch_save(obj, path):
+        with open(path, "wb") as f:
+            f.write(b"x" * 100)
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 828736")
+
+    monkeypatch.setattr(files.shutil, "disk_usage", usage)
+    monkeypatch.setattr(ck.torch, "save", torch_save)
+    with pytest.raises(OSError) as raised:
+        c.save(2, m, {"step": 2})
+    failed = checkpoint_failure(raised.value, 2, tmp_path, c.marked())
+    assert isinstance(failed, CheckpointFailed) and f"is {tmp_path / 'step_1'}" in str(failed)
+    assert "unexpected pos" in str(raised.value) and not list(tmp_path.glob(".tmp*"))
+    # a bug that is not a full disk keeps its own error
+    monkeypatch.setattr(files.shutil, "disk_usage", real_usage)
+    with pytest.raises(RuntimeError, match="unexpected pos"):
+        c.save(2, m, {"step": 2})
+
+
 def test_mismatched_weights_are_refused(tmp_path):
     c = ck.AtomicCheckpointer(tmp_path)
     path = c.save(1, torch.nn.Linear(3, 2), {})

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from pepo.training import stopping
 from pepo.training.stopping import (
     CheckpointFailed,
     NonFiniteError,
@@ -145,6 +144,8 @@ def test_a_full_disk_is_a_checkpoint_error_naming_the_last_intact_one(tmp_path, 
                                "start again")
     assert checkpoint_failure(RuntimeError("a bug"), 7, tmp_path, None) is None
     # torch.save's C++ error says nothing: a disk with less than 1 MiB left is taken as full
-    monkeypatch.setattr(stopping.shutil, "disk_usage", lambda p: type("U", (), {"free": 10})())
+    import pepo.training.files as files
+
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda p: type("U", (), {"free": 10})())
     assert isinstance(checkpoint_failure(RuntimeError("stream"), 7, tmp_path, None),
                       CheckpointFailed)

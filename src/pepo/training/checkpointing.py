@@ -21,6 +21,7 @@ starting weights, an evaluation, the intervention study: all through
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -36,7 +37,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pepo.training.files import follow_umask, sha256_file
+from pepo.training.files import follow_umask, nearly_full, sha256_file
 from pepo.training.files import fsync_dir as _fsync_dir
 from pepo.training.files import write_durably as _write_file
 
@@ -50,6 +51,7 @@ CHECKSUMS = "checksums.json"  # sha256 of MODEL_FILE and STATE_FILE, recorded at
 METADATA = "metadata.json"  # {"step": N, and the metric a checkpoint was kept for, if any}
 BEST_MARKER = "best"  # names the checkpoint with the best metric (when ``best_metric`` is set)
 _STEP_NAME = re.compile(r"step_(0|[1-9][0-9]*)")  # exactly what save() writes
+_REPLACED = ".replaced_"  # the prefix of a checkpoint moved aside while it is saved again
 _MARKER_MAX_BYTES = 64  # a valid marker is "step_<N>\n"; never read an arbitrary big file
 
 
@@ -184,6 +186,7 @@ class AtomicCheckpointer:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         self.root.mkdir(parents=True, exist_ok=True)
+        self._recover()
         for stale in self.root.glob(".tmp_step_*"):  # left by a crash during an earlier save
             shutil.rmtree(stale, ignore_errors=True)
         final = self.root / f"step_{step}"
@@ -202,16 +205,41 @@ class AtomicCheckpointer:
             for f in (tmp / MODEL_FILE, tmp / STATE_FILE, tmp / CHECKSUMS, tmp / METADATA):
                 follow_umask(f)
             _fsync_dir(tmp)
-            if final.exists():  # a re-run of this step after a resume
-                shutil.rmtree(final)
+            # a re-save of this step (its validation settled after a resume): the old copy is
+            # moved aside, not deleted, until the new one is in place (_recover puts it back
+            # after a crash between the two renames)
+            old = self.root / f"{_REPLACED}{final.name}"
+            if final.exists():
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
             os.replace(tmp, final)
             _fsync_dir(self.root)  # the new directory is durable before `latest` names it
-        except BaseException:
+            shutil.rmtree(old, ignore_errors=True)
+        except BaseException as e:
+            # torch.save reports a full disk as a C++ stream error naming no cause: the free
+            # space says it, measured before the partial files are deleted
+            full = not isinstance(e, OSError) and isinstance(e, Exception) and nearly_full(tmp)
             shutil.rmtree(tmp, ignore_errors=True)
+            if full:
+                raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({e})") from e
             raise
         self._write_marker(MARKER, final.name)
         self._prune(keep_name=final.name)
         return final
+
+    def _recover(self) -> None:
+        """Finishes a re-save that a crash interrupted: a checkpoint moved aside whose new copy
+        is missing is put back; one whose new copy is in place is deleted."""
+        if not self.root.is_dir():
+            return
+        for old in self.root.glob(f"{_REPLACED}step_*"):
+            final = self.root / old.name[len(_REPLACED):]
+            if _step(final) is None or old.is_symlink():
+                continue
+            if final.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(old, final)
 
     def _prune(self, keep_name: str) -> None:
         best = self.best()
@@ -307,6 +335,7 @@ class AtomicCheckpointer:
         than a valid marker's is left out: the marker is written last, so such a directory is
         from a save that did not finish.
         """
+        self._recover()
         steps = self._step_dirs()
         marked = self.marked()
         if marked is None:

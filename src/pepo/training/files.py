@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Callable, Union
 
-__all__ = ["follow_umask", "fsync_dir", "sha256_file", "write_durably"]
+__all__ = ["follow_umask", "fsync_dir", "nearly_full", "sha256_file", "write_durably"]
 
 
 def sha256_file(path: Union[str, Path]) -> str:
@@ -46,3 +47,14 @@ def write_durably(path: Path, write: Callable[[Path], Any]) -> None:
     write(path)
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
+
+
+def nearly_full(where: Union[str, Path]) -> bool:
+    """Whether less than 1 MiB is left on the file system of ``where`` (False when that cannot
+    be read): how a failed write whose error says nothing of why (torch.save's C++ stream
+    errors) is told to be the disk filling up. Measure it before the failed write's partial
+    files are deleted, which frees their space again."""
+    try:
+        return shutil.disk_usage(where).free < 2**20
+    except OSError:
+        return False

@@ -18,11 +18,12 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import shutil
 import signal
 import threading
 from pathlib import Path
 from typing import Any, Callable, Optional
+
+from pepo.training.files import nearly_full
 
 __all__ = [
     "CheckpointFailed",
@@ -197,10 +198,7 @@ def out_of_space(error: BaseException, where: Path) -> bool:
         return True
     if any(os.strerror(code) in str(error) for code in full):
         return True
-    try:
-        return shutil.disk_usage(where).free < 2**20
-    except OSError:
-        return False
+    return nearly_full(where)
 
 
 def checkpoint_failure(error: BaseException, step: int, root: Path,
