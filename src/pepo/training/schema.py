@@ -510,9 +510,7 @@ def _strategy_name(cfg: DictConfig) -> str:
     return str(name)
 
 
-# strategy parameters that are objects of the run, not settings (a factory taking **kwargs
-# would otherwise accept them)
-_RUNTIME_PARAMETERS = ("process_group",)
+_RUNTIME_PARAMETERS = ("process_group",)  # a strategy's parameters that are the run's objects
 
 
 def _strategy(cfg: DictConfig, name: str) -> StrategyConfig:
@@ -528,8 +526,6 @@ def _strategy(cfg: DictConfig, name: str) -> StrategyConfig:
             raise ValueError(f"strategy.{sub} must be a mapping of its parameters, got "
                              f"{section[sub]!r}")
         params = weighting.strategy_parameters(str(sub))
-        if params is not None:  # the recipe passes the process group itself
-            params = [p for p in params if p not in _RUNTIME_PARAMETERS]
         for p in section[sub]:
             if p in _RUNTIME_PARAMETERS:
                 raise ValueError(f"strategy.{sub}.{p} is not a config key: the recipe passes "
