@@ -101,6 +101,64 @@ def test_padding_never_leaks_into_loss_or_gradient():
     assert lp.grad[~mask].eq(0).all()
 
 
+def test_a_zero_advantage_token_adds_nothing_whatever_its_ratio():
+    """A token the strategy gave no weight (an all-equal group, the 80 % global_topk zeroes)
+    whose log-ratio is beyond exp's range (~88): catches 0 * inf, a NaN loss and gradient that
+    made the whole mini-batch a skipped step. A weighted token's huge ratio stays what Eq. (2)
+    makes it."""
+    lp = torch.tensor([[-0.5, -1.0, -2.0]], requires_grad=True)
+    old = torch.tensor([[-95.0, -1.2, -2.1]])
+    adv = torch.tensor([[0.0, 1.0, -0.5]])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    loss = clipped_policy_loss(lp, old, adv, mask)
+    loss.backward()
+    want = ref_loss(lp.detach()[:, 1:], old[:, 1:], adv[:, 1:], mask[:, 1:], 0.2, 0.28, n=3)
+    assert loss.item() == pytest.approx(want, rel=1e-6)
+    assert lp.grad[0, 0].item() == 0.0 and torch.isfinite(lp.grad).all()
+    m = policy_loss_metrics(lp.detach(), old, adv, mask)
+    assert m["ratio_max"].item() == math.inf  # the diagnostics still see the true ratio
+    hot = clipped_policy_loss(lp.detach(), old, torch.tensor([[-1.0, 1.0, -0.5]]), mask)
+    assert hot.item() == math.inf  # A < 0 keeps the unclipped ratio: a non-finite step
+
+
+def test_metrics_read_only_valid_ratios_and_the_right_side_of_the_clip():
+    """Catches ``ratio_min``/``ratio_max`` over padding too (its ratio is exp(0) = 1: a batch
+    whose valid ratios are all above 1 reported a minimum of 1), and ``eps_low``/``eps_high``
+    swapped in the clip fractions (a ratio of 1.25 with A > 0 is inside [0.95, 1.7])."""
+    lp = torch.tensor([[0.3, 0.2, 5.0], [0.25, 0.1, -9.0]])
+    mask = torch.tensor([[True, True, False], [True, True, False]])
+    m = policy_loss_metrics(lp, torch.zeros(2, 3), torch.ones(2, 3), mask)
+    assert m["ratio_min"].item() == pytest.approx(math.exp(0.1), rel=1e-6)
+    assert m["ratio_max"].item() == pytest.approx(math.exp(0.3), rel=1e-6)
+    # each side on its own: a ratio clipped on one side and one on the other would sum to the
+    # same count with the clip range swapped
+    for ratio, a, want in ((1.25, 1.0, 0.0), (0.9, -1.0, 0.5)):
+        lp = torch.tensor([[math.log(ratio), 0.0]])
+        m = policy_loss_metrics(lp, torch.zeros(1, 2), torch.tensor([[a, 1.0]]),
+                                torch.ones(1, 2, dtype=torch.bool), eps_low=0.05, eps_high=0.7)
+        assert m["clip_fraction"].item() == want, ratio
+        side = "clip_fraction_low" if a < 0 else "clip_fraction_high"
+        assert m[side].item() == want, ratio
+
+
+def test_importance_weights_are_constants_and_never_read_at_padding():
+    """Catches weights' padding multiplied in before the mask (a NaN weight there made the loss
+    NaN), weights that carry grad accepted, and ``truncated_is_weights`` returning a tensor
+    attached to the graph of its inputs."""
+    from pepo.loss import truncated_is_weights
+
+    lp, old, adv, mask = batch(seed=9)
+    w = torch.where(mask, torch.rand(mask.shape), float("nan"))
+    loss = clipped_policy_loss(lp, old, adv, mask, is_weights=w)
+    want = clipped_policy_loss(lp, old, adv, mask, is_weights=torch.where(mask, w, 0.0))
+    assert torch.isfinite(loss) and loss.item() == want.item()
+    with pytest.raises(ValueError, match="^is_weights require grad"):
+        clipped_policy_loss(lp, old, adv, mask, is_weights=w.clone().requires_grad_(True))
+    old_g = old.clone().requires_grad_(True)
+    tis = truncated_is_weights(old_g, old - 0.1, mask, cap=2.0)
+    assert not tis.requires_grad and tis.grad_fn is None
+
+
 def test_all_masked_gives_zero_loss_and_no_update():
     lp, old, adv, mask = batch(seed=3)
     lp = lp.requires_grad_(True)

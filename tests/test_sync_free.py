@@ -145,6 +145,10 @@ def test_statistics_group_advantages_and_loss_read_nothing_on_the_host(monkeypat
     with _HostReads(monkeypatch) as reads:
         group_advantages(rewards, 4)  # validating reads the counts, once
     assert reads.count == 1
+    with _HostReads(monkeypatch) as reads:  # the loss reads nothing even when validating, and
+        clipped_policy_loss(lp, old, a, m)  # counts its own tokens on the device (the recipe's
+        clipped_policy_loss(lp, old, a, m, is_weights=w)  # call)
+    assert reads.count == 0
     monkeypatch.undo()
     if not META:
         return
@@ -161,6 +165,7 @@ def test_statistics_group_advantages_and_loss_read_nothing_on_the_host(monkeypat
     loss = clipped_policy_loss(lp, old, a, m, num_tokens=torch.empty((), device="meta"),
                                is_weights=torch.empty(3, 7, device="meta"), validate=False)
     assert loss.shape == ()
+    assert clipped_policy_loss(lp, old, a, m).shape == ()  # validated, its own token count
 
 
 @pytest.mark.parametrize("key", list(STRATEGIES))

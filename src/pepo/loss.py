@@ -99,8 +99,12 @@ def _ratio_terms(
     log_ratio = torch.where(mask, logprobs.float() - old_logprobs.float(), 0.0)  # [B, T]
     ratio = torch.exp(log_ratio)  # [B, T]
     adv = torch.where(mask, advantages.float(), 0.0)  # [B, T]
-    unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    # A token of zero advantage adds 0 to the loss and to its gradient whatever its ratio: its
+    # ratio is taken at 1 there (exp of a log-ratio above ~88 is inf, and 0 * inf is a NaN
+    # that spoiled the whole mini-batch)
+    live = torch.exp(torch.where(adv != 0, log_ratio, 0.0))  # [B, T]
+    unclipped = -adv * live
+    clipped = -adv * torch.clamp(live, 1.0 - eps_low, 1.0 + eps_high)
     return ratio, log_ratio, unclipped, clipped
 
 
