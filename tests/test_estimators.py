@@ -183,6 +183,56 @@ def test_update_constant_rho_and_repeats_in_order():
     assert t.state_dict()["beta"][7] == pytest.approx(b)
 
 
+def test_a_prompt_twice_in_one_step_is_forgotten_once():
+    """A candidate pool across an epoch's end can hold a prompt twice. Catches the drift since
+    the last visit read once for the whole batch: the second row was forgotten with the first
+    row's drift, though its last visit is that first row, under the same policy (drift 0)."""
+    def tracker():
+        t = est.SingleStreamEstimator(rho_min=0.5, rho_max=0.97, d_half=0.5)
+        t.set_prior({"x": 0.25})
+        t.observe(["y"], [1.0], drift=1.0)  # the policy moves on before x is seen again
+        return t
+
+    together, apart = tracker(), tracker()
+    torch.testing.assert_close(together.drift_since_last_visit(["x", "y", "x"]),
+                               torch.tensor([1.0, 1.0, 0.0], dtype=torch.float64))
+    together.observe(["x", "x"], [1.0, 0.0], drift=0.2)
+    apart.observe(["x"], [1.0], drift=0.0)
+    apart.observe(["x"], [0.0], drift=0.2)
+    assert together.state_dict()["alpha"]["x"] == pytest.approx(apart.state_dict()["alpha"]["x"])
+    assert together.state_dict()["beta"]["x"] == pytest.approx(apart.state_dict()["beta"]["x"])
+    # by hand: rho 2^-2 (clipped to 0.5) at the first row, rho_max at the second
+    a0, b0 = apart.prior_weight * 2.5 / 9, apart.prior_weight * 6.5 / 9
+    assert together.state_dict()["alpha"]["x"] == pytest.approx(0.97 * (0.5 * a0 + 1))
+    assert together.state_dict()["beta"]["x"] == pytest.approx(0.97 * (0.5 * b0) + 1)
+
+
+def test_a_prior_set_later_is_the_prompts_last_visit():
+    """Catches ``set_prior`` that leaves the last visit alone: a prior set (or reset) after the
+    policy moved would be forgotten by the drift from the start."""
+    t = est.SingleStreamEstimator()
+    t.add_drift(1.0)
+    t.set_prior({"x": 0.5})
+    assert t.drift_since_last_visit(["x", "z"]).tolist() == [0.0, 1.0]
+
+
+def test_prepare_scores_every_prompt_across_chunks():
+    """Real datasets take many chunks of ``chunk_rollouts``; catches a chunk loop that skips or
+    repeats a prompt at a chunk's edge (every prompt then must have its own mean)."""
+    t = est.build_estimator("single_stream", prior_samples=3)
+    ids = [f"p{i}" for i in range(11)]
+    calls = []
+
+    def score(idx):
+        calls.append(list(idx))
+        return torch.tensor([(i % 4) / 3 if k % 3 == 0 else 0.0 for k, i in enumerate(idx)])
+
+    rates = t.prepare(ids, score, chunk_rollouts=7)  # 2 prompts (6 rollouts) a call
+    assert [i for c in calls for i in c] == [i for i in range(11) for _ in range(3)]
+    assert len(calls) == 6 and all(len(c) <= 7 for c in calls)
+    assert rates == pytest.approx({f"p{i}": (i % 4) / 9 for i in range(11)})
+
+
 @pytest.mark.parametrize("sampling_eps", [0.05, 0.2])
 def test_sampling_weights(sampling_eps):
     t = est.SingleStreamEstimator({"easy": 1.0, "mid": 0.5}, sampling_eps=sampling_eps)
@@ -278,6 +328,8 @@ def test_step_interface_of_both_estimators():
     torch.testing.assert_close(adv, est.group_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2))
     with pytest.raises(ValueError, match="contiguous groups of 2"):
         g.advantages(["a", "b", "a", "b"], torch.tensor([1.0, 0.0, 1.0, 1.0]))
+    with pytest.raises(ValueError, match="contiguous groups of 2"):  # only a later group mixed
+        g.advantages(["a", "a", "b", "c", "c", "b"], torch.rand(6))
     s = est.build_estimator("single_stream", candidate_pool=3, prior_samples=2)
     assert (s.rollouts_per_prompt, s.candidate_pool, s.needs_drift) == (1, 3, True)
     calls = []

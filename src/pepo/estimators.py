@@ -462,11 +462,16 @@ class SingleStreamEstimator:
 
     def drift_since_last_visit(self, prompt_ids: PromptIds) -> torch.Tensor:
         """``D(x)``: the drift total now minus at the prompt's last visit (prior or update);
-        a prompt never seen counts from the start. Shape: ``[N]`` fp64."""
-        return torch.tensor(
-            [self.drift_total - self._last_visit.get(pid, 0.0) for pid in _ids(prompt_ids)],
-            dtype=torch.float64,
-        ).clamp_min(0.0)
+        a prompt never seen counts from the start. A prompt repeated in ``prompt_ids`` (a pool
+        across an epoch's end) has drift 0 at its later rows: :meth:`update` applies the rows
+        in order, so the earlier row is its last visit, under the same policy. Shape: ``[N]``
+        fp64."""
+        seen: set[Hashable] = set()
+        out = []
+        for pid in _ids(prompt_ids):
+            out.append(0.0 if pid in seen else self.drift_total - self._last_visit.get(pid, 0.0))
+            seen.add(pid)
+        return torch.tensor(out, dtype=torch.float64).clamp_min(0.0)
 
     def observe(self, prompt_ids: PromptIds, rewards: Any, drift: Optional[float] = None) -> None:
         """The step interface's update, after the policy update.
