@@ -272,6 +272,51 @@ def test_cli_writes_the_table(tmp_path, capsys):
                        "--out", str(out)])
 
 
+def test_the_cli_uses_the_configs_device_and_dtype_and_keys_its_cache_on_the_weights(
+        tmp_path, monkeypatch, capsys):
+    """Catches models always built on the CPU in fp32 (a paper config's ``device: cuda``,
+    ``dtype: bf16`` ran a 4B model on the CPU in silence), and cells kept under the
+    checkpoints' paths (other weights written to the same path were read back as the old
+    ones' cells: 62.5 % where a fresh run gave 53.1 %)."""
+    from omegaconf import OmegaConf
+
+    import pepo.study.intervention as iv
+    from pepo.training.config import find_config, register_resolvers
+
+    register_resolvers()
+    base = random_checkpoint(tmp_path / "base", seed=0)
+    repl = random_checkpoint(tmp_path / "repl", seed=1)
+    c = OmegaConf.load(find_config("tiny"))
+    c.model = {"_component_": "pepo.training.models.tiny_qwen3", **MODEL_OVERRIDES}
+    c.checkpoint_dir = str(base)
+    c.generation.max_new_tokens = 4
+    cfg, out = tmp_path / "cfg.yaml", tmp_path / "out"
+    args = ["intervene", "--config", str(cfg), "--replacement", str(repl), "--budgets", "0",
+            "50", "--k", "1", "--problems", "2", "--window", "5", "--out", str(out)]
+    seen = []
+
+    def recording(base_model, repl_model, *a, **k):
+        seen.append({p.dtype for m in (base_model, repl_model) for p in m.parameters()})
+        return real(base_model, repl_model, *a, **k)
+
+    real = iv.intervene
+    monkeypatch.setattr(iv, "intervene", recording)
+    c.dtype = "bf16"
+    OmegaConf.save(c, cfg)
+    analysis.main(args)
+    assert seen == [{torch.bfloat16}]
+    c.dtype = "fp32"
+    OmegaConf.save(c, cfg)
+    random_checkpoint(tmp_path / "repl", seed=2)  # other weights at the same path
+    with pytest.raises(SystemExit, match=r"holds an intervention with replacement="):
+        analysis.main(args)
+    if not torch.cuda.is_available():
+        c.device = "cuda"
+        OmegaConf.save(c, cfg)
+        with pytest.raises(SystemExit, match=r"device='cuda' but CUDA is not available"):
+            analysis.main([*args[:-1], str(tmp_path / "out2")])
+
+
 def test_each_metric_ranks_by_its_own_statistic(models, monkeypatch):
     """The positions of metric m are chosen from m of the base rollouts' entropies (W as given)."""
     import pepo.study.intervention as iv

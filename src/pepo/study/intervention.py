@@ -29,7 +29,6 @@ import csv
 import hashlib
 import json
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -424,13 +423,29 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, dict[float, float]]:
         raise SystemExit(f"error: {e}") from None
 
 
+def _weights_digest(checkpoint_dir: Union[str, Path]) -> str:
+    """A digest of the weight files of ``checkpoint_dir`` (their names and contents; not a
+    pepo checkpoint's training state): what the cells made from them are kept under, so that
+    other weights written to the same path are never read back as these."""
+    from pepo.training.files import sha256_file
+
+    h = hashlib.sha256()
+    for f in sorted(Path(checkpoint_dir).iterdir()):
+        if f.is_file() and f.suffix in (".safetensors", ".bin", ".pt", ".pth") \
+                and f.name != "training_state.pt":
+            h.update(f"{f.name}:{sha256_file(f)};".encode())
+    return h.hexdigest()[:16]
+
+
 def _main(args: argparse.Namespace) -> dict[str, dict[float, float]]:
     from omegaconf import OmegaConf
     from torchtune import config as tt_config
+    from torchtune import training, utils
 
     from pepo.training.checkpointing import resolve_marker
     from pepo.training.config import (
         check_checkpoint_dir,
+        check_device,
         check_output_dir,
         find_config,
         register_resolvers,
@@ -456,20 +471,24 @@ def _main(args: argparse.Namespace) -> dict[str, dict[float, float]]:
         if args.problems < 1:
             raise ValueError(f"--problems must be >= 1, got {args.problems}")
         problems = problems[: args.problems]
+    device_name = str(OmegaConf.select(cfg, "device", default="cpu"))
+    check_device(device_name)  # the config's device and dtype, as its runs used them
+    device = utils.get_device(device_name)
+    dtype = training.get_dtype(str(OmegaConf.select(cfg, "dtype", default="fp32")), device=device)
     models = []
     for d in (base_dir, args.replacement):
-        m = tt_config.instantiate(cfg.model)
+        with training.set_default_dtype(dtype), device:
+            m = tt_config.instantiate(cfg.model)
         load_model_weights(m, d)
         models.append(m.eval())
     g = cfg.generation
     setting = args.compute_dtype or str(OmegaConf.select(cfg, "compute_dtype", default="fp32"))
-    device = next(models[0].parameters()).device
     compute_dtype = resolve_compute_dtype(setting, device)
     stop_tokens = stop_token_ids(tokenizer, g.get("stop_tokens"))
     cache = Path(args.cache or args.out) / "cells.json"
-    settings = {"window": window, **{  # which checkpoints, without writing their paths down
-        name: hashlib.sha256(os.path.abspath(d).encode()).hexdigest()[:16]
-        for name, d in (("base", base_dir), ("replacement", args.replacement))},
+    settings = {"window": window, **{  # which weights, without writing their paths down
+        name: _weights_digest(d) for name, d in (("base", base_dir),
+                                                 ("replacement", args.replacement))},
         "reward": OmegaConf.to_container(cfg.reward, resolve=True)}  # what scored the cells
     n_runs = 2 + len(args.metrics) * sum(0 < b < 1 for b in budgets)
     if cache.is_file():
