@@ -142,6 +142,38 @@ def test_sharded_checkpoint(tmp_path):
                                    rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("spelled", [{"rope_type": "default"}, {"type": "default"}])
+def test_a_llama_config_spelling_out_default_rope_is_read(tmp_path, spelled):
+    """Older transformers write ``rope_scaling: {"rope_type": "default"}`` (no scaling): catches
+    the Llama path refusing it (it accepted only llama3 scaling) while Qwen3's took it."""
+    torch.manual_seed(2)
+    cfg = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        rope_theta=10_000.0, tie_word_embeddings=True, rms_norm_eps=1e-5)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    randomise(hf)
+    hf.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    written.pop("rope_parameters", None)
+    written["rope_theta"], written["rope_scaling"] = 10_000.0, spelled
+    (tmp_path / "config.json").write_text(json.dumps(written))
+    with torch.no_grad():
+        torch.testing.assert_close(from_hf(tmp_path)(TOKENS), hf(TOKENS).logits,
+                                   rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("index", ['{"metadata": {}}', "[]", "not json", '{"weight_map": 3}'])
+def test_a_broken_shard_index_is_one_error_naming_it(tmp_path, index):
+    """Catches a ``KeyError: 'weight_map'`` (or a JSON traceback) from a bad index file."""
+    from pepo.training.hf import load_hf_state
+
+    (tmp_path / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(ValueError, match=r"model.safetensors.index.json is not a safetensors "
+                                         r"index"):
+        load_hf_state(tmp_path)
+
+
 def test_errors_name_the_problem(tmp_path):
     with pytest.raises(ValueError, match="has no config.json"):
         from_hf(tmp_path)

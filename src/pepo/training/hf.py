@@ -70,6 +70,8 @@ def load_hf_config(model_dir: Union[str, Path]) -> dict[str, Any]:
     scaling = cfg.get("rope_scaling")
     if scaling is None and rope.get("rope_type", "default") != "default":
         scaling = rope
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) == "default":
+        scaling = None  # spelled out: no scaling
     cfg["rope_theta"] = float(theta)
     cfg["rope_scaling"] = scaling
     return cfg
@@ -172,7 +174,13 @@ def load_hf_state(model_dir: Union[str, Path]) -> dict[str, torch.Tensor]:
     d = Path(model_dir)
     index = d / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        try:
+            files = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+                               .values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index} is not a safetensors index (a JSON object whose "
+                             f"weight_map maps each tensor to its file): {type(e).__name__}: "
+                             f"{e}") from None
     elif (d / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
