@@ -268,7 +268,8 @@ class PEPORecipe(FTRecipeInterface):
         self.seq_limit = sequence_limit(self.model, engine, options)
         fit = (self.tokenizer, self.seq_limit, self.gen_kwargs["max_new_tokens"],
                self.model.max_seq_len, log.warning)
-        self.train_data = fitting_prompts(train_data, "dataset", *fit)
+        self.train_data = fitting_prompts(train_data, "dataset", *fit, per_step=(
+            self.prompts_per_step, self.estimator.candidate_pool))
         self.val_data = fitting_prompts(val_data, "val_dataset", *fit) if val_data else []
         if self.dist.is_main:
             log.info(describe_precision(c.compute_dtype, self.compute_dtype, self._device))

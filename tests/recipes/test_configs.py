@@ -141,7 +141,7 @@ def _recipe_cfg(name, tmp_path, stand_ins):
                       "model": {"max_seq_len": 512}, "reward": {"workers": 1, "timeout": 2},
                       "val_dataset": None})
     elif "arch" in EXPECTED[name]:
-        rows = F.dapo_rows(8) if cfg.estimator.name == "single_stream" else F.deepmath_rows(8)
+        rows = F.dapo_rows(32) if cfg.estimator.name == "single_stream" else F.deepmath_rows(8)
         small.update({"checkpoint_dir": str(stand_ins[EXPECTED[name]["arch"]]),
                       "train_data": str(F.write_parquet(tmp_path / "train.parquet", rows)),
                       "model": {"max_seq_len": 512}, "reward": {"workers": 1, "timeout": 2}})

@@ -111,7 +111,7 @@ def test_paper_configs_run_on_tiny_stand_ins(tmp_path, hf_dir, name):
     with the sizes shrunk and the device set to CPU, runs a step."""
     register_resolvers()
     model_dir = F.tiny_hf_llama(tmp_path / "llama") if "llama" in name else hf_dir
-    rows = F.dapo_rows(8) if "pespo" in name else F.deepmath_rows(8)
+    rows = F.dapo_rows(16) if "pespo" in name else F.deepmath_rows(8)  # a step draws 16
     data = F.write_parquet(tmp_path / "train.parquet", rows)
     cfg = OmegaConf.merge(OmegaConf.load(find_config(name)), {
         "checkpoint_dir": str(model_dir), "train_data": str(data),

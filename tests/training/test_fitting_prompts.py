@@ -43,3 +43,17 @@ def test_names_vllms_limit_where_it_is_below_the_models():
     with pytest.raises(ValueError, match=r"^no prompt of val_dataset fits "
                        r"generation.vllm.max_model_len=8 with generation.max_new_tokens=4$"):
         fitting_prompts(problems(5, 9), "val_dataset", WordTokenizer(), 8, 4, 64, warned.append)
+
+
+def test_a_dataset_smaller_than_a_steps_draw_is_refused():
+    """Prompts are drawn without replacement (docs/recipe.md): catches a dataset with fewer
+    prompts (that fit) than a step draws accepted, so that every step held some prompt twice
+    (group mode: counts {24, 24, 16} over 3 prompts; SPO: 11 of 50 prompts repeated)."""
+    fit = (WordTokenizer(), 10, 4, 10, [].append)
+    assert len(fitting_prompts(problems(1, 2, 3, 4), "dataset", *fit, per_step=(2, 2))) == 4
+    with pytest.raises(ValueError, match=r"^dataset has 3 prompts, fewer than the 4 a step "
+                       r"draws \(prompts_per_step=4\): a step would hold some prompt twice"):
+        fitting_prompts(problems(1, 2, 3), "dataset", *fit, per_step=(4, 1))
+    with pytest.raises(ValueError, match=r"^dataset has 3 prompts that fit, fewer than the 6 a "
+                       r"step draws \(prompts_per_step=3 x estimator.candidate_pool=2\)"):
+        fitting_prompts(problems(1, 2, 3, 9), "dataset", *fit, per_step=(3, 2))

@@ -409,13 +409,16 @@ def sequence_limit(model: torch.nn.Module, engine: str, options: Mapping[str, An
 
 
 def fitting_prompts(problems: list, key: str, tokenizer: Any, limit: int, max_new_tokens: int,
-                    model_limit: int, warn: Callable[[str], None]) -> list:
+                    model_limit: int, warn: Callable[[str], None],
+                    per_step: tuple[int, int] = (1, 1)) -> list:
     """The problems of ``key`` (``dataset``, ``val_dataset``) whose prompt fits ``limit``
     (:func:`sequence_limit`; ``model_limit`` is the model's ``max_seq_len``) with the response
     budget ``max_new_tokens``; the others are dropped with one warning.
 
     Raises:
-        ValueError: no prompt fits.
+        ValueError: no prompt fits, or fewer than a training step draws (``per_step``:
+            ``prompts_per_step`` and the estimator's ``candidate_pool``), so that every step
+            would hold some prompt twice (prompts are drawn without replacement).
     """
     what = ("generation.vllm.max_model_len" if limit != model_limit
             else "the model's max_seq_len")
@@ -427,6 +430,14 @@ def fitting_prompts(problems: list, key: str, tokenizer: Any, limit: int, max_ne
     if len(kept) < len(problems):
         warn(f"{key}: dropped {len(problems) - len(kept)} of {len(problems)} prompts longer "
              f"than {budget} tokens ({what}={limit} - generation.max_new_tokens)")
+    prompts, pool = per_step
+    if len(kept) < prompts * pool:
+        fit = " that fit" if len(kept) < len(problems) else ""
+        raise ValueError(
+            f"{key} has {len(kept)} prompts{fit}, fewer than the {prompts * pool} a step draws "
+            f"(prompts_per_step={prompts}" + (f" x estimator.candidate_pool={pool}" if pool > 1
+                                              else "")
+            + "): a step would hold some prompt twice; use a larger dataset or draw fewer")
     return kept
 
 
