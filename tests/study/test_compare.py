@@ -458,6 +458,11 @@ def test_the_reported_command_can_be_pasted(study):
     assert cmd == ("python -m pepo.study.compare --tasks smollm2_steps --methods "
                    "'80/20, proximal score' GTPO")
     assert shlex.split(cmd)[5:] == ["--methods", "80/20, proximal score", "GTPO"]
+    # the forms argparse also takes: --opt=VALUE and a unique prefix (the report read
+    # "--out=/tmp/st/runs ... --report --docs=/tmp/st/docs": pasted, it trained nothing)
+    cmd = command_line(["--tasks", "tiny", "--out=/runs/x", "--report", "--docs=/d", "--disc",
+                        "notes.md", "--shard=0/2", "--sh", "1/2", "--seeds", "0"])
+    assert cmd == "python -m pepo.study.compare --tasks tiny --seeds 0"
 
 
 @pytest.mark.slow
@@ -612,3 +617,33 @@ def test_a_bad_set_is_refused_before_the_first_run(study, tmp_path, monkeypatch)
         study.main([*argv, "--set", "foo=1"])
     with pytest.raises(SystemExit, match=r"error: tiny group GRPO: generation.temperature "):
         study.main([*argv, "--set", "generation.temperature=-1"])
+
+
+def test_what_the_study_sets_itself_and_unplanned_methods_are_refused(study, tmp_path,
+                                                                      monkeypatch):
+    """Catches ``--set seed=7`` merged over each run's seed (every seed the same run, counted
+    as independent pairs; also ``output_dir``, ``strategy.name``, the caches), a --methods
+    naming only methods outside the modes asked for (only the baseline trained and reported,
+    in silence), and a misspelt --discussion dropped from the report in silence."""
+    monkeypatch.setattr(study, "run_one", lambda *a: pytest.fail("a run started"))
+    argv = ["--tasks", "tiny", "--seeds", "0", "1", "--only", "group", "--out", str(tmp_path)]
+    for bad, key, option in (("seed=7", "seed", "--seeds"),
+                             ("output_dir=/x", "output_dir", "--out"),
+                             ("strategy.name=uniform", "strategy.name", "--methods"),
+                             ("strategy=uniform", "strategy.name", "--methods"),
+                             ("validation.before_cache=v.json", "validation.before_cache",
+                              "--out"), ("prior_cache=p.json", "prior_cache", "--out")):
+        with pytest.raises(SystemExit, match=rf"^error: --set {bad.split('=')[0]}=\.\.\.: the "
+                           rf"study sets {key} for each run itself \(give {option} instead\)$"):
+            study.main([*argv, "--set", bad])
+    with pytest.raises(SystemExit, match=r"^error: --set validation.every=0"):
+        study.main([*argv, "--set", "validation.every=0"])
+    with pytest.raises(SystemExit, match=r"^error: --methods 'PESPO' is not a method of the "
+                       r"tasks and modes asked for \(tiny; group\)$"):
+        study.main([*argv, "--methods", "PESPO"])
+    with pytest.raises(SystemExit, match=r"^error: --discussion .*nope.md: no such file$"):
+        study.main([*argv, "--discussion", str(tmp_path / "nope.md"), "--report-only"])
+    from pepo.study.cli import check_set
+
+    check_set({"strategy": {"proximal_softmax": {"window": 5}}, "validation": {"every": 2},
+               "num_steps": 3})  # the rest of a section is the user's to set

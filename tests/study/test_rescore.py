@@ -42,6 +42,10 @@ def test_stated_success_lets_the_stated_result_decide_and_falls_back_to_the_veri
     assert stated_success("It is 8", "8", True) is True
     assert stated_success("It is 9", "8", False) is False
     assert stated_success("x = 2", "1/2", True) is True  # gold not a plain number: the verifier
+    # Markdown bold closing after the result is not a product (it read "= 7**" as "7 * ...")
+    assert last_stated_result("**3 + 4 = 7**") == 7.0
+    assert last_stated_result("2 + 3 = 5. Then **5 + 2 = 7**.") == 7.0
+    assert last_stated_result("so 2 = 3 * 4 and 6 = 2 *3") is None
 
 
 def test_validation_curve_counts_each_dumped_validation_by_step(tmp_path):
@@ -62,6 +66,12 @@ def test_validation_curve_counts_each_dumped_validation_by_step(tmp_path):
     ])
     curve = validation_curve(run)
     assert curve == [[0, pytest.approx(2 / 3), pytest.approx(1 / 3), 3], [16, 0.5, 0.5, 4]]
+    # a killed write's leftover and a step kept both plain and compressed: one entry a step
+    (run / "val_rollouts" / "step_000032.jsonl.tmp").write_text('{"step": 32, "respo')
+    _dump(run / "val_rollouts" / "step_000000.jsonl.gz", 0, [
+        ("1 + 1 = 2", "2", True), ("1 + 1 = 3. So 2.", "2", True), ("no idea", "2", False),
+    ], gz=True)
+    assert validation_curve(run) == curve
     (run.parent / "seed_3").mkdir()
     assert validation_curve(run.parent / "seed_3") is None
     with pytest.raises(SystemExit, match="seed_3 has no validation dumps"):

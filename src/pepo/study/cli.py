@@ -58,14 +58,53 @@ def shard_arg(text: str) -> tuple[int, int]:
 
 def command_line(argv: Optional[list[str]]) -> str:
     """``pepo.study.compare``'s command without the options that only say where files go or
-    how it ran."""
+    how it ran (in any form argparse takes: ``--out DIR``, ``--out=DIR``, ``--disc FILE``)."""
     args = list(sys.argv[1:] if argv is None else argv)
     keep, skip = [], False
     for a in args:
+        name = a.split("=", 1)[0]
+        given = len(name) > 2 and name.startswith("--")  # an option, or its unique prefix
+
+        def of(options: tuple[str, ...]) -> bool:
+            return given and any(o.startswith(name) for o in options)
+
         if skip:
             skip = False
-        elif a in ("--out", "--docs", "--discussion", "--shard"):
-            skip = True
-        elif a != "--report-only":
+        elif of(("--out", "--docs", "--discussion", "--shard")):
+            skip = "=" not in a
+        elif not of(("--report-only",)):
             keep.append(a)
     return "python -m pepo.study.compare " + shlex.join(keep)  # "80/20, proximal score" quoted
+
+
+# what the study sets for each of its runs, and the option that says it instead
+FIXED = {"seed": "--seeds", "output_dir": "--out", "strategy.name": "--methods",
+         "prior_cache": "--out", "validation.before_cache": "--out"}
+
+
+def check_set(overrides: dict[str, Any]) -> None:
+    """Refuses a ``--set`` the study cannot take: a key it sets for each run (:data:`FIXED`;
+    ``seed=7`` made every seed the same run, counted as independent pairs), and validation
+    switched off (the study compares validation accuracy).
+
+    Raises:
+        ValueError: naming the key (and the option that sets it).
+    """
+    _check_fixed(overrides)
+    every = (overrides.get("validation") or {}).get("every") if isinstance(
+        overrides.get("validation"), dict) else None
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int)
+                              or every < 1):
+        raise ValueError(f"--set validation.every={every!r}: the study compares validation "
+                         f"accuracy, so validation must run (every >= 1)")
+
+
+def _check_fixed(overrides: dict[str, Any], where: str = "") -> None:
+    for key, value in overrides.items():
+        full = f"{where}{key}"
+        for fixed, option in FIXED.items():
+            if full == fixed or (fixed.startswith(full + ".") and not isinstance(value, dict)):
+                raise ValueError(f"--set {full}=...: the study sets {fixed} for each run "
+                                 f"itself (give {option} instead)")
+        if isinstance(value, dict):
+            _check_fixed(value, full + ".")

@@ -61,7 +61,7 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
-from pepo.study import analysis, intervention, rescore
+from pepo.study import analysis, cli, intervention, rescore
 from pepo.study.cli import command_line, count_arg, percent_arg, positive_arg, shard_arg
 from pepo.study.lengths import plot_lengths
 from pepo.study.methods import (
@@ -546,10 +546,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         check_output_dir(out, "--out")
         if args.docs:
             check_output_dir(args.docs, "--docs")
-        every = OmegaConf.select(OmegaConf.create(overrides), "validation.every")
-        if every is not None and (not isinstance(every, int) or every < 1):
-            raise ValueError(f"--set validation.every={every!r}: the study compares validation "
-                             f"accuracy, so validation must run (every >= 1)")
+        cli.check_set(overrides)
+        if args.discussion and not Path(args.discussion).is_file():
+            raise ValueError(f"--discussion {args.discussion}: no such file")
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     known = {label for mode in MODES for label, _ in methods(mode)}
@@ -568,6 +567,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
                             (label, strategy) in OPTIONAL[mode] and not named):
                         continue
                     plan.append((task, mode, label, strategy, seed))
+    if unplanned := [m for m in args.methods or [] if m not in {p[2] for p in plan}]:
+        raise SystemExit(f"error: --methods {unplanned[0]!r} is not a method of the tasks and "
+                         f"modes asked for ({', '.join(args.tasks)}; {args.only or 'all modes'})")
     if not args.report_only:
         try:
             check_configs(plan, out, overrides)
@@ -635,9 +637,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         extra[task] = "\n\n".join(p for p in parts if p)
     plot(results, args.tasks, docs / "images" / "comparison.png")
     text = report(results, args.tasks, command_line(argv), extra)
-    discussion = Path(args.discussion) if args.discussion else None
-    if discussion is not None and discussion.is_file():  # the authors' reading of the numbers
-        text += "\n" + discussion.read_text(encoding="utf-8")
+    if args.discussion:  # the authors' reading of the numbers
+        text += "\n" + Path(args.discussion).read_text(encoding="utf-8")
     (docs / "results.md").write_text(text, encoding="utf-8")
     print(f"wrote {docs / 'results.md'}")
     return results

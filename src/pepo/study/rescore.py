@@ -28,9 +28,10 @@ __all__ = ["last_stated_result", "gold_number", "stated_success", "read_rows",
 
 # "= 29" ends a stated result; "= 3 + 4" does not (an operator follows the number on its line:
 # "= 19" before a line that starts "- " does, and so does "= 3" before a line "+ 4", a wrapped
-# sum); "= 1,234" is 1234 (and a list "= 100,200" one number).
+# sum); "= 1,234" is 1234 (and a list "= 100,200" one number). "**" after the number closes
+# Markdown bold ("**5 + 2 = 7**"), not a product.
 _STATED = re.compile(r"=\s*\$?\s*(-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?)"
-                     r"(?![\d.,]*[ \t]*[-+*/×÷^])")
+                     r"(?![\d.,]*[ \t]*(?:[-+/×÷^]|\*(?!\*)))")
 
 
 def last_stated_result(response: str) -> Optional[float]:
@@ -67,9 +68,12 @@ def validation_curve(run: Path) -> Optional[list[list[float]]]:
     """``[[step, accuracy by the verifier, accuracy by the stated result, responses], ...]`` for
     each validation the run dumped (``run/val_rollouts/step_*.jsonl``), by step; None when it
     dumped none."""
-    files = sorted((Path(run) / "val_rollouts").glob("step_*.jsonl*"))
+    files: dict[str, Path] = {}  # one file a step: a dump and its compressed copy are one
+    for f in sorted((Path(run) / "val_rollouts").glob("step_*.jsonl")) + sorted(
+            (Path(run) / "val_rollouts").glob("step_*.jsonl.gz")):  # not a killed write's .tmp
+        files.setdefault(f.name.split(".")[0], f)
     curve = []
-    for f in files:
+    for f in files.values():
         rows = read_rows(f)
         if not rows:
             continue
