@@ -159,6 +159,42 @@ def test_importance_weights_are_constants_and_never_read_at_padding():
     assert not tis.requires_grad and tis.grad_fn is None
 
 
+def test_empty_batches_give_zero_loss_and_neutral_metrics():
+    """A rank's share can be empty: no rows, no columns, or no valid token with a count of 0
+    given as an int or a tensor. Catches ``amin`` of an empty tensor (a RuntimeError from the
+    metrics) and an int 0 refused where the 0-dim tensor 0 is taken."""
+    for shape in ((0, 3), (3, 0), (0, 0)):
+        z = torch.zeros(shape)
+        none = torch.zeros(shape, dtype=torch.bool)
+        m = policy_loss_metrics(z, z, z, none)
+        assert m["ratio_min"].item() == m["ratio_max"].item() == 1.0, shape
+        assert m["clip_fraction"].item() == 0.0 and int(m["num_tokens"]) == 0, shape
+        assert clipped_policy_loss(z, z, z, none).item() == 0.0, shape
+    lp, old, adv, mask = batch(seed=3)
+    none = torch.zeros_like(mask)
+    assert clipped_policy_loss(lp, old, adv, none, num_tokens=0).item() == 0.0
+    assert clipped_policy_loss(lp, old, adv, none, num_tokens=torch.tensor(0)).item() == 0.0
+
+
+def test_tensors_on_two_devices_are_refused_naming_them():
+    """Catches torch's own error (which names no argument) or, with a meta tensor, data that
+    silently go nowhere."""
+    from pepo.entropy import logprobs_and_entropy, logprobs_and_entropy_from_hidden
+
+    lp, old, adv, mask = batch()
+    with pytest.raises(ValueError, match=r"mask \(meta\) must be on the same device"):
+        clipped_policy_loss(lp, old, adv, mask.to("meta"))
+    with pytest.raises(ValueError, match=r"is_weights \(meta\) must be on the same device"):
+        clipped_policy_loss(lp, old, adv, mask, is_weights=torch.ones(4, 9, device="meta"))
+    with pytest.raises(ValueError, match=r"old_logprobs \(meta\).* must be on the same device"):
+        policy_loss_metrics(lp, old.to("meta"), adv, mask)
+    hidden, targets = torch.randn(2, 3, 4), torch.randint(0, 7, (2, 3))
+    with pytest.raises(ValueError, match=r"weight \(meta\).* must be on the same device"):
+        logprobs_and_entropy_from_hidden(hidden, torch.randn(7, 4, device="meta"), targets)
+    with pytest.raises(ValueError, match=r"targets \(meta\) must be on the same device"):
+        logprobs_and_entropy(torch.randn(2, 3, 7), targets.to("meta"))
+
+
 def test_all_masked_gives_zero_loss_and_no_update():
     lp, old, adv, mask = batch(seed=3)
     lp = lp.requires_grad_(True)
@@ -179,8 +215,8 @@ def test_errors():
         clipped_policy_loss(lp, old, adv.detach(), mask.long())
     with pytest.raises(ValueError, match="eps_low must be < 1"):
         clipped_policy_loss(lp, old, adv.detach(), mask, eps_low=1.0)
-    with pytest.raises(ValueError, match="num_tokens must be an int >= 1"):
-        clipped_policy_loss(lp, old, adv.detach(), mask, num_tokens=0)
+    with pytest.raises(ValueError, match="num_tokens must be an int >= 0"):
+        clipped_policy_loss(lp, old, adv.detach(), mask, num_tokens=2.5)
 
 
 
@@ -328,7 +364,7 @@ def test_negative_token_count_never_gives_a_finite_loss():
     """Catches a negative num_tokens silently clamped to 1: an int raises, a tensor (no host
     sync) gives NaN."""
     lp, old, adv, mask = batch()
-    with pytest.raises(ValueError, match="num_tokens must be an int >= 1, got -5"):
+    with pytest.raises(ValueError, match="num_tokens must be an int >= 0, got -5"):
         clipped_policy_loss(lp, old, adv, mask, num_tokens=-5)
     assert torch.isnan(clipped_policy_loss(lp, old, adv, mask, num_tokens=torch.tensor(-5)))
     assert (

@@ -112,12 +112,12 @@ def test_long_rows_stay_accurate(name, row_ref, t, seed):
 
 
 def test_wide_range_takes_exact_log_path():
-    # Temperature 0.01 scales entropies in [0, 3) to [0, 300): fp32 exp underflows for a
+    # Temperature 0.05 scales entropies in [0, 12) to [0, 240): fp32 exp underflows for a
     # shifted-exp formulation; the result must still match the reference.
-    adv, ent, mask = ragged_batch([1, 7, 30, 64], 64, seed=5, scale=3.0)
-    got = pw.proximal_entropy(ent, mask, window=9, temperature=0.01)
+    adv, ent, mask = ragged_batch([1, 7, 30, 64], 64, seed=5, scale=12.0)
+    got = pw.proximal_entropy(ent, mask, window=9, temperature=0.05)
     assert torch.isfinite(got).all()
-    close(got, ref.proximal_entropy(ent, mask, 9, 0.01), rtol=5e-5, atol=1e-7)
+    close(got, ref.proximal_entropy(ent, mask, 9, 0.05), rtol=5e-5, atol=1e-7)
 
 
 def test_fast_and_log_paths_agree():
@@ -676,7 +676,7 @@ def test_a_registered_strategy_returning_nan_is_not_called_an_overflow():
         ("entropy_bonus", {"kappa": -1.0}, "kappa must be a finite number > 0"),
         ("entropy_bonus", {"kappa": 1.0}, "kappa must be > 1 .* got 1.0"),
         ("entropy_bonus", {"kappa": 0.5}, "kappa must be > 1"),
-        ("proximal_softmax", {"temperature": 1e-300}, r"temperature must be in \[1e-06, 1e\+06\]"),
+        ("proximal_softmax", {"temperature": 1e-300}, r"temperature must be in \[0.05, 1e\+06\]"),
         ("window_average", {"window": 2.0}, "window must be an odd int"),
     ],
 )
@@ -1162,3 +1162,55 @@ def test_compiled_path_without_torch_compile(monkeypatch):
         out = s._compiled_body()(adv, ent, mask, positive=adv > 0)
     assert torch.equal(out, s._body(adv, ent, mask, positive=adv > 0))
     assert s._compiled_body() == s._body
+
+
+@pytest.mark.parametrize("negative", [-1e-7, -7.63e-6, -5e-5])
+def test_slightly_negative_entropies_count_as_zero_in_every_strategy(negative):
+    """Validation accepts entropies down to -1e-4 (fp32's ``logsumexp - Σ p z`` gives -7.6e-6
+    for logits offset by 50) as 0; catches GTPO taking 1/(H + eps) of the negative value (the
+    failed side's shaping fell back to uniform, or its order flipped) and entropy_bonus adding
+    a bonus on an A = 0 row."""
+    h = torch.tensor([[negative, 0.3], [0.01, 1e-5], [0.5, 0.2], [0.5, 0.7]])
+    mask = torch.ones(4, 2, dtype=torch.bool)
+    kw = dict(positive=torch.tensor([False, False, True, True]),
+              groups=torch.zeros(4, dtype=torch.long))
+    for name in pw.list_strategies():
+        if name == "uniform":
+            continue
+        s = pw.get_strategy(name)
+        for adv in (torch.zeros(4), torch.tensor([-1.0, -1.0, 1.0, 1.0])):
+            got = s(adv, h, mask, **kw)
+            want = s(adv, h.clamp_min(0.0), mask, **kw)
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{name} {adv}")
+    assert pw.gtpo_rewards(h, mask, **kw)[0, 0] < pw.gtpo_rewards(h, mask, **kw)[1, 0]
+
+
+def test_an_inf_reaches_the_unvalidated_window_average_as_nan():
+    """``validate=False`` promises a NaN/inf reaches the output as NaN: catches the window
+    average dividing its window's finite entropies by an inf total (0, a finite wrong value)."""
+    h = torch.tensor([[0.5, 1.0, math.inf, 0.3, 0.2, 0.7, 0.1]])
+    mask = torch.ones_like(h, dtype=torch.bool)
+    got = pw.window_average_entropy(h, mask, window=3, validate=False)
+    assert torch.isnan(got[0, 1:4]).all(), got
+    finite = pw.window_average_entropy(h[:, 4:], mask[:, 4:], window=3)
+    torch.testing.assert_close(got[0, 5:], finite[0, 1:])
+
+
+def test_proximal_entropy_is_accurate_across_the_temperatures_it_accepts():
+    """Catches a temperature range wider than fp32 serves: at τ = 1e-6 (the old lower bound)
+    e was 26 % off a float64 loop for entropies up to log V ~ 12, 2e-4 at 1e-3 and 1e-4 at
+    1e-2. Every
+    accepted τ, both ends included, stays within 1e-4 (relative, where e > 1e-3)."""
+    from pepo._checks import TEMPERATURE_RANGE
+
+    lo, hi = TEMPERATURE_RANGE
+    h = torch.rand(4, 300, generator=torch.Generator().manual_seed(0)) * 12.0
+    mask = torch.ones_like(h, dtype=torch.bool)
+    for tau in (lo, 0.1, 1.0, hi):
+        got = pw.proximal_entropy(h, mask, window=11, temperature=tau).double().numpy()
+        want = np.stack([ref.proximal_entropy_row_fast(row.double().numpy(), 11, tau)
+                         for row in h])
+        big = want > 1e-3
+        assert (np.abs(got - want)[big] / want[big]).max() < 1e-4, tau
+    with pytest.raises(ValueError, match="temperature must be in"):
+        pw.proximal_entropy(h, mask, window=11, temperature=lo / 2)

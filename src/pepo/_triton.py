@@ -53,6 +53,7 @@ if triton is not None:
         valid = tl.load(mask_ptr + row * s_mb + col * s_mt, mask=inside, other=0) != 0
         # masked entropies are never read: their contents (NaN included) go no further
         h = tl.load(ent_ptr + row * s_eb + col * s_et, mask=valid, other=0.0).to(tl.float32)
+        h = tl.where(h < 0.0, 0.0, h)  # slightly negative (fp32 rounding) counts as 0; NaN stays
         a = tl.load(adv_ptr + row * s_a).to(tl.float32)
         cap = tl.abs(a) * inv_kappa  # as CUDA's eager a / κ and inductor: a * fl32(1/κ)
         bonus = tl.minimum(alpha * h, cap, propagate_nan=tl.PropagateNan.ALL)
@@ -203,6 +204,7 @@ if triton is not None:
         else:
             e = tl.where(acc > 0.0, x / tl.where(acc > 0.0, acc, 1.0),
                          tl.where(acc == 0.0, inv_w, float("nan")))
+            e = tl.where(acc == float("inf"), float("nan"), e)  # an inf in the window: NaN
         e = tl.where(valid, e, 0.0)
         tl.store(e_ptr + row * T + col, e, mask=inside)
         tl.store(part_ptr + row * n_tiles + tile, tl.sum(e, axis=0))
@@ -388,7 +390,7 @@ if triton is not None:
         for start in range(0, T, BLOCK):
             col, inside, valid, h = _row_block(ent_ptr, mask_ptr, row, start, T, s_eb, s_et,
                                                s_mb, s_mt, BLOCK)
-            h = h.to(tl.float64)
+            h = tl.where(h < 0.0, 0.0, h.to(tl.float64))  # as the eager path: NaN stays NaN
             v = tl.where(win, h, 1.0 / (h + eps))
             v = tl.where(tl.abs(h) == float("inf"), float("nan"), v)
             count = _to_front(x_ptr, pos_ptr, row, T, col, inside, valid, v, count)

@@ -225,4 +225,5 @@ def window_average(clean: torch.Tensor, mask: torch.Tensor, window: int) -> torc
     positive = total > 0
     empty = torch.where(total == 0, 1.0 / window, math.nan)  # a NaN total stays NaN
     r = torch.where(positive, rows.x / torch.where(positive, total, 1.0), empty)
+    r = torch.where(torch.isinf(total), math.nan, r)  # an inf in the window: NaN, never x/inf = 0
     return rows.expand(r, mask)

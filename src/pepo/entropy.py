@@ -378,6 +378,7 @@ def logprobs_and_entropy(
         raise ValueError(f"logits must be [..., V], got {_checks.format_shape(logits)}")
     chunk_size, temperature = _check_chunk(chunk_size, temperature)
     lead, vocab = logits.shape[:-1], logits.shape[-1]
+    _checks.check_same_device(logits=logits, targets=_checks.check_tensor("targets", targets))
     targets = _check_targets(targets, lead, vocab)
     lp, ent = _FromLogits.apply(
         logits.reshape(-1, vocab), targets.reshape(-1), chunk_size, temperature
@@ -430,6 +431,8 @@ def logprobs_and_entropy_from_hidden(
         raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
     chunk_size, temperature = _check_chunk(chunk_size, temperature)
     lead, dim = hidden.shape[:-1], hidden.shape[-1]
+    _checks.check_same_device(hidden=hidden, weight=weight,
+                              targets=_checks.check_tensor("targets", targets))
     targets = _check_targets(targets, lead, weight.shape[0])
     # under torch.autocast the gradient's products run in its dtype; the logits never do
     gmm = _autocast_dtype(hidden.device.type) or weight.dtype

@@ -56,6 +56,8 @@ def _check(
                 )
             )
     _checks.check_bool_mask("mask", mask, logprobs.shape)
+    _checks.check_same_device(logprobs=logprobs, old_logprobs=old_logprobs,
+                              advantages=advantages, mask=mask)
     check_clip_range(eps_low, eps_high)
 
 
@@ -68,9 +70,11 @@ def _same_layout(logprobs: Any, old_logprobs: Any, advantages: Any, mask: Any,
             and logprobs.dim() == 2 and old_logprobs.shape == logprobs.shape
             and advantages.shape == logprobs.shape and mask.shape == logprobs.shape
             and mask.dtype == torch.bool and logprobs.is_floating_point()
+            and old_logprobs.device == advantages.device == mask.device == logprobs.device
             and old_logprobs.is_floating_point() and advantages.is_floating_point()
             and (is_weights is None or (isinstance(is_weights, torch.Tensor)
-                                        and is_weights.shape == logprobs.shape)))
+                                        and is_weights.shape == logprobs.shape
+                                        and is_weights.device == logprobs.device)))
 
 
 def check_clip_range(eps_low: Any, eps_high: Any) -> None:
@@ -167,6 +171,7 @@ def clipped_policy_loss(
             raise ValueError(f"is_weights must be [B, T]={_checks.format_shape(logprobs)} like "
                              f"logprobs, "
                              f"got {_checks.format_shape(is_weights)}")
+        _checks.check_same_device(logprobs=logprobs, is_weights=is_weights)
         if validate and is_weights.requires_grad:
             raise ValueError("is_weights require grad; importance weights are constants, pass "
                              "is_weights.detach()")
@@ -184,9 +189,9 @@ def clipped_policy_loss(
         # that a host sync would be needed to raise on, so it makes the loss NaN instead
         denom = torch.where(n < 0, math.nan, n.clamp_min(1))
     else:
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
-            raise ValueError(f"num_tokens must be an int >= 1, got {num_tokens!r}")
-        denom = float(num_tokens)
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        denom = float(max(num_tokens, 1))  # 0 (an empty batch): loss 0, as a 0-dim tensor gives
     return per_token.sum() / denom
 
 
@@ -221,6 +226,12 @@ class ClippedPolicyLoss:
 
     def __repr__(self) -> str:
         return f"ClippedPolicyLoss(eps_low={self.eps_low}, eps_high={self.eps_high})"
+
+
+def _extreme(x: torch.Tensor) -> torch.Tensor:
+    """The smallest entry of ``x``, +inf for an empty ``x`` (``amin`` refuses one: a batch of no
+    rows or columns)."""
+    return torch.cat([x.reshape(-1), x.new_full((1,), math.inf)]).amin()
 
 
 @torch.no_grad()
@@ -262,8 +273,8 @@ def policy_loss_metrics(
         "clip_fraction_low": mean(low),
         "clip_fraction_high": mean(high),
         "ratio_mean": mean(ratio),
-        "ratio_min": torch.where(any_valid, torch.where(mask, ratio, math.inf).amin(), 1.0),
-        "ratio_max": torch.where(any_valid, torch.where(mask, ratio, -math.inf).amax(), 1.0),
+        "ratio_min": torch.where(any_valid, _extreme(torch.where(mask, ratio, math.inf)), 1.0),
+        "ratio_max": torch.where(any_valid, -_extreme(torch.where(mask, -ratio, math.inf)), 1.0),
         "approx_kl": mean(ratio - 1.0 - log_ratio),
         "weighted_fraction": mean(adv != 0),
         "num_tokens": n,

@@ -374,7 +374,8 @@ def entropy_bonus(alpha: float = 0.4, kappa: float = 2.0) -> StrategyFn:
 
     def fn(advantages: torch.Tensor, entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         a = advantages[:, None]  # [B, 1]
-        bonus = torch.minimum(alpha * entropies, a.abs() / kappa)
+        # fp32 rounding's slightly negative entropies count as 0 (a bonus on an A = 0 row)
+        bonus = torch.minimum(alpha * entropies.clamp_min(0.0), a.abs() / kappa)
         return a + torch.where(torch.isinf(entropies), math.nan, bonus)  # the cap must not hide inf
 
     def kernel(advantages: torch.Tensor, entropies: torch.Tensor,
