@@ -1183,6 +1183,12 @@ def test_slightly_negative_entropies_count_as_zero_in_every_strategy(negative):
             want = s(adv, h.clamp_min(0.0), mask, **kw)
             torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{name} {adv}")
     assert pw.gtpo_rewards(h, mask, **kw)[0, 0] < pw.gtpo_rewards(h, mask, **kw)[1, 0]
+    # unvalidated, -inf is still an inf that reaches the output as NaN, not a clamped 0
+    h[0, 0] = -math.inf
+    adv = torch.tensor([-1.0, -1.0, 1.0, 1.0])
+    for name in ("gtpo", "entropy_bonus"):
+        got = pw.get_strategy(name)(adv, h, mask, validate=False, **kw)
+        assert torch.isnan(got[0, 0]), (name, got)
 
 
 def test_an_inf_reaches_the_unvalidated_window_average_as_nan():

@@ -99,11 +99,12 @@ def shaped(ent: torch.Tensor, mask: torch.Tensor, positive: torch.Tensor, groups
     front, and the sums over a side's rows at every position are one product with the
     ``[B, B]`` same-group-and-outcome matrix (a non-finite value counted apart, so that it
     turns its own group's rows NaN and no other's)."""
-    h = ent.double().clamp_min(0.0)  # fp32 rounding's slightly negative entropies are 0
+    raw = ent.double()
+    h = raw.clamp_min(0.0)  # fp32 rounding's slightly negative entropies are 0
     # what each token contributes to its side's share: H on O+, 1/(H + eps) on O-; an inf
-    # entropy must reach the output as NaN (1/inf would be a finite 0)
+    # entropy (-inf too) must reach the output as NaN (1/inf would be a finite 0)
     val = torch.where(positive[:, None], h, 1.0 / (h + eps))
-    val = torch.where(torch.isinf(h), math.nan, val)
+    val = torch.where(torch.isinf(raw), math.nan, val)
     rows = _w.Rows(torch.where(mask, val, 0.0), mask)  # [B, T] compact, 0 past each length
     t = mask.shape[1]
     present = (torch.arange(t, device=mask.device)[None, :] < rows.lengths[:, None]).float()

@@ -53,10 +53,11 @@ if triton is not None:
         valid = tl.load(mask_ptr + row * s_mb + col * s_mt, mask=inside, other=0) != 0
         # masked entropies are never read: their contents (NaN included) go no further
         h = tl.load(ent_ptr + row * s_eb + col * s_et, mask=valid, other=0.0).to(tl.float32)
-        h = tl.where(h < 0.0, 0.0, h)  # slightly negative (fp32 rounding) counts as 0; NaN stays
         a = tl.load(adv_ptr + row * s_a).to(tl.float32)
         cap = tl.abs(a) * inv_kappa  # as CUDA's eager a / κ and inductor: a * fl32(1/κ)
-        bonus = tl.minimum(alpha * h, cap, propagate_nan=tl.PropagateNan.ALL)
+        # slightly negative entropies (fp32 rounding) count as 0; NaN stays NaN
+        bonus = tl.minimum(alpha * tl.where(h < 0.0, 0.0, h), cap,
+                           propagate_nan=tl.PropagateNan.ALL)
         bonus = tl.where(tl.abs(h) == float("inf"), float("nan"), bonus)  # the cap hides no inf
         tl.store(out_ptr + row * T + col, tl.where(valid, a + bonus, 0.0), mask=inside)
 
@@ -390,8 +391,9 @@ if triton is not None:
         for start in range(0, T, BLOCK):
             col, inside, valid, h = _row_block(ent_ptr, mask_ptr, row, start, T, s_eb, s_et,
                                                s_mb, s_mt, BLOCK)
-            h = tl.where(h < 0.0, 0.0, h.to(tl.float64))  # as the eager path: NaN stays NaN
-            v = tl.where(win, h, 1.0 / (h + eps))
+            h = h.to(tl.float64)
+            hc = tl.where(h < 0.0, 0.0, h)  # as the eager path: NaN stays NaN, -inf is NaN below
+            v = tl.where(win, hc, 1.0 / (hc + eps))
             v = tl.where(tl.abs(h) == float("inf"), float("nan"), v)
             count = _to_front(x_ptr, pos_ptr, row, T, col, inside, valid, v, count)
         tl.store(len_ptr + row, count)

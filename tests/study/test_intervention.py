@@ -307,6 +307,10 @@ def test_the_cli_uses_the_configs_device_and_dtype_and_keys_its_cache_on_the_wei
     assert seen == [{torch.bfloat16}]
     c.dtype = "fp32"
     OmegaConf.save(c, cfg)
+    with pytest.raises(SystemExit, match=r"holds an intervention with dtype='torch.bfloat16'"):
+        analysis.main(args)  # cells sampled in bf16 are not an fp32 run's
+    c.dtype = "bf16"
+    OmegaConf.save(c, cfg)
     random_checkpoint(tmp_path / "repl", seed=2)  # other weights at the same path
     with pytest.raises(SystemExit, match=r"holds an intervention with replacement="):
         analysis.main(args)

@@ -46,6 +46,8 @@ def test_stated_success_lets_the_stated_result_decide_and_falls_back_to_the_veri
     assert last_stated_result("**3 + 4 = 7**") == 7.0
     assert last_stated_result("2 + 3 = 5. Then **5 + 2 = 7**.") == 7.0
     assert last_stated_result("so 2 = 3 * 4 and 6 = 2 *3") is None
+    for power in ("x = 2**3", "x = 2 ** 3", "x = 2**(3)"):  # a power is still an operator
+        assert last_stated_result(power) is None, power
 
 
 def test_validation_curve_counts_each_dumped_validation_by_step(tmp_path):

@@ -75,6 +75,26 @@ def test_a_crash_while_a_step_is_saved_again_keeps_its_checkpoint(tmp_path, monk
     assert c.metadata(c.latest())["val_accuracy"] == 0.5
 
 
+def test_two_ranks_mending_an_interrupted_re_save_at_once_both_go_on(tmp_path, monkeypatch):
+    """Every rank of a torchrun launch looks for the checkpoint to resume: catches the rank
+    that loses the race to put a moved-aside checkpoint back dying of FileNotFoundError."""
+    import os
+
+    m = torch.nn.Linear(3, 2)
+    c = ck.AtomicCheckpointer(tmp_path, keep=1)
+    c.save(2, m, {"step": 2})
+    os.replace(tmp_path / "step_2", tmp_path / ".replaced_step_2")  # a kill mid re-save
+    real = os.replace
+
+    def other_rank_first(src, dst):
+        real(src, dst)  # the other rank's rename lands first
+        raise FileNotFoundError(2, "No such file or directory", str(src))
+
+    monkeypatch.setattr(ck.os, "replace", other_rank_first)
+    path, state = c.load_latest()
+    assert path.name == "step_2" and state == {"step": 2}
+
+
 def test_a_disk_filling_up_in_torch_save_is_reported_as_full(tmp_path, monkeypatch):
     """torch.save reports a full disk as a C++ stream error that names no cause, and deleting
     the partial checkpoint frees the space again. Catches the free space measured only after

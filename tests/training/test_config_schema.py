@@ -417,6 +417,35 @@ def test_a_resume_may_change_the_vllm_engines_memory_but_not_its_dtype(tmp_path)
         "generation.vllm.max_model_len ('<unset>' -> 64)"]
 
 
+def test_a_checkpoint_or_prior_saved_before_a_key_became_a_run_setting_still_matches(tmp_path):
+    """An earlier pepo recorded the vLLM engine's memory options and distributed.cpu_offload
+    in each checkpoint's experiment and each prior cache's fingerprint; they are run settings
+    now, which the current side leaves out. Catches them compared as changes (every bundled
+    config sets some: tiny's resume was refused, 'max_num_seqs (128 -> <unset>)')."""
+    from pepo.training import config as config_module
+    from pepo.training import prior_cache
+    from pepo.training.config import experiment_config, recipe_changes
+
+    cfg = tiny_cfg(tmp_path, "tiny_spo", generation={"vllm": {"max_num_seqs": 128}})
+    old = {"generation.vllm.max_num_seqs": 128, "generation.vllm.kv_cache_memory_bytes": 2**28,
+           "distributed.cpu_offload": True}
+    now = experiment_config(cfg)
+    assert recipe_changes({**now, **old}, now, schema.RESUME_MAY_CHANGE) == []
+    assert recipe_changes({**now, "seed": 5}, now, schema.RESUME_MAY_CHANGE) != []
+
+    class Saved:  # a checkpointer holding an earlier pepo's checkpoint
+        root = tmp_path
+
+        def load_latest(self):
+            return tmp_path / "step_1", {"step": 1, "experiment": {**now, **old}}
+
+    assert config_module.resumable_checkpoint(Saved(), now, 2, print)[0].name == "step_1"
+    prior = prior_fingerprint(cfg)
+    path = tmp_path / "prior.json"
+    prior_cache.write_prior(path, {**prior, **old}, {"p0": 0.5})
+    assert prior_cache.read_prior(path, prior, ["p0"]) == {"p0": 0.5}
+
+
 def test_a_default_spelled_out_is_no_change_of_experiment_or_cache(tmp_path):
     """Catches the comparison of the raw configs: ``compute_dtype=fp32`` (the default) given on
     a resume refused it as ``compute_dtype ('<unset>' -> 'fp32')``, and a checkpoint or cache

@@ -177,9 +177,11 @@ def _load_cells(cache: Path, key: dict[str, Any]) -> dict[str, Any]:
     saved = json.loads(cache.read_text(encoding="utf-8"))
     for name in sorted(set(key) | set(saved.get("settings", {}))):
         if saved["settings"].get(name) != key.get(name):
+            older = (" (an earlier pepo kept cells under the checkpoints' paths, not their "
+                     "weights)" if name in ("base", "replacement", "dtype", "device") else "")
             raise ValueError(f"{cache} holds an intervention with {name}="
-                             f"{saved['settings'].get(name)!r}, not {key.get(name)!r}; give "
-                             f"another --out or remove it")
+                             f"{saved['settings'].get(name)!r}, not {key.get(name)!r}{older}; "
+                             f"give another --out or remove it")
     return saved["cells"]
 
 
@@ -489,6 +491,7 @@ def _main(args: argparse.Namespace) -> dict[str, dict[float, float]]:
     settings = {"window": window, **{  # which weights, without writing their paths down
         name: _weights_digest(d) for name, d in (("base", base_dir),
                                                  ("replacement", args.replacement))},
+        "dtype": str(dtype), "device": device.type,  # what the models ran in and on
         "reward": OmegaConf.to_container(cfg.reward, resolve=True)}  # what scored the cells
     n_runs = 2 + len(args.metrics) * sum(0 < b < 1 for b in budgets)
     if cache.is_file():

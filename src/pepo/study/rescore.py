@@ -29,9 +29,9 @@ __all__ = ["last_stated_result", "gold_number", "stated_success", "read_rows",
 # "= 29" ends a stated result; "= 3 + 4" does not (an operator follows the number on its line:
 # "= 19" before a line that starts "- " does, and so does "= 3" before a line "+ 4", a wrapped
 # sum); "= 1,234" is 1234 (and a list "= 100,200" one number). "**" after the number closes
-# Markdown bold ("**5 + 2 = 7**"), not a product.
+# Markdown bold ("**5 + 2 = 7**"), unless a number or "(" follows it (a power: "= 2**3").
 _STATED = re.compile(r"=\s*\$?\s*(-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?)"
-                     r"(?![\d.,]*[ \t]*(?:[-+/×÷^]|\*(?!\*)))")
+                     r"(?![\d.,]*[ \t]*(?:[-+/×÷^]|\*(?!\*)|\*\*[ \t]*[\d(]))")
 
 
 def last_stated_result(response: str) -> Optional[float]:

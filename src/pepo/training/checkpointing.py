@@ -196,7 +196,14 @@ class AtomicCheckpointer:
             sd = model.state_dict() if isinstance(model, torch.nn.Module) else model
             weights = {k: v.detach().contiguous().cpu() for k, v in sd.items()}
             _write_file(tmp / MODEL_FILE, lambda p: save_file(weights, str(p)))
-            _write_file(tmp / STATE_FILE, lambda p: torch.save(state, p))
+            try:
+                _write_file(tmp / STATE_FILE, lambda p: torch.save(state, p))
+            except RuntimeError as e:
+                # torch.save reports a full disk as a C++ stream error naming no cause: the free
+                # space says it, measured before the partial files are deleted
+                if nearly_full(tmp):
+                    raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({e})") from e
+                raise
             sums = {name: sha256_file(tmp / name) for name in (MODEL_FILE, STATE_FILE)}
             meta = {"step": step, **{k: float(v) for k, v in (metrics or {}).items()}}
             for name, data in ((CHECKSUMS, sums), (METADATA, meta)):
@@ -215,13 +222,8 @@ class AtomicCheckpointer:
             os.replace(tmp, final)
             _fsync_dir(self.root)  # the new directory is durable before `latest` names it
             shutil.rmtree(old, ignore_errors=True)
-        except BaseException as e:
-            # torch.save reports a full disk as a C++ stream error naming no cause: the free
-            # space says it, measured before the partial files are deleted
-            full = not isinstance(e, OSError) and isinstance(e, Exception) and nearly_full(tmp)
+        except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
-            if full:
-                raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({e})") from e
             raise
         self._write_marker(MARKER, final.name)
         self._prune(keep_name=final.name)
@@ -239,7 +241,11 @@ class AtomicCheckpointer:
             if final.is_dir():
                 shutil.rmtree(old, ignore_errors=True)
             else:
-                os.replace(old, final)
+                try:
+                    os.replace(old, final)
+                except OSError:  # another process (a rank of the same launch) put it back
+                    if not final.is_dir():
+                        raise
 
     def _prune(self, keep_name: str) -> None:
         best = self.best()

@@ -357,9 +357,13 @@ def experiment_changes(saved: dict[str, Any], current: dict[str, Any],
             for k in sorted(set(saved) | set(current)) if value(saved, k) != value(current, k)]
 
 
-def recipe_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+def recipe_changes(saved: dict[str, Any], current: dict[str, Any],
+                   leave_out: tuple[str, ...] = ()) -> list[str]:
     """:func:`experiment_changes` with the recipe's defaults: a checkpoint's experiment, a prior
-    cache's or a validation cache's fingerprint against this run's."""
+    cache's or a validation cache's fingerprint against this run's. ``leave_out``: keys the
+    current side leaves out (``RESUME_MAY_CHANGE``, ``PRIOR_IGNORES``), left out of ``saved``
+    too, which an earlier pepo may have recorded before they had that role."""
+    saved = {k: v for k, v in saved.items() if not _under(k, leave_out)}
     return experiment_changes(saved, current, schema.defaults(schema.RecipeConfig))
 
 
@@ -385,7 +389,7 @@ def resumable_checkpoint(checkpointer: Any, experiment: dict[str, Any], num_step
     saved = state.get("experiment")
     if saved is None:
         warn(f"{path} records no experiment config; the resume cannot check it")
-    elif changes := recipe_changes(saved, experiment):
+    elif changes := recipe_changes(saved, experiment, RESUME_MAY_CHANGE):
         raise ValueError(f"resuming {path} would change the experiment: {', '.join(changes)}; "
                          f"keep these values, or start a new run in another output_dir")
     if state["step"] > num_steps or (state["step"] == num_steps and closed):

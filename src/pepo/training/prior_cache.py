@@ -29,6 +29,7 @@ from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
 from pepo.training.checkpointing import atomic_write_text
 from pepo.training.config import recipe_changes
 from pepo.training.run_lock import locked, process_gone
+from pepo.training.schema import PRIOR_IGNORES
 
 __all__ = ["cached_value", "locked", "prepare_estimator", "read_prior", "write_prior"]
 
@@ -73,7 +74,8 @@ def read_prior(path: str | os.PathLike, fingerprint: Mapping[str, Any],
     path = Path(path)
     if not path.is_file():
         return None
-    pairs = _load(path, fingerprint, "pass_rates", "prior_cache", "a prior cache file")
+    pairs = _load(path, fingerprint, "pass_rates", "prior_cache", "a prior cache file",
+                  PRIOR_IGNORES)
     rates = {k: float(v) for k, v in pairs}
     if set(rates) != set(prompt_ids) or len(pairs) != len(rates):
         missing = [p for p in prompt_ids if p not in rates]
@@ -84,9 +86,11 @@ def read_prior(path: str | os.PathLike, fingerprint: Mapping[str, Any],
     return rates
 
 
-def _load(path: Path, fingerprint: Mapping[str, Any], field: str, key: str, kind: str) -> Any:
+def _load(path: Path, fingerprint: Mapping[str, Any], field: str, key: str, kind: str,
+          leave_out: tuple[str, ...] = ()) -> Any:
     """``field`` of the cache file ``path`` made under ``fingerprint``; errors name the config
-    ``key`` that points at it and, for another fingerprint, each setting that differs."""
+    ``key`` that points at it and, for another fingerprint, each setting that differs (but for
+    those under ``leave_out``, which the fingerprint leaves out)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         saved, payload = data["fingerprint"], data[field]
@@ -94,7 +98,7 @@ def _load(path: Path, fingerprint: Mapping[str, Any], field: str, key: str, kind
             raise KeyError("version")
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{key}={str(path)!r} is not {kind} ({e})") from None
-    changed = recipe_changes(saved, dict(fingerprint))
+    changed = recipe_changes(saved, dict(fingerprint), leave_out)
     if changed:
         raise ValueError(f"{key}={str(path)!r} was made under other settings: "
                          f"{', '.join(changed)}; delete it or point {key} elsewhere")
