@@ -17,6 +17,11 @@ def test_sampler_covers_each_epoch_and_resumes():
     assert t.next(9) == cont
     with pytest.raises(ValueError, match="dataset of 10 items"):
         PromptSampler(11).load_state_dict(state)
+    # a damaged state: position -2 drew repeats within an epoch, 10 an empty slice
+    for bad in ({"epoch": 1, "position": -2}, {"epoch": 1, "position": 10},
+                {"epoch": -1, "position": 0}, {"epoch": 1.0, "position": 3}):
+        with pytest.raises(ValueError, match="is not a place in a dataset of 10 items"):
+            t.load_state_dict({**state, **bad})
 
 
 def test_sampler_order_depends_on_the_seed_and_the_epoch():

@@ -49,7 +49,12 @@ class PromptSampler:
                 f"sampler state is for a dataset of {state['size']} items, this one has "
                 f"{self.size}"
             )
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        epoch, position = state["epoch"], state["position"]
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in (epoch, position)) \
+                or epoch < 0 or not 0 <= position < self.size:
+            raise ValueError(f"sampler state (epoch={epoch!r}, position={position!r}) is not a "
+                             f"place in a dataset of {self.size} items")
+        self.epoch, self.position = epoch, position
 
 
 def check_k(k: object) -> int:
