@@ -12,11 +12,12 @@ table, the weight mass and the heatmap at ``--window``, default the largest of `
 * ``positional_bias.png`` / ``.csv`` — the relative deviation ``(x_t - mean_t x) / mean_t x`` of
   global entropy ``H``, proximal entropy ``e`` (Eq. 6) and its softmax-free counterpart, the
   window ratio ``H_t / Σ_{k∈W(t)} H_k`` (App. E; ``window_average``'s statistic), from each
-  rollout's own mean, averaged over rollouts in bins of generation percentile ``t / T`` (the
-  paper's Fig. 2 and Fig. 5), for each window;
+  rollout's own mean, averaged over the tokens in each bin of generation percentile ``t / T``
+  (all rollouts' tokens pooled: a rollout weighs by its tokens in the bin; the paper's Fig. 2 and
+  Fig. 5), for each window;
 * ``difficulty_bias.md`` — prompts grouped by pass rate over their rollouts of one step into
   hard (≤ 1/8), moderate and easy (≥ 7/8), with the mean global and proximal entropy of their
-  tokens (Table 1); needs group-mode dumps;
+  tokens, pooled over the group's rollouts (Table 1); needs group-mode dumps;
 * ``heatmap.html`` — a few rollouts with each token coloured by ``H / mean H`` and by its PEPO
   weight ``c = e / mean e`` (Eq. 7), side by side (Fig. 4); self-contained, text escaped;
 * ``profile.md`` / ``.json`` — the numbers that say whether a task has the paper's entropy
@@ -178,7 +179,8 @@ def _binned_mean(x: torch.Tensor, mask: torch.Tensor, n_bins: int) -> torch.Tens
 def positional_bias(
     r: RolloutDump, windows: Sequence[int] = (31, 51, 101), n_bins: int = 20
 ) -> dict[str, torch.Tensor]:
-    """Mean relative deviation from the rollout mean per percentile bin.
+    """Mean relative deviation from the rollout mean per percentile bin: the mean over the bin's
+    tokens, every rollout's pooled (a long response weighs more than a short one).
 
     Returns ``{"global": [n_bins], "proximal_W": [n_bins], "window_average_W": [n_bins], ...}``.
     """
@@ -212,7 +214,8 @@ def _difficulty(r: RolloutDump) -> list[Optional[str]]:
 
 
 def difficulty_bias(r: RolloutDump, window: int = 101) -> dict[str, dict[str, float]]:
-    """Mean global and proximal entropy of the tokens of each difficulty group (Table 1)."""
+    """Mean global and proximal entropy of the tokens of each difficulty group (Table 1), pooled
+    over the group's tokens (not a mean of per-rollout means)."""
     labels = _difficulty(r)
     e = weighting.proximal_entropy(r.entropies, r.mask, window=window)
     out = {}
