@@ -173,10 +173,15 @@ def test_outputs_written(tmp_path, caplog, capsys):
     assert (out / "training_curves.png").stat().st_size > 1000
     assert "val_accuracy" in (out / "logs" / "metrics.txt").read_text()
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_2"
-    row = json.loads((out / "rollouts" / "step_000001.jsonl").read_text().splitlines()[0])
+    rows = [json.loads(x) for x in (out / "rollouts" / "step_000001.jsonl").read_text()
+            .splitlines()]
+    row = rows[0]
     n = len(row["token_ids"])
     assert n == len(row["entropies"]) == len(row["token_advantages"]) == len(row["tokens"]) > 0
     assert set(row) >= {"prompt", "response", "reward", "advantage", "token_weights"}
+    # each row's prompt group: consecutive blocks of group_size (the analysis groups by it)
+    size = len(rows) // len({r["group"] for r in rows})
+    assert [r["group"] for r in rows] == [i // size for i in range(len(rows))] and size > 1
 
 
 def test_validation_dump_holds_the_scored_responses(tmp_path):

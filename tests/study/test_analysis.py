@@ -14,7 +14,8 @@ import pepo.weighting as pw
 from pepo.study import analysis as A
 
 
-def write_dump(path, entropies, rewards=None, prompts=None, tokens=None, success=None):
+def write_dump(path, entropies, rewards=None, prompts=None, tokens=None, success=None,
+               groups=None):
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         for i, h in enumerate(entropies):
@@ -24,6 +25,7 @@ def write_dump(path, entropies, rewards=None, prompts=None, tokens=None, success
                 "entropies": [float(x) for x in h],
                 "tokens": tokens[i] if tokens else [f"t{t}" for t in range(len(h))],
                 **({} if success is None else {"success": success[i]}),
+                **({} if groups is None else {"group": groups[i]}),
             }) + "\n")
     return path
 
@@ -218,6 +220,22 @@ def test_difficulty_counts_the_dumps_success_flags(tmp_path):
     assert {g: table[g]["rollouts"] for g in table} == {"hard": 8, "easy": 8}
     old = A.load_dump(write_dump(tmp_path / "e.jsonl", h.tolist(), rewards, prompts))
     assert {g: v["rollouts"] for g, v in A.difficulty_bias(old, window=5).items()} == {"easy": 16}
+
+
+def test_two_groups_of_one_prompt_in_a_step_stay_apart(tmp_path):
+    """A step that crosses an epoch's end can draw a prompt twice: catches its two groups read
+    as one (1/8 and 7/8 successes made one moderate group of 16) where the dump records each
+    row's group; a dump without the field falls back to the prompt, as documented."""
+    h = trend_and_shift(n=16, T=30, seed=4)
+    success = [True] + [False] * 7 + [True] * 7 + [False]
+    kw = dict(rewards=[float(s) for s in success], prompts=["p7"] * 16, success=success)
+    r = A.load_dump(write_dump(tmp_path / "d.jsonl", h.tolist(), **kw,
+                               groups=[i // 8 for i in range(16)]))
+    assert {g: v["rollouts"] for g, v in A.difficulty_bias(r, window=5).items()} == {
+        "hard": 8, "easy": 8}
+    old = A.load_dump(write_dump(tmp_path / "e.jsonl", h.tolist(), **kw))
+    assert {g: v["rollouts"] for g, v in A.difficulty_bias(old, window=5).items()} == {
+        "moderate": 16}
 
 
 def test_entropy_profile_difficulty_numbers(tmp_path):

@@ -55,6 +55,10 @@ def test_dump_records_hold_the_strategys_inputs_and_output_of_valid_tokens():
     assert [r["reward"] for r in recs] == [1.0, 0.0]
     assert recs[0]["token_weights"] == [0.5, 1.0, 1.5] and recs[1]["token_weights"] == [1.0]
     assert {r["step"] for r in recs} == {7} and recs[1]["response"] == "d"
+    assert [r["group"] for r in recs] == [None, None]
+    traj.groups = torch.tensor([3, 4])  # two groups of one prompt: the dump tells them apart
+    assert [r["group"] for r in dump_records(traj, step=7, strategy="s", id_to_token=str)] == [
+        3, 4]
     traj.advantages_all = torch.tensor([0.0, 0.0, 0.0, -0.5])
     assert dump_records(traj, step=7, strategy="s", id_to_token=str)[0]["token_weights"] is None
 

@@ -196,11 +196,13 @@ def positional_bias(
 def _difficulty(r: RolloutDump) -> list[Optional[str]]:
     """hard / moderate / easy per rollout, from its prompt's pass rate within its step: the
     share of its rollouts whose record says ``success`` (the reward's own rule, as the trainer
-    counts it; dumps without the flag: reward > 0)."""
+    counts it; dumps without the flag: reward > 0). A step's group is its ``group`` (dumps
+    without it: its prompt, which merges two groups of one prompt in a step)."""
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, rec in enumerate(r.records):
-        groups[(rec.get("source"), rec.get("step"),
-                rec.get("prompt_id", rec.get("prompt")))].append(i)
+        group = rec["group"] if rec.get("group") is not None else rec.get(
+            "prompt_id", rec.get("prompt"))
+        groups[(rec.get("source"), rec.get("step"), group)].append(i)
     out: list[Optional[str]] = [None] * len(r)
     for members in groups.values():
         if len(members) < 2:

@@ -268,11 +268,12 @@ def dump_records(traj: Trajectory, *, step: int, strategy: str,
     """One record per rollout of this rank (``rollouts/step_NNNNNN.jsonl``): the inputs of the
     strategy and its token advantages, so that ``get_strategy(strategy, **params)(advantage,
     entropies, mask, positive=success)`` over a step's file gives back ``token_advantages``
-    (``gtpo`` also takes ``groups=``: the rows' ``prompt_id``, numbered in order of first
-    appearance).
+    (``gtpo`` also takes ``groups=``: the rows' ``group``, the step's prompt group, which tells
+    two groups of one prompt apart).
     ``token_weights`` is token advantage / advantage (None where the advantage is 0)."""
     records = []
     adv, success = traj.advantages, traj.success
+    groups = traj.groups.tolist() if traj.groups is not None else [None] * len(traj.problems)
     for i, p in enumerate(traj.problems):
         m = traj.mask[i]
         ids = traj.rollouts.tokens[i][m].tolist()
@@ -281,6 +282,7 @@ def dump_records(traj: Trajectory, *, step: int, strategy: str,
         records.append({
             "step": step,
             "prompt_id": p.id,
+            "group": groups[i],
             "prompt": p.prompt,
             "answer": p.answer,
             "response": traj.texts[i],
