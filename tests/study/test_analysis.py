@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from html.parser import HTMLParser
@@ -182,11 +183,14 @@ def test_entropy_profile_matches_its_definitions(tmp_path):
         sum(x < 0.01 for x in flat) / 14)  # 8 of 14
     assert prof["top20_entropy_share"] == pytest.approx(sum(flat[:2]) / sum(flat))  # int(2.8)
     assert prof["mean_entropy"] == pytest.approx(sum(flat) / 14)
-    curves = A.positional_bias(r, (3,))
+    curves = A.positional_bias(r, (3,))  # rows of 3-6 tokens reach some of the 20 bins only
+    seen = ~curves["global"].isnan()
+    assert 0 < int(seen.sum()) < 20
     assert prof["global_span"] == pytest.approx(
-        float(curves["global"].max() - curves["global"].min())
+        float(curves["global"][seen].max() - curves["global"][seen].min())
     )
-    assert prof["proximal_3_max_abs"] == pytest.approx(float(curves["proximal_3"].abs().max()))
+    assert prof["proximal_3_max_abs"] == pytest.approx(
+        float(curves["proximal_3"][seen].abs().max()))
     # 80th percentile, linear interpolation between sorted values (numpy's default): position
     # 0.8 * 13 = 10.4 in the ascending order
     asc = flat[::-1]
@@ -380,3 +384,36 @@ def test_bad_windows_and_counts_are_refused_before_any_work(tmp_path, monkeypatc
         main(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_short_and_empty_responses_leave_bins_missing_not_zero(tmp_path):
+    """Responses shorter than the bins leave some bins with no token: catches those written as
+    0 (a flat "no deviation" drawn, the span taken over fake zeros, the last tenth's entropy 0
+    and its ratio Infinity, which strict JSON refuses), a group of empty responses dropped
+    from Table 1, and a dump without a token failing with an IndexError."""
+    def no_constants(name):
+        raise ValueError(f"not JSON: {name}")
+
+    h = [[0.5, 0.1, 0.9, 0.3, 0.2]] * 16  # 5 tokens: floor(t / 5 * 20) reaches 5 of 20 bins
+    r = A.load_dump(write_dump(tmp_path / "short" / "d.jsonl", h))
+    curve = A.positional_bias(r, (5,))["global"]
+    assert int(curve.isnan().sum()) == 15 and not curve[[0, 4, 8, 12, 16]].isnan().any()
+    prof = A.entropy_profile(r, (5,))
+    assert prof["global_span"] == pytest.approx(float(curve[[0, 4, 8, 12, 16]].max()
+                                                      - curve[[0, 4, 8, 12, 16]].min()))
+    files = A.run(tmp_path / "short", tmp_path / "out", windows=(5,), heatmap_rollouts=1)
+    saved = json.loads(files["profile_json"].read_text(), parse_constant=no_constants)
+    assert saved["last_tenth_entropy"] is None and saved["first_over_last_tenth"] is None
+    assert "| last_tenth_entropy | – |" in files["profile_md"].read_text()
+    # a hard group of empty responses beside a moderate one: counted, its means missing
+    ent = [[]] * 8 + [[0.4, 0.6, 0.2]] * 8
+    success = [False] * 8 + [True] * 4 + [False] * 4
+    prompts = ["a"] * 8 + ["b"] * 8
+    r = A.load_dump(write_dump(tmp_path / "e" / "d.jsonl", ent, [float(s) for s in success],
+                               prompts, success=success))
+    table = A.difficulty_bias(r, window=5)
+    assert table["hard"]["rollouts"] == 8 and math.isnan(table["hard"]["global"])
+    assert A.entropy_profile(r, (5,))["hard_share"] == 0.5
+    empty = write_dump(tmp_path / "none" / "d.jsonl", [[]] * 4)
+    with pytest.raises(ValueError, match="its 4 rollouts hold no response token"):
+        A.run(empty, tmp_path / "out2", windows=(5,))

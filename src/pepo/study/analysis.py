@@ -43,6 +43,7 @@ import csv
 import gzip
 import html
 import json
+import math
 import shutil
 import sys
 import time
@@ -173,7 +174,18 @@ def _binned_mean(x: torch.Tensor, mask: torch.Tensor, n_bins: int) -> torch.Tens
     b = _bins(mask, n_bins)[mask]
     sums = torch.zeros(n_bins).index_add_(0, b, x[mask].float())
     counts = torch.zeros(n_bins).index_add_(0, b, torch.ones_like(b, dtype=torch.float32))
-    return sums / counts.clamp_min(1)
+    return torch.where(counts > 0, sums / counts.clamp_min(1), math.nan)  # a bin no token reached
+
+
+def _cell(fmt: str, v: Any) -> str:
+    """``v`` in ``fmt`` (``"{:.3f}"``), or "–" where there is no value (None, NaN)."""
+    return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
+
+
+def _span(curve: torch.Tensor) -> float:
+    """max - min over the bins some token reached."""
+    seen = curve[~curve.isnan()]
+    return float(seen.max() - seen.min()) if seen.numel() else math.nan
 
 
 def positional_bias(
@@ -225,8 +237,9 @@ def difficulty_bias(r: RolloutDump, window: int = 101) -> dict[str, dict[str, fl
         rows = torch.tensor([lab == g for lab in labels])
         m = r.mask & rows[:, None]
         n = int(m.sum())
-        if n:
-            out[g] = {"global": float(r.entropies[m].mean()), "proximal": float(e[m].mean()),
+        if rows.any():  # a group of empty responses is counted, its means missing (NaN)
+            out[g] = {"global": float(r.entropies[m].mean()) if n else math.nan,
+                      "proximal": float(e[m].mean()) if n else math.nan,
                       "rollouts": int(rows.sum()), "tokens": n}
     return out
 
@@ -258,11 +271,13 @@ def entropy_profile(r: RolloutDump, windows: Sequence[int] = (31, 51, 101),
         "top20_entropy_share": _top20_share(h),
         "first_tenth_entropy": float(tenths[0]),
         "last_tenth_entropy": float(tenths[-1]),
-        "first_over_last_tenth": float(tenths[0] / tenths[-1]) if tenths[-1] > 0 else float("inf"),
-        "global_span": float(curves["global"].max() - curves["global"].min()),
+        "first_over_last_tenth": float(tenths[0] / tenths[-1]) if tenths[-1] > 0 else math.nan,
+        "global_span": _span(curves["global"]),
     }
     for w in windows:
-        out[f"proximal_{w}_max_abs"] = float(curves[f"proximal_{w}"].abs().max())
+        c = curves[f"proximal_{w}"].abs()
+        out[f"proximal_{w}_max_abs"] = float(c[~c.isnan()].max()) if (~c.isnan()).any() \
+            else math.nan
     diff = difficulty_bias(r, max(windows))
     if diff:  # group-mode dumps: each group's share of the rollouts and hard / easy entropy
         for g in GROUPS:
@@ -416,6 +431,8 @@ def run(dump: Union[str, Path, Sequence[Union[str, Path]]], out: Union[str, Path
         raise ValueError(f"window must be >= 1, got {window}")
     t0 = time.perf_counter()
     r = load_dump(dump)
+    if not bool(r.mask.any()):
+        raise ValueError(f"{dump}: its {len(r)} rollouts hold no response token to analyse")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     files: dict[str, Path] = {}
@@ -439,20 +456,23 @@ def run(dump: Union[str, Path, Sequence[Union[str, Path]]], out: Union[str, Path
     for g in GROUPS:
         if g in diff:
             d = diff[g]
-            lines.append(f"| {g.capitalize()} | {d['rollouts']} | {d['global']:.3f} | "
-                         f"{d['proximal']:.5f} |")
+            lines.append(f"| {g.capitalize()} | {d['rollouts']} | "
+                         f"{_cell('{:.3f}', d['global'])} | {_cell('{:.5f}', d['proximal'])} |")
     if not diff:
         lines.append("| (no groups: single-stream dumps have one rollout per prompt) | | | |")
     files["difficulty_md"] = out / "difficulty_bias.md"
     files["difficulty_md"].write_text("\n".join(lines) + "\n", encoding="utf-8")
 
     prof = entropy_profile(r, windows)
-    files["profile_json"] = out / "profile.json"
-    files["profile_json"].write_text(json.dumps(prof, indent=2) + "\n", encoding="utf-8")
+    files["profile_json"] = out / "profile.json"  # null where there is no value (strict JSON)
+    files["profile_json"].write_text(json.dumps(
+        {k: v if math.isfinite(v) else None for k, v in prof.items()}, indent=2) + "\n",
+        encoding="utf-8")
     files["profile_md"] = out / "profile.md"
     files["profile_md"].write_text("\n".join(
         [f"Entropy profile of {len(r)} rollouts.", "", "| quantity | value |", "|---|---:|"]
-        + [f"| {k} | {v:.4g} |" for k, v in prof.items()]) + "\n", encoding="utf-8")
+        + [f"| {k} | {v:.4g} |" if math.isfinite(v) else f"| {k} | – |"
+           for k, v in prof.items()]) + "\n", encoding="utf-8")
 
     mass = weight_mass(r, w_main)
     cols = [f"decile_{d}" for d in range(1, 11)] + list(GROUPS) + ["top20"]
@@ -519,8 +539,8 @@ def compare_stages(stages: Sequence[tuple[str, str, Sequence[Path]]], dest: Path
         run(files, dest / name, windows=windows, window=window)
         profiles[name] = json.loads((dest / name / "profile.json").read_text(encoding="utf-8"))
         diff = difficulty_bias(load_dump(files), window)
-        tables += [f"| {title} | {g} | {d['rollouts']} | {d['global']:.3f} | "
-                   f"{d['proximal']:.4f} |" for g, d in diff.items()]
+        tables += [f"| {title} | {g} | {d['rollouts']} | {_cell('{:.3f}', d['global'])} | "
+                   f"{_cell('{:.4f}', d['proximal'])} |" for g, d in diff.items()]
     head = " | ".join(f"{title}, {len(files)} run{'s' if len(files) > 1 else ''}"
                       for _, title, files in stages)
     lines = [f"### {task}: the entropy structure before and after training (W = {window})", "",
@@ -529,11 +549,11 @@ def compare_stages(stages: Sequence[tuple[str, str, Sequence[Path]]], dest: Path
              "rollouts --out DIR --windows " + " ".join(map(str, windows))
              + f" --window {window}` reproduces a stage.", "",
              f"| quantity | {head} |", "|---|" + "---:|" * len(stages)]
-    lines += [f"| {text} | " + " | ".join(fmt.format(profiles[name].get(key, float("nan")))
+    lines += [f"| {text} | " + " | ".join(_cell(fmt, profiles[name].get(key, math.nan))
                                           for name, _, _ in stages) + " |"
               for key, text, fmt in PROFILE_ROWS]
     for v in windows:
-        cells = [f"{profiles[name].get(f'proximal_{v}_max_abs', float('nan')):.1%}"
+        cells = [_cell("{:.1%}", profiles[name].get(f"proximal_{v}_max_abs", math.nan))
                  for name, _, _ in stages]
         lines.append(f"| largest deviation of proximal entropy by position, W = {v} | "
                      + " | ".join(cells) + " |")
