@@ -26,7 +26,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from pepo.study.rescore import gold_number, last_stated_result, read_rows
+from pepo.study.rescore import dump_files, gold_number, last_stated_result, read_rows
 from pepo.tasks.rewards import math_verify_score
 
 __all__ = ["audit", "last_stated_result", "stated"]
@@ -36,7 +36,7 @@ def stated(run: Path, sub: str = "rollouts") -> tuple[int, int, int, int]:
     """Over all dumped steps of ``run``: ``(rewarded, of which the last stated result is another
     number, unrewarded, of which the last stated result is the gold answer)``."""
     won = won_other = lost = lost_gold = 0
-    for f in sorted((run / sub).glob("step_*.jsonl*")):
+    for f in dump_files(run / sub):
         for r in read_rows(f):
             said, gold = last_stated_result(r["response"]), gold_number(r["answer"])
             if r["reward"] > 0:
@@ -51,7 +51,7 @@ def stated(run: Path, sub: str = "rollouts") -> tuple[int, int, int, int]:
 def audit(run: Path, sub: str = "rollouts") -> list[tuple[int, int, int, int]]:
     """``(step, rollouts, rewarded, rewarded by value only)`` for each dumped step of ``run``."""
     out = []
-    for f in sorted((run / sub).glob("step_*.jsonl*")):
+    for f in dump_files(run / sub):
         rows = read_rows(f)
         won = [r for r in rows if r["reward"] > 0]
         by_value = sum(math_verify_score(r["response"], str(r["answer"]), number_only=True) == 0

@@ -1,7 +1,7 @@
 """Builds an embedded task's tokenizer and warm-start checkpoint (``src/pepo/assets/<task>``).
 
     python scripts/make_tiny_assets.py [--task tiny|tiny_drift|tiny_reason] [--steps N]
-        [--noise P] [--out DIR]
+        [--noise P] --out DIR     (or --force: write over the shipped src/pepo/assets/<task>)
 
 1. A character-level ``tokenizer.json`` (Hugging Face ``tokenizers``, WordLevel over the task's
    alphabet) and its ``tokenizer_config.json``.
@@ -138,22 +138,51 @@ def pass_rate(model, tok, problems, temperature, samples=1, seed=0, max_new_toke
     return sum(boxed_match(texts, answers)) / len(answers)
 
 
-def main() -> None:
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}")
+    return value
+
+
+def _probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a probability in [0, 1], got {text!r}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--task", choices=sorted(TASKS), default="tiny")
-    ap.add_argument("--out", default=None, help="default: src/pepo/assets/<task>")
-    ap.add_argument("--steps", type=int, default=None,
+    ap.add_argument("--out", default=None,
+                    help="default: src/pepo/assets/<task>, which holds the shipped assets the "
+                         "published figures stand on: replacing them needs --force")
+    ap.add_argument("--force", action="store_true",
+                    help="write over the shipped assets (the default --out)")
+    ap.add_argument("--steps", type=_positive, default=None,
                     help="default: 1500 (tiny), 2500 (tiny_drift, tiny_reason)")
-    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--batch", type=_positive, default=64)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--noise", type=float, default=None,
+    ap.add_argument("--noise", type=_probability, default=None,
                     help="one result-noise probability for every operator (default: the task's)")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     task = TASKS[args.task]
-    steps = args.steps or task["steps"]
+    steps = task["steps"] if args.steps is None else args.steps
     noise = task["noise"] if args.noise is None else args.noise
-    out = Path(args.out or Path(__file__).resolve().parents[1] / "src/pepo/assets" / args.task)
+    shipped = Path(__file__).resolve().parents[1] / "src/pepo/assets" / args.task
+    out = Path(args.out or shipped)
+    if args.out is None and (shipped / "model.safetensors").is_file() and not args.force:
+        ap.error(f"{shipped} holds the shipped assets the published figures stand on (a "
+                 f"rebuild gives a model of the same kind, not the same bytes): give --out DIR, "
+                 f"or --force to replace them")
     out.mkdir(parents=True, exist_ok=True)
     build_tokenizer(out, task["alphabet"])
     tok = load_tokenizer(out)

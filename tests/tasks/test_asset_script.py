@@ -89,3 +89,22 @@ def test_noise_falls_on_the_results_at_the_operators_rates(script):
         hit, total = wrong[op]
         p = 0.9 * noise[op]
         assert abs(hit - p * total) < 4 * (total * p * (1 - p)) ** 0.5, (op, hit, total)
+
+
+def test_the_shipped_assets_are_not_overwritten_by_default(script, capsys):
+    """The default ``--out`` is ``src/pepo/assets/<task>``, which holds the shipped assets the
+    published figures stand on (a rebuild is not the same bytes): catches a run without
+    ``--out`` writing over them, and ``--steps 0`` silently training the full default."""
+    import pytest
+
+    shipped = SCRIPT.parents[1] / "src" / "pepo" / "assets" / "tiny" / "model.safetensors"
+    before = shipped.stat().st_mtime_ns
+    with pytest.raises(SystemExit) as e:
+        script.main(["--task", "tiny"])
+    assert e.value.code == 2 and "give --out DIR, or --force" in capsys.readouterr().err
+    for bad, flag in ((["--steps", "0"], "--steps"), (["--noise", "1.5"], "--noise"),
+                      (["--batch", "-1"], "--batch")):
+        with pytest.raises(SystemExit) as e:
+            script.main(["--task", "tiny", "--out", "unused", *bad])
+        assert e.value.code == 2 and flag in capsys.readouterr().err
+    assert shipped.stat().st_mtime_ns == before

@@ -332,6 +332,12 @@ def test_the_audit_script_counts_rewards_given_by_value_only(tmp_path, capsys):
         f.writelines(json.dumps({"step": 2, "response": r, "answer": a, "reward": w}) + "\n"
                      for r, a, w in step2)
     assert mod.audit(run) == [(1, 3, 2, 1), (2, 3, 2, 2)]
+    # a step kept plain and compressed, and a killed write's leftover: each step counted once
+    # (the copy was counted twice, the leftover a JSONDecodeError)
+    with gzip.open(run / "rollouts" / "step_000001.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    (run / "rollouts" / "step_000003.jsonl.tmp").write_text('{"step": 3, "respo')
+    assert mod.audit(run) == [(1, 3, 2, 1), (2, 3, 2, 2)]
     mod.main([str(run)])
     row = capsys.readouterr().out.splitlines()[-1]
     assert row.startswith("| gtpo/seed_1 | step 1: 1 of 2 rewarded |") and "3 of 4 (75 %)" in row

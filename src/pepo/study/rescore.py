@@ -23,7 +23,7 @@ import statistics
 from pathlib import Path
 from typing import Optional, Sequence
 
-__all__ = ["last_stated_result", "gold_number", "stated_success", "read_rows",
+__all__ = ["dump_files", "last_stated_result", "gold_number", "stated_success", "read_rows",
            "validation_curve", "stated_results", "stated_section"]
 
 # "= 29" ends a stated result; "= 3 + 4" does not (an operator follows the number on its line:
@@ -64,16 +64,22 @@ def read_rows(path: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def dump_files(folder: Path) -> list[Path]:
+    """The ``step_N.jsonl`` (or ``.jsonl.gz``) dumps of ``folder``, one a step, in step order:
+    never a killed write's ``.tmp``, and a dump kept plain and compressed once."""
+    files: dict[str, Path] = {}
+    for f in sorted(Path(folder).glob("step_*.jsonl")) + sorted(
+            Path(folder).glob("step_*.jsonl.gz")):
+        files.setdefault(f.name.split(".")[0], f)
+    return [files[k] for k in sorted(files)]
+
+
 def validation_curve(run: Path) -> Optional[list[list[float]]]:
     """``[[step, accuracy by the verifier, accuracy by the stated result, responses], ...]`` for
     each validation the run dumped (``run/val_rollouts/step_*.jsonl``), by step; None when it
     dumped none."""
-    files: dict[str, Path] = {}  # one file a step: a dump and its compressed copy are one
-    for f in sorted((Path(run) / "val_rollouts").glob("step_*.jsonl")) + sorted(
-            (Path(run) / "val_rollouts").glob("step_*.jsonl.gz")):  # not a killed write's .tmp
-        files.setdefault(f.name.split(".")[0], f)
     curve = []
-    for f in files.values():
+    for f in dump_files(Path(run) / "val_rollouts"):
         rows = read_rows(f)
         if not rows:
             continue
