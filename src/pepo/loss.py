@@ -99,9 +99,12 @@ def _ratio_terms(
     mask: torch.Tensor,
     eps_low: float,
     eps_high: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    true_ratio: bool = False,
+) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ratio, log_ratio, unclipped, clipped)``; ``ratio`` (the metrics') only with
+    ``true_ratio``: the loss needs the ratio with zero-advantage tokens at 1 alone."""
     log_ratio = torch.where(mask, logprobs.float() - old_logprobs.float(), 0.0)  # [B, T]
-    ratio = torch.exp(log_ratio)  # [B, T]
+    ratio = torch.exp(log_ratio) if true_ratio else None  # [B, T]
     adv = torch.where(mask, advantages.float(), 0.0)  # [B, T]
     # A token of zero advantage adds 0 to the loss and to its gradient whatever its ratio: its
     # ratio is taken at 1 there (exp of a log-ratio above ~88 is inf, and 0 * inf is a NaN
@@ -256,7 +259,7 @@ def policy_loss_metrics(
     """
     _check(logprobs, old_logprobs, advantages, mask, eps_low, eps_high)
     ratio, log_ratio, unclipped, clipped = _ratio_terms(
-        logprobs, old_logprobs, advantages, mask, eps_low, eps_high
+        logprobs, old_logprobs, advantages, mask, eps_low, eps_high, true_ratio=True
     )
     n = mask.sum()
     denom = n.clamp_min(1).float()
