@@ -10,8 +10,7 @@ One step (PEPO paper, Sec. 3-4 and App. C.1; ``docs/recipe.md`` has the details)
 2. generate the estimator's rollouts per prompt (``group_size``, or 1) with a KV cache,
    temperature, top-k and top-p (``pepo.training.generation``);
 3. verify → rewards (``reward`` component) and success flags
-   (``pepo.training.evaluation.is_success``)
-   → sequence advantages (``pepo.estimators``);
+   (``pepo.training.evaluation.is_success``) → sequence advantages (``pepo.estimators``);
 4. one no-grad forward of the rollout policy → old log-probs and entropies
    (``pepo.entropy.logprobs_and_entropy``, at the sampling temperature), skipped when one
    update of a row-local strategy starts from that policy (its own forward gives them, and 5);
@@ -195,10 +194,9 @@ class PEPORecipe(FTRecipeInterface):
                 self.run_lock.abandon()
             raise
         self.experiment = experiment_config(cfg)
-        self.prior_path = c.prior_cache
-        self.prior_fingerprint = prior_fingerprint(cfg)
-        self.val_cache = c.validation.before_cache
-        self.val_fingerprint = val_before_fingerprint(cfg)
+        self.prior_path, self.val_cache = c.prior_cache, c.validation.before_cache
+        self.prior_fingerprint, self.val_fingerprint = (prior_fingerprint(cfg),
+                                                        val_before_fingerprint(cfg))
         self.signals = StopSignals(lambda: self.step, lambda: self.checkpointer.marked(), log,
                                    any_rank=self.dist.any if self.dist.enabled else None)
         self.nonfinite = NonFiniteGuard(c.max_nonfinite_steps, log)
@@ -317,9 +315,10 @@ class PEPORecipe(FTRecipeInterface):
             problems = [data[i] for i in indices]
             return self.dist.gather(self._rollout(problems[part], seeds[part])[1])
 
-        prior_cache.prepare_estimator(self.estimator, [p.id for p in data], score,
-                                      path=self.prior_path, fingerprint=self.prior_fingerprint,
-                                      dist=self.dist, log=log)
+        fingerprint = {**self.prior_fingerprint, **prior_cache.input_digests(
+            self.prior_path, self.config.checkpoint_dir, dataset=data)}
+        prior_cache.prepare_estimator(self.estimator, [p.id for p in data], score, log=log,
+                                      path=self.prior_path, fingerprint=fingerprint, dist=self.dist)
 
     # -------------------------------------------------------------- one step
     def _rollout(self, problems: list, seeds: torch.Tensor):
@@ -530,8 +529,10 @@ class PEPORecipe(FTRecipeInterface):
 
     def train(self) -> None:
         if self.step == 0 and self.val_every:  # validation.before_cache may keep it
-            acc, read = prior_cache.cached_value(self.val_cache, self.val_fingerprint,
-                                                 self.validate, write=self.dist.is_main)
+            fingerprint = {**self.val_fingerprint, **prior_cache.input_digests(
+                self.val_cache, self.config.checkpoint_dir, val_dataset=self.val_data)}
+            acc, read = prior_cache.cached_value(self.val_cache, fingerprint, self.validate,
+                                                 write=self.dist.is_main)
             self.history.append({"step": 0, "val_accuracy": acc})
             self.metric_logger.log_dict({"val_accuracy": acc}, step=0)
             if self.dist.is_main:
@@ -599,8 +600,7 @@ class PEPORecipe(FTRecipeInterface):
             self._release_run_lock()
 
     def _release_run_lock(self) -> None:
-        lock = getattr(self, "run_lock", None)
-        if lock is not None:
+        if (lock := getattr(self, "run_lock", None)) is not None:
             lock.release()
 
 

@@ -282,3 +282,104 @@ def test_validation_before_training_is_read_and_the_run_is_the_same(tmp_path, mo
               (tmp_path / n / "run" / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
              for n in "abc"]
     assert dumps[0] == dumps[1] == dumps[2]
+
+
+def _write_problems(path, answer: str) -> None:
+    rows = [{"problem": f"What is {i} + {i}?", "answer": answer if i == 0 else str(2 * i)}
+            for i in range(16)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+
+
+def _perturb_weights(checkpoint_dir) -> None:
+    """Other weights written to the same path (a model trained again into its directory)."""
+    from safetensors.torch import load_file, save_file
+
+    f = checkpoint_dir / "model.safetensors"
+    weights = load_file(str(f))
+    name = sorted(weights)[0]
+    weights[name] = weights[name] + 0.5
+    save_file(weights, str(f))
+
+
+class _Stop(Exception):
+    pass
+
+
+def _val_before(cfg, out) -> tuple[float, bool]:
+    """The recipe's validation before training with ``cfg`` (its ``validate`` a stand-in
+    returning 0.25): the accuracy it logged and whether it validated (not read)."""
+    recipe = setup_recipe(OmegaConf.merge(cfg, {"output_dir": str(out), "prior_cache": None}))
+    calls = []
+    recipe.validate = lambda: calls.append(1) or 0.25
+
+    def stop():
+        raise _Stop
+
+    recipe.train_step = stop
+    try:
+        with pytest.raises(_Stop):
+            recipe.train()
+    finally:
+        recipe.cleanup()
+    return recipe.history[0]["val_accuracy"], bool(calls)
+
+
+def test_caches_are_kept_under_the_weights_and_data_not_only_their_paths(tmp_path):
+    """A prior cache and a validation-before cache read back after the weights at
+    ``checkpoint_dir`` or the data file were written again in place (the config unchanged) are
+    other settings: refused, naming ``inputs.weights`` / ``inputs.dataset``, where they were
+    read as the old numbers. Catches a fingerprint of the config alone, a digest of the wrong
+    data (the train set for validation), and one of file times instead of contents (the same
+    bytes written again are still read)."""
+    from pathlib import Path
+
+    data = tmp_path / "train.jsonl"
+    _write_problems(data, "0")
+    prior, val = tmp_path / "prior.json", tmp_path / "val.json"
+    dataset = {"_component_": "pepo.tasks.datasets.load_math_dataset", "path": str(data)}
+    cfg = tiny_cfg(tmp_path / "a", "tiny_spo", prior_cache=str(prior),
+                   validation={"every": 1, "before_cache": str(val)})
+    cfg.dataset = dataset  # in place of the generated one (a merge would keep its keys)
+    ckpt = Path(cfg.checkpoint_dir)
+    setup_recipe(cfg).cleanup()
+    assert {"inputs.weights", "inputs.dataset"} <= set(
+        json.loads(prior.read_text())["fingerprint"])
+    assert _val_before(cfg, tmp_path / "v1") == (0.25, True)
+    assert {"inputs.weights", "inputs.val_dataset"} <= set(
+        json.loads(val.read_text())["fingerprint"])
+    setup_recipe(OmegaConf.merge(cfg, {"output_dir": str(tmp_path / "b")})).cleanup()  # read
+    assert _val_before(cfg, tmp_path / "v2") == (0.25, False)
+
+    weights = ckpt / "model.safetensors"  # the same bytes written again: the same weights
+    weights.write_bytes(weights.read_bytes())
+    setup_recipe(OmegaConf.merge(cfg, {"output_dir": str(tmp_path / "c")})).cleanup()
+
+    _write_problems(data, "7")  # one answer edited in place
+    with pytest.raises(ValueError, match=r"prior_cache=.* other settings: inputs\.dataset "):
+        setup_recipe(OmegaConf.merge(cfg, {"output_dir": str(tmp_path / "d")}))
+    assert _val_before(cfg, tmp_path / "v3") == (0.25, False)  # the val set is not this file
+    _write_problems(data, "0")
+
+    _perturb_weights(ckpt)
+    with pytest.raises(ValueError, match=r"other settings: inputs\.weights \("):
+        setup_recipe(OmegaConf.merge(cfg, {"output_dir": str(tmp_path / "e")}))
+    with pytest.raises(ValueError, match=r"before_cache=.* other settings: inputs\.weights \("):
+        _val_before(cfg, tmp_path / "v4")
+
+
+def test_a_cache_an_earlier_pepo_wrote_without_input_digests_is_still_read(tmp_path):
+    """Files written before the digests were kept (every published study's caches) match on
+    the settings they recorded; catches a refusal of each of them for ``inputs.*
+    ('<unset>' -> ...)``, and a digest compared against a file that has one (the other test)."""
+    path = tmp_path / "v.json"
+    fp = {"seed": 3}
+    path.write_text(json.dumps({"version": prior_cache.VERSION, "fingerprint": fp,
+                                "value": 0.5}), encoding="utf-8")
+    with_inputs = {**fp, "inputs.weights": "ab", "inputs.val_dataset": "cd"}
+    assert prior_cache.cached_value(str(path), with_inputs, lambda: 0.0) == (0.5, True)
+    with pytest.raises(ValueError, match=r"seed \(3 -> 4\)"):
+        prior_cache.cached_value(str(path), {**with_inputs, "seed": 4}, lambda: 0.0)
+    path.write_text(json.dumps({"version": prior_cache.VERSION, "value": 0.5,
+                                "fingerprint": {**fp, "inputs.weights": "ab"}}), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"inputs\.val_dataset \('<unset>' -> 'cd'\)"):
+        prior_cache.cached_value(str(path), with_inputs, lambda: 0.0)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import hashlib
 import json
 import math
 import time
@@ -41,6 +40,7 @@ from pepo.study.cli import percent_arg, positive_arg, window_arg
 from pepo.training.checkpointing import atomic_write_text
 from pepo.training.evaluation import eval_generator
 from pepo.training.fast_decoder import FastPlan
+from pepo.training.files import weights_digest
 from pepo.training.generation import Rollouts, decode, draw_seeds
 from pepo.training.precision import autocast
 from pepo.training.rollouts import is_success, reward_tensor
@@ -425,20 +425,6 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, dict[float, float]]:
         raise SystemExit(f"error: {e}") from None
 
 
-def _weights_digest(checkpoint_dir: Union[str, Path]) -> str:
-    """A digest of the weight files of ``checkpoint_dir`` (their names and contents; not a
-    pepo checkpoint's training state): what the cells made from them are kept under, so that
-    other weights written to the same path are never read back as these."""
-    from pepo.training.files import sha256_file
-
-    h = hashlib.sha256()
-    for f in sorted(Path(checkpoint_dir).iterdir()):
-        if f.is_file() and f.suffix in (".safetensors", ".bin", ".pt", ".pth") \
-                and f.name != "training_state.pt":
-            h.update(f"{f.name}:{sha256_file(f)};".encode())
-    return h.hexdigest()[:16]
-
-
 def _main(args: argparse.Namespace) -> dict[str, dict[float, float]]:
     from omegaconf import OmegaConf
     from torchtune import config as tt_config
@@ -489,7 +475,7 @@ def _main(args: argparse.Namespace) -> dict[str, dict[float, float]]:
     stop_tokens = stop_token_ids(tokenizer, g.get("stop_tokens"))
     cache = Path(args.cache or args.out) / "cells.json"
     settings = {"window": window, **{  # which weights, without writing their paths down
-        name: _weights_digest(d) for name, d in (("base", base_dir),
+        name: weights_digest(d) for name, d in (("base", base_dir),
                                                  ("replacement", args.replacement))},
         "dtype": str(dtype), "device": device.type,  # what the models ran in and on
         "reward": OmegaConf.to_container(cfg.reward, resolve=True)}  # what scored the cells

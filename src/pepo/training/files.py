@@ -9,7 +9,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Union
 
-__all__ = ["follow_umask", "fsync_dir", "nearly_full", "sha256_file", "write_durably"]
+__all__ = ["follow_umask", "fsync_dir", "nearly_full", "sha256_file", "weights_digest",
+           "write_durably"]
 
 
 def sha256_file(path: Union[str, Path]) -> str:
@@ -19,6 +20,20 @@ def sha256_file(path: Union[str, Path]) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     return h.hexdigest()
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def weights_digest(checkpoint_dir: Union[str, Path]) -> str:
+    """A digest of the weight files of ``checkpoint_dir`` (their names and contents; not a
+    pepo checkpoint's training state): what a cache of numbers made from them is kept under,
+    so that other weights written to the same path are never read back as these."""
+    h = hashlib.sha256()
+    for f in sorted(Path(checkpoint_dir).iterdir()):
+        if f.is_file() and f.suffix in WEIGHT_SUFFIXES and f.name != "training_state.pt":
+            h.update(f"{f.name}:{sha256_file(f)};".encode())
+    return h.hexdigest()[:16]
 
 
 def follow_umask(path: Union[str, Path]) -> None:

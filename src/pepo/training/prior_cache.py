@@ -19,6 +19,8 @@ any estimator (one without an offline prior prepares nothing and reads no file).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -28,12 +30,39 @@ from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
 
 from pepo.training.checkpointing import atomic_write_text
 from pepo.training.config import recipe_changes
+from pepo.training.files import weights_digest
 from pepo.training.run_lock import locked, process_gone
 from pepo.training.schema import PRIOR_IGNORES
 
-__all__ = ["cached_value", "locked", "prepare_estimator", "read_prior", "write_prior"]
+__all__ = ["cached_value", "input_digests", "locked", "prepare_estimator", "read_prior",
+           "write_prior"]
 
 VERSION = 1
+INPUTS = "inputs."  # the fingerprint's keys of what the config names but does not hold
+
+
+def problems_digest(problems: Sequence[Any]) -> str:
+    """A digest of a dataset's problems, in order: every field of a dataclass (pepo's
+    :class:`pepo.tasks.problems.Problem`), else ``id``, ``prompt`` and ``answer``."""
+    h = hashlib.sha256()
+    for p in problems:
+        fields = dataclasses.asdict(p) if dataclasses.is_dataclass(p) else {
+            k: getattr(p, k, None) for k in ("id", "prompt", "answer")}
+        h.update(json.dumps(fields, sort_keys=True, default=str).encode("utf-8") + b"\n")
+    return h.hexdigest()[:16]
+
+
+def input_digests(path: Optional[str], checkpoint_dir: str,
+                  **datasets: Sequence[Any]) -> dict[str, str]:
+    """With a cache ``path``: digests of what the config's keys name but do not hold, for its
+    fingerprint: the initial weights' files (``inputs.weights``) and each of ``datasets``'
+    problems (``inputs.<name>``, e.g. ``inputs.val_dataset``). Weights written again to
+    ``checkpoint_dir``, or a data file edited in place, are then other settings, never the
+    cache's numbers read back. Without ``path``: nothing (nothing is read)."""
+    if not path:
+        return {}
+    return {f"{INPUTS}weights": weights_digest(checkpoint_dir),
+            **{f"{INPUTS}{name}": problems_digest(data) for name, data in datasets.items()}}
 
 
 def write_prior(path: str | os.PathLike, fingerprint: Mapping[str, Any],
@@ -98,6 +127,8 @@ def _load(path: Path, fingerprint: Mapping[str, Any], field: str, key: str, kind
             raise KeyError("version")
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{key}={str(path)!r} is not {kind} ({e})") from None
+    if not any(k.startswith(INPUTS) for k in saved):  # an earlier pepo kept no input digests
+        fingerprint = {k: v for k, v in fingerprint.items() if not k.startswith(INPUTS)}
     changed = recipe_changes(saved, dict(fingerprint), leave_out)
     if changed:
         raise ValueError(f"{key}={str(path)!r} was made under other settings: "

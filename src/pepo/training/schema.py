@@ -163,8 +163,8 @@ class ValidationConfig:
     samples: int = key(help="k of avg@k", rule=Int(1), role=RUN)
     before_cache: Optional[str] = key(
         None, "a JSON file keeping the validation before training: read when it was made under "
-        "the same settings (model, checkpoint, validation data, reward, sampling, seed, "
-        "precision, samples; another setting is an error naming it), else computed and "
+        "the same settings (model, checkpoint and validation data, by content too, reward, "
+        "sampling, seed, precision, samples; another is an error naming it), else computed and "
         "written. Runs that differ only in how they train share it: a study's methods of one "
         "seed", rule=Text("a file path"), role=RUN)
     dump: bool = key(False, "write each validation's responses, answers and rewards to "
