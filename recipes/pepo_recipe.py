@@ -107,6 +107,7 @@ from pepo.training.step import (
     Trajectory,
     by_length,
     dump_records,
+    mean_abs_change,
     policy_logprobs,
     step_metrics,
     validation_summary,
@@ -356,11 +357,7 @@ class PEPORecipe(FTRecipeInterface):
 
     def _policy_drift(self, ro: Rollouts, old_lp: torch.Tensor) -> float:
         """Mean |Δ log-prob| over the whole batch's valid tokens across this step's update."""
-        new_lp, _ = self._all_logprobs(ro)
-        mask = ro.mask
-        total, count = self.dist.sum(torch.stack([
-            torch.where(mask, (new_lp - old_lp).abs(), 0.0).sum(), mask.sum().float()])).tolist()
-        return total / max(count, 1.0)
+        return mean_abs_change(self._all_logprobs(ro)[0], old_lp, ro.mask, self.dist)
 
     def train_step(self) -> dict[str, float]:
         """One RL step (PEPO paper, Sec. 3); returns its metrics (over the whole batch, the
@@ -387,11 +384,11 @@ class PEPORecipe(FTRecipeInterface):
         t_update = time.perf_counter()
         lr = self.optimizer.param_groups[0]["lr"]  # what the step's first optimizer step uses
         stats = self._update(traj)  # (the scheduler moves it after each)
-        stats.times = {"gen_time": t_gen, "logprob_time": t_lp,
-                       "update_time": time.perf_counter() - t_update}
-        if self.estimator.needs_drift:
-            drift = self._policy_drift(traj.rollouts, traj.old_logprobs)
-            stats.drift = drift if math.isfinite(drift) else 0.0  # NaN: steps were skipped
+        t_update, t_drift = time.perf_counter() - t_update, time.perf_counter()
+        if self.estimator.needs_drift:  # a no-grad forward: counted with the old log-probs'
+            stats.drift = self._policy_drift(traj.rollouts, traj.old_logprobs)
+        stats.times = {"gen_time": t_gen, "logprob_time": t_lp + time.perf_counter() - t_drift,
+                       "update_time": t_update}
         self.estimator.observe(traj.prompt_ids, traj.rewards_all, stats.drift)
         metrics = step_metrics(traj, stats, self.dist, lr=lr,
                                nonfinite_skipped=self.nonfinite.total,

@@ -148,9 +148,13 @@ def test_validation_summary():
                                 "(highest 0.617 at step 10)")
     # the last validation is the highest: nothing to add
     assert summary(hist[:3], 8) == "Validation accuracy (avg@8): 0.312 before -> 0.617 after"
-    # training made it worse from the start: the highest is the warm start's
+    # training made it worse from the start: the highest is among the steps trained (each has
+    # a checkpoint; the line that names the best one counts the same steps), never the
+    # validation before training, whose score the line gives already
     worse = [{"step": 0, "val_accuracy": 0.5}, {"step": 10, "val_accuracy": 0.25}]
-    assert summary(worse, 1).endswith("0.500 before -> 0.250 after (highest 0.500 at step 0)")
+    assert summary(worse, 1).endswith("0.500 before -> 0.250 after")
+    worse[1:1] = [{"step": 4, "val_accuracy": 0.5}, {"step": 6, "val_accuracy": 0.375}]
+    assert summary(worse, 1).endswith("0.500 before -> 0.250 after (highest 0.500 at step 4)")
     # a history that does not start with a validation, or has none at all
     assert summary([{"step": 1, "loss": 0.0}, {"step": 2, "val_accuracy": 0.5}], 4) is None
     assert summary([], 4) is None

@@ -15,6 +15,7 @@ from pepo.training.step import (
     Trajectory,
     by_length,
     closing_summary,
+    mean_abs_change,
     dump_records,
     policy_logprobs,
     row_extent,
@@ -95,6 +96,37 @@ def test_step_metrics_against_hand_sums():
     stats.drift = None
     assert "policy_drift" not in step_metrics(traj, stats, _OneRank(), lr=0.01,
                                               nonfinite_skipped=0, step_time=1.0)
+
+
+class _TwoRanks:
+    """Sums as if a second rank held ``other`` ([total, count]) too."""
+
+    def __init__(self, other):
+        self.other = torch.tensor(other, dtype=torch.float64)
+
+    def sum(self, t):
+        return t + self.other.to(t.dtype)
+
+
+def test_mean_abs_change_against_a_loop():
+    """SPO's drift: the mean |new - old| over valid tokens with a finite difference, from a loop
+    over the tokens. Catches padding counted, a NaN row making the whole mean NaN (logged as 0:
+    no forgetting though the other rows' steps moved the policy), the other ranks' tokens left
+    out, and a division by zero where no token counts."""
+    g = torch.Generator().manual_seed(0)
+    new, old = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    old[1] = float("nan")  # row 1's old-policy pass was NaN
+    new[0, 4] = float("inf")  # at padding: ignored
+    diffs = [abs(float(new[i, t]) - float(old[i, t])) for i in range(3) for t in range(5)
+             if mask[i, t] and math.isfinite(float(new[i, t]) - float(old[i, t]))]
+    assert len(diffs) == 4
+    assert mean_abs_change(new, old, mask, _OneRank()) == pytest.approx(
+        sum(diffs) / len(diffs), rel=1e-6)
+    assert mean_abs_change(new, old, mask, _TwoRanks([6.0, 2.0])) == pytest.approx(
+        (sum(diffs) + 6.0) / (len(diffs) + 2), rel=1e-6)
+    assert mean_abs_change(new, old, torch.zeros_like(mask), _OneRank()) == 0.0
+    assert mean_abs_change(new, old.fill_(float("nan")), mask, _OneRank()) == 0.0
 
 
 class _Checkpoints:

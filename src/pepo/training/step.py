@@ -27,6 +27,7 @@ __all__ = [
     "row_extent",
     "closing_summary",
     "dump_records",
+    "mean_abs_change",
     "policy_logprobs",
     "step_metrics",
     "validation_summary",
@@ -223,6 +224,19 @@ def weigh_from_update(traj: Trajectory, rows: torch.Tensor, logprobs: torch.Tens
                                                      traj.mask[rows], tis_cap)
 
 
+def mean_abs_change(new: torch.Tensor, old: torch.Tensor, mask: torch.Tensor,
+                    dist: Any) -> float:
+    """The mean of ``|new - old|`` over the valid tokens of the whole batch (summed over
+    ``dist``'s ranks) where it is finite: SPO's policy drift across a step's update (a row whose
+    old log-probs were NaN, its optimizer steps skipped, leaves the others' change counted);
+    0.0 where no token has one. Shapes ``[b, T]``."""
+    diff = (new - old).abs()
+    keep = mask & torch.isfinite(diff)
+    total, count = dist.sum(torch.stack([torch.where(keep, diff, 0.0).sum(),
+                                         keep.sum().to(diff.dtype)])).tolist()
+    return total / count if count else 0.0
+
+
 def step_metrics(traj: Trajectory, stats: StepStats, dist: Any, *, lr: float,
                  nonfinite_skipped: int, step_time: float) -> dict[str, float]:
     """The step's metrics over the whole batch (the same on every rank: ``dist`` reduces the
@@ -302,13 +316,15 @@ def dump_records(traj: Trajectory, *, step: int, strategy: str,
 def validation_summary(history: list[dict], samples: int) -> Optional[str]:
     """The run's closing line: validation accuracy before and after training and, when an
     intermediate validation scored higher than the last one, that step (its checkpoint may
-    still be on disk)."""
+    still be on disk). The validation before training is not one: it has no checkpoint, and
+    the line says its score already."""
     vals = [(h["step"], h["val_accuracy"]) for h in history if "val_accuracy" in h]
     if not vals or history[0].get("val_accuracy") is None:
         return None
     first, (_, last) = history[0]["val_accuracy"], vals[-1]
     line = f"Validation accuracy (avg@{samples}): {first:.3f} before -> {last:.3f} after"
-    best_step, best = max(vals, key=lambda sv: sv[1])  # the earliest of equal scores
+    best_step, best = max((sv for sv in vals if sv[0] >= 1), key=lambda sv: sv[1],
+                          default=(0, last))  # the earliest of equal scores
     if best > last:
         line += f" (highest {best:.3f} at step {best_step})"
     return line
