@@ -111,11 +111,11 @@ class VllmPepo(VllmStandIn, RecordingPepo):
     pass
 
 
-def train(cls, model_dir, args, **kwargs):
+def train(cls, model_dir, args, reward=reward_has_seven, **kwargs):
     transformers.set_seed(0)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    trainer = cls(model=model, reward_funcs=reward_has_seven, args=args,
+    trainer = cls(model=model, reward_funcs=reward, args=args,
                   train_dataset=dataset(), processing_class=tok, **kwargs)
     trainer.generations, trainer.sequence_advantages = [], []
     trainer.losses, trainer.loss_inputs = [], []
@@ -316,15 +316,26 @@ def test_advantages_reaching_the_loss_are_the_strategy_on_rollout_entropies(
                                selected[:half])
 
 
-@pytest.mark.parametrize("generation", [{"repetition_penalty": 1.5},
-                                        {"generation_kwargs": {"no_repeat_ngram_size": 2}}])
+@pytest.mark.parametrize("generation, own", [
+    ({"repetition_penalty": 1.5}, None), ({"generation_kwargs": {"no_repeat_ngram_size": 2}}, None),
+    ({}, {"no_repeat_ngram_size": 2})])  # the model's own generation_config.json
 def test_a_processor_before_sampling_means_a_forward_not_the_recorded_logits(
-        model_dir, tmp_path, generation):
+        model_dir, tmp_path, generation, own):
     """Under a repetition penalty (or another of generate()'s logit processors, which run before
     the recorder) the logits generate() samples from are not the policy's. Catches the adapter
     recording them anyway: GTPO's weights would then come from the penalised distribution, where
     TRL's forward and loss, and the row-wise strategies, read the policy's. The adapter runs one
-    no-grad forward per generation instead (counted against plain TRL)."""
+    no-grad forward per generation instead (counted against plain TRL). A processor set in the
+    model's own generation_config, which generate() applies where TRL leaves a setting unset,
+    counts too (the adapter read TRL's settings alone and recorded there)."""
+    if own is not None:
+        import shutil
+
+        shutil.copytree(model_dir, tmp_path / "model")
+        model_dir = tmp_path / "model"
+        gc = transformers.GenerationConfig.from_pretrained(model_dir)
+        gc.update(**own)
+        gc.save_pretrained(model_dir)
     args = config(tmp_path, **generation)
     params = {"alpha1": 1.0, "alpha2": 0.3}
     ours = train(RecordingPepo, model_dir, args, pepo_strategy="gtpo", pepo_params=params)
@@ -340,6 +351,43 @@ def test_a_processor_before_sampling_means_a_forward_not_the_recorded_logits(
     torch.testing.assert_close(gen["advantages"], expected, rtol=1e-4, atol=1e-5)
     plain = train(RecordingGRPO, model_dir, config(tmp_path / "plain", **generation))
     assert len(ours.forwards) == len(plain.forwards) + len(ours.generations)
+
+
+def unscorable(text: str) -> bool:
+    return len(text) > 0 and ord(text[0]) % 3 == 0
+
+
+def reward_or_none(completions, **kwargs):
+    """reward_has_seven, but None (no verdict: TRL's unscorable completion) for a third."""
+    scores = reward_has_seven(completions)
+    return [None if unscorable(c) else r for c, r in zip(completions, scores)]
+
+
+@pytest.mark.parametrize("strategy, params", [("gtpo", {"alpha1": 1.0, "alpha2": 0.3}),
+                                              ("global_topk", {"fraction": 0.3})])
+def test_unscorable_completions_get_no_weight_and_no_say(model_dir, tmp_path, strategy, params):
+    """A completion every reward function returned None for: TRL gives it advantage 0 and keeps
+    it out of its group's baseline. Catches pepo shaping it as a failure (gtpo gave it token
+    advantages up to 1.0 from its own failure side) or counting its tokens in a group's entropy
+    statistics or in global_topk's threshold: the weights equal the strategy applied with those
+    rows masked out (entropies from a float64 copy of the rollout policy)."""
+    args = config(tmp_path)
+    ours = train(RecordingPepo, model_dir, args, reward=reward_or_none, pepo_strategy=strategy,
+                 pepo_params=params)
+    gen = ours.generations[0]
+    texts = ours.processing_class.batch_decode(gen["completion_ids"], skip_special_tokens=True)
+    none = torch.tensor([unscorable(t) for t in texts])
+    assert 0 < int(none.sum()) < len(texts)
+    mask = gen["completion_mask"].bool() & ~none[:, None]
+    ent = rollout_entropies(model_dir, gen).float()
+    seq_adv = ours.sequence_advantages[0]
+    assert torch.all(seq_adv[none] == 0)  # TRL's own
+    success = torch.tensor([r is not None and r > 0 for r in reward_or_none(texts)])
+    groups = torch.arange(len(seq_adv)) // args.num_generations
+    kwargs = {"groups": groups} if strategy == "gtpo" else {}
+    expected = pw.get_strategy(strategy, **params)(seq_adv, ent, mask, positive=success, **kwargs)
+    assert torch.all(gen["advantages"][none] == 0)
+    torch.testing.assert_close(gen["advantages"], expected, rtol=1e-4, atol=1e-5)
 
 
 class InjectingGRPO(RecordingGRPO):

@@ -33,20 +33,24 @@ What it feeds the strategy, following the paper:
     through ``generate`` (vLLM without the importance-sampling correction, continuous batching,
     tool calling, a ``rollout_func``), or where ``generate`` changes the logits before sampling
     (a ``repetition_penalty`` other than 1, or ``generation_kwargs`` such as ``suppress_tokens``
-    or ``min_new_tokens``), it adds one no-grad forward over the generation batch, so that every
-    strategy reads the policy's entropies, as TRL's own forward and loss do.
+    or ``min_new_tokens``, or such a setting in the model's own ``generation_config``, which
+    ``generate`` reads where TRL leaves one unset), it adds one no-grad forward over the
+    generation batch, so that every strategy reads the policy's entropies, as TRL's own forward
+    and loss do.
     ``uniform`` needs no entropies.
 
 - **successful completions** (``positive=``) from TRL's rewards: the weighted sum of the reward
   functions, as TRL computes it, ``> 0`` (or ``pepo_success(rewards)``), not the sign of the
   advantage. Each process reads the flags of its own completions.
 - **only the model's own tokens**: tool results (TRL's ``tool_mask``) are masked out, so they
-  neither get weight nor enter a window.
+  neither get weight nor enter a window; so are unscorable completions (every reward function
+  returned ``None``), which TRL gives advantage 0.
 - **one threshold for the whole generation batch of all processes** for ``global_topk``: its
   quantile is taken over every completion token of every process. TRL's own
   ``top_entropy_quantile`` also gathers the entropies of all processes, but takes its threshold
-  per micro-batch (``per_device_train_batch_size`` completions per process): the two select the
-  same tokens when a generation is one micro-batch (``steps_per_generation=1``).
+  per micro-batch (``per_device_train_batch_size`` completions per process), and on every pass
+  over a generation from the current policy's entropies: the two select the same tokens when a
+  generation is one micro-batch (``steps_per_generation=1``), on its first pass.
 - **each prompt's group** for ``gtpo`` and any strategy that takes ``groups=`` (by name or
   ``**kwargs``): TRL's generation batch holds the ``num_generations``
   completions of a prompt one after another, in the order of the processes; the adapter gathers
@@ -347,7 +351,17 @@ class PepoGRPOTrainer(GRPOTrainer):
         if (self.use_vllm or self.use_transformers_continuous_batching
                 or self.rollout_func is not None or self.tools):
             return False
-        kwargs = getattr(self, "generation_kwargs", None) or {}
+        kwargs = dict(getattr(self, "generation_kwargs", None) or {})
+        # generate() fills each setting TRL leaves None from the model's own generation_config
+        # (its generation_config.json, or what the user set on it): n-gram blocking there runs
+        # before the recorder as surely as in generation_kwargs
+        own = getattr(self.accelerator.unwrap_model(self.model), "generation_config", None)
+        if own is not None:
+            for k, v in own.to_diff_dict().items():
+                if (kwargs.get(k) is None and v not in (None, False, 0, [], {})
+                        and not k.startswith(("output_", "return_", "transformers_", "_"))):
+                    kwargs[k] = v  # (what generate() returns and the file's own bookkeeping
+                    # add no processor)
         penalty = kwargs.get("repetition_penalty")
         return penalty in (None, 1.0) and all(k in _RECORDABLE for k in kwargs)
 
@@ -411,6 +425,12 @@ class PepoGRPOTrainer(GRPOTrainer):
         mask = batch["completion_mask"].bool()
         if batch.get("tool_mask") is not None:
             mask = mask & batch["tool_mask"].bool()
+        if self._pepo_rewards is not None:  # in a generation: unscorable completions (every
+            # reward function returned None) get no weight, as TRL gives them advantage 0, and
+            # enter no group's statistics or threshold (gtpo shaped them as failures)
+            scored = ~torch.isnan(self._pepo_rewards).all(dim=1)
+            start = self.accelerator.process_index * mask.size(0)
+            mask = mask & scored[start : start + mask.size(0)].to(mask.device)[:, None]
         if self._pepo_strategy.reads_groups:  # gtpo, and user strategies that take groups=
             out = self._pepo_weigh_groups(advantages, entropies, mask, positive)
         else:
