@@ -175,9 +175,13 @@ def test_config_errors_name_the_fix():
         pv.strategy_from_config(OmegaConf.create({"strategy": "proximal_softmax", "window": 5}))
     with pytest.raises(ValueError, match="pepo.sucess_threshold is not a key"):
         pv.strategy_from_config(OmegaConf.create({"strategy": "gtpo", "sucess_threshold": 0.5}))
-    with pytest.raises(ValueError, match="pepo.success_threshold must be a number.*'high'"):
-        pv.strategy_from_config(OmegaConf.create({"strategy": "gtpo",
-                                                  "success_threshold": "high"}))
+    for bad in ("high", "nan", float("inf"), True):  # NaN: no rollout succeeds, silently
+        with pytest.raises(ValueError, match=f"pepo.success_threshold must be a finite number.*"
+                                             f"got {bad!r}"):
+            pv.strategy_from_config(OmegaConf.create({"strategy": "gtpo",
+                                                      "success_threshold": bad}))
+    with pytest.raises(ValueError, match=r"pepo.params must be a mapping .*got 5"):
+        pv.strategy_from_config(OmegaConf.create({"strategy": "gtpo", "params": 5}))
     strategy, threshold = pv.strategy_from_config(OmegaConf.create(
         {"strategy": "proximal_softmax", "params": {"window": 5}, "success_threshold": "0.5"}))
     assert (strategy.params["window"], threshold) == (5, 0.5)
@@ -288,13 +292,13 @@ def test_every_estimator_verl_registers_is_classified():
     """A verl release that registers an estimator the adapter has not sorted into 'one advantage
     per response' or 'varies along it' fails here, not silently in training."""
     known = set(pv.CONSTANT_ROW_ESTIMATORS) | set(pv.ROW_VARYING_ESTIMATORS) | {
-        "reinforce_plus_plus", "remax"}
+        "reinforce_plus_plus"} | set(pv.V1_UNAVAILABLE)
     assert set(core_algos.ADV_ESTIMATOR_REGISTRY) == known
     assert not set(pv.CONSTANT_ROW_ESTIMATORS) & set(pv.ROW_VARYING_ESTIMATORS)
 
 
 SUPPORTED = [(name, {"kl": True}) for name in pv.CONSTANT_ROW_ESTIMATORS] + [
-    ("reinforce_plus_plus", {}), ("remax", {})]
+    ("reinforce_plus_plus", {})]
 
 
 @pytest.mark.parametrize("name,kw", SUPPORTED, ids=[n for n, _ in SUPPORTED])
@@ -320,8 +324,7 @@ def test_supported_estimators_give_one_advantage_per_response_and_pass_unchanged
 
 
 REFUSED = [("gae", {}), ("optimal_token_baseline", {}), ("tir_optimal_token_baseline", {}),
-           ("reinforce_plus_plus", {"gamma": 0.9}), ("reinforce_plus_plus", {"kl": True}),
-           ("remax", {"kl": True})]
+           ("reinforce_plus_plus", {"gamma": 0.9}), ("reinforce_plus_plus", {"kl": True})]
 
 
 @pytest.mark.parametrize("name,kw", REFUSED, ids=[f"{n}-{kw}" for n, kw in REFUSED])
@@ -344,6 +347,76 @@ def test_row_varying_estimators_are_refused_not_flattened(name, kw):
                                          rf"vary along {int(varies.sum())} of {len(adv)} "):
         pv.token_advantages(pw.get_strategy("uniform"), adv, entropy, mask.float(), scores,
                             adv_estimator=name)
+
+
+@pytest.mark.parametrize("name", sorted(pv.V1_UNAVAILABLE))
+def test_estimators_verls_v1_trainer_cannot_run_are_refused_when_built(name):
+    """remax and gdpo were listed as supported, but verl 0.9.1's v1 advantage step (the trainer
+    pepo's is) fails on them at the first step: remax without the greedy rollout's
+    reward_baselines, gdpo without the reward's components. Refused at construction, naming what
+    is missing; the second half pins verl's behaviour (a verl that runs them fails here, and the
+    refusal is to be lifted)."""
+    with pytest.raises(ValueError, match=rf"algorithm.adv_estimator={name} needs .*first step "
+                                         rf"would fail\).*use one of: gpg, grpo") as e:
+        pv.check_adv_estimator(algorithm(name))
+    assert "\n" not in str(e.value) and name not in str(e.value).split("use one of")[1]
+    rewards, scores, mask, _ = batch(seed=5)
+    uids = blocks(len(rewards))
+    data = DataProto.from_dict(tensors={"token_level_rewards": scores,
+                                        "response_mask": mask.float()},
+                               non_tensors={"uid": np.array(uids, dtype=object)})
+    cfg = algorithm(name)
+    if name == "gdpo":  # with its keys set, the components are still not in v1's batch
+        cfg = OmegaConf.merge(cfg, {"gdpo_reward_keys": ["accuracy", "format"]})
+    with pytest.raises((TypeError, KeyError, AssertionError)):
+        compute_advantage_for_multi_trajectories(
+            data, batch_keys=[f"{u}_{i}_0" for i, u in enumerate(uids)], adv_estimator=name,
+            gamma=1.0, lam=0.95, num_repeat=G, norm_adv_by_std_in_grpo=True, config=cfg)
+
+
+def test_tokens_rollout_correction_rejected_stay_in_the_windows_with_no_weight(monkeypatch):
+    """verl's rollout correction (rejection sampling, decoupled mode) zeroes rejected tokens in
+    the response mask its advantage step writes back. They were generated and stay in the
+    context: the strategy weighs each row over the generated tokens (its windows, T_i, the
+    batch's threshold), and the rejected ones get 0, as verl's loss drops them. The adapter read
+    the mask after verl's step and weighed the rows as if the rejected tokens were a gap (a
+    rejected high-entropy fork's neighbours got about 4 times their weight). Catches that, and
+    weight left on a rejected token; uniform still equals verl's advantages bit for bit."""
+    rewards, scores, mask, entropy = batch(seed=9)
+    uids = blocks(len(rewards))
+    rows = torch.arange(len(rewards))
+    first = mask.int().argmax(1)
+    long_rows = mask.sum(1) >= 6
+    rejected = torch.zeros_like(mask)
+    rejected[rows[long_rows], first[long_rows] + 2] = True  # one token in each longer row
+    entropy[rejected] = 2.5  # a fork: what shapes its neighbours' weights most
+    kept = mask & ~rejected
+    verl_adv, _ = core_algos.compute_grpo_outcome_advantage(
+        token_level_rewards=scores, response_mask=kept.float(), index=uids)
+    store = Store({"advantages": nested(verl_adv, mask), "entropy": nested(entropy, mask),
+                   "response_mask": nested(mask.float(), mask), "rm_scores": nested(scores, mask),
+                   "uid": NonTensorStack(*uids)})
+
+    def verls_step(self, meta, metrics):  # rejection sampling writes the kept tokens' mask back
+        store.fields["response_mask"] = nested(kept.float(), mask)
+        return meta
+
+    monkeypatch.setattr(pv, "tq", store)
+    monkeypatch.setattr(pv.PPOTrainerSync, "_compute_advantage", verls_step)
+    strategy = pw.get_strategy("proximal_softmax", window=5)
+    trainer = object.__new__(pv.PepoPPOTrainer)
+    trainer.pepo_strategy, trainer.pepo_success_threshold = strategy, 0.0
+    trainer.pepo_adv_estimator = "grpo"
+    trainer._compute_advantage(Meta([f"{u}_{i}_0" for i, u in enumerate(uids)]), {})
+    got = store.puts[-1]["advantages"].to_padded_tensor(0.0)
+    seq = verl_adv[rows, first]
+    want = torch.where(kept, strategy(seq, entropy, mask, positive=rewards > 0), 0.0)
+    torch.testing.assert_close(got, want[:, :got.size(1)], rtol=1e-6, atol=1e-7)
+    gap = torch.where(kept, strategy(seq, entropy, kept, positive=rewards > 0), 0.0)
+    assert (gap - want).abs().max() > 0.05  # the old reading differs on these rows
+    uniform = pv.token_advantages(pw.get_strategy("uniform"), verl_adv, entropy, kept.float(),
+                                  scores, generated_mask=mask.float())
+    assert torch.equal(uniform, torch.where(kept, verl_adv, 0.0))
 
 
 def test_token_level_scores_are_caught_at_run_time():

@@ -21,19 +21,21 @@ pepo's strategies weight one advantage per rollout (``Â_{i,t} = c_{i,t} A_i`` a
 the adapter takes verl's estimators whose advantages are one value per response, broadcast over
 its tokens (:data:`CONSTANT_ROW_ESTIMATORS`), and refuses, at construction, those whose
 advantages vary along the response (:data:`ROW_VARYING_ESTIMATORS`: a critic, per-token
-baselines; and the returns-to-go of ``reinforce_plus_plus`` with ``gamma < 1`` or of it and
-``remax`` with ``use_kl_in_reward``). Every step also checks that each row's advantages are one
-value, so an estimator registered elsewhere, or token-level reward scores, fail in one line
-instead of being flattened. Weighting each token's own advantage (``c_{i,t} A_{i,t}``) was not
-chosen: it is no strategy's formula (PEPO's ``Σ_t c_{i,t} = T_i`` would no longer keep the
-row's total advantage; ``entropy_bonus`` caps its bonus by ``|A_i|``; ``gtpo`` builds its own
-advantages; a user strategy is a function of one advantage per row), so it would train
-something untested.
+baselines; and the returns-to-go of ``reinforce_plus_plus`` with ``gamma < 1`` or
+``use_kl_in_reward``), and those verl 0.9.1's v1 trainer cannot run (:data:`V1_UNAVAILABLE`:
+``remax`` and ``gdpo`` need inputs only its legacy trainer computes). Every step also checks
+that each row's advantages are one value, so an estimator registered elsewhere, or token-level
+reward scores, fail in one line instead of being flattened. Weighting each token's own advantage
+(``c_{i,t} A_{i,t}``) was not chosen: it is no strategy's formula (PEPO's ``Σ_t c_{i,t} = T_i``
+would no longer keep the row's total advantage; ``entropy_bonus`` caps its bonus by ``|A_i|``;
+``gtpo`` builds its own advantages; a user strategy is a function of one advantage per row), so
+it would train something untested.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
@@ -56,6 +58,7 @@ except ImportError as e:  # pragma: no cover - exercised in an environment witho
 __all__ = [
     "CONSTANT_ROW_ESTIMATORS",
     "ROW_VARYING_ESTIMATORS",
+    "V1_UNAVAILABLE",
     "PepoPPOTrainer",
     "check_adv_estimator",
     "group_ids",
@@ -66,15 +69,23 @@ __all__ = [
 #: verl 0.9.1's estimators that give each response one advantage, broadcast over its tokens
 #: (a function of the summed token rewards, then at most a whitening over the batch).
 CONSTANT_ROW_ESTIMATORS = (
-    "gdpo", "gpg", "grpo", "grpo_passk", "grpo_vectorized", "opo",
+    "gpg", "grpo", "grpo_passk", "grpo_vectorized", "opo",
     "reinforce_plus_plus_baseline", "rloo", "rloo_vectorized",
 )
 #: verl 0.9.1's estimators whose advantages vary along each response: a critic's values
 #: (``gae``) or a baseline per token position (the optimal token baselines).
 ROW_VARYING_ESTIMATORS = ("gae", "optimal_token_baseline", "tir_optimal_token_baseline")
-#: returns-to-go: one value per response only with ``gamma == 1`` (``reinforce_plus_plus``), no
-#: KL penalty in the reward and an outcome reward on one token; refused otherwise.
-_RETURN_ESTIMATORS = ("reinforce_plus_plus", "remax")
+#: returns-to-go: one value per response only with ``gamma == 1``, no KL penalty in the reward
+#: and an outcome reward on one token; refused otherwise.
+_RETURN_ESTIMATORS = ("reinforce_plus_plus",)
+#: verl 0.9.1's estimators its v1 trainer (the one pepo's trainer is) cannot run, each with what
+#: it lacks: the v1 advantage step passes neither a greedy rollout's reward nor reward components.
+V1_UNAVAILABLE = {
+    "remax": "needs reward_baselines (a greedy rollout's reward), which only verl's legacy "
+             "trainer computes",
+    "gdpo": "needs the reward's components (algorithm.gdpo_reward_keys), which verl's v1 "
+            "advantage step does not fetch",
+}
 
 
 def _supported() -> str:
@@ -88,15 +99,17 @@ def check_adv_estimator(algorithm: Optional[Mapping[str, Any]]) -> Optional[str]
 
     Raises:
         ValueError: ``gae``, ``optimal_token_baseline``, ``tir_optimal_token_baseline``;
-            ``reinforce_plus_plus`` with ``gamma != 1``; ``reinforce_plus_plus`` or ``remax``
-            with ``use_kl_in_reward``.
+            ``reinforce_plus_plus`` with ``gamma != 1`` or ``use_kl_in_reward``; ``remax`` and
+            ``gdpo`` (:data:`V1_UNAVAILABLE`).
     """
     if algorithm is None:
         return None
     name = algorithm.get("adv_estimator", "gae")  # verl's default
     name = str(getattr(name, "value", name))
     why = None
-    if name in ROW_VARYING_ESTIMATORS:
+    if name in V1_UNAVAILABLE:
+        why = f"{V1_UNAVAILABLE[name]} (its first step would fail)"
+    elif name in ROW_VARYING_ESTIMATORS:
         why = "gives each token its own advantage"
     elif name == "reinforce_plus_plus" and float(algorithm.get("gamma", 1.0)) != 1.0:
         why = f"with algorithm.gamma={algorithm.get('gamma')} discounts along the response"
@@ -119,7 +132,8 @@ def strategy_from_config(cfg: Optional[Mapping[str, Any]]) -> tuple[pw.Strategy,
     Raises:
         ValueError: no ``pepo.strategy``, an unknown strategy or a bad parameter, a key of the
             block other than ``strategy``, ``params`` and ``success_threshold`` (a parameter
-            written as ``+pepo.window=5`` would be dropped), or a threshold that is not a number.
+            written as ``+pepo.window=5`` would be dropped), ``params`` that are not a mapping, or
+            a threshold that is not a finite number.
     """
     if cfg is None or cfg.get("strategy") is None:
         raise ValueError(
@@ -132,14 +146,19 @@ def strategy_from_config(cfg: Optional[Mapping[str, Any]]) -> tuple[pw.Strategy,
             f"pepo.{unknown[0]} is not a key of verl's pepo block (strategy, params, "
             f"success_threshold); a strategy's parameter goes in +pepo.params.{unknown[0]}=VALUE"
         )
-    params = dict(cfg.get("params") or {})
-    strategy = pw.get_strategy(str(cfg["strategy"]), **params)
-    threshold = cfg.get("success_threshold", 0.0)
+    params = cfg.get("params") or {}
+    if not isinstance(params, Mapping):
+        raise ValueError(f"pepo.params must be a mapping of the strategy's parameters "
+                         f"(+pepo.params.KEY=VALUE), got {params!r}")
+    strategy = pw.get_strategy(str(cfg["strategy"]), **dict(params))
+    given = cfg.get("success_threshold", 0.0)
     try:
-        threshold = float(threshold)
+        threshold = float(given) if not isinstance(given, bool) else math.nan
     except (TypeError, ValueError):
-        raise ValueError(f"pepo.success_threshold must be a number (a rollout succeeds when its "
-                         f"reward is above it), got {threshold!r}") from None
+        threshold = math.nan
+    if not math.isfinite(threshold):  # NaN: no rollout would succeed, and nothing be weighted
+        raise ValueError(f"pepo.success_threshold must be a finite number (a rollout succeeds "
+                         f"when its reward is above it), got {given!r}")
     return strategy, threshold
 
 
@@ -160,6 +179,7 @@ def token_advantages(
     *,
     groups: Optional[torch.Tensor] = None,
     adv_estimator: Optional[str] = None,
+    generated_mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """verl's padded batch -> the strategy's token advantages ``[B, T]``.
 
@@ -173,6 +193,12 @@ def token_advantages(
         groups: ``[B]`` integer, equal for the rollouts of one prompt (:func:`group_ids` of
             verl's ``uid``); needed by strategies that compare a group's rollouts (``gtpo``).
         adv_estimator: verl's estimator, named in the error below.
+        generated_mask: ``[B, T]`` the tokens the policy generated, where ``response_mask``
+            also leaves out the tokens verl's rollout correction rejected (rejection sampling
+            zeroes them in the mask it writes back): they were generated all the same and stay
+            in the context, so the strategy weighs the rows over these (each window, ``T_i``,
+            a group's or the batch's statistics), and the rejected tokens then get 0, as
+            verl's loss drops them. None: ``response_mask``.
 
     Raises:
         ValueError: shapes that differ, or a row whose advantages differ along its response
@@ -201,8 +227,9 @@ def token_advantages(
             f"outcome reward"
         )
     positive = token_scores.sum(dim=1) > success_threshold
-    out = strategy(sequence, entropy.float(), mask, positive=positive, groups=groups)
-    return out.to(advantages.dtype)
+    generated = mask if generated_mask is None else generated_mask.bool() | mask
+    out = strategy(sequence, entropy.float(), generated, positive=positive, groups=groups)
+    return torch.where(mask, out, 0.0).to(advantages.dtype)
 
 
 _NO_ENTROPY = ("pepo needs the rollout entropies that verl's _compute_old_log_prob writes; "
@@ -234,6 +261,10 @@ class PepoPPOTrainer(PPOTrainerSync):
         super().__init__(config, *args, **kwargs)
 
     def _compute_advantage(self, batch, metrics: dict):
+        # the response mask as generated: verl's step writes back one without the tokens its
+        # rollout correction rejected (token_advantages' generated_mask)
+        generated = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
+                                    select_fields=["response_mask"]).to_padded_tensor()
         batch = super()._compute_advantage(batch, metrics)
         data = tq.kv_batch_get(
             keys=batch.keys, partition_id=batch.partition_id,
@@ -247,7 +278,7 @@ class PepoPPOTrainer(PPOTrainerSync):
         weighted = token_advantages(
             self.pepo_strategy, padded["advantages"], padded["entropy"], padded["response_mask"],
             padded["rm_scores"], self.pepo_success_threshold, groups=groups,
-            adv_estimator=self.pepo_adv_estimator,
+            adv_estimator=self.pepo_adv_estimator, generated_mask=generated["response_mask"],
         )
         metrics["pepo/token_advantage_abs_mean"] = float(
             weighted.abs().sum() / padded["response_mask"].sum().clamp(min=1))
