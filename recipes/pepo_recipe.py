@@ -66,7 +66,7 @@ from tqdm import tqdm
 from pepo import weighting
 from pepo.loss import policy_loss_metrics, truncated_is_weights
 from pepo.sampling import PromptSampler
-from pepo.training import closing, prior_cache, resume
+from pepo.training import closing, distributed, prior_cache, resume
 from pepo.training.checkpointing import AtomicCheckpointer, resolve_marker
 from pepo.training.config import (
     build,
@@ -623,9 +623,8 @@ def recipe_main(cfg: DictConfig, log_config: bool = True) -> PEPORecipe:
 
 
 @config.parse
-def _main(cfg: DictConfig) -> None:
-    # A config error (validation, or a file, field or value setup finds bad) is the user's to
-    # fix: one line, no traceback. Errors of a running step keep their traceback.
+def _main(cfg: DictConfig) -> Any:
+    # a config error (a bad key, file, field or value) is one line; a step's errors keep theirs
     try:
         recipe = _built(cfg, log_config=True)
     except ValueError as e:
@@ -633,13 +632,17 @@ def _main(cfg: DictConfig) -> None:
     except KeyboardInterrupt:  # Ctrl-C before training began: nothing to save
         print("interrupted (Ctrl-C) while setting up; nothing was trained", file=sys.stderr)
         sys.exit(130)
+    code: Any = 0
     try:
         recipe.run()
     except TrainingStopped as e:
         log.warning(str(e))
-        sys.exit(e.exit_code)  # 128 + the signal, as a process killed by it reports
+        code = e.exit_code  # 128 + the signal, as a process killed by it reports
     except (CheckpointFailed, RewardError) as e:  # the last checkpoint is intact
-        sys.exit(f"error: {e}")
+        code = f"error: {e}"
+    if recipe.dist.world_size > 1:  # all is closed: no teardown for gloo's threads to abort in
+        distributed.exit_without_teardown(code)
+    return code or None
 
 
 if __name__ == "__main__":

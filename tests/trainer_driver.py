@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 import pepo.training.checkpointing as ck
 import pepo_recipe
 from pepo.training.config import register_resolvers
+from pepo.training.distributed import exit_without_teardown
 
 
 def _kill_after(real, target: int):
@@ -109,13 +110,18 @@ def main() -> None:
     _install_hooks()
     cfg.resume_from_checkpoint = ck.AtomicCheckpointer(
         os.path.join(cfg.output_dir, "checkpoints")).has_checkpoints()
+    several = int(os.environ.get("WORLD_SIZE", "1")) > 1
     try:
         recipe = pepo_recipe.recipe_main(cfg, log_config=False)
     except pepo_recipe.TrainingStopped as e:  # as `tune run pepo_recipe` ends on SIGTERM/SIGINT
         print(e, file=sys.stderr)
+        if several:
+            exit_without_teardown(e.exit_code)
         sys.exit(e.exit_code)
     torch.save(recipe.estimator.state_dict(),
                os.path.join(cfg.output_dir, f"estimator_rank{recipe.dist.rank}.pt"))
+    if several:  # as `tune run` ends (pepo_recipe._main)
+        exit_without_teardown(0)
 
 
 if __name__ == "__main__":

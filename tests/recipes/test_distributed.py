@@ -208,3 +208,30 @@ def test_a_config_error_under_torchrun_is_printed_once(tmp_path):
     assert lines == ["config error: optimizer.lr must be a finite number > 0, got -1.0"], err[
         -3000:
     ]
+
+
+@pytest.mark.parametrize("code, status", [(0, 0), (143, 143), ("error: the disk", 1)])
+def test_a_finished_rank_exits_with_its_output_and_without_teardown(tmp_path, code, status):
+    """The end of a multi-process run (pepo_recipe._main, the trainer driver): Python's buffered
+    output and log lines are written, the status is the run's, and the interpreter's teardown
+    (where gloo's worker threads can abort the process: terminate called without an active
+    exception) does not run, as an atexit handler shows. Catches a sys.exit (the teardown runs),
+    a lost unflushed line, and a message given as the status."""
+    script = (
+        "import atexit, logging, sys\n"
+        "from pepo.training.distributed import exit_without_teardown\n"
+        "logging.basicConfig(stream=sys.stderr, level=logging.INFO)\n"
+        "atexit.register(lambda: print('TEARDOWN', flush=True))\n"
+        "print('the summary line')\n"  # stdout is a pipe: block-buffered, not yet written
+        "logging.getLogger('pepo').info('the log line')\n"
+        f"exit_without_teardown({code!r})\n"
+        "print('after')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120, env={  # stdout block-buffered, as in a pipe
+                              **{k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"},
+                              "PYTHONPATH": str(ROOT / "src")})
+    assert proc.returncode == status
+    assert proc.stdout == "the summary line\n"
+    assert "the log line" in proc.stderr and "TEARDOWN" not in proc.stdout + proc.stderr
+    assert (code in proc.stderr) if isinstance(code, str) else "error" not in proc.stderr
