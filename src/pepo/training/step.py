@@ -232,8 +232,8 @@ def mean_abs_change(new: torch.Tensor, old: torch.Tensor, mask: torch.Tensor,
     0.0 where no token has one. Shapes ``[b, T]``."""
     diff = (new - old).abs()
     keep = mask & torch.isfinite(diff)
-    total, count = dist.sum(torch.stack([torch.where(keep, diff, 0.0).sum(),
-                                         keep.sum().to(diff.dtype)])).tolist()
+    total, count = dist.sum(torch.stack([torch.where(keep, diff, 0.0).sum().float(),
+                                         keep.sum().float()])).tolist()
     return total / count if count else 0.0
 
 
