@@ -23,18 +23,24 @@ QWEN_TEMPLATE = (  # Qwen3's template, cut to what the recipe uses
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<unk>"]
 
 
-def build_tokenizer(path: Path):
+def build_tokenizer(path: Path, think_special: bool = False, unk: str = "<unk>"):
+    """A character-level tokenizer with Qwen3's special tokens and chat template; its thinking
+    markers are added tokens that are not special, as Qwen3's are (``think_special``: special,
+    as some other checkpoints have them). ``unk``: its unknown token (SmolLM2's is
+    ``<|endoftext|>``)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     chars = list(dict.fromkeys(string.printable))
     vocab = {t: i for i, t in enumerate(SPECIALS + chars)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=unk))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(SPECIALS[:5])
+    tok.add_special_tokens(SPECIALS[:5] if think_special else SPECIALS[:3])
+    if not think_special:
+        tok.add_tokens(SPECIALS[3:5])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>", unk_token="<unk>")
+                                   pad_token="<|endoftext|>", unk_token=unk)
     fast.chat_template = QWEN_TEMPLATE
     fast.save_pretrained(path)
     return fast

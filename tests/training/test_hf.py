@@ -119,6 +119,44 @@ def test_an_interrupted_export_leaves_the_earlier_one_or_none(tmp_path, monkeypa
     assert (out / "model.safetensors").read_bytes() != first
 
 
+def test_the_export_stops_and_prompts_as_training_did(tmp_path):
+    """hf_model/ copied checkpoint_dir's tokenizer and generation_config.json unchanged: a
+    tokenizer.path elsewhere, generation.stop_tokens and the template's settings training used
+    (enable_thinking off, a system prompt) were lost, so the export prompted and stopped
+    otherwise. Now: the tokenizer's own files, every training stop token in eos_token_id, and
+    pepo_prompt.json, whose settings render the training prompt's ids with apply_chat_template.
+    Catches the source's files copied, the stop tokens dropped, and a record that differs."""
+    from pepo.training.tokenizers import ChatTokenizer, stop_token_ids
+    from tests.hf_fixtures import build_tokenizer
+
+    qwen3_dir(tmp_path / "src")
+    (tmp_path / "src" / "chat_template.jinja").write_text("{{ 'not the template' }}")
+    build_tokenizer(tmp_path / "tok")
+    tok = ChatTokenizer(tmp_path / "tok", enable_thinking=False, system_prompt="Be brief.")
+    stops = stop_token_ids(tok, ["<|im_start|>"])
+    save_hf(from_hf(tmp_path / "src"), tmp_path / "out", source_dir=tmp_path / "src",
+            tokenizer=tok, stop_tokens=stops)
+    gen = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    source = json.loads((tmp_path / "src" / "generation_config.json").read_text())
+    assert set(stops) <= set(gen["eos_token_id"]) and len(set(stops)) > 1
+    assert {k: v for k, v in gen.items() if k != "eos_token_id"} == {
+        k: v for k, v in source.items() if k != "eos_token_id"}
+    prompt = json.loads((tmp_path / "out" / "pepo_prompt.json").read_text())
+    assert prompt == {"enable_thinking": False, "system_prompt": "Be brief.",
+                      "date_string": "26 Jul 2024"}
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    ids = hf_tok.apply_chat_template(
+        [{"role": "system", "content": prompt["system_prompt"]},
+         {"role": "user", "content": "What is 2+3?"}], tokenize=True,
+        add_generation_prompt=True, enable_thinking=prompt["enable_thinking"],
+        return_dict=False)
+    assert list(ids) == tok.encode_prompt("What is 2+3?")
+    save_hf(from_hf(tmp_path / "src"), tmp_path / "plain", source_dir=tmp_path / "src")
+    assert (tmp_path / "plain" / "generation_config.json").read_bytes() == (
+        tmp_path / "src" / "generation_config.json").read_bytes()  # no stop tokens: as it was
+    assert not (tmp_path / "plain" / "pepo_prompt.json").exists()
+
+
 def test_published_config_layout_is_read(tmp_path):
     qwen3_dir(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())

@@ -1,4 +1,7 @@
-"""pepo.training.tokenizers on the embedded task's tokenizer."""
+"""pepo.training.tokenizers on the embedded task's tokenizer, and ChatTokenizer on a
+checkpoint's (tests/hf_fixtures.py)."""
+
+import json
 
 import pytest
 
@@ -30,3 +33,57 @@ def test_stop_tokens_given_as_one_string_are_refused():
     with pytest.raises(ValueError, match=r"^stop_tokens must be a list of tokens"):
         TextTokenizer(tok._tok, pad_token=tok.pad_token, eos_token=tok.eos_token,
                       stop_tokens="5")
+
+
+def test_a_vocabulary_token_that_is_the_unk_token_is_a_stop_token(tmp_path):
+    """SmolLM2's unk token is <|endoftext|>: it was refused as a stop token ('not in the
+    tokenizer's vocabulary'), being the unk id. Catches that, and a string outside the
+    vocabulary accepted as the unk id."""
+    from pepo.training.tokenizers import ChatTokenizer, stop_token_ids
+    from tests.hf_fixtures import SPECIALS, build_tokenizer
+
+    build_tokenizer(tmp_path, unk="<|endoftext|>")
+    tok = ChatTokenizer(tmp_path)
+    assert tok._tok.unk_token == "<|endoftext|>"
+    end = SPECIALS.index("<|endoftext|>")
+    assert stop_token_ids(tok, ["<|endoftext|>"]) == [tok.eos_id, end]
+    with pytest.raises(ValueError, match="'<nope>' is not in the tokenizer's vocabulary"):
+        stop_token_ids(tok, ["<nope>"])
+
+
+def test_a_null_eos_in_generation_config_leaves_the_tokenizers_eos(tmp_path):
+    """generation_config.json's "eos_token_id": null was int(None), a TypeError."""
+    from pepo.training.tokenizers import ChatTokenizer
+    from tests.hf_fixtures import build_tokenizer
+
+    build_tokenizer(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": None}),
+                                                     encoding="utf-8")
+    tok = ChatTokenizer(tmp_path)
+    assert tok.stop_tokens == [tok.eos_id]
+
+
+@pytest.mark.parametrize("think_special", [False, True])
+def test_decoded_responses_keep_the_thinking_markers(tmp_path, think_special):
+    """The text a reward reads keeps <think> and </think>, special tokens or not (Qwen3's are
+    not; the test fixture's were): a response cut off inside its thinking then has no answer
+    for a verifier that reads after </think>, where its thinking was scored as one. Catches the
+    markers skipped as special tokens, and other special tokens (the stop) kept."""
+    from pepo.tasks.rewards import final_answer_text
+    from pepo.training.tokenizers import ChatTokenizer
+    from tests.hf_fixtures import build_tokenizer
+
+    build_tokenizer(tmp_path, think_special=think_special)
+    tok = ChatTokenizer(tmp_path)
+    special = tok._tok.convert_tokens_to_ids("<think>") in tok._tok.all_special_ids or any(
+        t.special for t in tok._tok.added_tokens_decoder.values() if t.content == "<think>")
+    assert special == think_special
+    stop = tok._tok.convert_tokens_to_ids("<|im_end|>")
+    done = tok.encode("<think>\nso \\boxed{5}</think>\n\\boxed{5}") + [stop]
+    cut = tok.encode("<think>\n2 + 3 = \\boxed{5}, or")
+    assert tok.decode(done) == "<think>\nso \\boxed{5}</think>\n\\boxed{5}"
+    assert tok.decode(cut) == "<think>\n2 + 3 = \\boxed{5}, or"
+    assert tok.decode(done, skip_special_tokens=False).endswith("<|im_end|>")
+    # what MathVerify parses: the answer after </think>, none in a cut-off thought
+    assert final_answer_text(tok.decode(done)) == "\n\\boxed{5}"
+    assert final_answer_text(tok.decode(cut)) == ""

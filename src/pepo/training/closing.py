@@ -46,8 +46,14 @@ def close_run(recipe: Any, log: logging.Logger) -> None:
     if recipe.hf_source is not None:
         weights = resume.model_state_dict(recipe.model, recipe.dist, cpu_offload=True)
         if recipe.dist.is_main:
-            path = save_hf(weights, recipe.output_dir / "hf_model", source_dir=recipe.hf_source)
+            path = save_hf(weights, recipe.output_dir / "hf_model", source_dir=recipe.hf_source,
+                           tokenizer=recipe.tokenizer, stop_tokens=recipe.stop_tokens)
             log.info(f"Hugging Face checkpoint of the final model: {path}")
+            prompt = getattr(recipe.tokenizer, "enable_thinking", True) is False or getattr(
+                recipe.tokenizer, "system_prompt", None)
+            if prompt:  # what apply_chat_template's defaults do not render
+                log.info(f"  its prompts as in training: apply_chat_template with the settings "
+                         f"in {path / 'pepo_prompt.json'}")
         recipe.dist.barrier()
     if recipe.dist.is_main:
         write_summary(recipe.output_dir, recipe.history, val_problems=len(recipe.val_data),

@@ -21,7 +21,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -282,16 +282,29 @@ def from_hf(
     return model.to(dtype)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "chat_template.jinja")
+PROMPT_FILE = "pepo_prompt.json"  # the chat template's settings training rendered prompts with
+
+
 def save_hf(
     model: Union[torch.nn.Module, dict[str, torch.Tensor]],
     out_dir: Union[str, Path],
     source_dir: Union[str, Path],
+    tokenizer: Any = None,
+    stop_tokens: Sequence[int] = (),
 ) -> Path:
     """Writes ``model`` (a module or its full state dict, torchtune key names) as an HF
     checkpoint: ``source_dir``'s config.json and model.safetensors.
 
-    Tokenizer and generation files of ``source_dir`` are copied along, so ``out_dir`` loads
-    with ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained``.
+    Tokenizer and generation files are copied along (the tokenizer's from ``tokenizer.path``
+    when a :class:`pepo.training.tokenizers.ChatTokenizer` is given, else from
+    ``source_dir``), so ``out_dir`` loads with ``AutoModelForCausalLM.from_pretrained`` and
+    ``AutoTokenizer.from_pretrained``. ``generation_config.json`` stops on every token training
+    stopped on (``stop_tokens``, added to its ``eos_token_id``), and with a ``ChatTokenizer``
+    ``pepo_prompt.json`` records how training rendered prompts (``enable_thinking``,
+    ``system_prompt``, ``date_string``), which ``apply_chat_template`` must be given to render
+    them the same way.
 
     The directory is written whole beside ``out_dir``, fsynced, and renamed into place: an
     interrupted or failed export leaves no ``out_dir`` that looks complete (an earlier one is
@@ -315,11 +328,22 @@ def save_hf(
         write_durably(tmp / "config.json", lambda p: p.write_text(
             json.dumps(_config_for(Path(source_dir) / "config.json", hf), indent=2) + "\n",
             encoding="utf-8"))
-        for name in ("generation_config.json", "tokenizer.json",
-                     "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                     "merges.txt", "chat_template.jinja"):
-            if (Path(source_dir) / name).is_file():
-                write_durably(tmp / name, lambda p, n=name: shutil.copy2(Path(source_dir) / n, p))
+        words = Path(getattr(tokenizer, "path", None) or source_dir)
+        for name in TOKENIZER_FILES:
+            if (words / name).is_file():
+                write_durably(tmp / name, lambda p, n=name: shutil.copy2(words / n, p))
+        source_gen = Path(source_dir) / "generation_config.json"
+        generation = _generation_config(source_gen, stop_tokens)
+        if generation is not None:
+            write_durably(tmp / source_gen.name, lambda p: p.write_text(
+                json.dumps(generation, indent=2) + "\n", encoding="utf-8"))
+        elif source_gen.is_file():  # as it is
+            write_durably(tmp / source_gen.name, lambda p: shutil.copy2(source_gen, p))
+        if hasattr(tokenizer, "enable_thinking"):
+            prompt = {k: getattr(tokenizer, k, None)
+                      for k in ("enable_thinking", "system_prompt", "date_string")}
+            write_durably(tmp / PROMPT_FILE, lambda p: p.write_text(
+                json.dumps(prompt, indent=2) + "\n", encoding="utf-8"))
         follow_umask(tmp / "model.safetensors")
         fsync_dir(tmp)
         if out.exists():
@@ -330,6 +354,19 @@ def save_hf(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _generation_config(path: Path, stop_tokens: Sequence[int]) -> Optional[dict[str, Any]]:
+    """The generation config at ``path`` (or none) with every one of ``stop_tokens`` in its
+    ``eos_token_id``; None where they are there already (the file is copied as it is)."""
+    cfg = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    eos = cfg.get("eos_token_id")
+    eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    stops = list(dict.fromkeys([*eos, *(int(t) for t in stop_tokens)]))
+    if stops == eos:
+        return None
+    cfg["eos_token_id"] = stops
+    return cfg
 
 
 def _config_for(source: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:

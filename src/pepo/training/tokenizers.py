@@ -141,14 +141,24 @@ class ChatTokenizer:
         stops = [self.eos_id]
         gen = Path(path) / "generation_config.json"
         if gen.is_file():
-            extra = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id", [])
+            extra = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id") or []
             stops += extra if isinstance(extra, list) else [extra]
         stops += [self.token_id(t, "stop_tokens") for t in token_list("stop_tokens", stop_tokens)]
         self.stop_tokens = list(dict.fromkeys(int(t) for t in stops))
+        self.path = str(path)
+        # the thinking markers stay in decoded text where a tokenizer marks them special (Qwen3
+        # does not): a reward that reads the answer after "</think>" would otherwise score a
+        # response cut off inside its thinking as a whole answer
+        special = set(self._tok.all_special_ids) | {
+            i for i, t in self._tok.added_tokens_decoder.items() if t.special}
+        think = {self._tok.convert_tokens_to_ids(t) for t in ("<think>", "</think>")
+                 if t in self._tok.get_vocab()}
+        self._skipped = special - think if think & special else None
 
     def token_id(self, token: str, key: str = "token") -> int:
         i = self._tok.convert_tokens_to_ids(token)
-        if i is None or i == self._tok.unk_token_id:
+        # SmolLM2's unk token is <|endoftext|>: a token of the vocabulary all the same
+        if i is None or (i == self._tok.unk_token_id and token != self._tok.unk_token):
             raise ValueError(f"{key}={token!r} is not in the tokenizer's vocabulary")
         return int(i)
 
@@ -171,6 +181,11 @@ class ChatTokenizer:
         return self.encode(text)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """The text of ``ids``; ``skip_special_tokens`` leaves out special tokens but the
+        thinking markers."""
+        if skip_special_tokens and self._skipped is not None:
+            kept = [i for i in ids if int(i) not in self._skipped]
+            return self._tok.decode(kept, skip_special_tokens=False)
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, i: int) -> str:
