@@ -652,6 +652,24 @@ def test_several_reward_functions_without_pepo_success_warn_once(model_dir, tmp_
     assert build(reward_funcs=[reward_has_seven, fmt], pepo_strategy="global_topk") == []
 
 
+def test_trls_entropy_mask_beside_a_strategy_warns(model_dir, tmp_path):
+    """TRL's top_entropy_quantile < 1 masks the loss to the current policy's high-entropy tokens
+    after pepo's weighting: the two multiply (PEPO x 80/20) in silence. Catches no warning, and
+    one for uniform (which TRL's mask alone then is) or at the default 1.0."""
+    def build(strategy, quantile):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            PepoGRPOTrainer(model=str(model_dir), reward_funcs=reward_has_seven,
+                            args=config(tmp_path, top_entropy_quantile=quantile),
+                            train_dataset=dataset(), pepo_strategy=strategy)
+        return [str(w.message) for w in caught if "top_entropy_quantile" in str(w.message)]
+
+    (message,) = build("proximal_softmax", 0.2)
+    assert "top_entropy_quantile=0.2 with pepo_strategy='proximal_softmax'" in message
+    assert "top_entropy_quantile=1.0" in message
+    assert build("uniform", 0.2) == [] and build("proximal_softmax", 1.0) == []
+
+
 def test_top_fifth_weight_share_against_a_loop():
     """Catches a share over the wrong tokens (padding, or the top fifth by position), a whole
     boundary token instead of its fraction (then uniform rows would not give 0.2), and rows

@@ -234,6 +234,16 @@ class PepoGRPOTrainer(GRPOTrainer):
                 f"lambda rewards: rewards >= 1.0) to say which completions succeeded",
                 UserWarning, stacklevel=2,
             )
+        quantile = getattr(self.args, "top_entropy_quantile", 1.0)
+        if pepo_strategy != "uniform" and quantile is not None and quantile < 1.0:
+            warnings.warn(
+                f"top_entropy_quantile={quantile} with pepo_strategy={pepo_strategy!r}: TRL "
+                f"masks its loss to the current policy's high-entropy tokens after pepo's "
+                f"weighting, so the two multiply (pepo's global_topk is that selection on the "
+                f"rollout policy's entropies); set top_entropy_quantile=1.0 to train the "
+                f"strategy alone",
+                UserWarning, stacklevel=2,
+            )
 
     # -- TRL hooks ---------------------------------------------------------------------------
 
