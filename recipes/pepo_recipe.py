@@ -298,7 +298,10 @@ class PEPORecipe(FTRecipeInterface):
         self.config_name = c.name
         if resume_state is not None:
             resume.load_state(self, *resume_state, log=log.info)
-        else:
+        else:  # a validation cache of other settings: refused now, not after the prior
+            self.val_fingerprint = prior_cache.checked_fingerprint(
+                self.val_cache if self.val_every else None, self.val_fingerprint,
+                c.checkpoint_dir, val_dataset=self.val_data)
             self._prepare_estimator()
 
     def _prepare_estimator(self) -> None:
@@ -316,8 +319,9 @@ class PEPORecipe(FTRecipeInterface):
             problems = [data[i] for i in indices]
             return self.dist.gather(self._rollout(problems[part], seeds[part])[1])
 
-        fingerprint = {**self.prior_fingerprint, **prior_cache.input_digests(
-            self.prior_path, self.config.checkpoint_dir, dataset=data)}
+        fingerprint = {**self.prior_fingerprint, **prior_cache.input_digests(  # rank 0 reads
+            self.prior_path if self.dist.is_main else None, self.config.checkpoint_dir,
+            dataset=data)}
         prior_cache.prepare_estimator(self.estimator, [p.id for p in data], score, log=log,
                                       path=self.prior_path, fingerprint=fingerprint, dist=self.dist)
 
@@ -441,10 +445,8 @@ class PEPORecipe(FTRecipeInterface):
                                             self.eps_low, self.eps_high)
                     n = s["num_tokens"].float()
                     sums += torch.stack([s["clip_fraction"] * n, s["approx_kl"] * n, n])
-                grad_norm = torch.nn.utils.clip_grad_norm_(
-                    self.model.parameters(),
-                    max_norm=math.inf if self.clip_grad_norm is None else self.clip_grad_norm,
-                )
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=(
+                    math.inf if self.clip_grad_norm is None else self.clip_grad_norm))
                 if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
                     grad_norm = grad_norm.full_tensor()
                 mb_loss = self.dist.sum(mb_loss)  # the whole mini-batch's loss
@@ -526,10 +528,8 @@ class PEPORecipe(FTRecipeInterface):
 
     def train(self) -> None:
         if self.step == 0 and self.val_every:  # validation.before_cache may keep it
-            fingerprint = {**self.val_fingerprint, **prior_cache.input_digests(
-                self.val_cache, self.config.checkpoint_dir, val_dataset=self.val_data)}
-            acc, read = prior_cache.cached_value(self.val_cache, fingerprint, self.validate,
-                                                 write=self.dist.is_main)
+            acc, read = prior_cache.cached_value(self.val_cache, self.val_fingerprint,
+                                                 self.validate, write=self.dist.is_main)
             self.history.append({"step": 0, "val_accuracy": acc})
             self.metric_logger.log_dict({"val_accuracy": acc}, step=0)
             if self.dist.is_main:

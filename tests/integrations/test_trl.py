@@ -369,8 +369,8 @@ def test_unscorable_completions_get_no_weight_and_no_say(model_dir, tmp_path, st
     """A completion every reward function returned None for: TRL gives it advantage 0 and keeps
     it out of its group's baseline. Catches pepo shaping it as a failure (gtpo gave it token
     advantages up to 1.0 from its own failure side) or counting its tokens in a group's entropy
-    statistics or in global_topk's threshold: the weights equal the strategy applied with those
-    rows masked out (entropies from a float64 copy of the rollout policy)."""
+    statistics or in global_topk's threshold: the weights equal the strategy applied to the
+    scored rows alone (entropies from a float64 copy of the rollout policy)."""
     args = config(tmp_path)
     ours = train(RecordingPepo, model_dir, args, reward=reward_or_none, pepo_strategy=strategy,
                  pepo_params=params)
@@ -378,16 +378,69 @@ def test_unscorable_completions_get_no_weight_and_no_say(model_dir, tmp_path, st
     texts = ours.processing_class.batch_decode(gen["completion_ids"], skip_special_tokens=True)
     none = torch.tensor([unscorable(t) for t in texts])
     assert 0 < int(none.sum()) < len(texts)
-    mask = gen["completion_mask"].bool() & ~none[:, None]
+    mask = gen["completion_mask"].bool()
     ent = rollout_entropies(model_dir, gen).float()
     seq_adv = ours.sequence_advantages[0]
     assert torch.all(seq_adv[none] == 0)  # TRL's own
     success = torch.tensor([r is not None and r > 0 for r in reward_or_none(texts)])
     groups = torch.arange(len(seq_adv)) // args.num_generations
-    kwargs = {"groups": groups} if strategy == "gtpo" else {}
-    expected = pw.get_strategy(strategy, **params)(seq_adv, ent, mask, positive=success, **kwargs)
-    assert torch.all(gen["advantages"][none] == 0)
+    kept = ~none
+    kwargs = {"groups": groups[kept]} if strategy == "gtpo" else {}
+    expected = torch.zeros_like(gen["advantages"])
+    expected[kept] = pw.get_strategy(strategy, **params)(
+        seq_adv[kept], ent[kept], mask[kept], positive=success[kept], **kwargs)
     torch.testing.assert_close(gen["advantages"], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_an_unscorable_completion_does_not_make_its_group_mixed():
+    """gtpo shapes a group only when it holds both outcomes, counting rows: three successes and
+    one unscorable completion (masked out, but still in the prompt's group) read as mixed, and
+    the successes got token advantages where the group of them alone gets none. The adapter's
+    weighing on a stand-in trainer: catches the unscorable row left in its prompt's group."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    trainer = object.__new__(PepoGRPOTrainer)
+    trainer._pepo_strategy = pw.get_strategy("gtpo")
+    trainer.num_generations = 4
+    trainer.accelerator = SimpleNamespace(num_processes=1, process_index=0,
+                                          reduce=lambda t, reduction: t)
+    trainer._metrics = {"train": defaultdict(list)}
+    rewards = torch.tensor([[1.0], [1.0], [1.0], [float("nan")],  # 3 successes, 1 unscorable
+                            [1.0], [0.0], [0.0], [1.0]])  # a mixed group
+    trainer._pepo_rewards = rewards
+    g = torch.Generator().manual_seed(0)
+    batch = {"advantages": torch.zeros(8), "completion_mask": torch.ones(8, 6, dtype=torch.long)}
+    ent = torch.rand(8, 6, generator=g) * 2
+    positive = torch.nan_to_num(rewards[:, 0]) > 0
+    out = trainer._pepo_weigh(batch, ent, positive)
+    assert torch.all(out[:4] == 0)  # a group of successes only (its unscorable row: no weight)
+    want = pw.get_strategy("gtpo")(torch.zeros(4), ent[4:], torch.ones(4, 6, dtype=torch.bool),
+                                   positive=positive[4:], groups=torch.zeros(4, dtype=torch.long))
+    torch.testing.assert_close(out[4:], want)
+    assert want.abs().sum() > 0
+
+
+def test_inert_settings_in_the_models_generation_config_add_no_forward(model_dir, tmp_path):
+    """Settings of a model's generation_config that add no logits processor (one beam, one
+    sequence, a time limit) keep the recorder (no forward of the adapter's); one that adds a
+    processor does not. Catches every setting of the file read as a processor (a forward each
+    generation for most published checkpoints) and a processor missed."""
+    import shutil
+
+    def recorded(settings):
+        d = tmp_path / f"model_{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(model_dir, d)
+        gc = transformers.GenerationConfig.from_pretrained(d)
+        gc.update(**settings)
+        gc.save_pretrained(d)
+        trainer = PepoGRPOTrainer(model=str(d), reward_funcs=reward_has_seven,
+                                  args=config(tmp_path / d.name), train_dataset=dataset(),
+                                  pepo_strategy="gtpo")
+        return trainer._pepo_generates_with_transformers()
+
+    assert recorded({"num_beams": 1, "num_return_sequences": 1, "max_time": 60.0})
+    assert not recorded({"num_beams": 1, "no_repeat_ngram_size": 3})
 
 
 class InjectingGRPO(RecordingGRPO):

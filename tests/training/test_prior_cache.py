@@ -363,11 +363,20 @@ def test_caches_are_kept_under_the_weights_and_data_not_only_their_paths(tmp_pat
     _perturb_weights(ckpt)
     with pytest.raises(ValueError, match=r"other settings: inputs\.weights \("):
         setup_recipe(OmegaConf.merge(cfg, {"output_dir": str(tmp_path / "e")}))
-    with pytest.raises(ValueError, match=r"before_cache=.* other settings: inputs\.weights \("):
-        _val_before(cfg, tmp_path / "v4")
+    # the validation cache is checked in setup, before the prior's rollouts and any training
+    computed = []
+    real = pepo_recipe.PEPORecipe._prepare_estimator
+    pepo_recipe.PEPORecipe._prepare_estimator = lambda self: computed.append(1) or real(self)
+    try:
+        with pytest.raises(ValueError, match=r"before_cache=.* other settings: inputs\.weights "):
+            setup_recipe(OmegaConf.merge(cfg, {"output_dir": str(tmp_path / "v4"),
+                                               "prior_cache": None}))
+    finally:
+        pepo_recipe.PEPORecipe._prepare_estimator = real
+    assert computed == []
 
 
-def test_a_cache_an_earlier_pepo_wrote_without_input_digests_is_still_read(tmp_path):
+def test_a_cache_an_earlier_pepo_wrote_without_input_digests_is_still_read(tmp_path, caplog):
     """Files written before the digests were kept (every published study's caches) match on
     the settings they recorded; catches a refusal of each of them for ``inputs.*
     ('<unset>' -> ...)``, and a digest compared against a file that has one (the other test)."""
@@ -376,7 +385,10 @@ def test_a_cache_an_earlier_pepo_wrote_without_input_digests_is_still_read(tmp_p
     path.write_text(json.dumps({"version": prior_cache.VERSION, "fingerprint": fp,
                                 "value": 0.5}), encoding="utf-8")
     with_inputs = {**fp, "inputs.weights": "ab", "inputs.val_dataset": "cd"}
-    assert prior_cache.cached_value(str(path), with_inputs, lambda: 0.0) == (0.5, True)
+    with caplog.at_level("WARNING"):
+        assert prior_cache.cached_value(str(path), with_inputs, lambda: 0.0) == (0.5, True)
+    assert any("written by an earlier pepo" in m and "read unchecked" in m
+               for m in caplog.messages)  # said once, not silently
     with pytest.raises(ValueError, match=r"seed \(3 -> 4\)"):
         prior_cache.cached_value(str(path), {**with_inputs, "seed": 4}, lambda: 0.0)
     path.write_text(json.dumps({"version": prior_cache.VERSION, "value": 0.5,

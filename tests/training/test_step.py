@@ -126,6 +126,11 @@ def test_mean_abs_change_against_a_loop():
     assert mean_abs_change(new, old, mask, _TwoRanks([6.0, 2.0])) == pytest.approx(
         (sum(diffs) + 6.0) / (len(diffs) + 2), rel=1e-6)
     assert mean_abs_change(new, old, torch.zeros_like(mask), _OneRank()) == 0.0
+    # bf16 log-probs: subtracted and summed in fp32 (a bf16 sum of 4,096 terms is ~2e-3 off)
+    big_new, big_old = (torch.randn(64, 64, generator=g).bfloat16() for _ in range(2))
+    ref = (big_new.double() - big_old.double()).abs().mean().item()
+    got = mean_abs_change(big_new, big_old, torch.ones(64, 64, dtype=torch.bool), _OneRank())
+    assert got == pytest.approx(ref, rel=1e-6)
     assert mean_abs_change(new, old.fill_(float("nan")), mask, _OneRank()) == 0.0
 
 

@@ -52,15 +52,17 @@ def test_a_vocabulary_token_that_is_the_unk_token_is_a_stop_token(tmp_path):
 
 
 def test_a_null_eos_in_generation_config_leaves_the_tokenizers_eos(tmp_path):
-    """generation_config.json's "eos_token_id": null was int(None), a TypeError."""
+    """generation_config.json's "eos_token_id": null was int(None), a TypeError; an id 0 is a
+    stop token all the same (catches a falsy test that drops it)."""
     from pepo.training.tokenizers import ChatTokenizer
     from tests.hf_fixtures import build_tokenizer
 
     build_tokenizer(tmp_path)
-    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": None}),
-                                                     encoding="utf-8")
-    tok = ChatTokenizer(tmp_path)
-    assert tok.stop_tokens == [tok.eos_id]
+    gen = tmp_path / "generation_config.json"
+    for eos, extra in ((None, []), (0, [0]), ([0, 2], [0])):
+        gen.write_text(json.dumps({"eos_token_id": eos}), encoding="utf-8")
+        tok = ChatTokenizer(tmp_path)
+        assert tok.eos_id != 0 and tok.stop_tokens == [tok.eos_id, *extra]
 
 
 @pytest.mark.parametrize("think_special", [False, True])

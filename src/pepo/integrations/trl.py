@@ -100,6 +100,10 @@ _RECORDABLE = frozenset({
     "top_h", "repetition_penalty", "cache_implementation", "use_cache", "disable_compile",
 })
 
+# settings a model's generation_config may hold that add no logits processor either
+_INERT = frozenset({"length_penalty", "early_stopping", "num_return_sequences", "max_time",
+                    "low_memory", "compile_config", "stop_strings"})
+
 
 class EntropyRecorder(LogitsProcessor):
     """Records the entropy of each generation step's distribution at ``temperature``, changing
@@ -234,7 +238,7 @@ class PepoGRPOTrainer(GRPOTrainer):
                 f"lambda rewards: rewards >= 1.0) to say which completions succeeded",
                 UserWarning, stacklevel=2,
             )
-        quantile = getattr(self.args, "top_entropy_quantile", 1.0)
+        quantile = getattr(trl_args, "top_entropy_quantile", 1.0)
         if pepo_strategy != "uniform" and quantile is not None and quantile < 1.0:
             warnings.warn(
                 f"top_entropy_quantile={quantile} with pepo_strategy={pepo_strategy!r}: TRL "
@@ -369,9 +373,10 @@ class PepoGRPOTrainer(GRPOTrainer):
         if own is not None:
             for k, v in own.to_diff_dict().items():
                 if (kwargs.get(k) is None and v not in (None, False, 0, [], {})
+                        and not (k, v) == ("num_beams", 1) and k not in _INERT
                         and not k.startswith(("output_", "return_", "transformers_", "_"))):
-                    kwargs[k] = v  # (what generate() returns and the file's own bookkeeping
-                    # add no processor)
+                    kwargs[k] = v  # (what generate() returns, settings of beam search and of
+                    # when to stop, and the file's own bookkeeping add no processor)
         penalty = kwargs.get("repetition_penalty")
         return penalty in (None, 1.0) and all(k in _RECORDABLE for k in kwargs)
 
@@ -469,6 +474,12 @@ class PepoGRPOTrainer(GRPOTrainer):
             mask = acc.gather(acc.pad_across_processes(mask.long(), dim=1)).bool()
             positive = acc.gather(positive.long()).bool()
         groups = torch.arange(mask.size(0), device=mask.device) // self.num_generations
+        if self._pepo_rewards is not None:  # an unscorable completion is a group of its own:
+            # in its prompt's group it would make a group of successes look mixed (gtpo counts
+            # rows), where TRL leaves it out of the baseline
+            scored = ~torch.isnan(self._pepo_rewards).all(dim=1).to(mask.device)
+            alone = groups.numel() + torch.arange(groups.numel(), device=mask.device)
+            groups = torch.where(scored[: groups.numel()], groups, alone)
         out = self._pepo_strategy(advantages, entropies, mask, positive=positive, groups=groups)
         start = acc.process_index * rows  # every process holds the same number of rows
         return out[start : start + rows, :width]

@@ -83,8 +83,8 @@ _RETURN_ESTIMATORS = ("reinforce_plus_plus",)
 V1_UNAVAILABLE = {
     "remax": "needs reward_baselines (a greedy rollout's reward), which only verl's legacy "
              "trainer computes",
-    "gdpo": "needs the reward's components (algorithm.gdpo_reward_keys), which verl's v1 "
-            "advantage step does not fetch",
+    "gdpo": "needs the reward's components (algorithm.gdpo_reward_keys), the prompts and the "
+            "attention mask, which verl's v1 advantage step does not fetch",
 }
 
 

@@ -25,15 +25,24 @@ def sha256_file(path: Union[str, Path]) -> str:
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
+_DIGESTS: dict[tuple, str] = {}  # weights_digest's, by directory and its files' sizes and times
+
+
 def weights_digest(checkpoint_dir: Union[str, Path]) -> str:
     """A digest of the weight files of ``checkpoint_dir`` (their names and contents; not a
     pepo checkpoint's training state): what a cache of numbers made from them is kept under,
-    so that other weights written to the same path are never read back as these."""
-    h = hashlib.sha256()
-    for f in sorted(Path(checkpoint_dir).iterdir()):
-        if f.is_file() and f.suffix in WEIGHT_SUFFIXES and f.name != "training_state.pt":
+    so that other weights written to the same path are never read back as these. Read once per
+    process while the files keep their sizes and modification times."""
+    files = [f for f in sorted(Path(checkpoint_dir).iterdir())
+             if f.is_file() and f.suffix in WEIGHT_SUFFIXES and f.name != "training_state.pt"]
+    key = (str(Path(checkpoint_dir).resolve()),
+           *((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+    if key not in _DIGESTS:
+        h = hashlib.sha256()
+        for f in files:
             h.update(f"{f.name}:{sha256_file(f)};".encode())
-    return h.hexdigest()[:16]
+        _DIGESTS[key] = h.hexdigest()[:16]
+    return _DIGESTS[key]
 
 
 def follow_umask(path: Union[str, Path]) -> None:

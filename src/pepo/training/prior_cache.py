@@ -34,10 +34,11 @@ from pepo.training.files import weights_digest
 from pepo.training.run_lock import locked, process_gone
 from pepo.training.schema import PRIOR_IGNORES
 
-__all__ = ["cached_value", "input_digests", "locked", "prepare_estimator", "read_prior",
-           "write_prior"]
+__all__ = ["cached_value", "checked_fingerprint", "input_digests", "locked", "prepare_estimator",
+           "read_prior", "write_prior"]
 
 VERSION = 1
+_log = logging.getLogger(__name__)
 INPUTS = "inputs."  # the fingerprint's keys of what the config names but does not hold
 
 
@@ -127,13 +128,33 @@ def _load(path: Path, fingerprint: Mapping[str, Any], field: str, key: str, kind
             raise KeyError("version")
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{key}={str(path)!r} is not {kind} ({e})") from None
-    if not any(k.startswith(INPUTS) for k in saved):  # an earlier pepo kept no input digests
+    if not any(k.startswith(INPUTS) for k in saved) and any(k.startswith(INPUTS)
+                                                             for k in fingerprint):
+        # an earlier pepo kept no input digests: matched on the rest
         fingerprint = {k: v for k, v in fingerprint.items() if not k.startswith(INPUTS)}
+        _log.warning(f"{key}={str(path)!r} was written by an earlier pepo, which did not record "
+                     f"the weights and data it was made from: read unchecked (delete it to have "
+                     f"it made again)")
     changed = recipe_changes(saved, dict(fingerprint), leave_out)
     if changed:
         raise ValueError(f"{key}={str(path)!r} was made under other settings: "
                          f"{', '.join(changed)}; delete it or point {key} elsewhere")
     return payload
+
+
+def checked_fingerprint(path: Optional[str], fingerprint: Mapping[str, Any], checkpoint_dir: str,
+                        what: str = "validation.before_cache",
+                        **datasets: Sequence[Any]) -> dict[str, Any]:
+    """``fingerprint`` with :func:`input_digests`, checked against the file at ``path`` when
+    there is one: a cache made under other settings is refused before any work is done.
+
+    Raises:
+        ValueError: the file is not such a cache, or was made under other settings.
+    """
+    full = {**fingerprint, **input_digests(path, checkpoint_dir, **datasets)}
+    if path and Path(path).is_file():
+        _load(Path(path), full, "value", what, "a cached value file")
+    return full
 
 
 def cached_value(path: Optional[str], fingerprint: Mapping[str, Any],

@@ -230,9 +230,9 @@ def mean_abs_change(new: torch.Tensor, old: torch.Tensor, mask: torch.Tensor,
     ``dist``'s ranks) where it is finite: SPO's policy drift across a step's update (a row whose
     old log-probs were NaN, its optimizer steps skipped, leaves the others' change counted);
     0.0 where no token has one. Shapes ``[b, T]``."""
-    diff = (new - old).abs()
+    diff = (new.float() - old.float()).abs()
     keep = mask & torch.isfinite(diff)
-    total, count = dist.sum(torch.stack([torch.where(keep, diff, 0.0).sum().float(),
+    total, count = dist.sum(torch.stack([torch.where(keep, diff, 0.0).sum(),
                                          keep.sum().float()])).tolist()
     return total / count if count else 0.0
 

@@ -141,8 +141,8 @@ class ChatTokenizer:
         stops = [self.eos_id]
         gen = Path(path) / "generation_config.json"
         if gen.is_file():
-            extra = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id") or []
-            stops += extra if isinstance(extra, list) else [extra]
+            extra = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
+            stops += [] if extra is None else extra if isinstance(extra, list) else [extra]
         stops += [self.token_id(t, "stop_tokens") for t in token_list("stop_tokens", stop_tokens)]
         self.stop_tokens = list(dict.fromkeys(int(t) for t in stops))
         self.path = str(path)
