@@ -440,10 +440,9 @@ class PepoGRPOTrainer(GRPOTrainer):
         mask = batch["completion_mask"].bool()
         if batch.get("tool_mask") is not None:
             mask = mask & batch["tool_mask"].bool()
-        if self._pepo_rewards is not None:  # in a generation: unscorable completions (every
-            # reward function returned None) get no weight, as TRL gives them advantage 0, and
-            # enter no group's statistics or threshold (gtpo shaped them as failures)
-            scored = ~torch.isnan(self._pepo_rewards).all(dim=1)
+        scored = self._pepo_scored()
+        if scored is not None:  # in a generation: unscorable completions get no weight, as TRL
+            # gives them advantage 0, and enter no threshold (gtpo shaped them as failures)
             start = self.accelerator.process_index * mask.size(0)
             mask = mask & scored[start : start + mask.size(0)].to(mask.device)[:, None]
         if self._pepo_strategy.reads_groups:  # gtpo, and user strategies that take groups=
@@ -461,6 +460,14 @@ class PepoGRPOTrainer(GRPOTrainer):
         self._pepo_log(out, mask)
         return out.to(advantages.dtype)
 
+    def _pepo_scored(self) -> Optional[torch.Tensor]:
+        """The generation batch's completions (every process's, bool ``[N]``) that some reward
+        function scored; the others (every function returned ``None``) TRL calls unscorable and
+        gives advantage 0. None outside a generation."""
+        if self._pepo_rewards is None:
+            return None
+        return ~torch.isnan(self._pepo_rewards).all(dim=1)
+
     def _pepo_weigh_groups(self, advantages: torch.Tensor, entropies: torch.Tensor,
                            mask: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
         """The strategy on the generation batch of every process at once, with TRL's groups:
@@ -474,12 +481,12 @@ class PepoGRPOTrainer(GRPOTrainer):
             mask = acc.gather(acc.pad_across_processes(mask.long(), dim=1)).bool()
             positive = acc.gather(positive.long()).bool()
         groups = torch.arange(mask.size(0), device=mask.device) // self.num_generations
-        if self._pepo_rewards is not None:  # an unscorable completion is a group of its own:
-            # in its prompt's group it would make a group of successes look mixed (gtpo counts
-            # rows), where TRL leaves it out of the baseline
-            scored = ~torch.isnan(self._pepo_rewards).all(dim=1).to(mask.device)
+        scored = self._pepo_scored()
+        if scored is not None:  # an unscorable completion is a group of its own: in its
+            # prompt's group it would make a group of successes look mixed (gtpo counts rows),
+            # where TRL leaves it out of the baseline
             alone = groups.numel() + torch.arange(groups.numel(), device=mask.device)
-            groups = torch.where(scored[: groups.numel()], groups, alone)
+            groups = torch.where(scored[: groups.numel()].to(mask.device), groups, alone)
         out = self._pepo_strategy(advantages, entropies, mask, positive=positive, groups=groups)
         start = acc.process_index * rows  # every process holds the same number of rows
         return out[start : start + rows, :width]

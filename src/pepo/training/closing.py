@@ -17,7 +17,7 @@ import logging
 from typing import Any
 
 from pepo.training import resume
-from pepo.training.hf import save_hf
+from pepo.training.hf import PROMPT_FILE, save_hf
 from pepo.training.reporting import SUMMARY_FILE, plot_curves, write_summary
 from pepo.training.step import closing_summary
 
@@ -53,7 +53,7 @@ def close_run(recipe: Any, log: logging.Logger) -> None:
                 recipe.tokenizer, "system_prompt", None)
             if prompt:  # what apply_chat_template's defaults do not render
                 log.info(f"  its prompts as in training: apply_chat_template with the settings "
-                         f"in {path / 'pepo_prompt.json'}")
+                         f"in {path / PROMPT_FILE}")
         recipe.dist.barrier()
     if recipe.dist.is_main:
         write_summary(recipe.output_dir, recipe.history, val_problems=len(recipe.val_data),

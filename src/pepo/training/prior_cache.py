@@ -39,6 +39,7 @@ __all__ = ["cached_value", "checked_fingerprint", "input_digests", "locked", "pr
 
 VERSION = 1
 _log = logging.getLogger(__name__)
+_UNCHECKED: set[str] = set()  # files of an earlier pepo read without their inputs checked
 INPUTS = "inputs."  # the fingerprint's keys of what the config names but does not hold
 
 
@@ -132,9 +133,11 @@ def _load(path: Path, fingerprint: Mapping[str, Any], field: str, key: str, kind
                                                              for k in fingerprint):
         # an earlier pepo kept no input digests: matched on the rest
         fingerprint = {k: v for k, v in fingerprint.items() if not k.startswith(INPUTS)}
-        _log.warning(f"{key}={str(path)!r} was written by an earlier pepo, which did not record "
-                     f"the weights and data it was made from: read unchecked (delete it to have "
-                     f"it made again)")
+        if str(path) not in _UNCHECKED:  # once (setup checks a validation cache, then reads it)
+            _UNCHECKED.add(str(path))
+            _log.warning(f"{key}={str(path)!r} was written by an earlier pepo, which did not "
+                         f"record the weights and data it was made from: read unchecked (delete "
+                         f"it to have it made again)")
     changed = recipe_changes(saved, dict(fingerprint), leave_out)
     if changed:
         raise ValueError(f"{key}={str(path)!r} was made under other settings: "
