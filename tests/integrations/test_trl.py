@@ -392,6 +392,26 @@ def test_unscorable_completions_get_no_weight_and_no_say(model_dir, tmp_path, st
     torch.testing.assert_close(gen["advantages"], expected, rtol=1e-4, atol=1e-5)
 
 
+def test_unscorable_completions_are_left_out_of_the_row_wise_metrics(model_dir, tmp_path):
+    """Row-wise strategies weigh inside the loss, where TRL's rewards are gone: there the
+    unscorable completions' tokens (weight 0) were counted in pepo/token_advantage_abs_mean,
+    and on the generation-time path not. Catches that: the metric is the mean over the scored
+    rows' valid tokens of the advantages that reached the loss."""
+    ours = train(RecordingPepo, model_dir, config(tmp_path), reward=reward_or_none,
+                 pepo_strategy="proximal_softmax", pepo_params={"window": 5})
+    first_in = ours.loss_inputs[0]
+    texts = ours.processing_class.batch_decode(first_in["completion_ids"],
+                                               skip_special_tokens=True)
+    none = torch.tensor([unscorable(t) for t in texts])
+    mask = first_in["completion_mask"].bool()
+    adv = first_in["advantages"]
+    assert mask[none].any() and torch.all(adv[none] == 0)
+    first = next(h for h in ours.state.log_history if "pepo/token_advantage_abs_mean" in h)
+    want = float(adv.abs()[mask & ~none[:, None]].mean())
+    assert first["pepo/token_advantage_abs_mean"] == pytest.approx(want, rel=1e-5)
+    assert want != pytest.approx(float(adv.abs()[mask].mean()), rel=1e-3)
+
+
 def test_an_unscorable_completion_does_not_make_its_group_mixed():
     """gtpo shapes a group only when it holds both outcomes, counting rows: three successes and
     one unscorable completion (masked out, but still in the prompt's group) read as mixed, and

@@ -51,8 +51,8 @@ SCENARIOS = {  # name: (strategy, params, reward, per_device_train_batch_size)
 
 
 class Recorder(PepoGRPOTrainer):
-    def _pepo_weigh(self, batch, entropies, positive):
-        out = super()._pepo_weigh(batch, entropies, positive)
+    def _pepo_weigh(self, batch, entropies, positive, **kwargs):
+        out = super()._pepo_weigh(batch, entropies, positive, **kwargs)
         self.weighed.append({
             "advantages": batch["advantages"].detach().clone(),
             "entropies": entropies.detach().clone(),

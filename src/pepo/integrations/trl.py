@@ -267,7 +267,8 @@ class PepoGRPOTrainer(GRPOTrainer):
             logps, entropies, aux = super()._get_per_token_logps_and_entropies(
                 model, *args, **kwargs)
             pending["advantages"] = self._pepo_weigh(
-                pending, entropies.detach().float(), pending.pop("pepo_positive"))
+                pending, entropies.detach().float(), pending.pop("pepo_positive"),
+                scored=pending.pop("pepo_scored", None))
             return logps, entropies, aux
         # During generation, TRL's own old-log-prob forward (when it runs one) also yields the
         # entropies the strategy needs: ask for them and keep them.
@@ -331,7 +332,10 @@ class PepoGRPOTrainer(GRPOTrainer):
             return output
         positive = self.pepo_success(len(inputs))
         if self._pepo_uses_entropy and not old_logps_pass and row_wise:
-            output["pepo_positive"] = positive  # weighted in _compute_loss, row by row
+            output["pepo_positive"] = positive  # weighted in _compute_loss, row by row, where
+            start = self.accelerator.process_index * len(positive)  # the rewards are gone
+            output["pepo_scored"] = self._pepo_scored()[start : start + len(positive)].to(
+                positive.device)
         elif self._pepo_uses_entropy:
             output["advantages"] = self.pepo_token_advantages(output, positive)
         else:  # uniform: A_i on every valid token is what TRL's own [B] advantages give; they
@@ -435,16 +439,19 @@ class PepoGRPOTrainer(GRPOTrainer):
         return self._pepo_weigh(output, entropies, positive)
 
     def _pepo_weigh(self, batch: Mapping[str, Any], entropies: torch.Tensor,
-                    positive: torch.Tensor) -> torch.Tensor:
+                    positive: torch.Tensor, scored: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The strategy's token advantages for ``batch``'s rows; ``scored``: which of them some
+        reward function scored (by default read from the generation's rewards)."""
         advantages = batch["advantages"]
         mask = batch["completion_mask"].bool()
         if batch.get("tool_mask") is not None:
             mask = mask & batch["tool_mask"].bool()
-        scored = self._pepo_scored()
-        if scored is not None:  # in a generation: unscorable completions get no weight, as TRL
-            # gives them advantage 0, and enter no threshold (gtpo shaped them as failures)
+        if scored is None and (every := self._pepo_scored()) is not None:
             start = self.accelerator.process_index * mask.size(0)
-            mask = mask & scored[start : start + mask.size(0)].to(mask.device)[:, None]
+            scored = every[start : start + mask.size(0)]
+        if scored is not None:  # unscorable completions get no weight, as TRL gives them
+            # advantage 0, and enter no threshold or metric (gtpo shaped them as failures)
+            mask = mask & scored.to(mask.device)[:, None]
         if self._pepo_strategy.reads_groups:  # gtpo, and user strategies that take groups=
             out = self._pepo_weigh_groups(advantages, entropies, mask, positive)
         else:
