@@ -49,6 +49,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from pepo.study.cli import positive_arg, probability_arg
 from pepo.tasks import apply_op, drift_dataset, modsum_dataset, reason_dataset
 from pepo.tasks.rewards import boxed_match
 from pepo.training.generation import generate
@@ -138,26 +139,6 @@ def pass_rate(model, tok, problems, temperature, samples=1, seed=0, max_new_toke
     return sum(boxed_match(texts, answers)) / len(answers)
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}")
-    return value
-
-
-def _probability(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be a probability in [0, 1], got {text!r}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--task", choices=sorted(TASKS), default="tiny")
@@ -166,11 +147,11 @@ def main(argv: list[str] | None = None) -> None:
                          "published figures stand on: replacing them needs --force")
     ap.add_argument("--force", action="store_true",
                     help="write over the shipped assets (the default --out)")
-    ap.add_argument("--steps", type=_positive, default=None,
+    ap.add_argument("--steps", type=positive_arg, default=None,
                     help="default: 1500 (tiny), 2500 (tiny_drift, tiny_reason)")
-    ap.add_argument("--batch", type=_positive, default=64)
+    ap.add_argument("--batch", type=positive_arg, default=64)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--noise", type=_probability, default=None,
+    ap.add_argument("--noise", type=probability_arg, default=None,
                     help="one result-noise probability for every operator (default: the task's)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)

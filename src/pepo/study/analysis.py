@@ -178,8 +178,8 @@ def _binned_mean(x: torch.Tensor, mask: torch.Tensor, n_bins: int) -> torch.Tens
 
 
 def _cell(fmt: str, v: Any) -> str:
-    """``v`` in ``fmt`` (``"{:.3f}"``), or "–" where there is no value (None, NaN)."""
-    return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
+    """``v`` in ``fmt`` (``"{:.3f}"``), or "–" where there is no value (None, NaN, inf)."""
+    return "–" if v is None or (isinstance(v, float) and not math.isfinite(v)) else fmt.format(v)
 
 
 def _span(curve: torch.Tensor) -> float:
@@ -471,8 +471,7 @@ def run(dump: Union[str, Path, Sequence[Union[str, Path]]], out: Union[str, Path
     files["profile_md"] = out / "profile.md"
     files["profile_md"].write_text("\n".join(
         [f"Entropy profile of {len(r)} rollouts.", "", "| quantity | value |", "|---|---:|"]
-        + [f"| {k} | {v:.4g} |" if math.isfinite(v) else f"| {k} | – |"
-           for k, v in prof.items()]) + "\n", encoding="utf-8")
+        + [f"| {k} | {_cell('{:.4g}', v)} |" for k, v in prof.items()]) + "\n", encoding="utf-8")
 
     mass = weight_mass(r, w_main)
     cols = [f"decile_{d}" for d in range(1, 11)] + list(GROUPS) + ["top20"]

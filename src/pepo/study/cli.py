@@ -8,7 +8,8 @@ import shlex
 import sys
 from typing import Any, Callable, Optional
 
-__all__ = ["command_line", "count_arg", "percent_arg", "positive_arg", "shard_arg", "window_arg"]
+__all__ = ["command_line", "count_arg", "percent_arg", "positive_arg", "probability_arg",
+           "shard_arg", "window_arg"]
 
 
 def _parsed(text: str, convert: Callable[[str], Any], ok: Callable[[Any], bool],
@@ -45,6 +46,11 @@ def positive_arg(text: str) -> int:
 def percent_arg(text: str) -> float:
     """An argparse type: a percentage in [0, 100]."""
     return _parsed(text, float, lambda v: 0 <= v <= 100, "a percentage in [0, 100]")
+
+
+def probability_arg(text: str) -> float:
+    """An argparse type: a probability in [0, 1]."""
+    return _parsed(text, float, lambda v: 0 <= v <= 1, "a probability in [0, 1]")
 
 
 def shard_arg(text: str) -> tuple[int, int]:
