@@ -530,7 +530,7 @@ class PEPORecipe(FTRecipeInterface):
         if self.step == 0 and self.val_every:  # validation.before_cache may keep it
             acc, read = prior_cache.cached_value(self.val_cache, self.val_fingerprint,
                                                  self.validate, write=self.dist.is_main)
-            self.history.append({"step": 0, "val_accuracy": acc})
+            self.history.append({"step": 0, "val_accuracy": acc, "val_samples": self.val_samples})
             self.metric_logger.log_dict({"val_accuracy": acc}, step=0)
             if self.dist.is_main:
                 log.info(f"Validation accuracy before training (avg@{self.val_samples}): {acc:.3f}"
@@ -555,7 +555,8 @@ class PEPORecipe(FTRecipeInterface):
                 new_best = self.keep_best and m["val_accuracy"] > max(
                     (h["val_accuracy"] for h in self.history
                      if h["step"] >= 1 and "val_accuracy" in h), default=-math.inf)
-            self.history.append({"step": self.step, **m})
+            self.history.append({"step": self.step, **m, **(
+                {"val_samples": self.val_samples} if "val_accuracy" in m else {})})
             self.metric_logger.log_dict(m, step=self.step)
             bar.update(1)
             bar.set_postfix(

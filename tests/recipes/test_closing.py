@@ -82,7 +82,9 @@ def test_a_failed_validation_keeps_its_step_and_the_resume_runs_it(tmp_path, mon
     Catches the step lost with it (validation ran before the checkpoint: with save_every=0
     nothing of steps 1-2 was kept). Now step 2 is checkpointed owing its validation, and the
     resume validates it first, then trains step 3: the losses and validations are the
-    uninterrupted run's, and the checkpoints record step 2's accuracy (the best)."""
+    uninterrupted run's, and the checkpoints record step 2's accuracy (the best). The resume
+    asks for avg@2: catches every validation labelled with the resume's k (the history's
+    entries of steps 0-1 say avg@1)."""
     scores = {0: 0.3, 1: 0.4, 2: 0.8, 3: 0.6}
 
     def validate(self):
@@ -92,9 +94,9 @@ def test_a_failed_validation_keeps_its_step_and_the_resume_runs_it(tmp_path, mon
 
     monkeypatch.setattr(pepo_recipe.PEPORecipe, "validate", validate)
 
-    def cfg(path, **kw):
+    def cfg(path, samples=1, **kw):
         c = tiny_cfg(path, num_steps=3, save_every=0, **kw)
-        c.validation = {"every": 1, "samples": 1}
+        c.validation = {"every": 1, "samples": samples}
         return c
 
     fail = False
@@ -106,11 +108,14 @@ def test_a_failed_validation_keeps_its_step_and_the_resume_runs_it(tmp_path, mon
     assert (ckpts / "latest").read_text(encoding="utf-8") == "step_2\n"
     assert AtomicCheckpointer.metadata(ckpts / "step_2") == {"step": 2}
     fail = False
-    resumed = pepo_recipe.recipe_main(cfg(tmp_path / "cut", resume_from_checkpoint=True),
-                                      log_config=False)
+    # the resume changes validation.samples (a run setting): each validation records its k
+    resumed = pepo_recipe.recipe_main(cfg(tmp_path / "cut", samples=2,
+                                          resume_from_checkpoint=True), log_config=False)
     assert losses(resumed) == losses(whole)
     assert ([h.get("val_accuracy") for h in resumed.history]
             == [h.get("val_accuracy") for h in whole.history] == [0.3, 0.4, 0.8, 0.6])
+    assert [h.get("val_samples") for h in resumed.history] == [1, 1, 2, 2]
+    assert [h.get("val_samples") for h in whole.history] == [1, 1, 1, 1]
     assert AtomicCheckpointer.metadata(ckpts / "step_2") == {"step": 2, "val_accuracy": 0.8}
     assert (ckpts / "best").read_text(encoding="utf-8") == "step_2\n"
 

@@ -80,7 +80,6 @@ def test_output_dir_under_a_file_is_refused_before_anything_is_built(tmp_path):
         pepo_recipe.PEPORecipe(tiny_cfg(tmp_path, output_dir=str(tmp_path / "a_file" / "run")))
 
 
-
 @pytest.mark.parametrize("case", ["dangling", "loop", "proc"])
 def test_odd_output_paths_are_one_config_error_naming_the_link(tmp_path, monkeypatch, capsys, case):
     """A link to a scratch mount that is not mounted, a link loop and a place nothing can be

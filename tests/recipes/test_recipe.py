@@ -169,10 +169,13 @@ def test_outputs_written(tmp_path, caplog, capsys):
     # every validation shows a progress bar saying what it does (a silent minute on SmolLM2),
     # counting the rollouts of the 4 validation prompts x 1 sample (its counts are checked in
     # tests/training/test_fast_decoder.py)
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    err = captured.err
     for step in (0, 1, 2):
         assert f"validation at step {step} (avg@1, 4 prompts):   0%| " in err, err[-2000:]
     assert "| 0/4 [" in err
+    # ... without moving the cursor up to the step's bar (`ESC[A`), garbage in a log file
+    assert "\x1b[A" not in err + captured.out
     out = tmp_path / "run"
     assert (out / "training_curves.png").stat().st_size > 1000
     assert "val_accuracy" in (out / "logs" / "metrics.txt").read_text()

@@ -339,6 +339,10 @@ def test_pooled_runs_keep_their_groups_apart(tmp_path):
     assert len(from_dir) == 16 and torch.equal(from_dir.entropies, pooled.entropies)
     prof = A.entropy_profile(from_dir, windows=(5,))
     assert (prof["hard_share"], prof["moderate_share"], prof["easy_share"]) == (0.5, 0.0, 0.5)
+    # a file kept both plain and compressed (a restore decompresses beside the archive): once
+    # (catches run b's 8 rollouts counted twice, a third group)
+    (both / "run_b_step_000001.jsonl").write_text(b.read_text())
+    assert torch.equal(A.load_dump(both).entropies, pooled.entropies)
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, "-m", "pepo.study.analysis", str(a), str(b), "--out",
                         str(out), "--windows", "5"], capture_output=True, text=True)

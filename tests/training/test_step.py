@@ -155,6 +155,17 @@ def test_closing_summary():
         "Best validation checkpoint (kept with the newest 2): run/step_4 (avg@8 0.750 at step 4)"]
     assert closing_summary(history, 8) == closing_summary(history, 8, _Checkpoints(None))[:1]
     assert closing_summary([{"step": 1, "loss": 0.0}], 8) == []
+    # a resume changed validation.samples: each validation's own k (recorded in its entry)
+    mixed = [{"step": 0, "val_accuracy": 0.5, "val_samples": 1},
+             {"step": 4, "val_accuracy": 0.75, "val_samples": 1},
+             {"step": 8, "val_accuracy": 0.625, "val_samples": 4}]
+    assert closing_summary(mixed, 4, _Checkpoints("run/step_4")) == [
+        "Validation accuracy: 0.500 before (avg@1) -> 0.625 after (avg@4) (highest 0.750 at "
+        "step 4, avg@1)",
+        "Best validation checkpoint (kept with the newest 2): run/step_4 (avg@1 0.750 at step 4)"]
+    same = [dict(h, val_samples=4) for h in mixed]
+    assert closing_summary(same, 1)[0] == (
+        "Validation accuracy (avg@4): 0.500 before -> 0.625 after (highest 0.750 at step 4)")
 
 
 @pytest.fixture(scope="module")

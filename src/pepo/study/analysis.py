@@ -107,13 +107,19 @@ def load_dump(path: Union[str, Path, Sequence[Union[str, Path]]]) -> RolloutDump
     (sorted), or a list of such paths pooled. Each file's groups are kept apart from another
     file's (a file is one step of one run), so two runs that drew the same prompt at the same
     step are two groups, not one, whether their dumps are named one by one or sit in one
-    directory."""
+    directory. A directory's file kept both plain and compressed (``x.jsonl`` beside
+    ``x.jsonl.gz``: ``pepo.study.restore`` decompresses beside the archive) is read once."""
     paths = [path] if isinstance(path, (str, Path)) else list(path)
     records = []
     source = 0
     for one in paths:
         p = Path(one)
-        files = sorted([*p.glob("*.jsonl"), *p.glob("*.jsonl.gz")]) if p.is_dir() else [p]
+        if p.is_dir():
+            plain = {f.name for f in p.glob("*.jsonl")}
+            files = sorted([*p.glob("*.jsonl"),
+                            *(f for f in p.glob("*.jsonl.gz") if f.name[:-3] not in plain)])
+        else:
+            files = [p]
         if not files or not files[0].is_file():
             raise ValueError(f"no rollout dump at {str(p)!r} (a .jsonl file or a directory of "
                              f"them)")

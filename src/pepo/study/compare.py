@@ -481,8 +481,7 @@ def run_diagnostics(task: str, results: list[dict], out: Path, docs: Path,
                    (task, "group", "PEPO")), key=lambda r: r["seed"])
     if not pepo:
         return None
-    dumps = sorted((run_dir(out, task, "group", "PEPO", pepo[0]["seed"]) / "rollouts")
-                   .glob("step_*.jsonl"))
+    dumps = rescore.dump_files(run_dir(out, task, "group", "PEPO", pepo[0]["seed"]) / "rollouts")
     if not dumps:
         return None
     register_resolvers()

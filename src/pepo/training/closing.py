@@ -97,7 +97,7 @@ def settle_validation(recipe: Any, log: logging.Logger) -> None:
     if not recipe.val_every:
         return
     acc = recipe.validate()
-    recipe.history[-1]["val_accuracy"] = acc
+    recipe.history[-1].update(val_accuracy=acc, val_samples=recipe.val_samples)
     recipe.metric_logger.log_dict({"val_accuracy": acc}, step=recipe.step)
     recipe.save_checkpoint(recipe.step, {"val_accuracy": acc})
     if recipe.dist.is_main:

@@ -440,8 +440,6 @@ def prior_fingerprint(cfg: DictConfig) -> dict[str, Any]:
                                      if _under(k, PRIOR_KEYS) and not _under(k, PRIOR_IGNORES)})
 
 
-
-
 def check_rules(rc: RecipeConfig) -> None:
     """Phase 2: the rules between keys of a config that passed :func:`schema.parse`."""
     est = rc.estimator.name

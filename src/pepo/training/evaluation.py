@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -86,8 +87,10 @@ def avg_at_k(
     if progress is not None and (dist is None or dist.is_main):
         from tqdm import tqdm
 
+        # below another bar (the recipe's steps) tqdm moves the cursor up and down, which
+        # only a terminal understands: elsewhere (a log file) it draws in place of the other
         bar = tqdm(total=len(mine), desc=progress, unit="rollout", leave=False,
-                   dynamic_ncols=True)
+                   dynamic_ncols=True, position=None if sys.stderr.isatty() else 0)
     try:
         ro, rewards, texts = sample_and_score(
             engine, tokenizer, mine, reward_fn,

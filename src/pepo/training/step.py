@@ -317,16 +317,22 @@ def validation_summary(history: list[dict], samples: int) -> Optional[str]:
     """The run's closing line: validation accuracy before and after training and, when an
     intermediate validation scored higher than the last one, that step (its checkpoint may
     still be on disk). The validation before training is not one: it has no checkpoint, and
-    the line says its score already."""
-    vals = [(h["step"], h["val_accuracy"]) for h in history if "val_accuracy" in h]
+    the line says its score already. Each validation is labelled with the ``val_samples`` its
+    history entry records (a resume may change ``validation.samples``), else ``samples``."""
+    vals = [(h["step"], h["val_accuracy"], h.get("val_samples", samples))
+            for h in history if "val_accuracy" in h]
     if not vals or history[0].get("val_accuracy") is None:
         return None
-    first, (_, last) = history[0]["val_accuracy"], vals[-1]
-    line = f"Validation accuracy (avg@{samples}): {first:.3f} before -> {last:.3f} after"
-    best_step, best = max((sv for sv in vals if sv[0] >= 1), key=lambda sv: sv[1],
-                          default=(0, last))  # the earliest of equal scores
+    (_, first, k0), (_, last, k1) = vals[0], vals[-1]
+    if k0 == k1:
+        line = f"Validation accuracy (avg@{k1}): {first:.3f} before -> {last:.3f} after"
+    else:
+        line = f"Validation accuracy: {first:.3f} before (avg@{k0}) -> {last:.3f} after (avg@{k1})"
+    best_step, best, k = max((v for v in vals if v[0] >= 1), key=lambda v: v[1],
+                             default=(0, last, k1))  # the earliest of equal scores
     if best > last:
-        line += f" (highest {best:.3f} at step {best_step})"
+        line += f" (highest {best:.3f} at step {best_step}" + (
+            f", avg@{k})" if k != k1 else ")")
     return line
 
 
@@ -341,6 +347,8 @@ def closing_summary(history: list[dict], samples: int, checkpointer: Any = None)
     best = checkpointer.best() if checkpointer is not None else None
     if best is not None:
         meta = checkpointer.metadata(best)
+        k = next((h.get("val_samples", samples) for h in history
+                  if h["step"] == meta["step"] and "val_accuracy" in h), samples)
         lines.append(f"Best validation checkpoint (kept with the newest {checkpointer.keep}): "
-                     f"{best} (avg@{samples} {meta['val_accuracy']:.3f} at step {meta['step']})")
+                     f"{best} (avg@{k} {meta['val_accuracy']:.3f} at step {meta['step']})")
     return lines
