@@ -101,6 +101,7 @@ from pepo.training.precision import (
 )
 from pepo.training.precision import describe as describe_precision
 from pepo.training.reporting import NullLogger, write_rollouts
+from pepo.training.rollouts import check_reward_range
 from pepo.training.run_lock import RunLock
 from pepo.training.step import (
     StepStats,
@@ -328,11 +329,13 @@ class PEPORecipe(FTRecipeInterface):
     # -------------------------------------------------------------- one step
     def _rollout(self, problems: list, seeds: torch.Tensor):
         """One response per problem, each sampled with its own seed; returns rollouts,
-        rewards [b] and texts."""
-        return sample_and_score(
+        rewards [b] (in the estimator's range) and texts."""
+        out = sample_and_score(
             self.engine, self.tokenizer, problems, self.reward_fn, stop_tokens=self.stop_tokens,
             seeds=seeds, batch_size=self.gen_batch_size, **self.gen_kwargs,
         )
+        check_reward_range(out[1], self.reward_fn, self.estimator)
+        return out
 
     def _forward_logprobs(self, ro: Rollouts, rows: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -464,7 +467,7 @@ class PEPORecipe(FTRecipeInterface):
                 self.lr_scheduler.step()
             return
         self.optimizer.zero_grad(set_to_none=True)
-        self.nonfinite.skipped(self.step, loss, grad_norm, self.checkpointer.root)
+        self.nonfinite.skipped(self.step, loss, grad_norm, self.checkpointer.latest())
 
     @property
     def nonfinite_total(self) -> int:
@@ -639,7 +642,7 @@ def _main(cfg: DictConfig) -> Any:
     except TrainingStopped as e:
         log.warning(str(e))
         code = e.exit_code  # 128 + the signal, as a process killed by it reports
-    except (CheckpointFailed, RewardError) as e:  # the last checkpoint is intact
+    except (CheckpointFailed, RewardError, NonFiniteError) as e:  # the last checkpoint is kept
         code = f"error: {e}"
     if recipe.dist.world_size > 1:  # all is closed: no teardown for gloo's threads to abort in
         distributed.exit_without_teardown(code)

@@ -278,10 +278,13 @@ class SingleStreamEstimator:
             last visit (SPO); False: the constant ``rho``.
 
     Prompts without a prior start at the Jeffreys prior ``alpha = beta = 1/2``.
+
+    Rewards must lie in ``reward_range``, ``[0, 1]``: the tracker counts them as successes.
     """
 
     name = "single_stream"
     rollouts_per_prompt = 1
+    reward_range = (0.0, 1.0)  # optional for an estimator: the rewards it can take
 
     def __init__(
         self,

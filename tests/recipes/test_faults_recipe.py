@@ -713,6 +713,40 @@ def test_a_bad_reward_return_is_one_line_naming_the_component(
     assert "\n" not in msg and "inf" not in msg.replace("1e+300", "")
 
 
+@pytest.mark.parametrize("prior", [0, 2])
+def test_single_stream_rewards_outside_0_1_are_one_line_naming_the_component(
+    tmp_path, monkeypatch, capsys, prior
+):
+    """SPO's Beta tracker counts rewards as successes. A reward of -1 was a ValueError traceback
+    at step 1 without a prior (the estimator's own check, naming no component), a config error
+    naming none with one. Catches the range unchecked on either path (training, the prior)."""
+    cfg = tiny_cfg(tmp_path, "tiny_spo", num_steps=1)
+    cfg.estimator.prior_samples = prior
+    cfg.reward = OmegaConf.create({"_component_": "tests.recipe_helpers.BadReward", "value": -1.0})
+    msg = cli(monkeypatch, capsys, cfg)
+    where = "error: " if prior == 0 else "config error: "  # training, or the prior in setup
+    assert msg.startswith(f"{where}reward tests.recipe_helpers.BadReward returned -1.0 for "
+                          f"response "), msg
+    assert "the single_stream estimator takes rewards in [0, 1]" in msg and "\n" not in msg
+
+
+def test_non_finite_stop_is_one_line_saying_no_checkpoint_was_written(
+    tmp_path, monkeypatch, capsys
+):
+    """Catches the stop as a traceback, and a message naming a checkpoint directory that was
+    never created (save_every=0, stopped at step 1)."""
+    import pepo.loss
+
+    real = pepo.loss.clipped_policy_loss
+    monkeypatch.setattr(pepo.loss, "clipped_policy_loss",
+                        lambda *a, **k: real(*a, **k) * float("nan"))
+    msg = cli(monkeypatch, capsys, tiny_cfg(tmp_path, num_steps=3, save_every=0,
+                                            max_nonfinite_steps=2))
+    assert msg == ("error: 2 optimizer steps in a row had a non-finite loss or gradient "
+                   "(max_nonfinite_steps=2); stopping at step 1. No checkpoint was written "
+                   "before it."), msg
+
+
 def test_a_metric_logger_whose_package_is_missing_is_one_config_error(
     tmp_path, monkeypatch, capsys
 ):

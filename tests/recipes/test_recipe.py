@@ -447,9 +447,12 @@ def test_resume_carries_the_non_finite_counts(tmp_path, monkeypatch):
     recipe = pepo_recipe.PEPORecipe(cfg)
     recipe.setup(cfg)
     assert (recipe.nonfinite.total, recipe.nonfinite.in_a_row) == (2, 2)
-    with pytest.raises(pepo_recipe.NonFiniteError, match="3 optimizer steps in a row"):
+    with pytest.raises(pepo_recipe.NonFiniteError, match="3 optimizer steps in a row") as e:
         recipe.train()
     assert recipe.nonfinite_total == 3
+    # the message names the checkpoint to go back to (step 1's), not the directory
+    step_1 = tmp_path / "run" / "checkpoints" / "step_1"
+    assert str(e.value).endswith(f"The last checkpoint is {step_1}.")
 
 
 def test_generation_stop_tokens_reach_training_and_validation(tmp_path, monkeypatch):

@@ -257,7 +257,8 @@ def test_cached_value_computes_once_and_names_a_changed_setting(tmp_path):
 def test_validation_before_training_is_read_and_the_run_is_the_same(tmp_path, monkeypatch):
     """validation.before_cache: the second run of a seed reads the first's validation before
     training (one validation fewer) and trains exactly as without it: the same step-0 accuracy,
-    the same rollouts. Catches a read that moves the training stream, or a cache never read."""
+    the same rollouts. Catches a read that moves the training stream, a cache never read, and
+    one refused for a setting that does not change the validation (generation.batch_size)."""
     cache = tmp_path / "val.json"
     calls = []
     real = pepo_recipe.PEPORecipe.validate
@@ -267,13 +268,16 @@ def test_validation_before_training_is_read_and_the_run_is_the_same(tmp_path, mo
     for name in ("a", "b", "c"):
         cfg = tiny_cfg(tmp_path / name, num_steps=1, validation={
             "every": 1, "before_cache": None if name == "a" else str(cache)},
-            **({"checkpoint_dir": runs[0].checkpoint_dir} if runs else {}))
+            **({"checkpoint_dir": runs[0].checkpoint_dir} if runs else {}),
+            # c decodes 3 rows at a time: a RUN key, which the validation cache ignores
+            **({"generation": {"batch_size": 3}} if name == "c" else {}))
         runs.append(cfg)
         calls.clear()
         pepo_recipe.recipe_main(cfg, log_config=False)
         assert calls == ([1] if name == "c" else [0, 1])  # c reads step 0's
     saved = json.loads(cache.read_text())
     assert saved["fingerprint"]["validation.samples"] == 2 and "seed" in saved["fingerprint"]
+    assert "generation.batch_size" not in saved["fingerprint"]
     hist = [json.loads((tmp_path / n / "run" / "summary.json").read_text())["history"]
             for n in "abc"]
     assert hist[0][0] == hist[1][0] == hist[2][0] and hist[0][0]["step"] == 0

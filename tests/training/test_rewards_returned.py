@@ -51,3 +51,22 @@ def test_good_values_of_every_usual_type_pass_exactly(values):
     expected = [float(v) for v in (values.tolist() if hasattr(values, "tolist") else values)]
     assert out.dtype == torch.float32 and out.shape == (3,)
     assert out.tolist() == torch.tensor(expected, dtype=torch.float32).tolist()
+
+
+def test_an_estimators_reward_range_names_the_first_value_outside():
+    """Catches the bounds read the wrong way round (1.5 let through, 0 refused), the first
+    value outside not the one named, and a range required of estimators that declare none."""
+    from pepo.estimators import build_estimator
+    from pepo.training.rollouts import check_reward_range
+
+    spo, group = build_estimator("single_stream"), build_estimator("group")
+    fn = BadReward(None)
+    check_reward_range(torch.tensor([0.0, 1.0, 0.5]), fn, spo)  # the ends are in range
+    for bad, i, shown in ((torch.tensor([0.0, 1.5, -1.0]), 1, "1.5"),
+                          (torch.tensor([1.0, 0.0, -0.25]), 2, "-0.25")):
+        with pytest.raises(RewardError) as e:
+            check_reward_range(bad, fn, spo)
+        assert str(e.value).startswith(
+            f"reward tests.recipe_helpers.BadReward returned {shown} for response {i}; the "
+            f"single_stream estimator takes rewards in [0, 1]"), str(e.value)
+        check_reward_range(bad, fn, group)  # group advantages take any finite reward

@@ -125,9 +125,12 @@ def test_non_finite_guard_counts_and_stops_after_too_many_in_a_row():
     assert not g.finite(nan, one)
     with pytest.raises(NonFiniteError, match=r"^2 optimizer steps in a row had a non-finite loss "
                                              r"or gradient \(max_nonfinite_steps=2\); stopping "
-                                             r"at step 3. The last checkpoint is in ckpts.$"):
-        g.skipped(3, nan, one, Path("ckpts"))
+                                             r"at step 3. The last checkpoint is ckpts/step_2.$"):
+        g.skipped(3, nan, one, Path("ckpts/step_2"))
     assert (g.total, g.in_a_row) == (3, 2)
+    # none written yet (save_every=0, the first steps): not a directory that does not exist
+    with pytest.raises(NonFiniteError, match=r"at step 4. No checkpoint was written before it.$"):
+        g.skipped(4, nan, one, None)
 
 
 def test_a_full_disk_is_a_checkpoint_error_naming_the_last_intact_one(tmp_path, monkeypatch):

@@ -34,6 +34,7 @@ from pepo.training.schema import PRIOR_IGNORES, RESUME_MAY_CHANGE, EvalConfig, R
 
 __all__ = [
     "RESUME_MAY_CHANGE",
+    "VAL_BEFORE_IGNORES",
     "asset_dir",
     "build",
     "check_checkpoint_dir",
@@ -407,6 +408,9 @@ PRIOR_KEYS = ("seed", "dtype", "compute_dtype", "tokenizer", "model", "checkpoin
 # what decides the validation before training (validation.before_cache)
 VAL_BEFORE_KEYS = ("seed", "device", "dtype", "compute_dtype", "tokenizer", "model",
                    "checkpoint_dir", "val_dataset", "reward", "generation", "validation.samples")
+# ... but for the RUN keys of the sampling and the reward (batch size, vLLM's memory, compiling,
+# reward workers); validation.samples and val_dataset, RUN keys of training, decide it
+VAL_BEFORE_IGNORES = tuple(k for k in PRIOR_IGNORES if k.split(".")[0] in ("generation", "reward"))
 
 
 def _resolved_precision(cfg: DictConfig, fingerprint: dict[str, Any]) -> dict[str, Any]:
@@ -425,10 +429,11 @@ def _resolved_precision(cfg: DictConfig, fingerprint: dict[str, Any]) -> dict[st
 
 def val_before_fingerprint(cfg: DictConfig) -> dict[str, Any]:
     """The resolved, flattened config keys that determine the validation before training
-    (``VAL_BEFORE_KEYS``, and the precision ``auto`` chose), stored in a
-    ``validation.before_cache`` file and compared when read."""
+    (``VAL_BEFORE_KEYS``, less ``VAL_BEFORE_IGNORES``, and the precision ``auto`` chose),
+    stored in a ``validation.before_cache`` file and compared when read."""
     flat = _flatten(OmegaConf.to_container(cfg, resolve=True))
-    return _resolved_precision(cfg, {k: v for k, v in flat.items() if _under(k, VAL_BEFORE_KEYS)})
+    return _resolved_precision(cfg, {k: v for k, v in flat.items() if _under(
+        k, VAL_BEFORE_KEYS) and not _under(k, VAL_BEFORE_IGNORES)})
 
 
 def prior_fingerprint(cfg: DictConfig) -> dict[str, Any]:

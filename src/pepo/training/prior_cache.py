@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
 
 from pepo.training.checkpointing import atomic_write_text
-from pepo.training.config import recipe_changes
+from pepo.training.config import VAL_BEFORE_IGNORES, recipe_changes
 from pepo.training.files import weights_digest
 from pepo.training.run_lock import locked, process_gone
 from pepo.training.schema import PRIOR_IGNORES
@@ -156,7 +156,7 @@ def checked_fingerprint(path: Optional[str], fingerprint: Mapping[str, Any], che
     """
     full = {**fingerprint, **input_digests(path, checkpoint_dir, **datasets)}
     if path and Path(path).is_file():
-        _load(Path(path), full, "value", what, "a cached value file")
+        _load(Path(path), full, "value", what, "a cached value file", VAL_BEFORE_IGNORES)
     return full
 
 
@@ -175,7 +175,8 @@ def cached_value(path: Optional[str], fingerprint: Mapping[str, Any],
         return compute(), False
     p = Path(path)
     if p.is_file():
-        return float(_load(p, fingerprint, "value", what, "a cached value file")), True
+        return float(_load(p, fingerprint, "value", what, "a cached value file",
+                           VAL_BEFORE_IGNORES)), True
     value = float(compute())
     if write:
         p.parent.mkdir(parents=True, exist_ok=True)

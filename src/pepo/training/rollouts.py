@@ -17,7 +17,8 @@ import torch
 from pepo.training.engines import as_engine
 from pepo.training.generation import Rollouts, draw_seeds
 
-__all__ = ["RewardError", "is_success", "reward_tensor", "sample_and_score"]
+__all__ = ["RewardError", "check_reward_range", "is_success", "reward_tensor",
+           "sample_and_score"]
 
 
 class RewardError(ValueError):
@@ -63,6 +64,26 @@ def reward_tensor(values: Any, n: int, reward_fn: Any) -> torch.Tensor:
                    else f"numbers within float32's range (|r| <= {_F32_MAX:.4g})"))
         out.append(x)
     return torch.tensor(out, dtype=torch.float32)
+
+
+def check_reward_range(rewards: torch.Tensor, reward_fn: Any, estimator: Any) -> None:
+    """Refuses rewards outside the ``reward_range`` ``(lo, hi)`` an estimator declares (SPO's
+    Beta tracker counts rewards as successes: ``[0, 1]``); estimators without one take any.
+
+    Raises:
+        RewardError: naming the reward component, the first value outside and its response.
+    """
+    bounds = getattr(estimator, "reward_range", None)
+    if bounds is None or rewards.numel() == 0:
+        return
+    lo, hi = bounds
+    outside = ((rewards < lo) | (rewards > hi)).nonzero()
+    if outside.numel():
+        i = int(outside[0, 0])
+        raise RewardError(
+            f"reward {_reward_name(reward_fn)} returned {float(rewards[i])!r} for response {i}; "
+            f"the {estimator.name} estimator takes rewards in [{lo:g}, {hi:g}] (rescale the "
+            f"reward, or use the group estimator)")
 
 
 def _short(v: Any) -> str:

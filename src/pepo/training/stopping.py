@@ -169,9 +169,9 @@ class NonFiniteGuard:
         self.in_a_row += 1
         return False
 
-    def skipped(self, step: int, loss: Any, grad_norm: Any, where: Path) -> None:
+    def skipped(self, step: int, loss: Any, grad_norm: Any, last: Optional[Path]) -> None:
         """Warns about a skipped step; raises :class:`NonFiniteError` after too many in a row
-        (``where``: the checkpoints' directory, named in the message)."""
+        (naming ``last``, the last checkpoint written, or saying there is none)."""
         if self.log is not None:
             self.log.warning(
                 f"step {step}: non-finite loss ({float(loss)}) or gradient norm "
@@ -181,7 +181,8 @@ class NonFiniteGuard:
             raise NonFiniteError(
                 f"{self.in_a_row} optimizer steps in a row had a non-finite loss or "
                 f"gradient (max_nonfinite_steps={self.max_in_a_row}); stopping at step "
-                f"{step}. The last checkpoint is in {where}."
+                f"{step}. " + (f"The last checkpoint is {last}." if last is not None else
+                               "No checkpoint was written before it.")
             )
 
 
