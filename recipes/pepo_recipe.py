@@ -186,6 +186,9 @@ class PEPORecipe(FTRecipeInterface):
                     f"output_dir={str(self.output_dir)!r} already holds a run's checkpoints; pass "
                     f"resume_from_checkpoint=True to continue it, or choose another output_dir"
                 )
+            if not self.resume and closing.is_closed(self.output_dir):  # its checkpoints gone
+                raise ValueError(f"output_dir={str(self.output_dir)!r} holds a finished run (its "
+                                 f"summary.json): choose another output_dir, or delete it first")
             if self.resume and not has_checkpoints:
                 raise ValueError(
                     f"resume_from_checkpoint=True but {self.output_dir / 'checkpoints'} holds no "

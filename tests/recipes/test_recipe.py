@@ -386,9 +386,21 @@ def test_single_stream_tracker_values_are_checked_early(tmp_path):
 
 
 def test_fresh_run_refuses_an_output_dir_with_checkpoints(tmp_path):
+    """... and one whose checkpoints were deleted (README: they can go when hf_model is all you
+    need): its summary.json says a run finished there. Catches a new run that silently removed
+    that summary and the metrics log's lines and wrote its curves, dumps and hf_model over the
+    finished run's."""
+    import shutil
+
     run(tiny_cfg(tmp_path, num_steps=1))
     with pytest.raises(ValueError, match="already holds a run's checkpoints"):
         pepo_recipe.PEPORecipe(tiny_cfg(tmp_path, num_steps=1))
+    out = tmp_path / "run"
+    shutil.rmtree(out / "checkpoints")
+    summary = (out / "summary.json").read_text()
+    with pytest.raises(ValueError, match=r"holds a finished run \(its summary.json\): choose "):
+        pepo_recipe.PEPORecipe(tiny_cfg(tmp_path, num_steps=1))
+    assert (out / "summary.json").read_text() == summary
 
 
 def test_resume_refuses_a_different_lr_schedule(tmp_path):
