@@ -519,6 +519,35 @@ def test_the_command_line_forms_torchtune_cannot_take_are_named(capsys):
     assert resolve_config_arg(["x", "--config", "tiny", "~val_dataset"])[-1] == "~val_dataset"
 
 
+def test_a_config_file_that_is_not_a_mapping_or_of_the_other_recipe_is_one_line(tmp_path):
+    """A YAML syntax error or a top-level list was a yaml/torchtune traceback; an eval config
+    given to pepo_recipe (or an empty one) said ``estimator.name must be one of ..., got None``,
+    a training config given to pepo_eval ``unknown config key 'name'``. Catches each of them
+    reaching the schema (or torchtune) unexplained."""
+    from omegaconf import OmegaConf
+
+    from pepo.training.config import resolve_config_arg, validate_config, validate_eval_config
+
+    bad, listed = tmp_path / "bad.yaml", tmp_path / "list.yaml"
+    bad.write_text("a: [1, 2\nb: 3\n")
+    listed.write_text("- 1\n- 2\n")
+    with pytest.raises(SystemExit, match=rf"^error: {bad} is not a YAML config: while parsing"):
+        resolve_config_arg(["x", "--config", str(bad)])
+    with pytest.raises(SystemExit, match=r": a config is a YAML mapping of keys, not a list$"):
+        resolve_config_arg(["x", "--config", str(listed)])
+    with pytest.raises(ValueError, match=r"^this is an evaluation config .* `tune run pepo_eval`$"):
+        validate_config(OmegaConf.load(find_config("eval_tiny")))
+    with pytest.raises(ValueError, match=r"^this is not a training config: it has no strategy or "
+                                         r"estimator section \(its keys: history, val_problems\)"):
+        validate_config(OmegaConf.create({"history": [], "val_problems": 4}))
+    with pytest.raises(ValueError, match=r"^the config is empty"):
+        validate_config(OmegaConf.create({}))
+    with pytest.raises(ValueError, match=r"^this is a training config .* `tune run pepo_recipe`$"):
+        validate_eval_config(OmegaConf.load(find_config("tiny")))
+    register_resolvers()
+    validate_eval_config(OmegaConf.load(find_config("eval_tiny")))  # its own kind passes
+
+
 def test_fsdp_settings_on_one_process_are_refused(tmp_path):
     """``distributed.mixed_precision`` and ``cpu_offload`` apply to FSDP2, which a run of one
     process does not use: catches them accepted there and dropped in silence (an fp32 run

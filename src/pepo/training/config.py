@@ -148,8 +148,13 @@ def resolve_config_arg(argv: list[str]) -> list[str]:
                      "ls` lists them) or a YAML file")
         try:
             argv[i] = find_config(argv[i])
+            loaded = OmegaConf.load(argv[i])
         except ValueError as e:
             sys.exit(f"error: {e}")
+        except Exception as e:  # yaml's own errors: the file is not YAML
+            sys.exit(f"error: {argv[i]} is not a YAML config: " + " ".join(str(e).split()))
+        if not isinstance(loaded, DictConfig):
+            sys.exit(f"error: {argv[i]}: a config is a YAML mapping of keys, not a list")
         for arg in argv[i + 1:]:  # torchtune raises a traceback for these
             if arg.startswith("-") or ("=" not in arg and not arg.startswith("~")):
                 sys.exit(f"error: {arg!r}: after --config, each override is key=value (such "
@@ -552,14 +557,36 @@ def validate_config(cfg: DictConfig) -> RecipeConfig:
     Raises:
         ValueError: naming the first bad key and its value.
     """
+    check_kind(cfg, "pepo_recipe")
     rc = schema.parse(cfg)
     check_rules(rc)
     check_machine(rc, cfg)
     return rc
 
 
+def check_kind(cfg: Any, recipe: str) -> None:
+    """Refuses a config of the other recipe (an eval config given to ``pepo_recipe``: it has
+    ``benchmarks`` and neither ``strategy`` nor ``estimator``; a training config given to
+    ``pepo_eval``: the reverse) and one that is empty, in one line saying so: the schema's
+    first complaint (``estimator.name ... got None``) would not."""
+    keys = set(cfg.keys()) if isinstance(cfg, DictConfig) else set()
+    training = bool(keys & {"strategy", "estimator"})
+    if not keys - {"imports"}:
+        raise ValueError(f"the config is empty: `tune run {recipe}` needs one of its configs "
+                         f"(`python -m pepo.configs ls` lists them)")
+    if recipe == "pepo_recipe" and not training:
+        raise ValueError("this is an evaluation config (it has benchmarks, no strategy or "
+                         "estimator): run it with `tune run pepo_eval`" if "benchmarks" in keys
+                         else f"this is not a training config: it has no strategy or estimator "
+                         f"section (its keys: {', '.join(sorted(map(str, keys))[:8])})")
+    if recipe == "pepo_eval" and training and "benchmarks" not in keys:
+        raise ValueError("this is a training config (it has a strategy or an estimator, no "
+                         "benchmarks): run it with `tune run pepo_recipe`")
+
+
 def validate_eval_config(cfg: DictConfig) -> EvalConfig:
     """Checks an eval config before any model is built (the same three phases)."""
+    check_kind(cfg, "pepo_eval")
     ec = schema.parse_eval(cfg)
     for name, b in ec.benchmarks.items():
         path = b.dataset.get("path")
