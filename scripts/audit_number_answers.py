@@ -53,10 +53,12 @@ def audit(run: Path, sub: str = "rollouts") -> list[tuple[int, int, int, int]]:
     out = []
     for f in dump_files(run / sub):
         rows = read_rows(f)
+        if not rows:  # an empty dump (a write cut short): no step to report
+            continue
         won = [r for r in rows if r["reward"] > 0]
         by_value = sum(math_verify_score(r["response"], str(r["answer"]), number_only=True) == 0
                        for r in won)
-        out.append((int(rows[0]["step"]) if rows else -1, len(rows), len(won), by_value))
+        out.append((int(rows[0]["step"]), len(rows), len(won), by_value))
     return out
 
 
@@ -87,12 +89,14 @@ def main(argv: list[str] | None = None) -> None:
     for run in args.runs:
         if run in missing:
             continue
-        steps = audit(run, sub)
-        if not steps:
-            continue
-
+        try:
+            steps = audit(run, sub)
+            if not steps:
+                continue
+            _, won_other, lost, lost_gold = stated(run, sub)
+        except ValueError as e:  # a dump that cannot be read, named
+            sys.exit(f"error: {e}")
         won, by_value = sum(s[2] for s in steps), sum(s[3] for s in steps)
-        _, won_other, lost, lost_gold = stated(run, sub)
         name = "/".join(run.resolve().parts[-2:])
         print(f"| {name} | {_cell(steps[0])} | {_cell(steps[(len(steps) - 1) // 2])} | "
               f"{_cell(steps[-1])} | {by_value} of {won} ({_pct(by_value, won)}) | "

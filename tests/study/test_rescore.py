@@ -119,3 +119,32 @@ def test_the_report_pairs_the_rescored_runs_by_seed(tmp_path):
     assert "moves a run's final accuracy by -2.0 to +40.0 points" in text
     assert (tmp_path / "stated" / "forest.png").is_file()
     assert rescore.stated_section("smollm2_steps", rows[:3], ["GRPO", "PEPO"], tmp_path) is None
+
+
+def test_a_dump_that_cannot_be_read_is_named_in_one_line(tmp_path):
+    """A truncated ``.jsonl.gz``, a ``.gz`` that is not gzip, a cut-off JSON line and bytes that
+    are not UTF-8 were EOFError / BadGzipFile / JSONDecodeError / UnicodeDecodeError tracebacks
+    (or an error naming no file) in rescore's and the analysis' readers. Catches any of them
+    getting through, or the file not named."""
+    from pepo.study import analysis
+    from pepo.study.rescore import main, read_rows
+
+    whole = gzip.compress(b'{"step": 0, "entropies": [0.5], "reward": 1.0}\n' * 2000)
+    cases = {"cut.jsonl.gz": (whole[: len(whole) // 2], "EOFError"),
+             "plain.jsonl.gz": (b'{"step": 0}\n', "BadGzipFile"),
+             "line.jsonl": (b'{"step": 0}\n{"step": 0, "resp', "line.jsonl:2: not valid JSON"),
+             "latin.jsonl": (b'{"step": 0, "response": "\xff"}\n', "UnicodeDecodeError")}
+    for name, (data, shown) in cases.items():
+        f = tmp_path / name
+        f.write_bytes(data)
+        with pytest.raises(ValueError, match=rf"^{f}.*{shown}|^{f}:2: not valid JSON"):
+            read_rows(f)
+        if name != "line.jsonl":  # the analysis names a line's error with its own checks
+            with pytest.raises(ValueError, match=rf"^{f}: cannot be read as a rollout dump "
+                                                 rf"\({shown}"):
+                analysis.load_dump(f)
+    run = tmp_path / "run"
+    (run / "val_rollouts").mkdir(parents=True)
+    (run / "val_rollouts" / "step_000000.jsonl.gz").write_bytes(whole[:100])
+    with pytest.raises(SystemExit, match=r"^error: .*step_000000.jsonl.gz: cannot be read"):
+        main([str(run)])

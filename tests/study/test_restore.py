@@ -150,3 +150,20 @@ def test_a_dump_of_an_unknown_method_is_named(tmp_path):
     with pytest.raises(ValueError, match="ppo_seed_0_step_000001.jsonl.gz: not a published dump"):
         restore_dumps(tmp_path / "mechanism", tmp_path / "out", "smollm2_steps")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_truncated_dump_is_named_and_leaves_no_temporary(tmp_path):
+    """Catches gzip's EOFError as a traceback naming no file, and the half-written
+    ``.jsonl.tmp`` it left beside the run's dumps."""
+    import gzip
+
+    from pepo.study.restore import restore_dumps
+
+    d = tmp_path / "mechanism" / "before" / "rollouts"
+    d.mkdir(parents=True)
+    whole = gzip.compress(b'{"step": 1}\n' * 2000)
+    (d / "grpo_seed_0_step_000001.jsonl.gz").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match=r"grpo_seed_0_step_000001.jsonl.gz: cannot be "
+                                         r"decompressed \(EOFError"):
+        restore_dumps(tmp_path / "mechanism", tmp_path / "out", "smollm2_steps")
+    assert not list((tmp_path / "out").rglob("*.tmp"))

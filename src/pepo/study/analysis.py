@@ -125,11 +125,15 @@ def load_dump(path: Union[str, Path, Sequence[Union[str, Path]]]) -> RolloutDump
                              f"them)")
         for f in files:
             source += 1
-            with (gzip.open(f, "rt", encoding="utf-8") if f.name.endswith(".gz")
-                  else open(f, encoding="utf-8")) as fh:
-                for n, line in enumerate(fh, 1):
-                    if line.strip():
-                        records.append({**_record(line, f, n), "source": source})
+            try:
+                with (gzip.open(f, "rt", encoding="utf-8") if f.name.endswith(".gz")
+                      else open(f, encoding="utf-8")) as fh:
+                    for n, line in enumerate(fh, 1):
+                        if line.strip():
+                            records.append({**_record(line, f, n), "source": source})
+            except (OSError, EOFError, UnicodeDecodeError) as e:  # truncated, not gzip, ...
+                raise ValueError(f"{f}: cannot be read as a rollout dump "
+                                 f"({type(e).__name__}: {e})") from None
     return RolloutDump(records)
 
 

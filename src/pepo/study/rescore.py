@@ -58,10 +58,25 @@ def stated_success(response: str, answer: object, success: bool) -> bool:
 
 
 def read_rows(path: Path) -> list[dict]:
-    """The rows of one dump (``.jsonl`` or ``.jsonl.gz``)."""
+    """The rows of one dump (``.jsonl`` or ``.jsonl.gz``).
+
+    Raises:
+        ValueError: the file cannot be read as one (truncated, not gzip, not UTF-8, a line
+            that is not JSON), naming it (and the line).
+    """
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    rows, n = [], 0
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    rows.append(json.loads(line))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+    except (OSError, EOFError, UnicodeDecodeError) as e:  # gzip's BadGzipFile is an OSError
+        raise ValueError(f"{path}: cannot be read as a rollout dump "
+                         f"({type(e).__name__}: {e})") from None
+    return rows
 
 
 def dump_files(folder: Path) -> list[Path]:
@@ -139,7 +154,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     print("| run | step | responses | verifier, % | stated result, % | difference, points |")
     print("|---|---:|---:|---:|---:|---:|")
     for run in args.runs:
-        curve = validation_curve(run)
+        try:
+            curve = validation_curve(run)
+        except ValueError as e:  # a dump that cannot be read, named
+            raise SystemExit(f"error: {e}") from None
         if curve is None:
             raise SystemExit(f"error: {run} has no validation dumps (val_rollouts/step_*.jsonl); "
                              f"run it with validation.dump=true")

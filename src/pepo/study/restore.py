@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import zlib
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -93,8 +94,12 @@ def restore_dumps(mechanism: Path, out: Path, task: str) -> tuple[int, int]:
             continue
         d.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_suffix(".jsonl.tmp")
-        with gzip.open(f, "rb") as src, open(tmp, "wb") as dst:
-            shutil.copyfileobj(src, dst)
+        try:
+            with gzip.open(f, "rb") as src, open(tmp, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        except (EOFError, gzip.BadGzipFile, zlib.error) as e:  # a truncated or broken archive
+            tmp.unlink(missing_ok=True)
+            raise ValueError(f"{f}: cannot be decompressed ({type(e).__name__}: {e})") from None
         os.replace(tmp, dest)
         written += 1
     return written, kept
