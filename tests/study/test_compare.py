@@ -734,3 +734,18 @@ def test_what_the_study_sets_itself_and_unplanned_methods_are_refused(study, tmp
 
     check_set({"strategy": {"proximal_softmax": {"window": 5}}, "validation": {"every": 2},
                "num_steps": 3})  # the rest of a section is the user's to set
+
+
+def test_a_result_json_that_is_not_one_is_named(study, tmp_path):
+    """An empty or cut-short result.json (a full disk, an edit) was a JSONDecodeError or
+    KeyError traceback from --report-only. Catches it not named in one line."""
+    out = tmp_path / "runs"
+    d = study.run_dir(out, "tiny", "group", "GRPO", 0)
+    d.mkdir(parents=True)
+    argv = ["--tasks", "tiny", "--only", "group", "--seeds", "0", "--out", str(out),
+            "--no-intervention", "--report-only"]
+    for text, shown in (("", r"not a result JSON \(Expecting value"),
+                        ('{"task": "tiny"}', "not a result JSON, missing mode, method, seed")):
+        (d / "result.json").write_text(text)
+        with pytest.raises(SystemExit, match=rf"^error: {d / 'result.json'}: {shown}"):
+            study.main(argv)

@@ -323,3 +323,31 @@ def test_exact_power_of_the_resolvable_difference_by_simulation(n, m):
     exact = power.exact_power(n, m)
     assert abs(hits / 10000 - exact) < 0.017  # binomial sd 0.0042: four of them
     assert exact < 0.8
+
+
+def test_cli_bad_input_is_one_line(tmp_path):
+    """A study directory without the --task asked (the default smollm2_steps on a tiny study)
+    read its top-level results.json (a list) and raised AttributeError; a JSON that is not a
+    result (a run's summary.json) KeyError; an --out that is a file NotADirectoryError. Catches
+    each as a traceback instead of one line naming it."""
+    import json
+
+    runs = tmp_path / "runs"
+    d = runs / "tiny" / "group" / "grpo" / "seed_0"
+    d.mkdir(parents=True)
+    (runs / "results.json").write_text("[]")
+    with pytest.raises(SystemExit, match=r"^error: --task 'smollm2_steps' has no runs under the "
+                                         r"study directory .*; its tasks: tiny$"):
+        power.main([str(runs), "--out", str(tmp_path / "a")])
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "summary.json").write_text(json.dumps({"history": [], "val_problems": 4}))
+    with pytest.raises(SystemExit, match=r"summary.json: not a result JSON, missing method, "
+                                         r"seed, val_after$"):
+        power.main([str(docs), "--out", str(tmp_path / "b")])
+    (docs / "summary.json").write_text('{"method": "GRPO", "se')
+    with pytest.raises(SystemExit, match=r"summary.json: not a result JSON \(Unterminated"):
+        power.main([str(docs), "--out", str(tmp_path / "b")])
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit, match=r"--out=.*file' cannot be a directory"):
+        power.main([str(runs), "--task", "tiny", "--out", str(tmp_path / "file")])

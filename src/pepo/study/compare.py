@@ -430,12 +430,12 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
             raise SystemExit(f"error: {e}") from None
     results, elsewhere, trained, missing = [], 0, 0, []
     for i, (task, mode, label, strategy, seed) in enumerate(plan):
-        saved = saved_result(d := run_dir(out, task, mode, label, seed))
-        if saved is not None:
-            try:
+        try:  # a result.json that is not one (cut short, edited) is named
+            saved = saved_result(d := run_dir(out, task, mode, label, seed))
+            if saved is not None:
                 check_settings(saved, overrides, d)
-            except ValueError as e:
-                raise SystemExit(f"error: {e}") from None
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
         if args.report_only or i % n_shards != shard or saved is not None:
             if saved is not None:
                 results.append(saved)

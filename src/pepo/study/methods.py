@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["METHODS", "MODES", "OPTIONAL", "check_settings", "methods", "run_dir",
-           "saved_result", "slug"]
+__all__ = ["METHODS", "MODES", "OPTIONAL", "RESULT_KEYS", "check_settings", "methods",
+           "read_result", "run_dir", "saved_result", "slug"]
 
 METHODS = {
     "group": [
@@ -56,10 +56,33 @@ def run_dir(out: Path, task: str, mode: str, label: str, seed: int) -> Path:
     return out / task / mode / slug(label) / f"seed_{seed}"
 
 
+# what every run's result JSON holds (compare writes more)
+RESULT_KEYS = ("task", "mode", "method", "seed", "val_curve", "val_before", "val_after")
+
+
+def read_result(path: Path, required: tuple[str, ...] = RESULT_KEYS) -> dict:
+    """One run's result JSON (``result.json``, or a published copy), checked.
+
+    Raises:
+        ValueError: it is not JSON, not an object, or lacks one of the ``required`` keys,
+            naming the file.
+    """
+    try:
+        r = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not a result JSON ({e})") from None
+    if not isinstance(r, dict):
+        raise ValueError(f"{path}: not a result JSON (a {type(r).__name__}, not an object)")
+    missing = [k for k in required if k not in r]
+    if missing:
+        raise ValueError(f"{path}: not a result JSON, missing {', '.join(missing)}")
+    return r
+
+
 def saved_result(d: Path) -> Optional[dict]:
-    """The result a finished run saved in ``d``, or None."""
+    """The result a finished run saved in ``d`` (:func:`read_result`), or None."""
     done = d / "result.json"
-    return json.loads(done.read_text(encoding="utf-8")) if done.is_file() else None
+    return read_result(done) if done.is_file() else None
 
 
 def check_settings(saved: dict, overrides: dict[str, Any], d: Path) -> dict:

@@ -30,7 +30,7 @@ from typing import Any, Optional, Sequence
 
 from scipy import stats
 
-from pepo.study.methods import METHODS
+from pepo.study.methods import METHODS, read_result
 
 __all__ = ["exact_power", "holm", "paired", "comparisons", "check_comparable", "no_spread",
            "forest_plot", "report", "seed_table", "collect", "write_result"]
@@ -292,6 +292,9 @@ def report(results: list[dict], base_label: str, labels: Sequence[str], out: Pat
     return "\n".join(lines)
 
 
+NEEDED = ("method", "seed", "val_after")  # what the comparisons read of a result
+
+
 def collect(runs: Path, task: str, dest: Path, mode: str = "group") -> list[dict]:
     """Every finished run's ``result.json`` of ``task`` in ``mode`` under the study directory
     ``runs``, also copied to ``dest/results/<method>_seed_<n>.json`` (what the report is
@@ -299,7 +302,7 @@ def collect(runs: Path, task: str, dest: Path, mode: str = "group") -> list[dict
     results = []
     (dest / "results").mkdir(parents=True, exist_ok=True)
     for f in sorted((runs / task / mode).glob("*/seed_*/result.json")):
-        r = json.loads(f.read_text(encoding="utf-8"))
+        r = read_result(f, NEEDED)
         results.append(r)
         write_result(r, dest / "results" / f"{f.parent.parent.name}_{f.parent.name}.json")
     return results
@@ -340,13 +343,22 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     if args.methods and len(set(args.methods)) < len(args.methods):
         ap.error("--methods gives a label more than once")
     runs, out = Path(args.runs), Path(args.out)
-    if (runs / args.task).is_dir():
-        results = collect(runs, args.task, out, args.mode)
-    else:  # result JSONs of one study (a docs folder): those of this task and mode
-        results = [r for r in (json.loads(f.read_text(encoding="utf-8"))
-                               for f in sorted(runs.glob("*.json")))
-                   if r.get("task", args.task) == args.task
-                   and r.get("mode", args.mode) == args.mode]
+    from pepo.training.config import check_output_dir
+
+    tasks = sorted(p.parent.name for p in runs.glob("*/group"))  # a study directory's
+    try:
+        check_output_dir(out, "--out")
+        if (runs / args.task).is_dir():
+            results = collect(runs, args.task, out, args.mode)
+        elif tasks:
+            raise ValueError(f"--task {args.task!r} has no runs under the study directory "
+                             f"{runs}; its tasks: {', '.join(tasks)}")
+        else:  # result JSONs of one study (a docs folder): those of this task and mode
+            results = [r for r in (read_result(f, NEEDED) for f in sorted(runs.glob("*.json")))
+                       if r.get("task", args.task) == args.task
+                       and r.get("mode", args.mode) == args.mode]
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     if not results:
         raise SystemExit(f"error: no finished {args.mode} runs of {args.task!r} under {runs}")
     args.base = args.base or {"group": "GRPO", "single_stream": "SPO"}[args.mode]

@@ -26,23 +26,24 @@ import zlib
 from pathlib import Path
 from typing import Optional, Sequence
 
-from pepo.study.methods import METHODS, methods, run_dir, saved_result, slug
+from pepo.study.methods import (
+    METHODS,
+    RESULT_KEYS,
+    methods,
+    read_result,
+    run_dir,
+    saved_result,
+    slug,
+)
+from pepo.training.config import check_output_dir
 
-REQUIRED = ("task", "mode", "method", "seed", "val_curve", "val_before", "val_after")
+REQUIRED = RESULT_KEYS
 DUMP = re.compile(r"(?P<method>.+)_seed_(?P<seed>[0-9]+)_(?P<step>step_[0-9]+)\.jsonl\.gz")
 
 
 def read_published(path: Path) -> dict:
     """One published result JSON, checked: a clear error naming the file and what is wrong."""
-    try:
-        r = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not a result JSON ({e})") from None
-    if not isinstance(r, dict):
-        raise ValueError(f"{path}: not a result JSON (a {type(r).__name__}, not an object)")
-    missing = [k for k in REQUIRED if k not in r]
-    if missing:
-        raise ValueError(f"{path}: not a result JSON, missing {', '.join(missing)}")
+    r = read_result(path)
     known = [label for label, _ in methods(r["mode"])] if r["mode"] in METHODS else []
     if r["method"] not in known:
         raise ValueError(f"{path}: method {r['method']!r} is not one of mode {r['mode']!r}'s: "
@@ -116,8 +117,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if not results.is_dir():
         raise SystemExit(f"error: {study} is not a folder of result JSONs")
     try:
+        check_output_dir(out, "--out")
         written, kept = restore(results, out)
-        tasks = {json.loads(f.read_text(encoding="utf-8"))["task"] for f in results.glob("*.json")}
+        tasks = {read_result(f)["task"] for f in results.glob("*.json")}
         dumps = (0, 0)
         if (study / "mechanism").is_dir():
             if len(tasks) != 1:
