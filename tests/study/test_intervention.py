@@ -270,6 +270,16 @@ def test_cli_writes_the_table(tmp_path, capsys):
     with pytest.raises(SystemExit, match="--replacement="):
         analysis.main(["intervene", "--config", str(cfg), "--replacement", str(tmp_path),
                        "--out", str(out)])
+    # an eval config (no val_dataset to sample), a file that is not YAML: one line each
+    # (catches omegaconf's ConfigAttributeError and yaml's ParserError tracebacks)
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("a: [1, 2\n")
+    for config, message in (("eval_tiny", r"is not a training config with validation prompts: "
+                                          r"it has no val_dataset"),
+                            (str(bad_yaml), r"bad.yaml is not a YAML config: while parsing")):
+        with pytest.raises(SystemExit, match=rf"^error: --config .*{message}"):
+            analysis.main(["intervene", "--config", config, "--replacement", str(repl),
+                           "--out", str(out)])
 
 
 def test_the_cli_uses_the_configs_device_and_dtype_and_keys_its_cache_on_the_weights(

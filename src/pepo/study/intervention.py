@@ -28,6 +28,7 @@ import argparse
 import csv
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -423,10 +424,14 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, dict[float, float]]:
         return _main(args)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    except KeyboardInterrupt:  # what each finished generation wrote is kept
+        print(f"interrupted (Ctrl-C): the finished generations are kept in "
+              f"{args.cache or args.out}; the same command goes on from them", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 def _main(args: argparse.Namespace) -> dict[str, dict[float, float]]:
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
     from torchtune import config as tt_config
     from torchtune import training, utils
 
@@ -445,7 +450,16 @@ def _main(args: argparse.Namespace) -> dict[str, dict[float, float]]:
     check_output_dir(args.out, "--out")  # before hours of sampling
     check_output_dir(args.cache or args.out, "--cache")
     register_resolvers()
-    cfg = OmegaConf.load(find_config(args.config))
+    path = find_config(args.config)
+    try:
+        cfg = OmegaConf.load(path)
+    except Exception as e:  # yaml's own errors
+        raise ValueError(f"--config {path} is not a YAML config: {' '.join(str(e).split())}")
+    missing = [k for k in ("model", "tokenizer", "val_dataset", "checkpoint_dir", "generation")
+               if not isinstance(cfg, DictConfig) or k not in cfg]
+    if missing:  # an eval config, say: the intervention samples a training config's prompts
+        raise ValueError(f"--config {path} is not a training config with validation prompts: "
+                         f"it has no {', '.join(missing)}")
     args.replacement = resolve_marker(args.replacement)  # RUN/checkpoints/best works
     base_dir = resolve_marker(args.base) or str(cfg.checkpoint_dir)
     check_checkpoint_dir(base_dir, "--base")
@@ -512,3 +526,7 @@ def _main(args: argparse.Namespace) -> dict[str, dict[float, float]]:
     for name, p in files.items():
         print(f"  {name:4s} {p}")
     return results
+
+
+if __name__ == "__main__":  # the same as python -m pepo.study.analysis intervene
+    main()
