@@ -1,7 +1,8 @@
 """Builds an embedded task's tokenizer and warm-start checkpoint (``src/pepo/assets/<task>``).
 
     python scripts/make_tiny_assets.py [--task tiny|tiny_drift|tiny_reason] [--steps N]
-        [--noise P] --out DIR     (or --force: write over the shipped src/pepo/assets/<task>)
+        [--noise P] --out DIR     (a new DIR; --force writes over assets there, or over
+                                   the shipped src/pepo/assets/<task> without --out)
 
 1. A character-level ``tokenizer.json`` (Hugging Face ``tokenizers``, WordLevel over the task's
    alphabet) and its ``tokenizer_config.json``.
@@ -49,9 +50,10 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from pepo.study.cli import positive_arg, probability_arg
+from pepo.study.cli import positive_arg, positive_number_arg, probability_arg
 from pepo.tasks import apply_op, drift_dataset, modsum_dataset, reason_dataset
 from pepo.tasks.rewards import boxed_match
+from pepo.training.config import check_output_dir
 from pepo.training.generation import generate
 from pepo.training.models import tiny_qwen3
 from pepo.training.tokenizers import load_tokenizer
@@ -146,11 +148,11 @@ def main(argv: list[str] | None = None) -> None:
                     help="default: src/pepo/assets/<task>, which holds the shipped assets the "
                          "published figures stand on: replacing them needs --force")
     ap.add_argument("--force", action="store_true",
-                    help="write over the shipped assets (the default --out)")
+                    help="write over assets already in --out (the shipped ones by default)")
     ap.add_argument("--steps", type=positive_arg, default=None,
                     help="default: 1500 (tiny), 2500 (tiny_drift, tiny_reason)")
     ap.add_argument("--batch", type=positive_arg, default=64)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=positive_number_arg, default=3e-3)
     ap.add_argument("--noise", type=probability_arg, default=None,
                     help="one result-noise probability for every operator (default: the task's)")
     ap.add_argument("--seed", type=int, default=0)
@@ -160,10 +162,15 @@ def main(argv: list[str] | None = None) -> None:
     noise = task["noise"] if args.noise is None else args.noise
     shipped = Path(__file__).resolve().parents[1] / "src/pepo/assets" / args.task
     out = Path(args.out or shipped)
-    if args.out is None and (shipped / "model.safetensors").is_file() and not args.force:
-        ap.error(f"{shipped} holds the shipped assets the published figures stand on (a "
-                 f"rebuild gives a model of the same kind, not the same bytes): give --out DIR, "
-                 f"or --force to replace them")
+    if (out / "model.safetensors").is_file() and not args.force:
+        ap.error(f"{out} holds assets already" + (
+            " (the shipped ones the published figures stand on: a rebuild gives a model of the "
+            "same kind, not the same bytes)" if out.resolve() == shipped else "")
+            + ": give another --out, or --force to replace them")
+    try:
+        check_output_dir(out, "--out")
+    except ValueError as e:
+        ap.error(str(e))
     out.mkdir(parents=True, exist_ok=True)
     build_tokenizer(out, task["alphabet"])
     tok = load_tokenizer(out)

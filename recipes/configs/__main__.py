@@ -59,7 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     if not dest.parent.is_dir():
         print(f"error: {dest.parent} is not a directory", file=sys.stderr)
         return 2
-    shutil.copyfile(find_config(args.name), dest)
+    try:
+        shutil.copyfile(find_config(args.name), dest)
+    except OSError as e:  # a directory it may not write in, a full disk
+        print(f"error: cannot write {dest}: {e.strerror or e}", file=sys.stderr)
+        return 2
     print(f"copied {args.name} to {dest}; run it with: tune run "
           f"{'pepo_eval' if args.name.startswith('eval_') else 'pepo_recipe'} --config {dest}")
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -69,3 +70,22 @@ def test_list_and_copy_a_config_then_run_the_copy(tmp_path):
     r = tune(tmp_path, "--config", "mine.yaml", "output_dir=out", "validation.every=0")
     assert r.returncode == 0, r.stderr[-3000:]
     assert (tmp_path / "out" / "checkpoints" / "latest").read_text().strip() == "step_1"
+
+
+def test_cp_where_it_cannot_write_is_one_line(tmp_path, monkeypatch, capsys):
+    """A directory it may not write in (or a full disk) was a PermissionError traceback."""
+    import importlib.util
+    import shutil
+
+    path = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "__main__.py"
+    spec = importlib.util.spec_from_file_location("pepo_configs_main", path)
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+
+    def denied(src, dst):
+        raise PermissionError(13, "Permission denied", str(dst))
+
+    monkeypatch.setattr(shutil, "copyfile", denied)
+    assert cli.main(["cp", "tiny", str(tmp_path / "mine.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: cannot write {tmp_path / 'mine.yaml'}: Permission denied\n"

@@ -91,19 +91,30 @@ def test_noise_falls_on_the_results_at_the_operators_rates(script):
         assert abs(hit - p * total) < 4 * (total * p * (1 - p)) ** 0.5, (op, hit, total)
 
 
-def test_the_shipped_assets_are_not_overwritten_by_default(script, capsys):
+def test_the_shipped_assets_are_not_overwritten_by_default(script, capsys, tmp_path):
     """The default ``--out`` is ``src/pepo/assets/<task>``, which holds the shipped assets the
     published figures stand on (a rebuild is not the same bytes): catches a run without
-    ``--out`` writing over them, and ``--steps 0`` silently training the full default."""
+    ``--out`` writing over them (or with ``--out`` naming them, or any earlier build), an
+    ``--out`` that is a file as a FileExistsError traceback, and ``--steps 0`` or ``--lr -1``
+    silently training (the full default; torch's ValueError)."""
     import pytest
 
     shipped = SCRIPT.parents[1] / "src" / "pepo" / "assets" / "tiny" / "model.safetensors"
     before = shipped.stat().st_mtime_ns
-    with pytest.raises(SystemExit) as e:
-        script.main(["--task", "tiny"])
-    assert e.value.code == 2 and "give --out DIR, or --force" in capsys.readouterr().err
+    earlier = tmp_path / "built"
+    earlier.mkdir()
+    (earlier / "model.safetensors").write_bytes(b"an earlier build")
+    (tmp_path / "file").write_text("")
+    for argv, shown in (([], "(the shipped ones"), (["--out", str(shipped.parent)], "(the shipped"),
+                        (["--out", str(earlier)], "holds assets already: give another --out, or "
+                                                  "--force"),
+                        (["--out", str(tmp_path / "file")], "cannot be a directory")):
+        with pytest.raises(SystemExit) as e:
+            script.main(["--task", "tiny", *argv])
+        assert e.value.code == 2 and shown in capsys.readouterr().err
+    assert (earlier / "model.safetensors").read_bytes() == b"an earlier build"
     for bad, flag in ((["--steps", "0"], "--steps"), (["--noise", "1.5"], "--noise"),
-                      (["--batch", "-1"], "--batch")):
+                      (["--batch", "-1"], "--batch"), (["--lr", "-1"], "--lr")):
         with pytest.raises(SystemExit) as e:
             script.main(["--task", "tiny", "--out", "unused", *bad])
         assert e.value.code == 2 and flag in capsys.readouterr().err

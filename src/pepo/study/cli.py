@@ -8,8 +8,8 @@ import shlex
 import sys
 from typing import Any, Callable, Optional
 
-__all__ = ["command_line", "count_arg", "percent_arg", "positive_arg", "probability_arg",
-           "shard_arg", "window_arg"]
+__all__ = ["command_line", "count_arg", "percent_arg", "positive_arg", "positive_number_arg",
+           "probability_arg", "shard_arg", "window_arg"]
 
 
 def _parsed(text: str, convert: Callable[[str], Any], ok: Callable[[Any], bool],
@@ -51,6 +51,11 @@ def percent_arg(text: str) -> float:
 def probability_arg(text: str) -> float:
     """An argparse type: a probability in [0, 1]."""
     return _parsed(text, float, lambda v: 0 <= v <= 1, "a probability in [0, 1]")
+
+
+def positive_number_arg(text: str) -> float:
+    """An argparse type: a finite number > 0 (a learning rate, say)."""
+    return _parsed(text, float, lambda v: 0 < v < float("inf"), "a finite number > 0")
 
 
 def shard_arg(text: str) -> tuple[int, int]:
