@@ -204,6 +204,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         ap.error(f"unrecognized argument {bad[0]!r} (config overrides are key=value)")
     if args.runs < 1 or args.steps < 1:
         ap.error(f"--runs and --steps must be at least 1 (got {args.runs}, {args.steps})")
+    if args.json and not Path(args.json).resolve().parent.is_dir():  # not after an hour's runs
+        ap.error(f"--json {args.json}: {Path(args.json).resolve().parent} is not a directory")
     median_steps = sorted(set(args.median_steps or range(2, min(3, args.steps) + 1))) or [1]
     wrong = [s for s in median_steps if not 1 <= s <= args.steps]
     if wrong:

@@ -531,6 +531,12 @@ def main() -> None:
     p.add_argument("--memory-child", help=argparse.SUPPRESS)
     p.add_argument("--sync-table", action="store_true", help=argparse.SUPPRESS)  # CPU rehearsal
     args = p.parse_args()
+    if args.repeats < 1 or args.rounds < 1:
+        p.error(f"--repeats and --rounds must be at least 1 (got {args.repeats}, {args.rounds})")
+    try:
+        torch.empty(0, device=args.device)
+    except (RuntimeError, AssertionError) as e:  # an unknown device, or CUDA not there
+        p.error(f"--device {args.device!r}: {str(e).splitlines()[0]}")
     if args.quick:
         args.repeats, args.no_memory = 1, True
         args.vocab, args.entropy_tokens = 4096, 512

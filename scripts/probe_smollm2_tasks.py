@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from pepo.study.cli import positive_arg
 from pepo.tasks.rewards import MathVerify
 from pepo.training.engines import InProcessEngine
 from pepo.training.generation import draw_seeds
@@ -106,7 +107,7 @@ CANDIDATES = {
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tasks", nargs="+", choices=sorted(CANDIDATES), default=list(CANDIDATES))
-    ap.add_argument("--n", type=int, default=128, help="questions per candidate")
+    ap.add_argument("--n", type=positive_arg, default=128, help="questions per candidate")
     ap.add_argument("--seed", type=int, default=0, help="seeds the sampling")
     args = ap.parse_args()
     d = pretrained_dir("smollm2")

@@ -84,6 +84,8 @@ def test_summary_and_table_compare_this_tree_to_the_revision():
      "--median-steps 4 is not a step of a 3-step run"),
     (["--against", "HEAD", "--runs", "0"], "--runs and --steps must be at least 1 (got 0, 4)"),
     (["--against", "HEAD", "--bogus"], "unrecognized argument '--bogus'"),
+    (["--against", "HEAD", "--json", "/nonexistent/ab.json"],  # it failed after every run
+     "--json /nonexistent/ab.json: /nonexistent is not a directory"),
 ])
 def test_bad_arguments_are_named(args, message, capsys):
     """Catches: an out-of-range step, a zero run count or a stray flag accepted and failing
