@@ -321,7 +321,7 @@ class PEPORecipe(FTRecipeInterface):
             seeds = draw_seeds(prior_rng, len(indices))
             part = self.dist.shard(len(indices))
             problems = [data[i] for i in indices]
-            return self.dist.gather(self._rollout(problems[part], seeds[part])[1])
+            return self._in_range(self.dist.gather(self._rollout(problems[part], seeds[part])[1]))
 
         fingerprint = {**self.prior_fingerprint, **prior_cache.input_digests(  # rank 0 reads
             self.prior_path if self.dist.is_main else None, self.config.checkpoint_dir,
@@ -332,13 +332,11 @@ class PEPORecipe(FTRecipeInterface):
     # -------------------------------------------------------------- one step
     def _rollout(self, problems: list, seeds: torch.Tensor):
         """One response per problem, each sampled with its own seed; returns rollouts,
-        rewards [b] (in the estimator's range) and texts."""
-        out = sample_and_score(
+        rewards [b] and texts."""
+        return sample_and_score(
             self.engine, self.tokenizer, problems, self.reward_fn, stop_tokens=self.stop_tokens,
             seeds=seeds, batch_size=self.gen_batch_size, **self.gen_kwargs,
         )
-        check_reward_range(out[1], self.reward_fn, self.estimator)
-        return out
 
     def _forward_logprobs(self, ro: Rollouts, rows: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -416,7 +414,13 @@ class PEPORecipe(FTRecipeInterface):
         ro, rewards, texts = self._rollout(problems[part], seeds[part])
         return Trajectory(prompt_ids=[p.id for p in problems], problems=problems[part],
                           part=part, rollouts=ro, texts=texts, rewards=rewards,
-                          rewards_all=self.dist.gather(rewards))
+                          rewards_all=self._in_range(self.dist.gather(rewards)))
+
+    def _in_range(self, rewards: torch.Tensor) -> torch.Tensor:
+        """The whole batch's ``rewards``, refused on every rank alike when outside the range
+        the estimator takes (single-stream: [0, 1])."""
+        check_reward_range(rewards, self.reward_fn, self.estimator)
+        return rewards
 
     def _update(self, traj: Trajectory) -> StepStats:
         """``ppo_epochs`` x ``ppo_mini_batches`` optimizer steps on this step's rollouts.

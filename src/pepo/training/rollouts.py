@@ -71,7 +71,8 @@ def check_reward_range(rewards: torch.Tensor, reward_fn: Any, estimator: Any) ->
     Beta tracker counts rewards as successes: ``[0, 1]``); estimators without one take any.
 
     Raises:
-        RewardError: naming the reward component, the first value outside and its response.
+        RewardError: naming the reward component, the first value outside and its response
+            (its index in ``rewards``).
     """
     bounds = getattr(estimator, "reward_range", None)
     if bounds is None or rewards.numel() == 0:
