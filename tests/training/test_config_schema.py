@@ -396,6 +396,21 @@ def test_validation_without_a_val_dataset_is_warned_of(tmp_path):
         "validate"]
 
 
+def test_settings_the_run_will_not_use_are_warned_of(tmp_path):
+    """Catches validation.dump / before_cache with validation.every=0 and save_logits_mib
+    without logprobs_from_hidden accepted in silence (nothing is dumped, cached or kept), and a
+    warning where they are used."""
+    got = setting_warnings(validate_config(tiny_cfg(
+        tmp_path, validation={"every": 0, "dump": True, "before_cache": str(tmp_path / "v.json")},
+        save_logits_mib=64)))
+    assert got == ["validation.dump, validation.before_cache, save_logits_mib=64 (it works with "
+                   "logprobs_from_hidden=true): not used by this run (validation.every=0: no "
+                   "validation)"]
+    assert setting_warnings(validate_config(tiny_cfg(
+        tmp_path, validation={"every": 1, "dump": True}, save_logits_mib=64,
+        logprobs_from_hidden=True))) == []
+
+
 def test_a_resume_may_change_the_vllm_engines_memory_but_not_its_dtype(tmp_path):
     """Catches ``generation.vllm`` kept whole in the experiment record: a run that ran out of
     memory could not resume with a smaller KV cache (and an in-process run, which never reads

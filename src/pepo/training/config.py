@@ -500,14 +500,24 @@ def check_rules(rc: RecipeConfig) -> None:
 
 def setting_warnings(rc: RecipeConfig) -> list[str]:
     """What a run's settings do to other keys that nothing else would say: validation asked
-    for with no ``val_dataset`` (none is run), and ``loss.tis_cap`` under a top-p or top-k
-    filter (the ratio it caps is then the filter's kept mass, not only the engines' numerics).
+    for with no ``val_dataset`` (none is run), validation settings or ``save_logits_mib`` that
+    the run will not use, and ``loss.tis_cap`` under a top-p or top-k filter (the ratio it caps
+    is then the filter's kept mass, not only the engines' numerics).
     """
     out = []
     if rc.validation.every and rc.val_dataset is None:
         best = " (and no best checkpoint kept)" if rc.keep_best else ""
         out.append(f"validation.every={rc.validation.every} with val_dataset=null: no validation "
                    f"is run{best}; set val_dataset to validate")
+    unused = [f"validation.{k}" for k in ("dump", "before_cache")
+              if getattr(rc.validation, k) and not rc.validation.every]
+    if rc.save_logits_mib and not rc.logprobs_from_hidden:
+        unused.append(f"save_logits_mib={rc.save_logits_mib} (it works with "
+                      f"logprobs_from_hidden=true)")
+    if unused:
+        out.append(f"{', '.join(unused)}: not used by this run" + (
+            " (validation.every=0: no validation)" if not rc.validation.every and any(
+                u.startswith("validation.") for u in unused) else ""))
     g = rc.generation
     filters = ([f"generation.top_p={g.top_p:g}"] if g.top_p < 1 else []) + (
         [f"generation.top_k={g.top_k}"] if g.top_k is not None else [])
