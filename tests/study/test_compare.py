@@ -252,12 +252,13 @@ def test_runs_held_by_another_process_are_left_to_it(study, tmp_path, monkeypatc
 
 def test_a_stopped_run_goes_on_from_its_checkpoint_and_one_finished_by_hand_is_read(
         study, tmp_path, monkeypatch, capsys):
-    """A run the study started that stopped (Ctrl-C, a killed process) was removed and trained
-    again from step 0, its checkpoints deleted, even after the user finished it by hand as the
-    recipe's stop message says. Now: the same config with an intact checkpoint resumes
-    (``resume_from_checkpoint=True``); a closed run (``summary.json``) is read, not run; a run
-    of another config, or without an intact checkpoint, is still removed. Catches each of the
-    three taken for another."""
+    """A run the study started that stopped (Ctrl-C, SIGTERM) was removed and trained again
+    from step 0, its checkpoints deleted, even after the user finished it by hand as the
+    recipe's stop message says. Now: the same settings with an intact checkpoint resume
+    (``resume_from_checkpoint=True``), also where --out is spelled another way; a closed run
+    (``summary.json``) is read, not run; a leftover without an intact checkpoint is removed;
+    a checkpoint or a finished run of other settings is refused, naming them, and kept.
+    Catches each taken for another, and a directory of step_N names taken for a checkpoint."""
     import torch
     from omegaconf import OmegaConf
 
@@ -268,38 +269,54 @@ def test_a_stopped_run_goes_on_from_its_checkpoint_and_one_finished_by_hand_is_r
     monkeypatch.setattr(runs, "run_recipe",
                         lambda cfg, d, resume=False: calls.append(resume) or _FAKE_SUMMARY)
     out = tmp_path / "runs"
-    argv = ["--tasks", "tiny", "--only", "group", "--methods", "GRPO", "--seeds", "0", "1", "2",
-            "--out", str(out), "--no-intervention", "--steps", "2"]
+    argv = ["--tasks", "tiny", "--only", "group", "--methods", "GRPO", "--out", str(out),
+            "--no-intervention", "--steps", "2", "--seeds"]
     overrides = {"num_steps": 2}
-    dirs = []
-    for seed in (0, 1, 2):
+
+    def stopped(seed, other=None, intact=True):
         d = study.run_dir(out, "tiny", "group", "GRPO", seed)
         d.mkdir(parents=True)
         cfg = runs.run_config("tiny", "group", "GRPO", {"name": "uniform"}, seed, out, overrides)
-        OmegaConf.save(cfg if seed != 2 else OmegaConf.merge(cfg, {"num_steps": 3}),
-                       d / "config.yaml")
-        AtomicCheckpointer(d / "checkpoints").save(1, {"w": torch.zeros(2)}, {"step": 1})
-        dirs.append(d)
-    write_summary(dirs[1], _FAKE_SUMMARY["history"], val_problems=4)  # finished by hand
-    results = study.main(argv)
-    # seed 0 resumed, seed 1 read back, seed 2 (another config: 3 steps) started again
-    assert calls == [True, False]
+        # written under --out spelled another way (relative to another directory)
+        cfg.output_dir = str(Path(cfg.output_dir).relative_to(tmp_path.parent))
+        OmegaConf.save(OmegaConf.merge(cfg, other or {}), d / "config.yaml")
+        if intact:
+            AtomicCheckpointer(d / "checkpoints").save(1, {"w": torch.zeros(2)}, {"step": 1})
+        else:  # what a kill during the first checkpoint's write may leave
+            (d / "checkpoints" / "step_1").mkdir(parents=True)
+        return d
+
+    d0, d1, d3 = stopped(0), stopped(1), stopped(3, intact=False)
+    write_summary(d1, _FAKE_SUMMARY["history"], val_problems=4, num_steps=2, val_samples=8)
+    results = study.main([*argv, "0", "1", "3"])
+    assert calls == [True, False]  # seed 0 resumed, seed 1 read back, seed 3 started again
     assert [r["went_on"] for r in results] == ["resume", "closed", None]
-    assert (dirs[0] / "checkpoints" / "step_1").is_dir() and (dirs[1] / "checkpoints").is_dir()
-    assert not (dirs[2] / "checkpoints").exists()
-    assert "seed 2: removed what a run of other settings" in capsys.readouterr().out
+    assert (d0 / "checkpoints" / "step_1").is_dir() and not (d3 / "checkpoints").exists()
+    assert "seed 3: removed what a run without a checkpoint left" in capsys.readouterr().out
     assert results[1]["val_after"] == 0.75 and results[1]["val_problems"] == 4
-    assert runs.unfinished(tmp_path / "nowhere", cfg) is None
+    d4 = stopped(4, other={"num_steps": 3})
+    with pytest.raises(SystemExit, match=r"seed_4 holds a stopped run of other settings: "
+                                         r"num_steps \(3 -> 2\); give the same --steps"):
+        study.main([*argv, "4"])
+    assert (d4 / "checkpoints" / "step_1").is_dir()  # kept
+    d5 = stopped(5)  # closed by hand with more steps (the recipe's advice to train further)
+    write_summary(d5, _FAKE_SUMMARY["history"], val_problems=4, num_steps=5, val_samples=8)
+    with pytest.raises(SystemExit, match=r"seed_5 holds a finished run of other settings: "
+                                         r"num_steps \(5 -> 2\)"):
+        study.main([*argv, "5"])
+    assert calls == [True, False]
 
 
 @pytest.mark.slow
 def test_ctrl_c_stops_the_run_at_a_checkpoint_and_the_next_call_goes_on(tmp_path):
-    """Ctrl-C of the study (SIGINT to its process alone, as a job scheduler's kill sends it):
-    the run's child was killed by subprocess.run before it could save, and the study ended in a
-    KeyboardInterrupt traceback. Now the child stops after its step's checkpoint, the study
-    says so in a line and exits 130, and the next call resumes that run. Catches the signal
-    not passed on (the child trains to the end), the child killed (no checkpoint), the
-    traceback, and a restart from step 0."""
+    """Ctrl-C of the study (SIGINT to its process group, as a terminal sends it), then SIGTERM
+    to the group (a scheduler, ``timeout``): the run's child was killed by subprocess.run before
+    it could save and the study ended in a traceback; a signal passed on as the same kind the
+    child already had is its second, which stops it without the step's checkpoint. Now each
+    stop leaves a checkpoint, the study says so in a line (exit 130, 143), and the next call
+    resumes the run, its log appended. Catches the signal not passed on (the child trains to
+    the end), the child killed, the same kind passed on, the traceback, a restart from step 0
+    and a log started again."""
     import os
     import signal
     import subprocess
@@ -308,28 +325,34 @@ def test_ctrl_c_stops_the_run_at_a_checkpoint_and_the_next_call_goes_on(tmp_path
 
     out = tmp_path / "runs"
     cmd = [sys.executable, "-m", "pepo.study.compare", "--tasks", "tiny", "--only", "group",
-           "--methods", "GRPO", "--seeds", "0", "--steps", "12", "--out", str(out),
-           "--no-intervention", "--set", "validation.every=12", "dataset.size=64"]
+           "--methods", "GRPO", "--seeds", "0", "--steps", "16", "--out", str(out),
+           "--no-intervention", "--set", "validation.every=16", "dataset.size=64"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     d = out / "tiny" / "group" / "grpo" / "seed_0"
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)
-    deadline = time.monotonic() + 300
-    while not re.search(r"pepo\[uniform\]:\s+\d+%\|[^|]*\| [2-9]/12",
-                        (d / "recipe.log").read_text() if (d / "recipe.log").is_file() else ""):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 130, err
-    assert "Traceback" not in err and "goes on from its last checkpoint" in err.splitlines()[-1]
-    latest = (d / "checkpoints" / "latest").read_text().strip()
-    stopped = int(latest.removeprefix("step_"))
-    assert 2 <= stopped < 12 and not (d / "result.json").exists()
+    stops = []
+    for sig, code, after in ((signal.SIGINT, 130, 2), (signal.SIGTERM, 143, None)):
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env, start_new_session=True)  # a group of its own
+        after = after or stops[-1] + 2
+        deadline = time.monotonic() + 300
+        while not any(int(n) >= after for n in re.findall(
+                r"pepo\[uniform\]:\s+\d+%\|[^|]*\| (\d+)/16",
+                (d / "recipe.log").read_text() if (d / "recipe.log").is_file() else "")):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        os.killpg(proc.pid, sig)  # the study and the run's child alike
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == code, err
+        assert "Traceback" not in err and (sig == signal.SIGTERM or "goes on from its last "
+                                           "checkpoint" in err.splitlines()[-1]), err
+        stops.append(int((d / "checkpoints" / "latest").read_text().strip()[len("step_"):]))
+        assert after <= stops[-1] < 16 and not (d / "result.json").exists(), stops
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     log = (d / "recipe.log").read_text()
-    assert f"Resumed from {d / 'checkpoints' / latest} at step {stopped}" in log
+    for stop in stops:
+        assert f"Resumed from {d / 'checkpoints' / f'step_{stop}'} at step {stop}" in log
+    assert "Ctrl-C: stopping after step" in log.split("Resumed from")[0]  # the first part kept
     assert json.loads((d / "result.json").read_text())["went_on"] == "resume"
 
 

@@ -34,7 +34,7 @@ statistic, whether |t| exceeds the two-sided 5% critical value, and wins / ties 
 each run's median step time (s), averaged over the seeds.
 
 Finished runs (a ``result.json`` in their directory) are read back, not rerun, so a study can
-be stopped and continued (a stopped run goes on from its last checkpoint, in
+be stopped and continued (a run stopped by Ctrl-C or SIGTERM goes on from its last checkpoint,
 ``pepo.study.runs``); a run records its ``--steps`` and
 ``--set``, and a call that asks others is refused. A Δ over fewer seeds than the method ran
 names its paired seeds; ``--report-only`` warns of planned runs without a result. To use more
@@ -499,6 +499,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
 
 if __name__ == "__main__":  # a SIGTERM raises SystemExit: the run's child is stopped first
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    # and Ctrl-C KeyboardInterrupt, even where it was ignored (a background job of a script):
+    # the run's child takes it whatever this process does
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         main()
     except KeyboardInterrupt:

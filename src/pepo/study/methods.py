@@ -71,6 +71,8 @@ def read_result(path: Path, required: tuple[str, ...] = RESULT_KEYS) -> dict:
         r = json.loads(Path(path).read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not a result JSON ({e})") from None
+    except OSError as e:  # a directory of that name, a file it may not read
+        raise ValueError(f"{path}: cannot be read ({e.strerror or e})") from None
     if not isinstance(r, dict):
         raise ValueError(f"{path}: not a result JSON (a {type(r).__name__}, not an object)")
     missing = [k for k in required if k not in r]
@@ -80,9 +82,11 @@ def read_result(path: Path, required: tuple[str, ...] = RESULT_KEYS) -> dict:
 
 
 def saved_result(d: Path) -> Optional[dict]:
-    """The result a finished run saved in ``d`` (:func:`read_result`), or None."""
+    """The result a finished run saved in ``d`` (:func:`read_result`, with the keys a study
+    pairs and compares runs by), or None."""
     done = d / "result.json"
-    return read_result(done) if done.is_file() else None
+    return read_result(done, ("task", "mode", "method", "seed", "val_after")) if done.is_file() \
+        else None
 
 
 def check_settings(saved: dict, overrides: dict[str, Any], d: Path) -> dict:

@@ -19,6 +19,7 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 
 from pepo.study.methods import check_settings, run_dir, saved_result
+from pepo.training.checkpointing import atomic_write_text
 from pepo.training.config import find_config, register_resolvers
 from pepo.training.precision import cpu_model
 from pepo.training.reporting import read_summary
@@ -51,10 +52,15 @@ def _take(d: Path):
 def run_one(task: str, mode: str, label: str, strategy: dict, seed: int, out: Path,
             overrides: dict[str, Any]) -> Optional[dict]:
     """One recipe run, or its saved result; None when another process is running it (so that
-    several processes can work through one plan). A run of the same config that stopped (a
-    Ctrl-C, a killed process) goes on from its last checkpoint, and one finished by hand (its
-    ``summary.json`` written) is taken as it is; what a run of other settings left, or one
-    with no checkpoint, is removed and the run starts again."""
+    several processes can work through one plan). A run of the same settings that stopped (a
+    Ctrl-C, SIGTERM) goes on from its last checkpoint, and one finished by hand (its
+    ``summary.json`` written) is taken as it is; what a run without a checkpoint left (a
+    killed process) is removed and the run starts again.
+
+    Raises:
+        ValueError: the run's directory holds a result, a checkpoint or a finished run of other
+            settings (naming them): never deleted.
+    """
     d = run_dir(out, task, mode, label, seed)
     if (saved := saved_result(d)) is not None:
         return check_settings(saved, overrides, d)
@@ -73,28 +79,47 @@ def run_one(task: str, mode: str, label: str, strategy: dict, seed: int, out: Pa
             for p in left:
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
             if left:
-                print(f"{task:10s} {mode:13s} {label:22s} seed {seed}: removed what a run of "
-                      f"other settings, or without a checkpoint, left; starting again", flush=True)
+                print(f"{task:10s} {mode:13s} {label:22s} seed {seed}: removed what a run "
+                      f"without a checkpoint left; starting again", flush=True)
         return _run(task, mode, label, strategy, seed, out, overrides, how)
+
+
+# where a run's files go: spelled from --out, which may be written another way next time
+_PATHS = ("output_dir", "prior_cache", "validation.before_cache")
 
 
 def unfinished(d: Path, cfg: Any) -> Optional[str]:
     """How the run of ``cfg`` whose output is ``d`` goes on: ``"closed"`` (finished, by hand
     with ``resume_from_checkpoint=True``: its ``summary.json`` is written), ``"resume"`` (an
-    intact checkpoint), or None (start again: no run, one of another config, no checkpoint)."""
+    intact checkpoint), or None (nothing to go on from: start again).
+
+    Raises:
+        ValueError: a closed run or a checkpoint of other settings (``d/config.yaml`` differs
+            but for where files go; a closed run's steps or validation k differ), naming them.
+    """
     from pepo.training.checkpointing import AtomicCheckpointer
     from pepo.training.closing import is_closed
+    from pepo.training.config import flatten_config, recipe_changes
 
+    closed = is_closed(d)
+    if not closed and AtomicCheckpointer(d / "checkpoints").latest() is None:
+        return None
     try:
-        same = (OmegaConf.to_container(OmegaConf.load(d / "config.yaml"))
-                == OmegaConf.to_container(cfg))
-    except (OSError, ValueError):  # none, or not a config (OmegaConf's errors are ValueErrors)
-        return None
-    if not same:
-        return None
-    if is_closed(d):
-        return "closed"
-    return "resume" if AtomicCheckpointer(d / "checkpoints").latest() is not None else None
+        saved = flatten_config(OmegaConf.load(d / "config.yaml"), _PATHS, resolve=False)
+    except Exception:  # none, or not YAML (a write cut short): what ran there is not known
+        saved = None
+    changed = (["its config.yaml (missing or unreadable)"] if saved is None else
+               recipe_changes(saved, flatten_config(cfg, _PATHS, resolve=False)))
+    if closed and not changed:  # what the user's resume may have changed
+        summary = read_summary(str(d))
+        changed = [f"{key} ({summary.get(key)!r} -> {want!r})" for key, want in (
+            ("num_steps", int(cfg.num_steps)), ("val_samples", int(cfg.validation.samples)))
+            if summary.get(key, want) != want]
+    if changed:
+        raise ValueError(f"{d} holds a {'finished' if closed else 'stopped'} run of other "
+                         f"settings: {', '.join(changed)}; give the same --steps/--set, another "
+                         f"--out, or remove it")
+    return "closed" if closed else "resume"
 
 
 def run_config(task: str, mode: str, label: str, strategy: dict, seed: int, out: Path,
@@ -163,18 +188,26 @@ def _run(task: str, mode: str, label: str, strategy: dict, seed: int, out: Path,
     return result
 
 
-def _stop(proc: subprocess.Popen, d: Path) -> None:
-    """Stops the recipe run ``proc`` (in ``d``) after its step's checkpoint: SIGTERM, which its
-    handlers take as a first stop request whether or not the terminal's Ctrl-C reached it too;
-    a second interrupt while it finishes kills it."""
-    print(f"stopping the run in {d} after its current step and checkpoint (Ctrl-C again: at "
-          f"once)", file=sys.stderr, flush=True)
+def _stop(proc: subprocess.Popen, d: Path, got: BaseException) -> None:
+    """Stops the recipe run ``proc`` (in ``d``) after its step's checkpoint, this process having
+    got ``got`` (KeyboardInterrupt: SIGINT; SystemExit: SIGTERM). The child is sent the other
+    kind of signal: the same signal may have reached it too (the terminal's Ctrl-C, a SIGTERM
+    to the process group), and a second one of a kind stops it at once, without the step's
+    checkpoint; one of each is one stop request. A second interrupt here stops it at once (that
+    kind again), and after a minute it is killed; its last checkpoint is intact either way."""
+    forward = signal.SIGINT if isinstance(got, SystemExit) else signal.SIGTERM
+    print(f"stopping the run in {d} after its current step and checkpoint (again: at once)",
+          file=sys.stderr, flush=True)
     try:
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(forward)
         proc.wait()
     except BaseException:
-        proc.kill()
-        proc.wait()
+        proc.send_signal(forward)
+        try:
+            proc.wait(timeout=60)
+        except BaseException:
+            proc.kill()
+            proc.wait()
 
 
 def precision_line(log: Path) -> Optional[str]:
@@ -193,14 +226,15 @@ def run_recipe(cfg: Any, d: Path, resume: bool = False) -> dict[str, Any]:
     ``d/recipe.log`` (appended to on a resume); returns the summary the run wrote
     (:func:`pepo.training.reporting.read_summary`).
 
-    A Ctrl-C (or SIGTERM) of this process stops the run as the recipe's own Ctrl-C does, after
-    its current step and that step's checkpoint; a second one ends it at once (its last
-    checkpoint is intact either way). Then the interrupt goes on up.
+    A Ctrl-C (or SIGTERM) of this process, or of its process group, stops the run as the
+    recipe's own Ctrl-C does, after its current step and that step's checkpoint (:func:`_stop`);
+    a second one ends it at once (its last checkpoint is intact either way). Then the interrupt
+    goes on up.
 
     Raises:
         RuntimeError: the run failed; the message ends with the last lines of its log.
     """
-    OmegaConf.save(cfg, d / "config.yaml")
+    atomic_write_text(d / "config.yaml", OmegaConf.to_yaml(cfg))  # whole or absent
     log_path = d / "recipe.log"
     with open(log_path, "a" if resume else "w", encoding="utf-8") as log_file:
         proc = subprocess.Popen([sys.executable, "-m", "pepo_recipe", "--config",
@@ -209,9 +243,11 @@ def run_recipe(cfg: Any, d: Path, resume: bool = False) -> dict[str, Any]:
                                 stdout=log_file, stderr=subprocess.STDOUT)
         try:
             code = proc.wait()
-        except BaseException:  # Ctrl-C, or SIGTERM (SystemExit): the run saves its step first
-            _stop(proc, d)
+        except BaseException as e:  # Ctrl-C, or SIGTERM (SystemExit): the run saves its step
+            _stop(proc, d, e)
             raise
+    if code in (130, 143):  # the run was stopped by a signal that reached it alone: so is this
+        raise KeyboardInterrupt if code == 130 else SystemExit(code)
     if code != 0:
         tail = log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-12:]
         raise RuntimeError(f"the recipe run in {d} failed (exit code {code}); the end of "

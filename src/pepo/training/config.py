@@ -41,6 +41,7 @@ __all__ = [
     "check_device",
     "check_machine",
     "check_metric_logger",
+    "check_kind",
     "check_output_dir",
     "check_rules",
     "check_tokenizer_dir",
@@ -148,10 +149,11 @@ def resolve_config_arg(argv: list[str]) -> list[str]:
                      "ls` lists them) or a YAML file")
         try:
             argv[i] = find_config(argv[i])
-            loaded = OmegaConf.load(argv[i])
         except ValueError as e:
             sys.exit(f"error: {e}")
-        except Exception as e:  # yaml's own errors: the file is not YAML
+        try:
+            loaded = OmegaConf.load(argv[i])
+        except Exception as e:  # yaml's own errors, bytes that are not UTF-8: not a YAML file
             sys.exit(f"error: {argv[i]} is not a YAML config: " + " ".join(str(e).split()))
         if not isinstance(loaded, DictConfig):
             sys.exit(f"error: {argv[i]}: a config is a YAML mapping of keys, not a list")
@@ -335,10 +337,11 @@ def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: node}
 
 
-def flatten_config(node: Any, leave_out: tuple[str, ...] = ()) -> dict[str, Any]:
-    """``node`` (a config or a section of one) resolved and flattened to ``a.b.c`` keys, but
-    for the keys under ``leave_out``."""
-    flat = _flatten(OmegaConf.to_container(node, resolve=True))
+def flatten_config(node: Any, leave_out: tuple[str, ...] = (),
+                   resolve: bool = True) -> dict[str, Any]:
+    """``node`` (a config or a section of one) resolved (unless not ``resolve``) and flattened
+    to ``a.b.c`` keys, but for the keys under ``leave_out``."""
+    flat = _flatten(OmegaConf.to_container(node, resolve=resolve))
     return {k: v for k, v in flat.items() if not _under(k, leave_out)}
 
 
