@@ -336,8 +336,9 @@ def test_cli_bad_input_is_one_line(tmp_path):
     d = runs / "tiny" / "group" / "grpo" / "seed_0"
     d.mkdir(parents=True)
     (runs / "results.json").write_text("[]")
+    (runs / "tiny_spo" / "single_stream").mkdir(parents=True)  # a study of one mode only
     with pytest.raises(SystemExit, match=r"^error: --task 'smollm2_steps' has no runs under the "
-                                         r"study directory .*; its tasks: tiny$"):
+                                         r"study directory .*; its tasks: tiny, tiny_spo$"):
         power.main([str(runs), "--out", str(tmp_path / "a")])
     docs = tmp_path / "docs"
     docs.mkdir()
@@ -347,6 +348,10 @@ def test_cli_bad_input_is_one_line(tmp_path):
         power.main([str(docs), "--out", str(tmp_path / "b")])
     (docs / "summary.json").write_text('{"method": "GRPO", "se')
     with pytest.raises(SystemExit, match=r"summary.json: not a result JSON \(Unterminated"):
+        power.main([str(docs), "--out", str(tmp_path / "b")])
+    (docs / "summary.json").unlink()
+    (docs / "a.json").mkdir()  # a directory of a result's name
+    with pytest.raises(SystemExit, match=r"a.json: cannot be read \(Is a directory\)$"):
         power.main([str(docs), "--out", str(tmp_path / "b")])
     (tmp_path / "file").write_text("")
     with pytest.raises(SystemExit, match=r"--out=.*file' cannot be a directory"):

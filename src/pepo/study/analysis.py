@@ -47,6 +47,7 @@ import math
 import shutil
 import sys
 import time
+import zlib
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -131,7 +132,7 @@ def load_dump(path: Union[str, Path, Sequence[Union[str, Path]]]) -> RolloutDump
                     for n, line in enumerate(fh, 1):
                         if line.strip():
                             records.append({**_record(line, f, n), "source": source})
-            except (OSError, EOFError, UnicodeDecodeError) as e:  # truncated, not gzip, ...
+            except (OSError, EOFError, UnicodeDecodeError, zlib.error) as e:  # cut, not gzip
                 raise ValueError(f"{f}: cannot be read as a rollout dump "
                                  f"({type(e).__name__}: {e})") from None
     return RolloutDump(records)

@@ -456,7 +456,7 @@ def _main(args: argparse.Namespace) -> dict[str, dict[float, float]]:
     except Exception as e:  # yaml's own errors
         raise ValueError(f"--config {path} is not a YAML config: {' '.join(str(e).split())}")
     missing = [k for k in ("model", "tokenizer", "val_dataset", "checkpoint_dir", "generation")
-               if not isinstance(cfg, DictConfig) or k not in cfg]
+               if not isinstance(cfg, DictConfig) or cfg.get(k) is None]  # absent, or null
     if missing:  # an eval config, say: the intervention samples a training config's prompts
         raise ValueError(f"--config {path} is not a training config with validation prompts: "
                          f"it has no {', '.join(missing)}")

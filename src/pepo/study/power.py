@@ -345,7 +345,8 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     runs, out = Path(args.runs), Path(args.out)
     from pepo.training.config import check_output_dir
 
-    tasks = sorted(p.parent.name for p in runs.glob("*/group"))  # a study directory's
+    tasks = sorted({p.parent.name for mode in ("group", "single_stream")  # a study directory's
+                    for p in runs.glob(f"*/{mode}")})
     try:
         check_output_dir(out, "--out")
         if (runs / args.task).is_dir():

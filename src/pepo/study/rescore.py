@@ -20,6 +20,7 @@ import gzip
 import json
 import re
 import statistics
+import zlib
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -73,7 +74,7 @@ def read_rows(path: Path) -> list[dict]:
                     rows.append(json.loads(line))
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-    except (OSError, EOFError, UnicodeDecodeError) as e:  # gzip's BadGzipFile is an OSError
+    except (OSError, EOFError, UnicodeDecodeError, zlib.error) as e:  # BadGzipFile: OSError
         raise ValueError(f"{path}: cannot be read as a rollout dump "
                          f"({type(e).__name__}: {e})") from None
     return rows
