@@ -186,9 +186,11 @@ class PEPORecipe(FTRecipeInterface):
                     f"output_dir={str(self.output_dir)!r} already holds a run's checkpoints; pass "
                     f"resume_from_checkpoint=True to continue it, or choose another output_dir"
                 )
-            if not self.resume and closing.is_closed(self.output_dir):  # its checkpoints gone
+            finished = closing.is_closed(self.output_dir) and not has_checkpoints
+            if finished:  # its checkpoints deleted: nothing to resume, results not to be lost
                 raise ValueError(f"output_dir={str(self.output_dir)!r} holds a finished run (its "
-                                 f"summary.json): choose another output_dir, or delete it first")
+                                 f"summary.json) and no checkpoint to go on from: choose another "
+                                 f"output_dir, or remove that run's files first")
             if self.resume and not has_checkpoints:
                 raise ValueError(
                     f"resume_from_checkpoint=True but {self.output_dir / 'checkpoints'} holds no "
@@ -474,7 +476,7 @@ class PEPORecipe(FTRecipeInterface):
                 self.lr_scheduler.step()
             return
         self.optimizer.zero_grad(set_to_none=True)
-        self.nonfinite.skipped(self.step, loss, grad_norm, self.checkpointer.latest())
+        self.nonfinite.skipped(self.step, loss, grad_norm, self.checkpointer.latest)
 
     @property
     def nonfinite_total(self) -> int:

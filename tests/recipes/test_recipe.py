@@ -398,8 +398,10 @@ def test_fresh_run_refuses_an_output_dir_with_checkpoints(tmp_path):
     out = tmp_path / "run"
     shutil.rmtree(out / "checkpoints")
     summary = (out / "summary.json").read_text()
-    with pytest.raises(ValueError, match=r"holds a finished run \(its summary.json\): choose "):
-        pepo_recipe.PEPORecipe(tiny_cfg(tmp_path, num_steps=1))
+    for resume in (False, True):  # the resume's "start without it" would go round in a circle
+        with pytest.raises(ValueError, match=r"holds a finished run \(its summary.json\) and no "
+                                             r"checkpoint to go on from: choose another"):
+            pepo_recipe.PEPORecipe(tiny_cfg(tmp_path, num_steps=1, resume_from_checkpoint=resume))
     assert (out / "summary.json").read_text() == summary
 
 

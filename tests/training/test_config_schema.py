@@ -550,6 +550,10 @@ def test_a_config_file_that_is_not_a_mapping_or_of_the_other_recipe_is_one_line(
         resolve_config_arg(["x", "--config", str(bad)])
     with pytest.raises(SystemExit, match=r": a config is a YAML mapping of keys, not a list$"):
         resolve_config_arg(["x", "--config", str(listed)])
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes(b"name: caf\xe9\n")  # not UTF-8: the error named no file
+    with pytest.raises(SystemExit, match=rf"^error: {latin} is not a YAML config: 'utf-8'"):
+        resolve_config_arg(["x", "--config", str(latin)])
     with pytest.raises(ValueError, match=r"^this is an evaluation config .* `tune run pepo_eval`$"):
         validate_config(OmegaConf.load(find_config("eval_tiny")))
     with pytest.raises(ValueError, match=r"^this is not a training config: it has no strategy or "

@@ -286,6 +286,14 @@ def test_validation_before_training_is_read_and_the_run_is_the_same(tmp_path, mo
               (tmp_path / n / "run" / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
              for n in "abc"]
     assert dumps[0] == dumps[1] == dumps[2]
+    # a cache an earlier pepo wrote, which recorded such a setting: read all the same
+    saved["fingerprint"]["generation.batch_size"] = 7
+    cache.write_text(json.dumps(saved))
+    calls.clear()
+    pepo_recipe.recipe_main(tiny_cfg(tmp_path / "d", num_steps=1, validation={
+        "every": 1, "before_cache": str(cache)}, checkpoint_dir=runs[0].checkpoint_dir),
+        log_config=False)
+    assert calls == [1]
 
 
 def _write_problems(path, answer: str) -> None:

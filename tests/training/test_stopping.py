@@ -118,19 +118,19 @@ def test_non_finite_guard_counts_and_stops_after_too_many_in_a_row():
     g = NonFiniteGuard(max_in_a_row=2)
     nan, one = torch.tensor(float("nan")), torch.tensor(1.0)
     assert not g.finite(nan, one)
-    g.skipped(1, nan, one, Path("ckpts"))  # one in a row: a warning only
+    g.skipped(1, nan, one, lambda: pytest.fail("read before the stop"))  # a warning only
     assert g.finite(one, one) and (g.total, g.in_a_row) == (1, 0)
     assert not g.finite(one, torch.tensor(float("inf")))
-    g.skipped(2, one, one, Path("ckpts"))
+    g.skipped(2, one, one, lambda: pytest.fail("read before the stop"))
     assert not g.finite(nan, one)
     with pytest.raises(NonFiniteError, match=r"^2 optimizer steps in a row had a non-finite loss "
                                              r"or gradient \(max_nonfinite_steps=2\); stopping "
                                              r"at step 3. The last checkpoint is ckpts/step_2.$"):
-        g.skipped(3, nan, one, Path("ckpts/step_2"))
+        g.skipped(3, nan, one, lambda: Path("ckpts/step_2"))
     assert (g.total, g.in_a_row) == (3, 2)
     # none written yet (save_every=0, the first steps): not a directory that does not exist
     with pytest.raises(NonFiniteError, match=r"at step 4. No checkpoint was written before it.$"):
-        g.skipped(4, nan, one, None)
+        g.skipped(4, nan, one, lambda: None)
 
 
 def test_a_full_disk_is_a_checkpoint_error_naming_the_last_intact_one(tmp_path, monkeypatch):

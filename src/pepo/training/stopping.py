@@ -169,15 +169,18 @@ class NonFiniteGuard:
         self.in_a_row += 1
         return False
 
-    def skipped(self, step: int, loss: Any, grad_norm: Any, last: Optional[Path]) -> None:
-        """Warns about a skipped step; raises :class:`NonFiniteError` after too many in a row
-        (naming ``last``, the last checkpoint written, or saying there is none)."""
+    def skipped(self, step: int, loss: Any, grad_norm: Any,
+                last: Callable[[], Optional[Path]]) -> None:
+        """Warns about a skipped step; raises :class:`NonFiniteError` after too many in a row,
+        naming ``last()`` (the last checkpoint written, asked for then only) or saying there is
+        none."""
         if self.log is not None:
             self.log.warning(
                 f"step {step}: non-finite loss ({float(loss)}) or gradient norm "
                 f"({float(grad_norm)}); optimizer step skipped ({self.in_a_row} in a row)"
             )
         if self.in_a_row >= self.max_in_a_row:
+            last = last()
             raise NonFiniteError(
                 f"{self.in_a_row} optimizer steps in a row had a non-finite loss or "
                 f"gradient (max_nonfinite_steps={self.max_in_a_row}); stopping at step "
