@@ -76,7 +76,6 @@ from pepo.training.config import (
     prior_fingerprint,
     register_resolvers,
     resolve_config_arg,
-    resumable_checkpoint,
     setting_warnings,
     val_before_fingerprint,
     validate_config,
@@ -236,9 +235,9 @@ class PEPORecipe(FTRecipeInterface):
             self.output_dir / "checkpoints", keep=c.keep_checkpoints,
             best_metric="val_accuracy" if c.keep_best else None,
         )
-        resume_state = resumable_checkpoint(
-            self.checkpointer, self.experiment, self.num_steps, log.warning,
-            closed=closing.is_closed(self.output_dir)) if self.resume else None
+        resume_state = resume.agreed_checkpoint(  # rank 0 chooses it for every rank
+            self.checkpointer, self.dist, experiment=self.experiment, num_steps=self.num_steps,
+            warn=log.warning, closed=closing.is_closed(self.output_dir)) if self.resume else None
 
         with training.set_default_dtype(self._dtype), self._device:
             self.model = build(cfg, "model")
@@ -541,7 +540,7 @@ class PEPORecipe(FTRecipeInterface):
     def train(self) -> None:
         if self.step == 0 and self.val_every:  # validation.before_cache may keep it
             acc, read = prior_cache.cached_value(self.val_cache, self.val_fingerprint,
-                                                 self.validate, write=self.dist.is_main)
+                                                 self.validate, dist=self.dist)
             self.history.append({"step": 0, "val_accuracy": acc, "val_samples": self.val_samples})
             self.metric_logger.log_dict({"val_accuracy": acc}, step=0)
             if self.dist.is_main:

@@ -543,3 +543,45 @@ def test_checkpoints_newer_than_a_valid_marker_are_not_preferred(tmp_path, marke
     assert path.name == want and state == {"step": int(want[-1])}
     assert not [w for w in seen if "step_3" in str(w.message)]
     assert len(seen) == (2 if marked_damaged else 0)  # damaged step_2, once per call
+
+
+class _Rank:
+    """A rank of a multi-process resume: rank 0's object comes back from the gather, and
+    ``others_failed`` is what the other ranks said to ``any``."""
+
+    def __init__(self, rank, rank0=None, others_failed=False):
+        self.enabled, self.is_main = True, rank == 0
+        self.rank0, self.others_failed = rank0, others_failed
+
+    def gather_objects(self, obj):
+        return [obj if self.is_main else self.rank0, obj]
+
+    def any(self, flag):
+        return bool(flag) or self.others_failed
+
+
+def test_every_rank_resumes_from_the_checkpoint_rank_0_chose(tmp_path):
+    """Each rank chose its own checkpoint, falling back to an older one on any error of its own
+    (a read that failed on one node): ranks went on from different steps, their weights mixed.
+    Catches a rank other than 0 choosing (its newest, step 2, where rank 0 chose step 1), a
+    rank that cannot load the chosen state carrying on, rank 0's refusal raised on rank 0 only,
+    and rank 0 carrying on when another rank failed."""
+    from pepo.training.resume import agreed_checkpoint
+
+    root = tmp_path / "checkpoints"
+    ckpt = ck.AtomicCheckpointer(root, keep=3)
+    for step in (1, 2):
+        ckpt.save(step, {"w": torch.full((2,), float(step))}, {"step": step})
+    kw = {"experiment": {}, "num_steps": 4, "warn": lambda msg: None, "closed": False}
+    path, state = agreed_checkpoint(ckpt, _Rank(1, (str(root / "step_1"), None)), **kw)
+    assert path == root / "step_1" and state["step"] == 1
+    path, state = agreed_checkpoint(ckpt, _Rank(0), **kw)  # rank 0: the newest intact one
+    assert path == root / "step_2" and state["step"] == 2
+    with pytest.raises(ValueError, match="is at step 2, and num_steps=2 asks for no more"):
+        agreed_checkpoint(ckpt, _Rank(1, (None, "step_2 is at step 2, and num_steps=2 asks for "
+                                                "no more; raise num_steps to train further")),
+                          **kw)
+    with pytest.raises(ValueError, match=r"step_7: its training state does not load here"):
+        agreed_checkpoint(ckpt, _Rank(1, (str(root / "step_7"), None)), **kw)
+    with pytest.raises(ValueError, match=r"another process could not load .*step_2"):
+        agreed_checkpoint(ckpt, _Rank(0, others_failed=True), **kw)

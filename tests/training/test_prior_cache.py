@@ -254,6 +254,43 @@ def test_cached_value_computes_once_and_names_a_changed_setting(tmp_path):
         prior_cache.cached_value(str(tmp_path / "bad.json"), fp, compute)
 
 
+class _Rank:
+    """A rank of a multi-process run, as cached_value sees it: rank 0's object comes back from
+    the gather (``rank0``, what rank 0 found; this rank's own view is not used)."""
+
+    def __init__(self, rank, rank0=None):
+        self.is_main, self.rank0, self.sent = rank == 0, rank0, []
+
+    def gather_objects(self, obj):
+        self.sent.append(obj)
+        return [obj if self.is_main else self.rank0, obj]
+
+
+def test_cached_value_takes_rank_0s_answer_on_every_rank(tmp_path):
+    """Each rank looked for the file itself: a rank that found it (a node-local path of an
+    earlier run, a file written between two ranks' looks) skipped the collective validation
+    the others ran, and their collectives went out of step. Catches a rank deciding on its own
+    view either way, a rank other than 0 writing, and rank 0's refusal raised on rank 0 alone."""
+    fp = {"seed": 3}
+    here, absent = tmp_path / "v.json", str(tmp_path / "nowhere.json")
+    prior_cache.cached_value(str(here), fp, lambda: 0.25)  # a file on this node only
+    rank0 = _Rank(0)
+    assert prior_cache.cached_value(str(here), fp, lambda: 0.0, dist=rank0) == (0.25, True)
+    assert rank0.sent == [("value", 0.25)]
+    # rank 1 does not see the file rank 0 read: it takes rank 0's value, computes nothing
+    assert prior_cache.cached_value(absent, fp, lambda: pytest.fail("computed"),
+                                    dist=_Rank(1, ("value", 0.25))) == (0.25, True)
+    # rank 1 sees a file rank 0 did not: it computes with the others, and writes nothing
+    assert prior_cache.cached_value(str(here), fp, lambda: 0.5, dist=_Rank(1)) == (0.5, False)
+    other = tmp_path / "other.json"
+    assert prior_cache.cached_value(str(other), fp, lambda: 0.5, dist=_Rank(1)) == (0.5, False)
+    assert not other.exists()
+    with pytest.raises(ValueError, match="made under other settings: seed"):
+        prior_cache.cached_value(absent, fp, lambda: 0.0, dist=_Rank(1, (
+            "error", f"validation.before_cache={str(here)!r} was made under other settings: "
+                     f"seed (3 -> 4)")))
+
+
 def test_validation_before_training_is_read_and_the_run_is_the_same(tmp_path, monkeypatch):
     """validation.before_cache: the second run of a seed reads the first's validation before
     training (one validation fewer) and trains exactly as without it: the same step-0 accuracy,

@@ -162,23 +162,39 @@ def checked_fingerprint(path: Optional[str], fingerprint: Mapping[str, Any], che
 
 def cached_value(path: Optional[str], fingerprint: Mapping[str, Any],
                  compute: Callable[[], float], what: str = "validation.before_cache",
-                 write: bool = True) -> tuple[float, bool]:
+                 write: bool = True, dist: Any = None) -> tuple[float, bool]:
     """``(value, read)``: the number kept in ``path`` when it was made under ``fingerprint``,
-    else ``compute()``, written to ``path`` atomically (when ``write``: the main process). No
-    ``path``: always computed.
+    else ``compute()``, written to ``path`` atomically (when ``write``). No ``path``: always
+    computed.
+
+    With several processes (``dist``, a :class:`pepo.training.distributed.Dist`) every rank
+    calls this and takes rank 0's answer: whether the file is there is not a rank's own view
+    (a node-local path, a file that appears between two ranks' looks), since ``compute`` is
+    collective; only rank 0 writes.
 
     Raises:
         ValueError: the file is not such a cache, or was made under other settings (naming each
-            key that differs).
+            key that differs), on every rank.
     """
     if not path:
         return compute(), False
     p = Path(path)
-    if p.is_file():
-        return float(_load(p, fingerprint, "value", what, "a cached value file",
-                           VAL_BEFORE_IGNORES)), True
+    main = dist is None or dist.is_main
+    found = None
+    if main and p.is_file():
+        try:
+            found = ("value", float(_load(p, fingerprint, "value", what, "a cached value file",
+                                          VAL_BEFORE_IGNORES)))
+        except ValueError as e:
+            found = ("error", str(e))
+    if dist is not None:
+        found = dist.gather_objects(found)[0]
+    if found is not None:
+        if found[0] == "error":
+            raise ValueError(found[1])
+        return found[1], True
     value = float(compute())
-    if write:
+    if write and main:
         p.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_temps(p)
         atomic_write_text(p, json.dumps({"version": VERSION, "fingerprint": dict(fingerprint),

@@ -31,7 +31,8 @@ from pepo.training.models import check_state_matches
 from pepo.training.reporting import truncate_metrics_log
 from pepo.training.stopping import checkpoint_failure
 
-__all__ = ["load_state", "model_state_dict", "save_state", "truncate_metrics"]
+__all__ = ["agreed_checkpoint", "load_state", "model_state_dict", "save_state",
+           "truncate_metrics"]
 
 
 def model_state_dict(model: torch.nn.Module, dist: Any,
@@ -78,6 +79,39 @@ def save_state(recipe: Any, step: int, metrics: Optional[dict[str, float]] = Non
                 raise
             raise failed from None
     recipe.dist.barrier()
+
+
+def agreed_checkpoint(checkpointer: Any, dist: Any, **kwargs: Any) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint a resume goes on from, the same on every rank: rank 0 chooses it
+    (:func:`pepo.training.config.resumable_checkpoint` with ``kwargs``, which skips a damaged
+    one for an older one), the others load that one's state and no other (a read that failed
+    on one rank alone, a file system that differs between nodes, had that rank go on from
+    another step, its weights mixed into the others' shards).
+
+    Raises:
+        ValueError: rank 0's refusal, or a rank that cannot load the chosen state, on every rank.
+    """
+    from pepo.training.config import resumable_checkpoint
+
+    if not dist.enabled:
+        return resumable_checkpoint(checkpointer, **kwargs)
+    found, error = None, None
+    if dist.is_main:
+        try:
+            found = resumable_checkpoint(checkpointer, **kwargs)
+        except ValueError as e:
+            error = str(e)
+    path, error = dist.gather_objects((found and str(found[0]), error))[0]
+    if error is not None:
+        raise ValueError(error)
+    if found is None:
+        try:
+            found = Path(path), checkpointer.load_state(path)
+        except Exception as e:  # OSError, pickle errors, out of memory ...
+            error = f"{path}: its training state does not load here ({type(e).__name__}: {e})"
+    if dist.any(error is not None):
+        raise ValueError(error or f"another process could not load {path}'s training state")
+    return found
 
 
 def load_state(recipe: Any, path: Path, state: dict[str, Any],
