@@ -152,3 +152,22 @@ def test_a_full_disk_is_a_checkpoint_error_naming_the_last_intact_one(tmp_path, 
     monkeypatch.setattr(files.shutil, "disk_usage", lambda p: type("U", (), {"free": 10})())
     assert isinstance(checkpoint_failure(RuntimeError("stream"), 7, tmp_path, None),
                       CheckpointFailed)
+
+
+def test_a_stop_is_not_taken_for_the_interrupted_codes_own_failure(monkeypatch):
+    """A second Ctrl-C raised inside the verifier (MathVerify(workers=0) scores in-process) was
+    caught by its ``except Exception`` as a failed check and scored 0: the stop was lost and
+    the step went on. Catches TrainingStopped derived from Exception (RuntimeError, as it was)."""
+    import sys
+    import types
+
+    from pepo.tasks.rewards import math_verify_score
+
+    def parse(*a, **k):
+        raise TrainingStopped("a second Ctrl-C stopped the run during step 3", exit_code=130)
+
+    monkeypatch.setitem(sys.modules, "math_verify",
+                        types.SimpleNamespace(parse=parse, verify=lambda *a, **k: True))
+    with pytest.raises(TrainingStopped, match="a second Ctrl-C"):
+        math_verify_score("the answer is 4", "4")
+    assert not issubclass(TrainingStopped, Exception)

@@ -37,10 +37,12 @@ __all__ = [
 ]
 
 
-class TrainingStopped(RuntimeError):
+class TrainingStopped(BaseException):
     """Raised when SIGTERM or Ctrl-C (SIGINT) stopped the run: at a step boundary after its
     checkpoint, or at once on a second signal of the same kind. ``exit_code`` is what a process
-    killed by that signal reports (143 for SIGTERM, 130 for SIGINT)."""
+    killed by that signal reports (143 for SIGTERM, 130 for SIGINT). Not an ``Exception``, as
+    ``KeyboardInterrupt`` is not: raised from a signal handler anywhere, it must not be taken
+    for that code's own failure (a verifier's error scored 0, a kernel's fallback)."""
 
     def __init__(self, message: str, exit_code: int = 143) -> None:
         super().__init__(message)
