@@ -83,3 +83,37 @@ def test_a_rewards_own_success_rule_decides_avg_at_k_and_the_records():
     assert is_success(lambda r, a: r, rewards).tolist() == [True, True, False, True]
     with pytest.raises(ValueError):
         is_success(SimpleNamespace(success=lambda r: r), rewards)  # not bool flags
+
+
+def test_a_process_with_no_rollouts_of_its_own_samples_none_and_scores_none():
+    """A validation or an offline prior of fewer rollouts than processes leaves some process an
+    empty share: it raised in pad_prompts ("every prompt needs at least one token") after the
+    engine's gather, while the others waited in theirs. Catches the in-process engine, the
+    reward call or avg@k's tally not taking an empty share (with a stand-in of two processes
+    where this one, rank 1, gets none of 1 rollout)."""
+    from pepo.training.engines import InProcessEngine
+    from pepo.training.models import tiny_qwen3
+    from pepo.training.rollouts import sample_and_score
+
+    ro = InProcessEngine(tiny_qwen3(vocab_size=16)).generate(
+        [], max_new_tokens=3, pad_id=0, stop_tokens=[1])
+    assert ro.tokens.shape == (0, 1) and ro.mask.shape == (0, 1) and ro.finished.shape == (0,)
+
+    def reward(responses, answers):
+        pytest.fail("the reward was asked about no responses")
+
+    ro, rewards, texts = sample_and_score(RecordingEngine(), RowTokenizer(), [], reward,
+                                          stop_tokens=[7], max_new_tokens=2)
+    assert rewards.shape == (0,) and texts == []
+
+    class SecondOfTwo:
+        enabled, is_main, world_size = True, False, 2
+
+        def shard(self, n):
+            return slice(n, n)  # rank 1 of 2, n = 1: nothing
+
+        def sum(self, t):
+            return t + torch.tensor([1.0, 1.0])  # rank 0's one success of one
+
+    assert avg_at_k(RecordingEngine(), RowTokenizer(), PROBLEMS[:1], 1, PartialCredit(),
+                    dist=SecondOfTwo(), max_new_tokens=2) == 1.0

@@ -80,9 +80,9 @@ class InProcessEngine:
 
         kwargs.setdefault("compile", self.compile)
         device = next(self.model.parameters()).device
-        # FSDP2: gathered once for the whole rollout phase
+        # FSDP2: gathered once for the whole rollout phase (by every rank, with rows or not)
         with unsharded(self.model), autocast(device, self.compute_dtype):
-            return generate(self.model, prompts, **kwargs)
+            return generate(self.model, prompts, **kwargs) if prompts else Rollouts.empty(device)
 
     def weights_changed(self) -> None:
         """Nothing to do: the engine samples from the trainer's own parameters."""
@@ -353,6 +353,8 @@ def _rollouts(
     finished: list[bool], pad_id: int, device: torch.device,
 ) -> Rollouts:
     """Rollouts in :func:`pepo.training.generation.generate`'s layout from per-request lists."""
+    if not prompts:  # this rank's share was empty (it woke and synced the engine all the same)
+        return Rollouts.empty(device)
     prompt_tokens, prompt_mask = pad_prompts(prompts, pad_id, device)
     width = max(1, max(len(r) for r in responses))
     b = len(responses)

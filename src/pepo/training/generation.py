@@ -70,6 +70,16 @@ class Rollouts:
     finished: torch.Tensor
     logprobs: Optional[torch.Tensor] = None
 
+    @staticmethod
+    def empty(device: Optional[torch.device] = None) -> "Rollouts":
+        """No rows: what a process whose share of a batch is empty samples (fewer rollouts
+        than processes), having taken part in the engine's collectives."""
+        def zeros(dtype: torch.dtype, *shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        return Rollouts(zeros(torch.long, 0, 1), zeros(torch.bool, 0, 1), zeros(torch.long, 0, 1),
+                        zeros(torch.bool, 0, 1), zeros(torch.bool, 0), zeros(torch.float32, 0, 1))
+
 
 def pad_prompts(
     prompts: Sequence[Sequence[int]], pad_id: int, device: Optional[torch.device] = None

@@ -147,6 +147,8 @@ def sample_and_score(
         **gen_kwargs,
     )
     texts = [tokenizer.decode(t[m].tolist()) for t, m in zip(ro.tokens, ro.mask)]
+    if not problems:  # a process's empty share of a batch: nothing to ask the reward
+        return ro, torch.zeros(0, device=ro.tokens.device), texts
     rewards = reward_tensor(reward_fn(texts, [p.answer for p in problems]), len(problems),
                             reward_fn).to(ro.tokens.device)  # [B]
     return ro, rewards, texts
