@@ -179,22 +179,7 @@ class PEPORecipe(FTRecipeInterface):
         # holds it for the job); a second run gets one config error naming the holder
         self.run_lock = RunLock(self.output_dir) if self.dist.is_main else None
         try:
-            has_checkpoints = AtomicCheckpointer(self.output_dir / "checkpoints").has_checkpoints()
-            if not self.resume and has_checkpoints:
-                raise ValueError(
-                    f"output_dir={str(self.output_dir)!r} already holds a run's checkpoints; pass "
-                    f"resume_from_checkpoint=True to continue it, or choose another output_dir"
-                )
-            finished = closing.is_closed(self.output_dir) and not has_checkpoints
-            if finished:  # its checkpoints deleted: nothing to resume, results not to be lost
-                raise ValueError(f"output_dir={str(self.output_dir)!r} holds a finished run (its "
-                                 f"summary.json) and no checkpoint to go on from: choose another "
-                                 f"output_dir, or remove that run's files first")
-            if self.resume and not has_checkpoints:
-                raise ValueError(
-                    f"resume_from_checkpoint=True but {self.output_dir / 'checkpoints'} holds no "
-                    f"checkpoint; start without it for a new run"
-                )
+            closing.check_output_dir_state(self.output_dir, self.resume)
         except BaseException:
             if self.run_lock is not None:  # refused: no empty output_dir left behind
                 self.run_lock.abandon()

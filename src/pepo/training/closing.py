@@ -9,6 +9,8 @@
   error, a verifier that failed): the step is logged and checkpointed, marked as owing its
   validation, before the error goes on; a resume runs that validation first
   (:func:`settle_validation`).
+* :func:`check_output_dir_state` refuses, before a run starts, what would write over a run
+  (its checkpoints, or a finished run's ``summary.json``) or resume nothing.
 """
 
 from __future__ import annotations
@@ -17,16 +19,41 @@ import logging
 from typing import Any
 
 from pepo.training import resume
+from pepo.training.checkpointing import AtomicCheckpointer
 from pepo.training.hf import PROMPT_FILE, save_hf
 from pepo.training.reporting import SUMMARY_FILE, plot_curves, write_summary
 from pepo.training.step import closing_summary
 
-__all__ = ["close_run", "is_closed", "keep_unvalidated_step", "reopen", "settle_validation"]
+__all__ = ["check_output_dir_state", "close_run", "is_closed", "keep_unvalidated_step",
+           "reopen", "settle_validation"]
 
 
 def is_closed(output_dir: Any) -> bool:
     """Whether the run in ``output_dir`` was closed (its ``summary.json`` is written)."""
     return (output_dir / SUMMARY_FILE).is_file()
+
+
+def check_output_dir_state(output_dir: Any, resume: bool) -> None:
+    """Refuses what would overwrite a run or resume nothing: a fresh run in an ``output_dir``
+    holding checkpoints, any run in one holding a finished run's ``summary.json`` and no
+    checkpoint (deleted: nothing to go on from, results not to be lost), a resume without a
+    checkpoint.
+
+    Raises:
+        ValueError: naming the directory and what to do.
+    """
+    has_checkpoints = AtomicCheckpointer(output_dir / "checkpoints").has_checkpoints()
+    if not resume and has_checkpoints:
+        raise ValueError(
+            f"output_dir={str(output_dir)!r} already holds a run's checkpoints; pass "
+            f"resume_from_checkpoint=True to continue it, or choose another output_dir")
+    if is_closed(output_dir) and not has_checkpoints:
+        raise ValueError(f"output_dir={str(output_dir)!r} holds a finished run (its summary.json) "
+                         f"and no checkpoint to go on from: choose another output_dir, or remove "
+                         f"that run's files first")
+    if resume and not has_checkpoints:
+        raise ValueError(f"resume_from_checkpoint=True but {output_dir / 'checkpoints'} holds no "
+                         f"checkpoint; start without it for a new run")
 
 
 def reopen(output_dir: Any) -> None:
