@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 import shutil
 import signal
 import statistics
@@ -81,7 +80,7 @@ def run_one(task: str, mode: str, label: str, strategy: dict, seed: int, out: Pa
             if left:
                 print(f"{task:10s} {mode:13s} {label:22s} seed {seed}: removed what a run "
                       f"without a checkpoint left; starting again", flush=True)
-        return _run(task, mode, label, strategy, seed, out, overrides, how)
+        return _run(task, mode, label, seed, out, overrides, cfg, how)
 
 
 # where a run's files go: spelled from --out, which may be written another way next time
@@ -155,12 +154,11 @@ def check_configs(plan: list[tuple], out: Path, overrides: dict[str, Any]) -> No
             raise ValueError(f"{task} {mode} {label}: {e}") from None
 
 
-def _run(task: str, mode: str, label: str, strategy: dict, seed: int, out: Path,
-         overrides: dict[str, Any], how: Optional[str] = None) -> dict:
-    """Runs (``how`` None), resumes (``"resume"``) or reads (``"closed"``) one run and saves
-    its result."""
+def _run(task: str, mode: str, label: str, seed: int, out: Path, overrides: dict[str, Any],
+         cfg: Any, how: Optional[str] = None) -> dict:
+    """Runs (``how`` None), resumes (``"resume"``) or reads (``"closed"``) the run of ``cfg``
+    (:func:`run_config`) and saves its result."""
     d = run_dir(out, task, mode, label, seed)
-    cfg = run_config(task, mode, label, strategy, seed, out, overrides)
     t0 = time.perf_counter()
     summary = (read_summary(str(cfg.output_dir)) if how == "closed"
                else run_recipe(cfg, d, resume=how == "resume"))
@@ -180,9 +178,7 @@ def _run(task: str, mode: str, label: str, strategy: dict, seed: int, out: Path,
         "overrides": overrides,  # --steps and --set: a later call must ask the same
         "went_on": how,  # the run stopped and went on: wall_s is this call's part
     }
-    tmp = d / "result.json.tmp"
-    tmp.write_text(json.dumps(result, indent=2), encoding="utf-8")
-    os.replace(tmp, d / "result.json")  # a result is whole or absent
+    atomic_write_text(d / "result.json", json.dumps(result, indent=2))  # whole or absent
     print(f"{task:10s} {mode:13s} {label:22s} seed {seed}: {result['val_before']:.3f} -> "
           f"{result['val_after']:.3f}  ({result['wall_s']:.0f}s)", flush=True)
     return result

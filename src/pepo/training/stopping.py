@@ -182,11 +182,11 @@ class NonFiniteGuard:
                 f"({float(grad_norm)}); optimizer step skipped ({self.in_a_row} in a row)"
             )
         if self.in_a_row >= self.max_in_a_row:
-            last = last()
+            at = last()
             raise NonFiniteError(
                 f"{self.in_a_row} optimizer steps in a row had a non-finite loss or "
                 f"gradient (max_nonfinite_steps={self.max_in_a_row}); stopping at step "
-                f"{step}. " + (f"The last checkpoint is {last}." if last is not None else
+                f"{step}. " + (f"The last checkpoint is {at}." if at is not None else
                                "No checkpoint was written before it.")
             )
 
