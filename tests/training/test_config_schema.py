@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from pepo import estimators
@@ -582,3 +583,52 @@ def test_fsdp_settings_on_one_process_are_refused(tmp_path):
     cfg.distributed = {"mixed_precision": None, "cpu_offload": True}
     with pytest.raises(ValueError, match=r"^distributed.cpu_offload=true is FSDP2's"):
         check_world_size(cfg, 1)
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"gradient_accumulation_steps": 2},
+     r"unknown config key 'gradient_accumulation_steps'; pepo calls it micro_batch_size \("),
+    ({"learning_rate": 1e-6}, r"unknown config key 'learning_rate'; pepo calls it optimizer.lr$"),
+    ({"temperature": 0.6},
+     r"unknown config key 'temperature'; pepo calls it generation.temperature$"),
+    ({"loss": {"epsilon": 0.2}}, r"unknown config key 'loss.epsilon'; pepo calls it loss.eps_low"),
+    ({"generation": {"max_completion_length": 64}},
+     r"'generation.max_completion_length'; pepo calls it generation.max_new_tokens$"),
+    ({"estimator": {"num_generations": 4}},
+     r"unknown estimator key\(s\) \['num_generations'\] .*; pepo calls it estimator.group_size"),
+    ({"beta": 0.04}, r"unknown config key 'beta'; pepo has no such key: .* no KL penalty$"),
+    ({"optimizer": {"learning_rate": 1e-6}},
+     r"got an unexpected keyword argument 'learning_rate'; pepo calls it optimizer.lr$"),
+    # not another trainer's name, or one that means nothing pepo has there: the closest spelling
+    ({"num_stepz": 2}, r"unknown config key 'num_stepz'; did you mean 'num_steps'\?$"),
+    ({"dataset": {"batch_size": 2}}, r"'batch_size'; did you mean 'dataset.size'\?$"),
+])
+def test_other_trainers_key_names_get_pepos_name(tmp_path, override, message):
+    """Users write TRL's and verl's names (``gradient_accumulation_steps``, ``learning_rate``,
+    ``num_generations``, ``beta``); the closest spelling sent ``gradient_accumulation_steps``
+    to ``num_steps``. Catches the aliases not consulted (each message would be a did-you-mean),
+    consulted in a component whose arguments they do not name (``dataset.batch_size`` is not
+    the step's batch), or put before a misspelling of pepo's own key."""
+    with pytest.raises(ValueError, match=message):
+        validate_config(tiny_cfg(tmp_path, **override))
+
+
+def test_every_key_alias_names_a_key_pepo_has():
+    """Catches the alias table going stale: each entry's first word is a key of the docs' key
+    table (``optimizer.lr`` an argument of the shipped optimizer), and the no-KL entries stay
+    true of the loss (no argument mentions a KL term)."""
+    from pepo.loss import ClippedPolicyLoss
+    from pepo.training.key_aliases import ALIASES
+
+    table = _key_table()
+    for name, target in ALIASES.items():
+        first = target.split(" ", 1)[0]
+        if first == "pepo":
+            assert "KL" in target and not any(
+                "kl" in p.lower() or p == "beta"
+                for p in inspect.signature(ClippedPolicyLoss).parameters), name
+        elif first == "optimizer.lr":
+            assert "lr" in inspect.signature(torch.optim.AdamW).parameters
+        else:
+            assert first in table, (name, first)
+        assert name not in table, f"{name} is pepo's own key: an alias would never be asked"

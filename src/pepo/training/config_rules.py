@@ -15,6 +15,8 @@ from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig, ListConfig
 
+from pepo.training.key_aliases import ALIASES
+
 __all__ = ["Betas", "Bool", "Component", "Device", "Int", "Number", "OneOf", "Raw", "StrictInt",
            "Text", "Texts", "bind_component", "bind_names", "resolve_component"]
 
@@ -229,6 +231,8 @@ def bind_names(key: str, path: str, target: Callable, names: Any, positional: in
             close = difflib.get_close_matches(bad.group(1), list(sig.parameters), n=1,
                                               cutoff=0.5)
             hint = f"; did you mean {key + '.' + close[0]!r}?" if close else ""
+            if ALIASES.get(bad.group(1), "").startswith(key + "."):  # optimizer.learning_rate
+                hint = f"; pepo calls it {ALIASES[bad.group(1)]}"
         raise ValueError(f"{key}: {path} {e}{hint}") from None
 
 

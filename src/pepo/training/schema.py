@@ -50,6 +50,7 @@ from pepo.training.config_rules import (
     bind_names,
     resolve_component,
 )
+from pepo.training.key_aliases import foreign_key_hint
 
 __all__ = [
     "EXPERIMENT",
@@ -392,6 +393,8 @@ PRIOR_IGNORES: tuple[str, ...] = _role_keys(RecipeConfig, (RUN,))
 
 # ------------------------------------------------------------------------------- phase 1
 def _hint(name: str, valid: Any, where: str) -> str:
+    if foreign := foreign_key_hint(name, {str(v) for v in valid}):
+        return foreign
     close = difflib.get_close_matches(name, [str(v) for v in valid], n=1, cutoff=0.5)
     return f"did you mean {where + close[0]!r}?" if close else f"valid keys: {sorted(valid)}"
 
