@@ -632,3 +632,30 @@ def test_every_key_alias_names_a_key_pepo_has():
         else:
             assert first in table, (name, first)
         assert name not in table, f"{name} is pepo's own key: an alias would never be asked"
+
+
+def test_estimator_keys_its_flags_turn_off_are_warned_of(tmp_path):
+    """The fuzz's estimator settings accepted where they do nothing: ``eps`` and ``unbiased``
+    with ``normalize_std=false``, SPO's constant ``rho`` with adaptive forgetting (on by
+    default) and ``rho_max`` / ``d_half`` without it. Catches a warning missed, a flag's
+    default read the wrong way (``adaptive_forgetting`` is on when not given), and a warning
+    for a key the config does not set or that the run uses."""
+    def warned(name, **est):
+        cfg = tiny_cfg(tmp_path, "tiny_spo" if name == "single_stream" else "tiny")
+        cfg.estimator = {k: v for k, v in cfg.estimator.items()
+                         if k not in ("rho", "rho_max", "d_half", "eps", "unbiased",
+                                      "adaptive_forgetting")} | est
+        return setting_warnings(validate_config(cfg))
+
+    assert warned("group", normalize_std=False, eps=1e-3, unbiased=False) == [
+        "estimator.eps, estimator.unbiased: not used with estimator.normalize_std=false"]
+    assert warned("group", normalize_std=True, eps=1e-3, unbiased=False) == []
+    assert warned("group", normalize_std=False) == []
+    assert warned("single_stream", rho=0.9) == [
+        "estimator.rho: not used with estimator.adaptive_forgetting=true"]
+    assert warned("single_stream", adaptive_forgetting=False, rho=0.9, rho_max=0.96,
+                  d_half=0.1) == ["estimator.rho_max, estimator.d_half: not used with "
+                                  "estimator.adaptive_forgetting=false"]
+    assert warned("single_stream", adaptive_forgetting=False, rho=0.9) == []
+    assert warned("single_stream", normalize=False, eps=1e-3, rho_max=0.96) == [
+        "estimator.eps: not used with estimator.normalize=false"]

@@ -501,10 +501,20 @@ def check_rules(rc: RecipeConfig) -> None:
     check_compile(rc.generation.engine, rc.generation.compile)
 
 
+# estimator -> (flag, a value of it, the keys that value leaves unused); each flag is True by
+# default (GroupEstimator, SingleStreamEstimator)
+_ESTIMATOR_UNUSED = {
+    "group": (("normalize_std", False, ("eps", "unbiased")),),
+    "single_stream": (("normalize", False, ("eps",)),
+                      ("adaptive_forgetting", True, ("rho",)),
+                      ("adaptive_forgetting", False, ("rho_max", "d_half")))}
+
+
 def setting_warnings(rc: RecipeConfig) -> list[str]:
     """What a run's settings do to other keys that nothing else would say: validation asked
     for with no ``val_dataset`` (none is run), validation settings or ``save_logits_mib`` that
-    the run will not use, and ``loss.tis_cap`` under a top-p or top-k filter (the ratio it caps
+    the run will not use, estimator keys that its flags turn off (``estimator.eps`` with
+    ``normalize_std=false``), and ``loss.tis_cap`` under a top-p or top-k filter (the ratio it caps
     is then the filter's kept mass, not only the engines' numerics).
     """
     out = []
@@ -521,6 +531,11 @@ def setting_warnings(rc: RecipeConfig) -> list[str]:
         out.append(f"{', '.join(unused)}: not used by this run" + (
             " (validation.every=0: no validation)" if not rc.validation.every and any(
                 u.startswith("validation.") for u in unused) else ""))
+    for flag, when, keys in _ESTIMATOR_UNUSED.get(rc.estimator.name, ()):
+        if rc.estimator.params.get(flag, True) == when and (
+                given := [f"estimator.{k}" for k in keys if k in rc.estimator.params]):
+            out.append(f"{', '.join(given)}: not used with estimator.{flag}="
+                       f"{str(when).lower()}")
     g = rc.generation
     filters = ([f"generation.top_p={g.top_p:g}"] if g.top_p < 1 else []) + (
         [f"generation.top_k={g.top_k}"] if g.top_k is not None else [])
