@@ -260,6 +260,8 @@ class PEPORecipe(FTRecipeInterface):
         self.train_data = fitting_prompts(train_data, "dataset", *fit, per_step=(
             self.prompts_per_step, self.estimator.candidate_pool))
         self.val_data = fitting_prompts(val_data, "val_dataset", *fit) if val_data else []
+        self.prompts_dropped = {"dataset": len(train_data) - len(self.train_data),
+                                "val_dataset": len(val_data or ()) - len(self.val_data)}
         if self.dist.is_main:
             log.info(describe_precision(c.compute_dtype, self.compute_dtype, self._device))
             for line in (cpu_warnings(self.compute_dtype, c.dtype, self._device)

@@ -143,3 +143,16 @@ def test_a_failed_validation_whose_checkpoint_fails_too_raises_the_validation_er
     text = caplog.text
     assert "the validation at step 1 failed: RuntimeError: the verifier is down" in text
     assert "step 1's checkpoint could not be written either" in text
+
+
+def test_the_summary_counts_the_prompts_dropped_for_length(tmp_path):
+    """Prompts that do not fit ``max_seq_len`` with the response budget are dropped when the
+    run starts; the count was in a warning only, so a finished run (and a study reading it)
+    could not tell it trained on fewer problems than its dataset holds. The tiny task's prompts
+    are 19-25 tokens: a 35-token model with 12 new tokens keeps those up to 23. Catches the
+    counts not written, the two datasets' counts swapped, or the kept count taken as dropped."""
+    cfg = tiny_cfg(tmp_path, num_steps=1, model={"max_seq_len": 35})
+    pepo_recipe.recipe_main(cfg, log_config=False)
+    summary = read_summary(tmp_path / "run")
+    assert summary["prompts_dropped"] == {"dataset": 13, "val_dataset": 1}
+    assert summary["train_problems"] == 64 - 13 and summary["val_problems"] == 4 - 1

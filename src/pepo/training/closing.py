@@ -84,7 +84,9 @@ def close_run(recipe: Any, log: logging.Logger) -> None:
         recipe.dist.barrier()
     if recipe.dist.is_main:
         write_summary(recipe.output_dir, recipe.history, val_problems=len(recipe.val_data),
-                      val_samples=recipe.val_samples, num_steps=recipe.num_steps)
+                      val_samples=recipe.val_samples, num_steps=recipe.num_steps,
+                      train_problems=len(recipe.train_data),
+                      prompts_dropped=recipe.prompts_dropped)
     if recipe.plot and recipe.dist.is_main:
         curves = recipe.output_dir / "training_curves.png"
         title = f"{recipe.config_name}: {recipe.strategy_name}, {recipe.estimator.name}"
