@@ -9,6 +9,7 @@ import os
 import threading
 
 import pytest
+import torch
 
 from pepo.training import prior_cache, run_lock
 from pepo.training.run_lock import LOCK_FILE, RunLock, locked, process_gone
@@ -107,3 +108,74 @@ def test_a_live_writers_temporary_file_is_left_alone(tmp_path, monkeypatch):
     _kill_raising(monkeypatch, 4242, ProcessLookupError)  # the writer died before its rename
     prior_cache.write_prior(path, {"seed": 0}, {"a": 0.5})
     assert not leftover.exists()
+
+
+def test_a_wait_for_a_shared_cache_is_said_and_bounded(tmp_path):
+    """A run waiting for another to finish a shared cache (the SPO prior, a converted model)
+    sat silent, and on several processes rank 0 waited without limit while the others' gather
+    timed out with no word of the lock. Catches the note not given, given at every poll, not
+    naming the holder, and a ``timeout_s`` not honoured (or honoured with the lock free)."""
+    path = tmp_path / "prior.json"
+    notes, got = [], []
+    with locked(path):
+        with pytest.raises(ValueError, match=rf"^{path} is being written by another process "
+                                             rf"\(pid {os.getpid()} on .*\); this one waited"):
+            with locked(path, timeout_s=0.3, note=notes.append, poll_s=0.05):
+                pass
+        assert notes == [f"waiting for another process to finish writing {path} (pid "
+                         f"{os.getpid()} on {run_lock.socket.gethostname()})"]
+
+        def waiter():
+            with locked(path, note=notes.append, poll_s=0.05):
+                got.append(True)
+
+        t = threading.Thread(target=waiter, daemon=True)
+        t.start()
+        t.join(0.4)
+        assert got == [] and len(notes) == 2
+    t.join(10)
+    assert got == [True] and len(notes) == 2  # once, however long the wait
+    with locked(path, timeout_s=0.0, note=notes.append):  # free: no wait, no note
+        assert len(notes) == 2
+
+
+def test_the_prior_gives_up_on_a_held_lock_before_the_other_ranks_time_out(tmp_path):
+    """On several processes rank 0 waits for another run's prior at most 0.9 of
+    ``distributed.timeout_s`` (the other ranks wait for its answer in a collective bounded by
+    it), with a line naming the holder. Catches the wait unbounded there, and a bound put on a
+    run of one process (which may wait as long as it takes)."""
+    import logging
+    import types
+
+    from pepo.estimators import SingleStreamEstimator
+
+    path = tmp_path / "prior.json"
+    dist = types.SimpleNamespace(is_main=True, enabled=True, timeout_s=0.5,
+                                 gather_objects=lambda x: [x])
+    est = SingleStreamEstimator(prior_samples=1)
+    logger = logging.getLogger("test_prior_lock")
+    errors = []
+
+    def rank0():
+        try:
+            prior_cache.prepare_estimator(est, ["a"], lambda idx: torch.ones(len(idx)),
+                                          path=path, dist=dist, log=logger)
+        except ValueError as e:
+            errors.append(str(e))
+
+    with locked(path):  # in a thread: a wait without its bound fails here, and does not hang
+        t = threading.Thread(target=rank0, daemon=True)
+        t.start()
+        t.join(10)
+        assert len(errors) == 1 and "is being written by another process" in errors[0]
+        assert "waited 0 s" in errors[0]
+    one = types.SimpleNamespace(is_main=True, enabled=False, timeout_s=0.01,
+                                gather_objects=lambda x: [x])
+    done = threading.Event()
+    with locked(path):
+        t = threading.Thread(target=lambda: (prior_cache.prepare_estimator(
+            est, ["a"], lambda idx: torch.ones(len(idx)), path=path, dist=one), done.set()),
+            daemon=True)
+        t.start()
+        assert not done.wait(0.3)  # still waiting, long past its timeout_s
+    assert done.wait(10)

@@ -46,6 +46,7 @@ class Dist:
 
     def __init__(self, device_type: str = "cpu", *, timeout_s: float) -> None:
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.timeout_s = float(timeout_s)
         self.group: Optional[Any] = None
         self._owns_group = False
         if dist.is_available() and dist.is_initialized():  # a group the caller set up

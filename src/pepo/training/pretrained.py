@@ -179,7 +179,7 @@ def pretrained_dir(name: str) -> str:
     if key in _verified:
         return _verified[key]
     digest = sha256_file(source)
-    with locked(entry):  # entry + ".lock"
+    with locked(entry, note=lambda line: print(f"pepo: {line}", file=sys.stderr, flush=True)):
         if not is_intact(entry, digest):
             _rebuild(m, source, digest, entry)
     _verified[key] = str(entry)

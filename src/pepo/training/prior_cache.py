@@ -263,7 +263,11 @@ def prepare_estimator(estimator: Any, prompt_ids: Sequence[Hashable],
     if path is None or estimator.prior_samples < 1:
         estimator.prepare(prompt_ids, score)
     else:
-        with locked(path) if main else contextlib.nullcontext():
+        # another run writing the same prior: say so, and on several processes give up
+        # before the others' collective wait (distributed.timeout_s) ends in a bare timeout
+        wait = dict(note=log.info if log is not None else None, timeout_s=(
+            0.9 * dist.timeout_s if dist is not None and dist.enabled else None))
+        with locked(path, **wait) if main else contextlib.nullcontext():
             found = read_prior(path, fingerprint or {}, prompt_ids) if main else None
             if dist is not None:
                 found = dist.gather_objects(found)[0]

@@ -22,8 +22,9 @@ import json
 import os
 import socket
 import sys
+import time
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 __all__ = ["LOCK_FILE", "RunLock", "locked", "process_gone"]
 
@@ -43,14 +44,46 @@ def process_gone(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def locked(path: Union[str, os.PathLike]) -> Iterator[None]:
+def locked(path: Union[str, os.PathLike], *, timeout_s: Optional[float] = None,
+           note: Optional[Callable[[str], None]] = None, poll_s: float = 1.0) -> Iterator[None]:
     """Holds an exclusive advisory lock on ``path + '.lock'`` (created) while in the block,
-    waiting for another holder to finish first."""
+    waiting for another holder to finish first.
+
+    Args:
+        timeout_s: wait at most this long (None: as long as it takes).
+        note: told once, in one line naming the holder, when the lock is held by another
+            process (a run that waits in silence looks hung).
+        poll_s: how often a wait with ``timeout_s`` or ``note`` tries again.
+
+    Raises:
+        ValueError: the lock was still held after ``timeout_s``, naming the holder.
+    """
     lock = Path(f"{path}.lock")
     lock.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock, "a", encoding="utf-8") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+    with open(lock, "a+", encoding="utf-8") as f:
+        start = time.monotonic()
+        while True:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | (
+                    fcntl.LOCK_NB if timeout_s is not None or note is not None else 0))
+                break
+            except OSError as e:
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise
+            f.seek(0)
+            holder = f.read().strip() or "its details are not written yet"
+            waited = time.monotonic() - start
+            if timeout_s is not None and waited >= timeout_s:
+                raise ValueError(f"{path} is being written by another process ({holder}); this "
+                                 f"one waited {waited:.0f} s for it and gives up")
+            if note is not None:
+                note(f"waiting for another process to finish writing {path} ({holder})")
+                note = None
+            time.sleep(poll_s if timeout_s is None else min(poll_s, timeout_s - waited))
         try:
+            f.truncate(0)
+            f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+            f.flush()
             yield
         finally:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
