@@ -49,8 +49,8 @@ def no_spread(diffs: Sequence[float]) -> bool:
 
 def check_comparable(results: Sequence[dict]) -> None:
     """Refuses results that cannot be compared: a ``val_after`` that is not a finite number,
-    runs whose :data:`SETTINGS` differ (a run of 8 steps beside runs of 40, single-stream
-    beside group mode), or two results of one method and seed (a copied file would count a
+    runs whose :data:`SETTINGS` or ``overrides`` (compare's ``--set``) differ (a run of 8 steps
+    beside runs of 40, single-stream beside group mode, another learning rate), or two results of one method and seed (a copied file would count a
     seed twice, as two pairs).
 
     Raises:
@@ -70,11 +70,13 @@ def check_comparable(results: Sequence[dict]) -> None:
         if first is None:
             first = r
             continue
-        for key in SETTINGS:
-            if r.get(key) != first.get(key):
+        for key in (*SETTINGS, "overrides"):  # a result without overrides had none
+            mine, theirs = ((x.get(key) or {}) if key == "overrides" else x.get(key)
+                            for x in (r, first))
+            if mine != theirs:
                 raise ValueError(
-                    f"{name} has {key}={r.get(key)!r} where run {first.get('method')!r} seed "
-                    f"{first.get('seed')} has {first.get(key)!r}: runs of other settings are "
+                    f"{name} has {key}={mine!r} where run {first.get('method')!r} seed "
+                    f"{first.get('seed')} has {theirs!r}: runs of other settings are "
                     f"not compared (keep one setting per study directory)")
 
 
