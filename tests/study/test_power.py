@@ -196,10 +196,10 @@ def test_differences_without_spread_are_not_testable(tmp_path):
      "{}"),
 ])
 def test_runs_of_other_settings_or_without_an_accuracy_are_refused(change, message):
-    """Catches each refusal missing: a run of 8 steps read into a 40-step study, a single-stream run beside group runs, a
-    NaN accuracy (statistics.stdev failed on it with an AttributeError), one method's seed
-    twice, a run of other ``--set`` overrides (a result of an older pepo has none: the same
-    as ``{}``, so the first run's lack of the key is not a difference)."""
+    """Catches each refusal missing: a run of 8 steps read into a 40-step study, a
+    single-stream run beside group runs, a NaN accuracy (statistics.stdev failed on it with an
+    AttributeError), one method's seed twice, a run of other ``--set`` overrides (a result of
+    an older pepo has none: the same as ``{}``, so the first run's lack of it is no difference)."""
     results = [{**r, "task": "t", "mode": "group", "num_steps": 40, "val_k": 2,
                 "val_problems": 43} for r in _runs("GRPO", range(4), [0.4, 0.5, 0.6, 0.5])
                + _runs("PEPO", range(4), [0.45, 0.5, 0.65, 0.5])]

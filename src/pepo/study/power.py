@@ -50,8 +50,8 @@ def no_spread(diffs: Sequence[float]) -> bool:
 def check_comparable(results: Sequence[dict]) -> None:
     """Refuses results that cannot be compared: a ``val_after`` that is not a finite number,
     runs whose :data:`SETTINGS` or ``overrides`` (compare's ``--set``) differ (a run of 8 steps
-    beside runs of 40, single-stream beside group mode, another learning rate), or two results of one method and seed (a copied file would count a
-    seed twice, as two pairs).
+    beside runs of 40, single-stream beside group mode, another learning rate), or two results
+    of one method and seed (a copied file would count a seed twice, as two pairs).
 
     Raises:
         ValueError: naming the run (method and seed) and the setting.
