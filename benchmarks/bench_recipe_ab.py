@@ -77,8 +77,8 @@ def tune_command() -> list[str]:
     here = Path(sys.executable).parent / "tune"
     found = str(here) if here.exists() else shutil.which("tune")
     if found is None:
-        sys.exit("`tune` not found: install the recipe's packages (README: pip install "
-                 "\"pepo[recipe]\")")
+        sys.exit("`tune` not found: install the recipe's packages (README: pip install -e "
+                 "\".[recipe]\")")
     return [found]
 
 

@@ -395,7 +395,7 @@ def test_recipe_layer_names_the_extra(module):
             print(json.dumps({{"type": None}}))
     """)
     assert out["type"] == "ImportError", out  # not the bare ModuleNotFoundError of a dependency
-    assert 'pip install "pepo[recipe]"' in out["msg"]
+    assert 'pip install -e ".[recipe]" in pepo\'s source directory' in out["msg"]
     assert "missing: torchtune, torchao, transformers" in out["msg"]
     assert out["name"] == "torchtune"
 
@@ -409,7 +409,7 @@ def test_math_verify_reward_names_the_extra():
         except ImportError as e:
             print(json.dumps({"msg": str(e)}))
     """)
-    assert 'pip install "pepo[recipe]"' in out["msg"] and "math_verify" in out["msg"]
+    assert 'pip install -e ".[recipe]"' in out["msg"] and "math_verify" in out["msg"]
 
 
 def test_extras_list_matches_pyproject():

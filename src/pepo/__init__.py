@@ -6,7 +6,7 @@ The modules at this level are the core, and need torch alone (``pip install pepo
 clipped surrogate) and ``entropy`` (log-probs and entropies from logits), with ``sampling`` and
 the private helpers they share. The layers above it live in subpackages: ``pepo.tasks`` (the
 embedded tasks and verifiers, plain Python), ``pepo.training`` (the recipe's machinery) and
-``pepo.study`` (diagnostics and the strategy study), which need ``pip install "pepo[recipe]"``,
+``pepo.study`` (diagnostics and the strategy study), which need ``pip install -e ".[recipe]"``,
 and ``pepo.integrations`` (TRL, verl).
 """
 

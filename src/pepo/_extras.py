@@ -1,8 +1,9 @@
 """What each layer above the core needs installed, and the error that says how to install it.
 
-``pip install pepo`` is the core (``pepo.weighting``, ``estimators``, ``loss``, ``entropy``):
-torch alone. The training recipe, its machinery (``pepo.training``) and the study tools
-(``pepo.study``) need the recipe stack, ``pip install "pepo[recipe]"``. Each of those packages
+``pip install .`` (in pepo's source directory) is the core (``pepo.weighting``,
+``estimators``, ``loss``, ``entropy``): torch alone. The training recipe, its machinery
+(``pepo.training``) and the study tools (``pepo.study``) need the recipe stack,
+``pip install -e ".[recipe]"``. Each of those packages
 calls :func:`require` first, so importing one without its extra fails with an ``ImportError``
 that names the extra and the missing modules, not with a bare ``No module named 'torchtune'``
 from deep inside.
@@ -29,9 +30,11 @@ RECIPE_MODULES = (
     "gguf",
     "accelerate",
     "scipy",
+    "pyarrow",
 )
 
-INSTALL_HINT = {"recipe": 'pip install "pepo[recipe]"  (from a clone: pip install -e ".[recipe]")'}
+# pepo is installed from its source tree, not from the package index
+INSTALL_HINT = {"recipe": 'pip install -e ".[recipe]" in pepo\'s source directory'}
 
 
 def missing(modules: tuple[str, ...]) -> list[str]:

