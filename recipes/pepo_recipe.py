@@ -111,6 +111,7 @@ from pepo.training.step import (
     policy_logprobs,
     step_metrics,
     validation_summary,
+    weigh,
     weigh_from_update,
 )
 from pepo.training.stopping import (
@@ -371,11 +372,10 @@ class PEPORecipe(FTRecipeInterface):
             if self.tis_cap is not None:
                 traj.is_weights = truncated_is_weights(traj.old_logprobs, traj.rollouts.logprobs,
                                                        traj.mask, self.tis_cap)
-            # non-finite log-probs (a NaN logit) give NaN token advantages, so the loss guard
-            # skips the optimizer steps they reach instead of the strategy raising
-            traj.token_advantages = self.strategy(
-                traj.advantages, traj.entropies, traj.mask, positive=traj.success,
-                groups=traj.groups, process_group=self.dist.group, validate=False)  # [b, T]
+            # unchecked: a NaN logit's NaN token advantages are skipped by the loss guard
+            traj.token_advantages = weigh(
+                self.strategy, traj.advantages, traj.entropies, traj.mask, positive=traj.success,
+                groups=traj.groups, process_group=self.dist.group)  # [b, T]
         t_lp = time.perf_counter() - t_lp
         t_update = time.perf_counter()
         lr = self.optimizer.param_groups[0]["lr"]  # what the step's first optimizer step uses

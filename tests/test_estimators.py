@@ -454,9 +454,15 @@ def test_register_estimator_mirrors_register_strategy():
         assert est.estimator_parameters("test_leave_one_out") == ["group_size", "scale"]
         built = est.build_estimator("test_leave_one_out", scale=2.0)
         assert isinstance(built, LeaveOneOut) and built.scale == 2.0
-        with pytest.raises(ValueError, match="estimator 'test_leave_one_out' is already "
-                                             "registered; pass overwrite=True"):
-            est.register_estimator("test_leave_one_out")(LeaveOneOut)
+        with pytest.raises(ValueError, match=r"estimator 'test_leave_one_out' is already "
+                                             r"registered \(by tests.test_estimators.test_regis"
+                                             r"ter_estimator_mirrors_register_strategy.<locals>."
+                                             r"LeaveOneOut\); pass overwrite=True"):
+            est.register_estimator("test_leave_one_out")(Half)  # another class, a taken name
+        # the same class defined again (a notebook cell run twice, a reload) replaces it
+        est.register_estimator("test_leave_one_out")(type("LeaveOneOut", (LeaveOneOut,), {
+            "__qualname__": LeaveOneOut.__qualname__, "__module__": LeaveOneOut.__module__}))
+        assert est.ESTIMATORS["test_leave_one_out"] is not LeaveOneOut
         est.register_estimator("test_half")(Half)
         with pytest.raises(ValueError, match=r"'test_half' does not implement the Estimator "
                                              r"protocol: it has no \['prior_samples', 'prepare'"):
@@ -464,3 +470,24 @@ def test_register_estimator_mirrors_register_strategy():
     finally:
         est.ESTIMATORS.pop("test_leave_one_out", None)
         est.ESTIMATORS.pop("test_half", None)
+
+
+def test_a_registered_estimators_type_errors_name_it():
+    """Catches a factory's ``TypeError`` (a value it cannot take, ``decay='abc'``) left a
+    traceback naming no estimator, past the config check that catches ``ValueError``."""
+
+    class Decaying(est.GroupEstimator):
+        name = "test_decaying"
+
+        def __init__(self, group_size: int = 4, *, decay: float = 0.9) -> None:
+            super().__init__(group_size)
+            self.keep = 1.0 - decay
+
+    est.register_estimator("test_decaying")(Decaying)
+    try:
+        with pytest.raises(ValueError, match=r"^estimator 'test_decaying': unsupported operand "
+                                             r"type\(s\) for -: 'float' and 'str'$"):
+            est.build_estimator("test_decaying", decay="abc")
+        assert est.build_estimator("test_decaying", decay=0.5).keep == 0.5
+    finally:
+        est.ESTIMATORS.pop("test_decaying", None)

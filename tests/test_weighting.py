@@ -1,6 +1,7 @@
 """pepo.weighting against the slow references of tests/reference.py."""
 
 import math
+import types
 
 import numpy as np
 import pytest
@@ -627,8 +628,21 @@ def test_register_custom_strategy():
         adv, ent, mask = ragged_batch([2, 3], 3)
         out = pw.get_strategy("test_double", factor=3.0)(adv, ent, mask)
         assert torch.equal(out, torch.where(mask, 3.0 * adv[:, None].expand(2, 3), 0.0))
-        with pytest.raises(ValueError, match="already registered"):
-            pw.register_strategy("test_double")(double)
+        def other(factor: float = 2.0):
+            return double(factor)
+
+        with pytest.raises(ValueError, match=r"'test_double' is already registered \(by "
+                                             r"tests.test_weighting.test_register_custom_strategy"
+                                             r".<locals>.double\); pass overwrite=True"):
+            pw.register_strategy("test_double")(other)  # another function, a taken name
+        with pytest.raises(ValueError, match="'uniform' is already registered"):
+            pw.register_strategy("uniform")(double)  # a built-in's name
+        # the same function defined again (a notebook cell run twice, importlib.reload)
+        again = types.FunctionType(double.__code__, double.__globals__, "double",
+                                   double.__defaults__, double.__closure__)
+        again.__qualname__ = double.__qualname__
+        pw.register_strategy("test_double")(again)
+        assert pw._REGISTRY["test_double"] is again
     finally:
         pw._REGISTRY.pop("test_double", None)
 
@@ -1220,3 +1234,58 @@ def test_proximal_entropy_is_accurate_across_the_temperatures_it_accepts():
         assert (np.abs(got - want)[big] / want[big]).max() < 1e-4, tau
     with pytest.raises(ValueError, match="temperature must be in"):
         pw.proximal_entropy(h, mask, window=11, temperature=lo / 2)
+
+
+def test_a_registered_strategy_gets_copies_of_its_inputs():
+    """A registered fn that edits its inputs in place (``mask &= ...``, ``advantages.mul_``)
+    changed the caller's tensors: the recipe's loss then trained on the edited mask. Catches
+    the fn given the caller's tensors, and its result masked by its own edited copy instead of
+    the caller's mask."""
+
+    @pw.register_strategy("test_inplace", overwrite=True)
+    def inplace():
+        def fn(advantages, entropies, mask, positive):
+            mask &= entropies > 0.5
+            advantages.mul_(2)
+            positive.zero_()
+            return advantages[:, None] * torch.ones_like(entropies)
+
+        return fn
+
+    try:
+        adv, ent, mask = ragged_batch([3, 4, 2], 4)
+        adv = torch.tensor([1.0, -0.5, 2.0])
+        pos = adv > 0
+        before = adv.clone(), mask.clone(), pos.clone()
+        out = pw.get_strategy("test_inplace")(adv, ent, mask, positive=pos)
+        assert torch.equal(adv, before[0]) and torch.equal(mask, before[1])
+        assert torch.equal(pos, before[2])
+        assert torch.equal(out, torch.where(before[1], 2 * before[0][:, None], 0.0))
+    finally:
+        pw._REGISTRY.pop("test_inplace", None)
+
+
+def test_a_registered_factorys_type_errors_name_the_strategy():
+    """A factory's missing argument or a value it cannot take (``gain='abc'`` from a config)
+    was a ``TypeError`` traceback naming no strategy, and the config check, which catches
+    ``ValueError``, let it through. Catches either left a ``TypeError``."""
+
+    @pw.register_strategy("test_typed", overwrite=True)
+    def typed(k: int, gain: float = 1.0):
+        boost = gain + 1.0
+
+        def fn(advantages, entropies, mask):
+            return advantages[:, None] * boost * k * torch.ones_like(entropies)
+
+        return fn
+
+    try:
+        with pytest.raises(ValueError, match=r"^strategy 'test_typed': missing a required "
+                                             r"argument: 'k'$"):
+            pw.get_strategy("test_typed")
+        with pytest.raises(ValueError, match=r"^strategy 'test_typed': can only concatenate "
+                                             r"str"):
+            pw.get_strategy("test_typed", k=1, gain="abc")
+        assert pw.get_strategy("test_typed", k=2).params == {"k": 2, "gain": 1.0}
+    finally:
+        pw._REGISTRY.pop("test_typed", None)

@@ -263,7 +263,11 @@ class Strategy:
     def _body(self, adv: torch.Tensor, entropies: torch.Tensor, mask: torch.Tensor,
               **kwargs: Any) -> torch.Tensor:
         ent = _w.clean(entropies, mask) if self._reads_entropies else entropies
-        out = self._fn(adv, ent, mask, **kwargs)
+        if self._builtin:
+            out = self._fn(adv, ent, mask, **kwargs)
+        else:  # copies: a fn that edits its inputs in place (mask &= ...) changed the caller's
+            out = self._fn(adv.clone(), ent, mask.clone(), **{
+                k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
         if self._masked or not isinstance(out, torch.Tensor) or out.shape != mask.shape:
             return out  # a wrong result is refused by _run, with the strategy's name
         return torch.where(mask, out.float(), 0.0)
@@ -331,6 +335,12 @@ class Strategy:
         and ``entropy_bonus``; False for batch- or group-wide statistics (``global_topk``,
         ``gtpo``) and for registered strategies, unless their function sets ``row_local``."""
         return bool(getattr(self._fn, "row_local", False))
+
+    @property
+    def builtin(self) -> bool:
+        """Whether this is one of pepo's own strategies (tested, so their results are trusted
+        with ``validate=False``), not a registered one."""
+        return self._builtin
 
     @property
     def reads_positive(self) -> bool:

@@ -584,9 +584,11 @@ def register_estimator(name: str, *, overwrite: bool = False
         raise ValueError(f"estimator name must be a non-empty str, got {name!r}")
 
     def decorator(factory: Callable[..., Estimator]) -> Callable[..., Estimator]:
-        if name in ESTIMATORS and not overwrite:
-            raise ValueError(
-                f"estimator {name!r} is already registered; pass overwrite=True to replace it")
+        old = ESTIMATORS.get(name)
+        if old is not None and not overwrite and (old.__module__, old.__qualname__) != (
+                getattr(factory, "__module__", 0), getattr(factory, "__qualname__", 0)):
+            raise ValueError(f"estimator {name!r} is already registered (by {old.__module__}."
+                             f"{old.__qualname__}); pass overwrite=True to replace it")
         ESTIMATORS[name] = factory
         return factory
 
@@ -626,7 +628,10 @@ def build_estimator(name: str, **kwargs: Any) -> Estimator:
     unknown = sorted(set(kwargs) - set(valid))
     if unknown:
         raise ValueError(f"unknown {name} estimator key(s) {unknown}; valid: {sorted(valid)}")
-    made = ESTIMATORS[name](**kwargs)
+    try:
+        made = ESTIMATORS[name](**kwargs)
+    except TypeError as e:  # a missing argument, or a value it cannot take
+        raise ValueError(f"estimator {name!r}: {e}") from e
     missing = [m for m in _MEMBERS if not hasattr(made, m)]
     if missing:
         raise ValueError(f"estimator {name!r} does not implement the Estimator protocol: "

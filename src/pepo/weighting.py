@@ -209,14 +209,23 @@ def register_strategy(
         raise ValueError(f"strategy name must be a non-empty str, got {name!r}")
 
     def decorator(factory: Callable[..., StrategyFn]) -> Callable[..., StrategyFn]:
-        if name in _REGISTRY and not overwrite:
+        if name in _REGISTRY and not overwrite and not _same_code(_REGISTRY[name], factory):
             raise ValueError(
-                f"strategy {name!r} is already registered; pass overwrite=True to replace it"
+                f"strategy {name!r} is already registered (by "
+                f"{_REGISTRY[name].__module__}.{_REGISTRY[name].__qualname__}); pass "
+                f"overwrite=True to replace it"
             )
         _REGISTRY[name] = factory
         return factory
 
     return decorator
+
+
+def _same_code(old: Callable[..., Any], new: Callable[..., Any]) -> bool:
+    """Whether ``new`` is ``old`` defined again: the same function of the same module (a
+    notebook cell run twice, ``importlib.reload``), which replaces it without ``overwrite``."""
+    return (getattr(old, "__module__", None), getattr(old, "__qualname__", None)) == (
+        getattr(new, "__module__", 0), getattr(new, "__qualname__", 0))
 
 
 def list_strategies() -> list[str]:
@@ -257,10 +266,13 @@ def get_strategy(name: str, **params: Any) -> Strategy:
         raise ValueError(
             f"strategy {name!r} got unknown parameter(s) {unknown}; valid parameters: {valid}"
         )
-    bound = inspect.signature(factory).bind(**params)
-    bound.apply_defaults()
-    builtin = _BUILTIN.get(name) is factory
-    return Strategy(name, dict(bound.arguments), factory(**params), builtin=builtin)
+    try:  # a missing argument, or a value the factory cannot take (its TypeError)
+        bound = inspect.signature(factory).bind(**params)
+        bound.apply_defaults()
+        fn = factory(**params)
+    except TypeError as e:
+        raise ValueError(f"strategy {name!r}: {e}") from e
+    return Strategy(name, dict(bound.arguments), fn, builtin=_BUILTIN.get(name) is factory)
 
 
 # --------------------------------------------------------------------------------------------

@@ -291,11 +291,21 @@ def test_misspelled_and_bad_keys_are_one_line_errors(tmp_path, override, message
     assert "\n" not in str(e.value)
 
 
-def test_gtpo_needs_group_mode(tmp_path):
+def test_gtpo_needs_group_mode(tmp_path, monkeypatch):
+    """Catches gtpo taken with single-stream rollouts (one per prompt: no group to compare),
+    and refused with a registered group estimator (the docs' dr_grpo, a GroupEstimator of
+    another name was refused: the rule read the name, not the rollouts per prompt)."""
     with pytest.raises(ValueError, match=r"strategy.name='gtpo' compares the rollouts of each "
-                                         r"prompt's group, so it needs estimator.name=group, got "
+                                         r"prompt's group, so it needs estimator.name=group \(or "
+                                         r"an estimator of several rollouts per prompt\), got "
                                          r"estimator.name='single_stream'$"):
         pepo_recipe.PEPORecipe(tiny_cfg(tmp_path, "tiny_spo", strategy={"name": "gtpo"}))
+    from pepo import estimators
+
+    monkeypatch.setitem(estimators.ESTIMATORS, "test_own_group", estimators.GroupEstimator)
+    cfg = tiny_cfg(tmp_path, strategy={"name": "gtpo"})
+    cfg.estimator.name = "test_own_group"
+    pepo_recipe.PEPORecipe(cfg)  # accepted
 
 
 def test_one_normalised_single_stream_rollout_a_step_is_refused(tmp_path):

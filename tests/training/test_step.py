@@ -311,3 +311,42 @@ def test_by_length_orders_rows_by_response_length_stably():
         mask[i, :n] = True
     assert by_length(torch.tensor([4, 0, 3, 1, 5]), mask).tolist() == [3, 1, 5, 4, 0]
     assert by_length(torch.arange(6), mask).tolist() == [1, 3, 5, 2, 4, 0]
+
+
+def test_a_registered_strategys_own_nan_stops_the_run_naming_it(monkeypatch):
+    """The recipe weighs with ``validate=False`` (a NaN logit's NaN token advantages are
+    skipped by the loss guard); a registered strategy's own NaN (``A / |A|`` at a zero
+    advantage) was skipped the same way, step after step, and the run exited 0 or stopped
+    blaming the loss. Catches the check missing, made for the built-ins (a sync they do not
+    need), and a NaN input (entropies of a NaN logit, which a windowed fn may spread to
+    finite neighbours) blamed on the strategy."""
+    import pepo.weighting as pw
+    from pepo.training.step import weigh
+    from pepo.training.stopping import NonFiniteError
+
+    @pw.register_strategy("test_signed", overwrite=True)
+    def signed():
+        def fn(advantages, entropies, mask):
+            return (advantages / advantages.abs())[:, None] * entropies
+
+        return fn
+
+    try:
+        adv = torch.tensor([1.0, 0.0, -2.0])
+        ent = torch.rand(3, 4) + 0.1
+        mask = torch.ones(3, 4, dtype=torch.bool)
+        mask[2, 3] = False
+        with pytest.raises(NonFiniteError, match=r"^strategy 'test_signed' returned 4 non-finite "
+                                                 r"token advantages at valid tokens from finite"):
+            weigh(pw.get_strategy("test_signed"), adv, ent, mask)
+        ok = weigh(pw.get_strategy("test_signed"), torch.tensor([1.0, 0.5, -2.0]), ent, mask)
+        assert torch.isfinite(ok).all()
+        ent[0, 1] = float("nan")  # a NaN logit's entropy: the loss guard's to skip
+        assert torch.isnan(weigh(pw.get_strategy("test_signed"), adv, ent, mask)).any()
+        def no_sync(self):
+            raise AssertionError("a built-in strategy's result was read on the host")
+
+        monkeypatch.setattr(torch.Tensor, "tolist", no_sync)
+        weigh(pw.get_strategy("uniform"), adv, ent, mask)  # a built-in: never checked here
+    finally:
+        pw._REGISTRY.pop("test_signed", None)

@@ -461,12 +461,12 @@ def check_rules(rc: RecipeConfig) -> None:
     """Phase 2: the rules between keys of a config that passed :func:`schema.parse`."""
     est = rc.estimator.name
     strategy = weighting.get_strategy(rc.strategy.name, **rc.strategy.params)
-    if strategy.needs_groups and est != "group":
-        raise ValueError(
-            f"strategy.name={rc.strategy.name!r} compares the rollouts of each prompt's group, "
-            f"so it needs estimator.name=group, got estimator.name={est!r}"
-        )
     estimator = rc.estimator.build()
+    if strategy.needs_groups and estimator.rollouts_per_prompt < 2:  # a registered group
+        raise ValueError(  # estimator (rollouts_per_prompt >= 2) has groups too
+            f"strategy.name={rc.strategy.name!r} compares the rollouts of each prompt's group, "
+            f"so it needs estimator.name=group (or an estimator of several rollouts per prompt), "
+            f"got estimator.name={est!r}")
     if rc.prior_cache is not None and estimator.prior_samples < 1:
         raise ValueError(
             f"prior_cache={rc.prior_cache!r} is set but estimator.name={est!r} draws no offline "

@@ -18,10 +18,12 @@ import torch
 from pepo.entropy import logprobs_and_entropy, logprobs_and_entropy_from_hidden
 from pepo.training.generation import Rollouts, sequence_inputs
 from pepo.training.precision import no_autocast
+from pepo.training.stopping import NonFiniteError
 
 __all__ = [
     "StepStats",
     "Trajectory",
+    "weigh",
     "weigh_from_update",
     "by_length",
     "row_extent",
@@ -194,6 +196,30 @@ def by_length(rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return rows[torch.sort(lengths, stable=True).indices]
 
 
+def weigh(strategy: Any, advantages: torch.Tensor, entropies: torch.Tensor, mask: torch.Tensor,
+          **kwargs: Any) -> torch.Tensor:
+    """The token advantages of ``strategy`` with ``validate=False``: non-finite log-probs (a
+    NaN logit) give NaN token advantages, which the loss guard skips, where the strategy's
+    checks would raise. A registered (not built-in) strategy's result is refused, in one host
+    sync, where it is non-finite at a valid token while every advantage and valid entropy is
+    finite: its own NaN or inf, which the guard would skip step after step without naming it.
+
+    Raises:
+        NonFiniteError: naming the strategy (the run stops; the last checkpoint is kept).
+    """
+    out = strategy(advantages, entropies, mask, validate=False, **kwargs)
+    if not getattr(strategy, "builtin", True):
+        bad_ent, bad_adv, bad_out = torch.stack([
+            (mask & ~torch.isfinite(entropies)).sum(), (~torch.isfinite(advantages)).sum(),
+            (mask & ~torch.isfinite(out)).sum()]).tolist()
+        if bad_out and not (bad_ent or bad_adv):  # (a NaN input may spread: not blamed then)
+            raise NonFiniteError(
+                f"strategy {strategy.name!r} returned {bad_out} non-finite token advantages at "
+                f"valid tokens from finite advantages and entropies: its own NaN or inf, not "
+                f"the model's (each optimizer step they reach would be skipped)")
+    return out
+
+
 def weigh_from_update(traj: Trajectory, rows: torch.Tensor, logprobs: torch.Tensor,
                       entropies: torch.Tensor, strategy: Any,
                       tis_cap: Optional[float] = None) -> None:
@@ -214,9 +240,9 @@ def weigh_from_update(traj: Trajectory, rows: torch.Tensor, logprobs: torch.Tens
         if tis_cap is not None:
             traj.is_weights = lp.new_zeros(traj.mask.shape)
     traj.old_logprobs[rows], traj.entropies[rows] = lp, ent
-    traj.token_advantages[rows] = strategy(
-        traj.advantages[rows], ent, traj.mask[rows], positive=traj.success[rows],
-        groups=traj.groups[rows], validate=False)
+    traj.token_advantages[rows] = weigh(
+        strategy, traj.advantages[rows], ent, traj.mask[rows], positive=traj.success[rows],
+        groups=traj.groups[rows])
     if tis_cap is not None:
         from pepo.loss import truncated_is_weights
 
