@@ -25,7 +25,7 @@ BIN = Path(sys.executable).parent
 # (pattern, why it cannot run here)
 SKIP = [
     (r"\.\.\.|/models/|/data/|\$", "placeholders for the user's paths"),
-    (r"my_config|my_strategies|my_module", "a file of the user's own"),
+    (r"my_config|my_strategies|my_estimators|my_module", "a file of the user's own"),
     (
         r"--config smollm2|eval_smollm2",
         "the real model: tests/training/test_pretrained.py runs a step",

@@ -659,3 +659,30 @@ def test_estimator_keys_its_flags_turn_off_are_warned_of(tmp_path):
     assert warned("single_stream", adaptive_forgetting=False, rho=0.9) == []
     assert warned("single_stream", normalize=False, eps=1e-3, rho_max=0.96) == [
         "estimator.eps: not used with estimator.normalize=false"]
+
+
+def test_another_estimators_key_says_how_to_remove_it(tmp_path, monkeypatch):
+    """Switching ``estimator.name`` on the command line to a registered estimator (the docs'
+    ``dr_grpo``) left the config's ``normalize_std``, refused with its valid keys only; the
+    way out, torchtune's ``~estimator.normalize_std``, was written nowhere. Catches the hint
+    missing, and given for a key no estimator has (a misspelling)."""
+    from pepo import estimators
+
+    class DrGRPO(estimators.GroupEstimator):
+        name = "test_dr_grpo"
+
+        def __init__(self, group_size: int = 8):
+            super().__init__(group_size, normalize_std=False)
+
+    monkeypatch.setitem(estimators.ESTIMATORS, "test_dr_grpo", DrGRPO)
+    cfg = tiny_cfg(tmp_path)
+    cfg.estimator.name = "test_dr_grpo"
+    with pytest.raises(ValueError, match=r"\['normalize_std'\] for estimator.name='test_dr_grpo'; "
+                                         r"valid keys: .* \(a key of estimator.name='group': "
+                                         r"remove it on the command line with "
+                                         r"~estimator.normalize_std\)$"):
+        validate_config(cfg)
+    del cfg.estimator["normalize_std"]
+    cfg.estimator.group_siz = 4
+    with pytest.raises(ValueError, match=r"did you mean 'estimator.group_size'\?$"):
+        validate_config(cfg)

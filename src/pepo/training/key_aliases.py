@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-__all__ = ["ALIASES", "foreign_key_hint"]
+__all__ = ["ALIASES", "foreign_key_hint", "other_estimators_key"]
 
 _ACCUMULATE = ("micro_batch_size (each optimizer step's mini-batch, the step's rollouts / "
                "ppo_mini_batches, is accumulated over micro-batches of this many rows)")
@@ -76,3 +76,15 @@ def foreign_key_hint(name: str, known: set[str]) -> Optional[str]:
     if target is None or name in known:
         return None
     return target if target.startswith("pepo ") else f"pepo calls it {target}"
+
+
+def other_estimators_key(key: str, estimator: str) -> str:
+    """`` (a key of estimator.name='group': remove it ...)`` when ``key``, unknown
+    to ``estimator``, is another registered estimator's parameter (the config was written for
+    that one, and ``estimator.name`` was changed on the command line), else ``""``."""
+    from pepo import estimators
+
+    other = [e for e in estimators.list_estimators()
+             if e != estimator and key in estimators.estimator_parameters(e)]
+    return (f" (a key of estimator.name={other[0]!r}: remove it on the command line with "
+            f"~estimator.{key})" if other else "")

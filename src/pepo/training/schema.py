@@ -50,7 +50,7 @@ from pepo.training.config_rules import (
     bind_names,
     resolve_component,
 )
-from pepo.training.key_aliases import foreign_key_hint
+from pepo.training.key_aliases import foreign_key_hint, other_estimators_key
 
 __all__ = [
     "EXPERIMENT",
@@ -393,10 +393,9 @@ PRIOR_IGNORES: tuple[str, ...] = _role_keys(RecipeConfig, (RUN,))
 
 # ------------------------------------------------------------------------------- phase 1
 def _hint(name: str, valid: Any, where: str) -> str:
-    if foreign := foreign_key_hint(name, {str(v) for v in valid}):
-        return foreign
     close = difflib.get_close_matches(name, [str(v) for v in valid], n=1, cutoff=0.5)
-    return f"did you mean {where + close[0]!r}?" if close else f"valid keys: {sorted(valid)}"
+    return foreign_key_hint(name, {str(v) for v in valid}) or (
+        f"did you mean {where + close[0]!r}?" if close else f"valid keys: {sorted(valid)}")
 
 
 def unknown_key(name: str, valid: Any, where: str) -> ValueError:
@@ -488,7 +487,8 @@ def _estimator(cfg: DictConfig) -> EstimatorConfig:
     for sub in section:
         if sub not in valid:
             raise ValueError(f"unknown estimator key(s) {[str(sub)]} for estimator.name="
-                             f"{name!r}; {_hint(str(sub), valid, 'estimator.')}")
+                             f"{name!r}; {_hint(str(sub), valid, 'estimator.')}"
+                             f"{other_estimators_key(str(sub), name)}")
     try:
         estimators.build_estimator(name, **params)
     except ValueError as e:  # "estimator.group_size must be ..." or "estimator: need ..."
