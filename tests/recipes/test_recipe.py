@@ -327,6 +327,40 @@ def test_a_resumed_run_logs_each_step_once(tmp_path):
         [x for x in before if not x.startswith("Step 3 ")]  # what came before is untouched
 
 
+def test_an_earlier_runs_dumps_are_not_mixed_into_a_new_or_resumed_runs(tmp_path):
+    """A run killed before its first checkpoint left rollout and validation dumps; a fresh run
+    in its directory dropped only its metrics lines, so ``pepo.study.analysis`` of the folder
+    pooled the two runs. A resumed run's dumps after its checkpoint are the stopped run's (and,
+    with other dump settings, not made again). Catches either kept, a dump of a step the
+    checkpoint covers removed, and a stale training-curves picture kept by a fresh run."""
+    out = tmp_path / "run"
+    for d, steps in (("rollouts", (1, 2, 3, 7)), ("val_rollouts", (0, 3))):
+        (out / d).mkdir(parents=True)
+        for s in steps:
+            (out / d / f"step_{s:06d}.jsonl").write_text('{"stale": true}\n')
+    (out / "rollouts" / "step_000004.jsonl.gz").write_bytes(b"")
+    (out / "training_curves.png").write_bytes(b"stale")
+    run(tiny_cfg(tmp_path, num_steps=2, save_every=1, keep_checkpoints=3, dump_rollouts_every=2))
+    assert sorted(p.name for p in (out / "rollouts").iterdir()) == ["step_000002.jsonl"]
+    assert "stale" not in (out / "rollouts" / "step_000002.jsonl").read_text()
+    assert not list((out / "val_rollouts").iterdir())  # validation.every=0: none of its own
+    assert not (out / "training_curves.png").exists()  # plot=False: none of its own
+    import shutil
+
+    shutil.rmtree(out / "checkpoints" / "step_2")  # as if killed before step 2's checkpoint
+    (out / "summary.json").unlink()
+    (out / "rollouts" / "step_000009.jsonl").write_text("{}\n")
+    run(tiny_cfg(tmp_path, num_steps=2, save_every=1, keep_checkpoints=3, dump_rollouts_every=3,
+                 resume_from_checkpoint=True))
+    assert not list((out / "rollouts").iterdir())  # step 2's is after the checkpoint (step 1)
+    (out / "rollouts" / "step_000001.jsonl").write_text("{}\n")
+    shutil.rmtree(out / "checkpoints" / "step_2")
+    (out / "summary.json").unlink()
+    run(tiny_cfg(tmp_path, num_steps=2, save_every=1, keep_checkpoints=3, dump_rollouts_every=3,
+                 resume_from_checkpoint=True))
+    assert [p.name for p in (out / "rollouts").iterdir()] == ["step_000001.jsonl"]  # kept
+
+
 def test_truncate_metrics_log_keeps_other_lines_and_is_a_no_op_without_later_steps(tmp_path):
     from pepo.training.reporting import truncate_metrics_log
 

@@ -144,11 +144,37 @@ def load_state(recipe: Any, path: Path, state: dict[str, Any],
     log(f"Resumed from {path} at step {recipe.step}")
 
 
+DUMP_DIRS = ("rollouts", "val_rollouts")
+
+
+def drop_later_dumps(output_dir: Path, step: int, log: Callable[[str], None]) -> int:
+    """The rollout and validation dumps (``step_N.jsonl[.gz]``) of steps after ``step`` are
+    removed, with the training curves' picture of a fresh run (``step=-1``): they are an
+    earlier run's, which a resumed run makes again (or, with other dump settings, not), and a
+    fresh run none of; left, an analysis of the folder pooled two runs. Returns the number of
+    dumps removed."""
+    gone = 0
+    for name in DUMP_DIRS:
+        for f in sorted((output_dir / name).glob("step_*.jsonl*")):
+            number = f.name[len("step_"):].split(".")[0]
+            if number.isdigit() and int(number) > step:
+                f.unlink(missing_ok=True)
+                gone += 1
+    if gone:
+        log(f"{output_dir}: removed {gone} rollout dump(s) of an earlier run " + (
+            "that wrote no checkpoint" if step < 0 else f"after step {step}, which this "
+            f"resumed run makes again"))
+    if step < 0:
+        (output_dir / "training_curves.png").unlink(missing_ok=True)
+    return gone
+
+
 def truncate_metrics(cfg: Any, step: int, log: Callable[[str], None]) -> None:
     """A resumed run logs the steps after its checkpoint again: the disk log's lines for them
-    (from the run that was stopped) go, so that the file has one line per step. A fresh run
-    (``step=-1``) drops every step's line: an earlier run in this output_dir left no
-    checkpoint to go on from."""
+    (from the run that was stopped) go, so that the file has one line per step, and so do its
+    dumps (:func:`drop_later_dumps`). A fresh run (``step=-1``) drops every step's line and
+    dump: an earlier run in this output_dir left no checkpoint to go on from."""
+    drop_later_dumps(Path(str(cfg.output_dir)), step, log)
     lc = cfg.get("metric_logger")
     if lc is None or not str(lc._component_).endswith("DiskLogger") or not lc.get("filename"):
         return  # DiskLogger without a filename starts a new file per run
