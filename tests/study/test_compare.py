@@ -419,6 +419,17 @@ def test_window_ablation_runs_only_when_named_and_prune_keeps_the_first_grpo(
             for label in ("GRPO", "PEPO, W = 29") for s in (0, 1)}
     assert {k for k, p in kept.items() if p.exists()} == {("GRPO", 0)}
     assert (study.run_dir(out, "tiny", "group", "PEPO, W = 29", 1) / "result.json").is_file()
+    # runs an earlier call finished (without --prune) are pruned by a call that reads them
+    for p in kept.values():
+        p.mkdir(exist_ok=True)
+    calls.clear()
+    study.main([*base, "--seeds", "0", "1", "--methods", "PEPO, W = 29", "--prune"])
+    assert calls == [] and {k for k, p in kept.items() if p.exists()} == {("GRPO", 0)}
+    for p in kept.values():
+        p.mkdir(exist_ok=True)
+    study.main([*base, "--seeds", "0", "1", "--methods", "PEPO, W = 29", "--prune",
+                "--report-only"])  # reads only: deletes nothing
+    assert all(p.exists() for p in kept.values())
     with pytest.raises(SystemExit, match="'PEPO W=7' is not a method"):
         study.main([*base, "--seeds", "0", "--methods", "PEPO W=7"])
 
@@ -620,6 +631,73 @@ def test_a_terminated_study_takes_its_training_run_with_it(tmp_path):
                 os.kill(child, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_a_study_killed_outright_stops_its_run_and_leaves_a_live_run_alone(study, tmp_path):
+    """``kill -9`` of a study left its recipe run training with nobody to record it, and the
+    next call removed that live run's files (its lock file too) and started a second recipe in
+    the same directory. Catches the child not told when its parent dies (a stand-in recipe
+    writes a file on the SIGTERM it gets), and a run directory whose run lock a live process
+    holds cleaned up or trained in."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from pepo.study import runs
+    from pepo.training.run_lock import RunLock
+
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "pepo_recipe.py").write_text(
+        "import os, pathlib, signal, sys, time\n"
+        "def stop(*_):\n"
+        "    pathlib.Path(os.environ['CHILD_PID_FILE'] + '.term').write_text('')\n"
+        "    sys.exit(143)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "pathlib.Path(os.environ['CHILD_PID_FILE']).write_text(str(os.getpid()))\n"
+        "time.sleep(120)\n", encoding="utf-8")
+    pid_file = tmp_path / "child.pid"
+    env = {**os.environ, "CHILD_PID_FILE": str(pid_file),
+           "PYTHONPATH": os.pathsep.join([str(fake), *filter(None, [os.environ.get(
+               "PYTHONPATH")])])}
+    proc = subprocess.Popen([sys.executable, "-m", "pepo.study.compare", "--tasks", "tiny",
+                             "--only", "group", "--methods", "GRPO", "--seeds", "0",
+                             "--out", str(tmp_path / "out")], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    child = None
+    try:
+        deadline = time.monotonic() + 120
+        while not pid_file.is_file() or not pid_file.read_text(encoding="utf-8"):
+            assert proc.poll() is None, "the study ended before starting its run"
+            assert time.monotonic() < deadline, "the run never started"
+            time.sleep(0.2)
+        child = int(pid_file.read_text(encoding="utf-8"))
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while not Path(f"{pid_file}.term").exists():
+            assert time.monotonic() < deadline, "the run was not stopped with its study"
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+        if child is not None:
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    d = study.run_dir(tmp_path / "out2", "tiny", "group", "GRPO", 0)
+    d.mkdir(parents=True)
+    (d / "recipe.log").write_text("step 1\n")
+    holder = RunLock(d)  # a recipe still running there (a study killed before this fix)
+    try:
+        with pytest.raises(ValueError, match=rf"^{d} is in use by a recipe run \(pid {os.getpid()} "
+                                             r"on .*\), one a study killed outright left going"):
+            runs.run_one("tiny", "group", "GRPO", {"name": "uniform"}, 0, tmp_path / "out2", {})
+        assert (d / "recipe.log").read_text() == "step 1\n"
+    finally:
+        holder.release()
 
 
 def _finished(study, out, label, seed, **extra):

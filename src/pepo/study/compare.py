@@ -436,9 +436,13 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
                 check_settings(saved, overrides, d)
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
+        # --prune keeps the first method's lowest seed whole (the report's diagnostics read it)
+        pruned = args.prune and (label, seed) != (METHODS[mode][0][0], min(args.seeds))
         if args.report_only or i % n_shards != shard or saved is not None:
             if saved is not None:
                 results.append(saved)
+                if pruned and not args.report_only:  # a run an earlier call finished too
+                    prune(d)
             elif args.report_only:
                 missing.append(f"{task} {mode} {label} seed {seed}")
             continue
@@ -452,8 +456,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
             raise SystemExit(f"error: {e}") from None  # settings; a run that failed
         if result is not None:
             results.append(result)
-            if args.prune and (label, seed) != (METHODS[mode][0][0], min(args.seeds)):
-                prune(run_dir(out, task, mode, label, seed))
+            if pruned:
+                prune(d)
         else:
             elsewhere += 1
     if (n_shards > 1 or elsewhere) and not args.report_only:

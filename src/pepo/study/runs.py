@@ -22,6 +22,7 @@ from pepo.training.checkpointing import atomic_write_text
 from pepo.training.config import find_config, register_resolvers
 from pepo.training.precision import cpu_model
 from pepo.training.reporting import read_summary
+from pepo.training.run_lock import LOCK_FILE, RunLock
 
 __all__ = ["CONFIGS", "check_configs", "precision_line", "prune", "run_config", "run_one",
            "run_recipe", "unfinished"]
@@ -71,16 +72,36 @@ def run_one(task: str, mode: str, label: str, strategy: dict, seed: int, out: Pa
     with lock:
         if (saved := saved_result(d)) is not None:  # finished before we took the lock
             return check_settings(saved, overrides, d)
+        _check_no_live_run(d)
         cfg = run_config(task, mode, label, strategy, seed, out, overrides)
         how = unfinished(d, cfg)
-        if how is None:
-            left = [p for p in d.iterdir() if p.name != ".lock"]
+        if how is None:  # (the run lock's file stays: see pepo.training.run_lock)
+            left = [p for p in d.iterdir() if p.name not in (".lock", LOCK_FILE)]
             for p in left:
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
             if left:
                 print(f"{task:10s} {mode:13s} {label:22s} seed {seed}: removed what a run "
                       f"without a checkpoint left; starting again", flush=True)
         return _run(task, mode, label, seed, out, overrides, cfg, how)
+
+
+def _check_no_live_run(d: Path) -> None:
+    """Refuses a run directory where a recipe still runs: one a study killed without a chance
+    to stop it (``kill -9``) left going. Removing its files, or starting a second recipe there,
+    would mix two runs."""
+    if not (d / LOCK_FILE).exists():
+        return
+    try:
+        RunLock(d).release()
+    except ValueError:
+        try:
+            info = json.loads((d / LOCK_FILE).read_text(encoding="utf-8"))
+            who = f"pid {info['pid']} on {info['host']}"
+        except (OSError, ValueError, KeyError, TypeError):
+            who = "its details are not written yet"
+        raise ValueError(f"{d} is in use by a recipe run ({who}), one a study killed outright "
+                         f"left going; let it finish (the next call reads or resumes it) or "
+                         f"stop it") from None
 
 
 # where a run's files go: spelled from --out, which may be written another way next time
@@ -236,7 +257,8 @@ def run_recipe(cfg: Any, d: Path, resume: bool = False) -> dict[str, Any]:
         proc = subprocess.Popen([sys.executable, "-m", "pepo_recipe", "--config",
                                  str(d / "config.yaml")]
                                 + (["resume_from_checkpoint=True"] if resume else []),
-                                stdout=log_file, stderr=subprocess.STDOUT)
+                                stdout=log_file, stderr=subprocess.STDOUT,
+                                preexec_fn=_stop_with_parent)
         try:
             code = proc.wait()
         except BaseException as e:  # Ctrl-C, or SIGTERM (SystemExit): the run saves its step
@@ -249,6 +271,17 @@ def run_recipe(cfg: Any, d: Path, resume: bool = False) -> dict[str, Any]:
         raise RuntimeError(f"the recipe run in {d} failed (exit code {code}); the end of "
                            f"{log_path}:\n" + "\n".join(tail))
     return read_summary(str(cfg.output_dir))
+
+
+def _stop_with_parent() -> None:
+    """In the run's child, before the recipe starts (Linux): a SIGTERM when the study dies
+    however it dies (``kill -9`` included), so that the run stops after its step's checkpoint
+    instead of going on unwatched (the next call of the study resumes it)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def prune(d: Path) -> None:
