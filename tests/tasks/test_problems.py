@@ -178,3 +178,48 @@ def test_step_arithmetic_draws_are_seeded_prefixes_and_bad_arguments_are_named()
         step_arithmetic_dataset(max_minuend=True)
     with pytest.raises(ValueError, match="fewer than size=10000"):
         step_arithmetic_dataset(size=10000)
+
+
+def dicts_dataset(kind: str = "dicts", n: int = 70):
+    """A custom dataset component of the kinds users write (``dataset._component_``)."""
+    from pepo.tasks.problems import Problem
+
+    rows = [{"id": f"p{j}", "prompt": f"What is {j} + 1?", "answer": str(j + 1)}
+            for j in range(n)]
+    if kind == "dicts":
+        return rows
+    if kind == "empty":
+        return []
+    if kind == "same_id":
+        return [Problem("same", r["prompt"], r["answer"]) for r in rows]
+    if kind == "list_id":
+        return [Problem([j], r["prompt"], r["answer"]) for j, r in enumerate(rows)]
+    if kind == "ids_prompt":
+        return [Problem(r["id"], [1, 2, 3], r["answer"]) for r in rows]
+    return [Problem(**r) for r in rows]
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("dicts", r"^dataset: item 0 is a dict \(keys \['answer', 'id', 'prompt'\]\), without the "
+              r"attribute\(s\) \['id', 'prompt', 'answer'\]: a dataset component returns "
+              r"pepo.tasks.Problem"),
+    ("empty", r"^dataset: its component returned no problems$"),
+    ("same_id", r"^dataset: items 0 and 1 have the same id 'same': ids key the single-stream "
+                r"tracker"),
+    ("list_id", r"^dataset: item 0's id \[0\] is not hashable \(a list\): use a str or an int$"),
+    ("ids_prompt", r"^dataset: item 0 \(id 'p0'\) has a prompt of type list, not str$"),
+])
+def test_a_custom_dataset_component_is_checked_when_built(tmp_path, kind, message):
+    """A ``dataset._component_`` of the user's returned dicts (an AttributeError traceback deep
+    in the engine), no rows ("no prompt of dataset fits max_seq_len"), one id for every problem
+    (accepted: every prompt shared one SPO tracker), an unhashable id (a TypeError in the
+    estimator). Catches each reaching the run unnamed, and a good component refused."""
+    from pepo.training.config import build
+    from tests.recipe_helpers import tiny_cfg
+
+    cfg = tiny_cfg(tmp_path)
+    cfg.dataset = {"_component_": "tests.tasks.test_problems.dicts_dataset", "kind": kind}
+    with pytest.raises(ValueError, match=message):
+        build(cfg, "dataset")
+    cfg.dataset.kind = "problems"
+    assert len(build(cfg, "dataset")) == 70

@@ -37,6 +37,7 @@ from typing import Optional
 __all__ = [
     "Problem",
     "apply_op",
+    "check_problems",
     "small_sums_dataset",
     "step_arithmetic_dataset",
     "drift_dataset",
@@ -58,6 +59,42 @@ class Problem:
     prompt: str
     answer: str
     solution: Optional[str] = None
+
+
+def check_problems(items: list, key: str) -> list:
+    """``items`` (what a ``dataset`` or ``val_dataset`` component returned) when there is at
+    least one, each is a problem (``id``, a ``str`` ``prompt``, ``answer``: a :class:`Problem`)
+    and the ids are hashable and distinct (they key SPO's tracker and the prior cache: two
+    problems of one id shared one tracker).
+
+    Raises:
+        ValueError: naming ``key``, the item and what is wrong.
+    """
+    if not items:
+        raise ValueError(f"{key}: its component returned no problems")
+    seen: dict = {}
+    for j, p in enumerate(items):
+        missing = [f for f in ("id", "prompt", "answer") if not hasattr(p, f)]
+        if missing:
+            kind = (f"a dict (keys {sorted(map(str, p))[:6]})" if isinstance(p, dict)
+                    else f"a {type(p).__name__}")
+            raise ValueError(f"{key}: item {j} is {kind}, without the attribute(s) {missing}: a "
+                             f"dataset component returns pepo.tasks.Problem(id, prompt, answer) "
+                             f"objects (pepo.tasks.load_math_dataset reads JSONL or Parquet "
+                             f"files into them)")
+        if not isinstance(p.prompt, str):
+            raise ValueError(f"{key}: item {j} (id {p.id!r}) has a prompt of type "
+                             f"{type(p.prompt).__name__}, not str")
+        try:
+            first = seen.setdefault(p.id, j)
+        except TypeError:
+            raise ValueError(f"{key}: item {j}'s id {p.id!r} is not hashable (a "
+                             f"{type(p.id).__name__}): use a str or an int") from None
+        if first != j:
+            raise ValueError(f"{key}: items {first} and {j} have the same id {p.id!r}: ids key "
+                             f"the single-stream tracker and the prior cache, so each problem "
+                             f"needs its own")
+    return items
 
 
 def apply_op(acc: int, op: str, d: int) -> int:

@@ -193,13 +193,19 @@ def check_checkpoint_dir(ckpt: Any, key: str = "checkpoint_dir") -> None:
 def build(cfg: DictConfig, key: str, *args: Any, **kwargs: Any) -> Any:
     """``config.instantiate(cfg[key], *args, **kwargs)``, with the arguments a component does
     not take (a ``TypeError`` from its constructor) reported as a ``ValueError`` naming the
-    config section."""
+    config section; a ``dataset`` or ``val_dataset`` as a list checked by
+    :func:`pepo.tasks.problems.check_problems`."""
     from torchtune import config as tune_config
 
     try:
-        return tune_config.instantiate(cfg[key], *args, **kwargs)
+        built = tune_config.instantiate(cfg[key], *args, **kwargs)
     except TypeError as e:
         raise ValueError(f"{key}: {cfg[key].get('_component_')} {e}") from None
+    if key in ("dataset", "val_dataset"):  # problems of distinct ids, at least one
+        from pepo.tasks.problems import check_problems
+
+        return check_problems(list(built), key)
+    return built
 
 
 # torchtune's metric loggers and the package each imports when it is built (they fail with a
