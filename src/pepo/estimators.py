@@ -121,7 +121,9 @@ class Estimator(Protocol):
                 drift: Optional[float] = None) -> None:
         """Learns from a finished step (after the update; ``drift`` when ``needs_drift``)."""
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps: tensors, Python numbers and strings, lists and plain dicts
+        (a resume reads it with ``torch.load(weights_only=True)``)."""
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 

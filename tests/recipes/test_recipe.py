@@ -590,3 +590,36 @@ def test_the_loss_is_a_component_named_in_the_config(tmp_path):
                                          "unexpected keyword argument 'eps_low'"):
         validate_config(tiny_cfg(tmp_path / "c", loss={
             "_component_": "tests.recipes.test_recipe.NoClipRange"}))
+
+
+def test_an_estimator_state_a_resume_cannot_read_stops_at_the_first_checkpoint(tmp_path,
+                                                                               monkeypatch):
+    """A registered estimator whose ``state_dict()`` held a numpy scalar wrote checkpoints that
+    every resume then called damaged (``torch.load(weights_only=True)`` refuses the type), so
+    the run could never go on. Catches the state saved unchecked; a plain state passes."""
+    import numpy as np
+
+    from pepo import estimators
+    from pepo.training.stopping import CheckpointFailed
+
+    class Ema(estimators.GroupEstimator):
+        name = "test_ema"
+        kind = "numpy"
+
+        def state_dict(self):
+            state = super().state_dict()
+            return {**state, "baseline": np.float64(0.5) if self.kind == "numpy" else 0.5}
+
+        def load_state_dict(self, state):
+            super().load_state_dict({k: v for k, v in state.items() if k != "baseline"})
+
+    monkeypatch.setitem(estimators.ESTIMATORS, "test_ema", Ema)
+    cfg = tiny_cfg(tmp_path, num_steps=1, save_every=1)
+    cfg.estimator = {"name": "test_ema", "group_size": cfg.estimator.group_size}
+    with pytest.raises(CheckpointFailed, match=r"^estimator 'test_ema': its state_dict\(\) cannot "
+                                               r"be read back by a resume \(torch.load\(weights_"
+                                               r"only=True\): .*GLOBAL numpy.*allowed global by "
+                                               r"default.\); keep tensors"):
+        run(cfg)
+    monkeypatch.setattr(Ema, "kind", "float")
+    run(tiny_cfg(tmp_path / "ok", num_steps=1, save_every=1, estimator=cfg.estimator))

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 from pepo.training.checkpointing import MODEL_FILE
 from pepo.training.models import check_state_matches
 from pepo.training.reporting import truncate_metrics_log
-from pepo.training.stopping import checkpoint_failure
+from pepo.training.stopping import CheckpointFailed, checkpoint_failure
 
 __all__ = ["agreed_checkpoint", "load_state", "model_state_dict", "save_state",
            "truncate_metrics"]
@@ -66,7 +66,7 @@ def save_state(recipe: Any, step: int, metrics: Optional[dict[str, float]] = Non
     if recipe.lr_scheduler is not None:
         state["lr_scheduler"] = recipe.lr_scheduler.state_dict()
         state["schedule_steps"] = recipe.schedule_steps
-    state["estimator"] = recipe.estimator.state_dict()
+    state["estimator"] = readable_state(recipe.estimator)
     state["experiment"] = recipe.experiment
     if recipe.dist.is_main:
         checkpointer = recipe.checkpointer
@@ -79,6 +79,36 @@ def save_state(recipe: Any, step: int, metrics: Optional[dict[str, float]] = Non
                 raise
             raise failed from None
     recipe.dist.barrier()
+
+
+def readable_state(estimator: Any) -> Any:
+    """``estimator.state_dict()`` when a resume can read it back: a checkpoint is loaded with
+    ``torch.load(weights_only=True)`` (tensors, Python numbers and strings, lists, tuples and
+    plain dicts). A registered estimator that kept a numpy scalar or a ``defaultdict`` there
+    wrote checkpoints that every resume then called damaged.
+
+    Raises:
+        CheckpointFailed: naming the estimator and what ``torch.load`` refused (the run stops;
+            its checkpoints so far are kept, none of them resumable for this reason).
+    """
+    import io
+
+    state = estimator.state_dict()
+    buffer = io.BytesIO()
+    try:
+        torch.save(state, buffer)
+        buffer.seek(0)
+        torch.load(buffer, weights_only=True)
+    except Exception as e:  # an unpicklable object, or a type weights_only refuses
+        why = str(e).strip().splitlines()
+        why = next((line for line in why if "GLOBAL" in line or "pickle" in line.lower()),
+                   why[0] if why else type(e).__name__).split(" Please use")[0]
+        raise CheckpointFailed(
+            f"estimator {getattr(estimator, 'name', type(estimator).__name__)!r}: its "
+            f"state_dict() cannot be read back by a resume (torch.load(weights_only=True): "
+            f"{why.strip()[:300]}); keep tensors, Python numbers, strings, lists and plain "
+            f"dicts in it (float(x) of a numpy scalar, dict(d) of a defaultdict)") from None
+    return state
 
 
 def agreed_checkpoint(checkpointer: Any, dist: Any, **kwargs: Any) -> tuple[Path, dict[str, Any]]:
