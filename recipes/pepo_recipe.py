@@ -84,7 +84,6 @@ from pepo.training.config_rules import resolve_component
 from pepo.training.distributed import Dist, minibatch_indices, shard_model, tile_rows
 from pepo.training.engines import build_engine, fitting_prompts, sequence_limit
 from pepo.training.evaluation import (
-    RewardError,
     avg_at_k,
     eval_generator,
     is_success,
@@ -100,7 +99,7 @@ from pepo.training.precision import (
 )
 from pepo.training.precision import describe as describe_precision
 from pepo.training.reporting import NullLogger, write_rollouts
-from pepo.training.rollouts import check_reward_range
+from pepo.training.rollouts import ComponentError, advantages_of, check_reward_range, choice_of
 from pepo.training.run_lock import RunLock
 from pepo.training.step import (
     StepStats,
@@ -349,7 +348,7 @@ class PEPORecipe(FTRecipeInterface):
         est = self.estimator
         drawn = self.sampler.next(self.prompts_per_step * est.candidate_pool)
         pool = [self.train_data[i] for i in drawn]
-        picked = est.choose([p.id for p in pool], self.prompts_per_step, self.rng)
+        picked = choice_of(est, [p.id for p in pool], self.prompts_per_step, self.rng)
         return [pool[i] for i in picked for _ in range(est.rollouts_per_prompt)]
 
     def _policy_drift(self, ro: Rollouts, old_lp: torch.Tensor) -> float:
@@ -362,7 +361,7 @@ class PEPORecipe(FTRecipeInterface):
         t0 = time.perf_counter()
         traj = self._generate()  # prompts -> rollouts -> rewards
         t_gen = time.perf_counter() - t0
-        traj.advantages_all = self.estimator.advantages(traj.prompt_ids, traj.rewards_all)  # [B]
+        traj.advantages_all = advantages_of(self.estimator, traj.prompt_ids, traj.rewards_all)
         traj.success_all = is_success(self.reward_fn, traj.rewards_all)  # [B] bool
         traj.groups = (torch.arange(traj.batch, device=traj.advantages_all.device)[traj.part]
                        // self.estimator.rollouts_per_prompt)  # [b] prompt groups (GTPO)
@@ -637,7 +636,7 @@ def _main(cfg: DictConfig) -> Any:
     except TrainingStopped as e:
         log.warning(str(e))
         code = e.exit_code  # 128 + the signal, as a process killed by it reports
-    except (CheckpointFailed, RewardError, NonFiniteError) as e:  # the last checkpoint is kept
+    except (CheckpointFailed, ComponentError, NonFiniteError) as e:  # the last checkpoint is kept
         code = f"error: {e}"
     if recipe.dist.world_size > 1:  # all is closed: no teardown for gloo's threads to abort in
         distributed.exit_without_teardown(code)

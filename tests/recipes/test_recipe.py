@@ -623,3 +623,29 @@ def test_an_estimator_state_a_resume_cannot_read_stops_at_the_first_checkpoint(t
         run(cfg)
     monkeypatch.setattr(Ema, "kind", "float")
     run(tiny_cfg(tmp_path / "ok", num_steps=1, save_every=1, estimator=cfg.estimator))
+
+
+def test_an_estimator_that_cannot_load_its_saved_state_is_one_line(tmp_path, monkeypatch):
+    """A registered estimator whose state's keys changed between a run and its resume (its
+    code edited) was a ``KeyError`` traceback from ``resume.load_state``. Catches it unnamed
+    (no checkpoint, no estimator in the message) or raised as something the recipe's setup
+    does not print as one line (not a ``ValueError``)."""
+    from pepo import estimators
+
+    class Ema(estimators.GroupEstimator):
+        name = "test_ema_keys"
+
+        def state_dict(self):
+            return {**super().state_dict(), "baselines": {}}
+
+        def load_state_dict(self, state):
+            super().load_state_dict({k: v for k, v in state.items() if k != "baselines"})
+            state["baseline_v2"]  # the edited code's key
+
+    monkeypatch.setitem(estimators.ESTIMATORS, "test_ema_keys", Ema)
+    est = {"name": "test_ema_keys", "group_size": 4}
+    run(tiny_cfg(tmp_path, num_steps=1, save_every=1, estimator=est))
+    with pytest.raises(ValueError, match=r"^checkpoint .*step_1: estimator 'test_ema_keys' could "
+                                         r"not load its state \(KeyError: 'baseline_v2'\)$"):
+        run(tiny_cfg(tmp_path, num_steps=2, save_every=1, estimator=est,
+                     resume_from_checkpoint=True))

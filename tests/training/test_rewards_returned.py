@@ -70,3 +70,50 @@ def test_an_estimators_reward_range_names_the_first_value_outside():
             f"reward tests.recipe_helpers.BadReward returned {shown} for response {i}; the "
             f"single_stream estimator takes rewards in [0, 1]"), str(e.value)
         check_reward_range(bad, fn, group)  # group advantages take any finite reward
+
+
+class _Est:
+    """A registered estimator's two per-step calls, returning what it is given."""
+
+    name = "test_est"
+
+    def __init__(self, adv=None, picked=None):
+        self.adv, self.picked = adv, picked
+
+    def advantages(self, prompt_ids, rewards):
+        return self.adv
+
+    def choose(self, prompt_ids, k, generator):
+        return self.picked
+
+
+@pytest.mark.parametrize("adv, message", [
+    ([0.5, -0.5, 0.0], r"advantages\(\) returned a list, not a float tensor of shape \[3\]"),
+    (torch.zeros(2), r"advantages\(\) returned a torch.float32 tensor of shape \[2\], not a "
+                     r"float tensor of shape \[3\] \(one per rollout\)"),
+    (torch.zeros(3, dtype=torch.long),
+     r"advantages\(\) returned a torch.int64 tensor of shape \[3\]"),
+    (torch.tensor([0.5, float("nan"), float("inf")]),
+     r"advantages\(\) returned 2 non-finite values of 3 from finite rewards"),
+])
+def test_a_registered_estimators_advantages_are_checked(adv, message):
+    """A list (an AttributeError in the recipe), a wrong length (named no estimator), a NaN
+    (skipped step after step by the loss guard). Catches each reaching the update."""
+    from pepo.training.rollouts import ComponentError, advantages_of
+
+    with pytest.raises(ComponentError, match=r"^estimator 'test_est': " + message):
+        advantages_of(_Est(adv=adv), ["a", "a", "b"], torch.ones(3))
+    good = torch.tensor([0.5, -0.5, 0.0])
+    assert advantages_of(_Est(adv=good), ["a", "a", "b"], torch.ones(3)) is good
+
+
+@pytest.mark.parametrize("picked", [[0, 1], [0, 0, 1], [0, 1, 5], [0, 1, -1], [0.5, 1, 2], None])
+def test_a_registered_estimators_choice_is_k_distinct_indices_into_the_pool(picked):
+    """k - 1 indices trained on fewer prompts in silence; a repeat, an index past the pool or
+    negative (Python's from-the-end), a float, None. Catches each taken."""
+    from pepo.training.rollouts import ComponentError, choice_of
+
+    with pytest.raises(ComponentError, match=r"^estimator 'test_est': choose\(\) must return 3 "
+                                             r"distinct indices into the pool of 4 candidates"):
+        choice_of(_Est(picked=picked), list("abcd"), 3, None)
+    assert choice_of(_Est(picked=torch.tensor([3, 0, 1])), list("abcd"), 3, None) == [3, 0, 1]

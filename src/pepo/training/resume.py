@@ -165,7 +165,12 @@ def load_state(recipe: Any, path: Path, state: dict[str, Any],
     recipe.rng.set_state(state["rng"])
     recipe.sample_rng.set_state(state["sample_rng"])
     torch.set_rng_state(state["torch_rng"])
-    recipe.estimator.load_state_dict(state["estimator"])
+    try:  # a registered estimator's own code: its state's keys may have changed since
+        recipe.estimator.load_state_dict(state["estimator"])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"checkpoint {path}: estimator "
+                         f"{getattr(recipe.estimator, 'name', '?')!r} could not load its state "
+                         f"({type(e).__name__}: {e})") from None
     recipe.step = state["step"]
     recipe.history = list(state["history"])
     recipe.nonfinite.total = state["nonfinite_total"]

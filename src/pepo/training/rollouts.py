@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -17,11 +18,18 @@ import torch
 from pepo.training.engines import as_engine
 from pepo.training.generation import Rollouts, draw_seeds
 
-__all__ = ["RewardError", "check_reward_range", "is_success", "reward_tensor",
+__all__ = ["ComponentError", "RewardError", "check_reward_range", "advantages_of",
+           "choice_of", "is_success", "reward_tensor",
            "sample_and_score"]
 
 
-class RewardError(ValueError):
+class ComponentError(ValueError):
+    """A component of the config (the reward, a registered estimator) returned what the run
+    cannot use; the message names it. A run stops on it with one line, its last checkpoint
+    kept."""
+
+
+class RewardError(ComponentError):
     """The reward component returned something other than one finite number per response."""
 
 
@@ -152,3 +160,50 @@ def sample_and_score(
     rewards = reward_tensor(reward_fn(texts, [p.answer for p in problems]), len(problems),
                             reward_fn).to(ro.tokens.device)  # [B]
     return ro, rewards, texts
+
+
+def _estimator_name(estimator: Any) -> str:
+    return str(getattr(estimator, "name", type(estimator).__name__))
+
+
+def choice_of(estimator: Any, prompt_ids: list, k: int, generator: Any) -> list[int]:
+    """``estimator.choose(prompt_ids, k, generator)`` when it is ``k`` distinct indices into the
+    pool (a registered estimator's k - 1 trained on fewer prompts in silence).
+
+    Raises:
+        ComponentError: naming the estimator and what it returned.
+    """
+    picked = estimator.choose(prompt_ids, k, generator)
+    try:
+        idx = [operator.index(i) for i in picked]
+    except TypeError:
+        idx = None
+    if idx is None or len(idx) != k or len(set(idx)) != k or not all(
+            0 <= i < len(prompt_ids) for i in idx):
+        raise ComponentError(
+            f"estimator {_estimator_name(estimator)!r}: choose() must return {k} distinct "
+            f"indices into the pool of {len(prompt_ids)} candidates, got {picked!r}"[:400])
+    return idx
+
+
+def advantages_of(estimator: Any, prompt_ids: Sequence, rewards: torch.Tensor
+                       ) -> torch.Tensor:
+    """``estimator.advantages(prompt_ids, rewards)`` when it is a float tensor ``[N]`` of finite
+    values (the rewards are finite: a NaN is the estimator's, which the loss guard would skip
+    step after step), in one host sync.
+
+    Raises:
+        ComponentError: naming the estimator and what it returned.
+    """
+    adv = estimator.advantages(prompt_ids, rewards)
+    n, name = len(prompt_ids), _estimator_name(estimator)
+    if not isinstance(adv, torch.Tensor) or not adv.is_floating_point() or adv.shape != (n,):
+        got = (f"a {adv.dtype} tensor of shape {list(adv.shape)}" if isinstance(adv, torch.Tensor)
+               else f"a {type(adv).__name__}")
+        raise ComponentError(f"estimator {name!r}: advantages() returned {got}, not a float "
+                             f"tensor of shape [{n}] (one per rollout)")
+    bad = int((~torch.isfinite(adv)).sum())
+    if bad:
+        raise ComponentError(f"estimator {name!r}: advantages() returned {bad} non-finite "
+                             f"values of {n} from finite rewards")
+    return adv
