@@ -30,6 +30,11 @@ from tests.recipe_helpers import tiny_cfg
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def plain_reward(responses, answers):
+    """A reward as TRL takes one: a function, which a ``_component_`` is not."""
+    return [float(a in r) for r, a in zip(responses, answers)]
+
+
 def _fmt(v) -> str:
     """How docs/recipe.md writes a default."""
     if v is schema.REQUIRED:
@@ -159,6 +164,11 @@ def test_the_cache_fingerprints_record_the_precision_auto_chose(tmp_path, monkey
     ({"val_dataset": {"splt": "val"}}, "val_dataset: pepo.tasks.problems.modsum_dataset got an "
                                        "unexpected keyword argument 'splt'; did you mean "
                                        "'val_dataset.split'?"),
+    # a TRL-style reward function: built (called) with the section's keys, no responses
+    ({"reward": {"_component_": "tests.training.test_config_schema.plain_reward"}},
+     "reward: tests.training.test_config_schema.plain_reward missing a required argument: "
+     "'responses' (reward._component_ is built with its keys, then called on (responses, "
+     "answers): name a class whose instances are, not a function)"),
 ])
 def test_a_component_typo_fails_at_validation_before_anything_is_built(tmp_path, override,
                                                                         message):
