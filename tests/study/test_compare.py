@@ -821,9 +821,17 @@ def test_what_the_study_sets_itself_and_unplanned_methods_are_refused(study, tmp
                              ("strategy=uniform", "strategy.name", "--methods"),
                              ("validation.before_cache=v.json", "validation.before_cache",
                               "--out"), ("prior_cache=p.json", "prior_cache", "--out")):
+        own = ("; a registered strategy of your own is not one of them: run it with `tune run "
+               "pepo_recipe --config TASK 'imports=[MODULE]' strategy.name=NAME seed=S`, a run "
+               "a seed (docs/recipe.md, extending pepo)" if option == "--methods" else "")
         with pytest.raises(SystemExit, match=rf"^error: --set {bad.split('=')[0]}=\.\.\.: the "
-                           rf"study sets {key} for each run itself \(give {option} instead\)$"):
+                           rf"study sets {key} for each run itself \(give {option} instead"
+                           rf"{re.escape(own)}\)$"):
             study.main([*argv, "--set", bad])
+    with pytest.raises(SystemExit, match=r"^error: --methods 'my_strategy' is not a method of "
+                                         r"the study; known: .*; a registered strategy of your "
+                                         r"own is not one of them"):
+        study.main([*argv, "--methods", "my_strategy"])
     with pytest.raises(SystemExit, match=r"^error: --set validation.every=0"):
         study.main([*argv, "--set", "validation.every=0"])
     with pytest.raises(SystemExit, match=r"^error: --methods 'PESPO' is not a method of the "

@@ -88,6 +88,11 @@ def command_line(argv: Optional[list[str]]) -> str:
     return "python -m pepo.study.compare " + shlex.join(keep)  # "80/20, proximal score" quoted
 
 
+# a strategy of the user's own is not a method of the study: where it runs instead
+OWN_STRATEGY = ("a registered strategy of your own is not one of them: run it with `tune run "
+                "pepo_recipe --config TASK 'imports=[MODULE]' strategy.name=NAME seed=S`, a run "
+                "a seed (docs/recipe.md, extending pepo)")
+
 # what the study sets for each of its runs, and the option that says it instead
 FIXED = {"seed": "--seeds", "output_dir": "--out", "strategy.name": "--methods",
          "prior_cache": "--out", "validation.before_cache": "--out"}
@@ -116,6 +121,7 @@ def _check_fixed(overrides: dict[str, Any], where: str = "") -> None:
         for fixed, option in FIXED.items():
             if full == fixed or (fixed.startswith(full + ".") and not isinstance(value, dict)):
                 raise ValueError(f"--set {full}=...: the study sets {fixed} for each run "
-                                 f"itself (give {option} instead)")
+                                 f"itself (give {option} instead" + (
+                                     f"; {OWN_STRATEGY})" if option == "--methods" else ")"))
         if isinstance(value, dict):
             _check_fixed(value, full + ".")

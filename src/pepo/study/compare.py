@@ -407,7 +407,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     known = {label for mode in MODES for label, _ in methods(mode)}
     if args.methods and (unknown := [m for m in args.methods if m not in known]):
         raise SystemExit(f"error: --methods {unknown[0]!r} is not a method of the study; "
-                         f"known: {', '.join(sorted(known))}")
+                         f"known: {', '.join(sorted(known))}; {cli.OWN_STRATEGY}")
     plan = []
     for task in args.tasks:
         for mode in MODES:
