@@ -192,18 +192,19 @@ def test_differences_without_spread_are_not_testable(tmp_path):
     ({"seed": 1}, "run 'PEPO' seed 1 has two results"),
     # compare's --set: another learning rate in a hand-assembled results folder
     ({"overrides": {"optimizer": {"lr": 1e-6}}},
-     "run 'PEPO' seed 2 has overrides={'optimizer': {'lr': 1e-06}} where run 'GRPO' seed 0 has "
+     "run 'PEPO' seed 2 has overrides={'optimizer': {'lr': 1e-06}} where run 'GRPO' seed 1 has "
      "{}"),
 ])
 def test_runs_of_other_settings_or_without_an_accuracy_are_refused(change, message):
     """Catches each refusal missing: a run of 8 steps read into a 40-step study, a
     single-stream run beside group runs, a NaN accuracy (statistics.stdev failed on it with an
-    AttributeError), one method's seed twice, a run of other ``--set`` overrides (a result of
-    an older pepo has none: the same as ``{}``, so the first run's lack of it is no difference)."""
+    AttributeError), one method's seed twice, a run of other ``--set`` overrides than the first
+    run that records them (a result without the key, of an older pepo or restored from
+    docs/images, is not compared on them: published results continued with ``--set`` compare)."""
     results = [{**r, "task": "t", "mode": "group", "num_steps": 40, "val_k": 2,
                 "val_problems": 43} for r in _runs("GRPO", range(4), [0.4, 0.5, 0.6, 0.5])
                + _runs("PEPO", range(4), [0.45, 0.5, 0.65, 0.5])]
-    for r in results[1:4]:  # GRPO seed 0 has no overrides key, the others {}
+    for r in results[1:4]:  # GRPO seed 0 and PEPO have no overrides key, GRPO seeds 1-3 {}
         r["overrides"] = {}
     results[6] = {**results[6], **change}  # PEPO, seed 2
     with pytest.raises(ValueError, match=re.escape(message)):

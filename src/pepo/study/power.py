@@ -50,13 +50,14 @@ def no_spread(diffs: Sequence[float]) -> bool:
 def check_comparable(results: Sequence[dict]) -> None:
     """Refuses results that cannot be compared: a ``val_after`` that is not a finite number,
     runs whose :data:`SETTINGS` or ``overrides`` (compare's ``--set``) differ (a run of 8 steps
-    beside runs of 40, single-stream beside group mode, another learning rate), or two results
-    of one method and seed (a copied file would count a seed twice, as two pairs).
+    beside runs of 40, single-stream beside group mode, another learning rate; a result without
+    ``overrides``, of an older pepo or restored, is not compared on them), or two results of
+    one method and seed (a copied file would count a seed twice, as two pairs).
 
     Raises:
         ValueError: naming the run (method and seed) and the setting.
     """
-    first = None
+    first = with_overrides = None
     seen = set()
     for r in results:
         name = f"run {r.get('method')!r} seed {r.get('seed')}"
@@ -67,17 +68,17 @@ def check_comparable(results: Sequence[dict]) -> None:
         v = r.get("val_after")
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             raise ValueError(f"{name}: val_after is {v!r}, not a finite accuracy")
-        if first is None:
-            first = r
-            continue
-        for key in (*SETTINGS, "overrides"):  # a result without overrides had none
-            mine, theirs = ((x.get(key) or {}) if key == "overrides" else x.get(key)
-                            for x in (r, first))
-            if mine != theirs:
+        if "overrides" in r:  # compare's --set; results of an older pepo, restored ones, lack
+            with_overrides = with_overrides or r  # it: not known, so not compared
+        pairs = [*((k, first) for k in SETTINGS), *(
+            [("overrides", with_overrides)] if "overrides" in r else [])]
+        for key, other in pairs:
+            if other is not None and other is not r and r.get(key) != other.get(key):
                 raise ValueError(
-                    f"{name} has {key}={mine!r} where run {first.get('method')!r} seed "
-                    f"{first.get('seed')} has {theirs!r}: runs of other settings are "
+                    f"{name} has {key}={r.get(key)!r} where run {other.get('method')!r} seed "
+                    f"{other.get('seed')} has {other.get(key)!r}: runs of other settings are "
                     f"not compared (keep one setting per study directory)")
+        first = first or r
 
 
 def paired(diffs: Sequence[float], m: int = 1, alpha: float = 0.05,
