@@ -612,6 +612,11 @@ def test_fsdp_settings_on_one_process_are_refused(tmp_path):
     # not another trainer's name, or one that means nothing pepo has there: the closest spelling
     ({"num_stepz": 2}, r"unknown config key 'num_stepz'; did you mean 'num_steps'\?$"),
     ({"dataset": {"batch_size": 2}}, r"'batch_size'; did you mean 'dataset.size'\?$"),
+    # another trainer's name, but not for a key of the section it stands in
+    ({"estimator": {"epsilon": 1e-3}}, r"\['epsilon'\] .*; did you mean 'estimator.eps'\?$"),
+    ({"validation": {"n": 4}}, r"unknown config key 'validation.n'; valid keys: "),
+    ({"strategy": {"window_average": {"temperature": 1.0}}},
+     r"'strategy.window_average.temperature'; valid keys: "),
 ])
 def test_other_trainers_key_names_get_pepos_name(tmp_path, override, message):
     """Users write TRL's and verl's names (``gradient_accumulation_steps``, ``learning_rate``,
@@ -621,6 +626,26 @@ def test_other_trainers_key_names_get_pepos_name(tmp_path, override, message):
     the step's batch), or put before a misspelling of pepo's own key."""
     with pytest.raises(ValueError, match=message):
         validate_config(tiny_cfg(tmp_path, **override))
+
+
+def test_an_eval_config_gets_no_training_keys_for_other_trainers_names(tmp_path):
+    """``pepo_eval``'s config has no optimizer, estimator or step batch: the aliases that name
+    them (``generation.batch_size`` was told prompts_per_step, ``n`` estimator.group_size)
+    must not answer there. Catches the section rule not applied to eval configs."""
+    from pepo.training.key_aliases import foreign_key_hint
+    from pepo.training.schema import EvalConfig
+
+    top = {f.name for f in dataclasses.fields(EvalConfig)}
+    for name in ("n", "learning_rate", "per_device_train_batch_size", "num_generations"):
+        assert foreign_key_hint(name, "", top) is None, name
+    assert foreign_key_hint("temperature", "", top) == "pepo calls it generation.temperature"
+    assert foreign_key_hint("batch_size", "generation.", {"temperature", "top_p"}) is None
+    cfg = OmegaConf.load(find_config("eval_tiny"))
+    cfg.learning_rate = 1e-6
+    register_resolvers()
+    with pytest.raises(ValueError, match=r"^unknown config key 'learning_rate'; (did you mean|"
+                                         r"valid keys)"):
+        validate_eval_config(cfg)
 
 
 def test_every_key_alias_names_a_key_pepo_has():

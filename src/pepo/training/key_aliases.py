@@ -67,13 +67,25 @@ ALIASES: dict[str, str] = {
 }
 
 
-def foreign_key_hint(name: str, known: set[str]) -> Optional[str]:
-    """``pepo calls it ...`` for an unknown key ``name`` (in any section) that is another
-    trainer's name for one of pepo's keys, else None. ``known`` holds the keys valid where it
-    stands: a name that is pepo's own key elsewhere (``temperature`` at the top level) points
-    there, and one is valid where it stands is never asked about."""
+def foreign_key_hint(name: str, where: str, known: set[str]) -> Optional[str]:
+    """``pepo calls it ...`` for an unknown key ``where + name`` that is another trainer's name
+    for one of pepo's keys, else None (the closest spelling is the hint then). ``known`` holds
+    the keys valid at ``where``. An alias answers only where its key is: at the top level when
+    the key's section or key is one there (not in an eval config, which has no optimizer or
+    estimator), in a section when the key is that section's (``loss.epsilon``;
+    ``estimator.epsilon`` is a misspelt ``estimator.eps``, ``validation.n`` not a group size),
+    and the no-KL line at the top level or under ``loss``."""
     target = ALIASES.get(name)
     if target is None or name in known:
+        return None
+    key = target.split(" ", 1)[0]
+    if target.startswith("pepo "):
+        fits = where in ("", "loss.")
+    elif where == "":
+        fits = key.split(".")[0] in known
+    else:
+        fits = key.startswith(where) and key[len(where):] in known
+    if not fits:
         return None
     return target if target.startswith("pepo ") else f"pepo calls it {target}"
 

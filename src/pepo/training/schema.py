@@ -394,7 +394,7 @@ PRIOR_IGNORES: tuple[str, ...] = _role_keys(RecipeConfig, (RUN,))
 # ------------------------------------------------------------------------------- phase 1
 def _hint(name: str, valid: Any, where: str) -> str:
     close = difflib.get_close_matches(name, [str(v) for v in valid], n=1, cutoff=0.5)
-    return foreign_key_hint(name, {str(v) for v in valid}) or (
+    return foreign_key_hint(name, where, {str(v) for v in valid}) or (
         f"did you mean {where + close[0]!r}?" if close else f"valid keys: {sorted(valid)}")
 
 
