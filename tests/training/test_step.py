@@ -318,8 +318,9 @@ def test_a_registered_strategys_own_nan_stops_the_run_naming_it(monkeypatch):
     skipped by the loss guard); a registered strategy's own NaN (``A / |A|`` at a zero
     advantage) was skipped the same way, step after step, and the run exited 0 or stopped
     blaming the loss. Catches the check missing, made for the built-ins (a sync they do not
-    need), and a NaN input (entropies of a NaN logit, which a windowed fn may spread to
-    finite neighbours) blamed on the strategy."""
+    need), a NaN input (entropies of a NaN logit, which a windowed fn may spread to finite
+    neighbours) blamed on the strategy, and a rank stopping alone (the others went on into
+    the update's collectives and hung: the counts are summed over the processes)."""
     import pepo.weighting as pw
     from pepo.training.step import weigh
     from pepo.training.stopping import NonFiniteError
@@ -343,6 +344,18 @@ def test_a_registered_strategys_own_nan_stops_the_run_naming_it(monkeypatch):
         assert torch.isfinite(ok).all()
         ent[0, 1] = float("nan")  # a NaN logit's entropy: the loss guard's to skip
         assert torch.isnan(weigh(pw.get_strategy("test_signed"), adv, ent, mask)).any()
+        # another rank's rows held the NaN: this rank stops with it (the counts are summed)
+        import torch.distributed as dist
+
+        def others(counts, group=None):
+            assert group == "the group"
+            counts += torch.tensor([0, 0, 3])
+
+        monkeypatch.setattr(dist, "all_reduce", others)
+        with pytest.raises(NonFiniteError, match=r"^strategy 'test_signed' returned 3 non-finite"):
+            weigh(pw.get_strategy("test_signed"), torch.tensor([1.0, 0.5, -2.0]),
+                  ent.nan_to_num(), mask, process_group="the group")
+
         def no_sync(self):
             raise AssertionError("a built-in strategy's result was read on the host")
 

@@ -196,6 +196,13 @@ def by_length(rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return rows[torch.sort(lengths, stable=True).indices]
 
 
+def _default_group() -> Any:
+    """The default process group of a multi-process run, else None."""
+    import torch.distributed as dist
+
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
 def weigh(strategy: Any, advantages: torch.Tensor, entropies: torch.Tensor, mask: torch.Tensor,
           **kwargs: Any) -> torch.Tensor:
     """The token advantages of ``strategy`` with ``validate=False``: non-finite log-probs (a
@@ -203,15 +210,23 @@ def weigh(strategy: Any, advantages: torch.Tensor, entropies: torch.Tensor, mask
     checks would raise. A registered (not built-in) strategy's result is refused, in one host
     sync, where it is non-finite at a valid token while every advantage and valid entropy is
     finite: its own NaN or inf, which the guard would skip step after step without naming it.
+    The counts are summed over the processes (``process_group``, else the default group of a
+    multi-process run), so that every rank stops together.
 
     Raises:
         NonFiniteError: naming the strategy (the run stops; the last checkpoint is kept).
     """
     out = strategy(advantages, entropies, mask, validate=False, **kwargs)
     if not getattr(strategy, "builtin", True):
-        bad_ent, bad_adv, bad_out = torch.stack([
+        counts = torch.stack([
             (mask & ~torch.isfinite(entropies)).sum(), (~torch.isfinite(advantages)).sum(),
-            (mask & ~torch.isfinite(out)).sum()]).tolist()
+            (mask & ~torch.isfinite(out)).sum()])
+        group = kwargs.get("process_group") or _default_group()
+        if group is not None:  # every rank stops, or none (each weighs rows of its own)
+            import torch.distributed as dist
+
+            dist.all_reduce(counts, group=group)
+        bad_ent, bad_adv, bad_out = counts.tolist()
         if bad_out and not (bad_ent or bad_adv):  # (a NaN input may spread: not blamed then)
             raise NonFiniteError(
                 f"strategy {strategy.name!r} returned {bad_out} non-finite token advantages at "
