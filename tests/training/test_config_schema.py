@@ -35,6 +35,11 @@ def plain_reward(responses, answers):
     return [float(a in r) for r, a in zip(responses, answers)]
 
 
+def make_reward(threshold):
+    """A reward factory: a function that is a component (it returns the reward)."""
+    return lambda responses, answers: [float(len(r) > threshold) for r in responses]
+
+
 def _fmt(v) -> str:
     """How docs/recipe.md writes a default."""
     if v is schema.REQUIRED:
@@ -169,6 +174,10 @@ def test_the_cache_fingerprints_record_the_precision_auto_chose(tmp_path, monkey
      "reward: tests.training.test_config_schema.plain_reward missing a required argument: "
      "'responses' (reward._component_ is built with its keys, then called on (responses, "
      "answers): name a class whose instances are, not a function)"),
+    # a factory function is a component: its missing key is named, with no word of classes
+    ({"reward": {"_component_": "tests.training.test_config_schema.make_reward"}},
+     "reward: tests.training.test_config_schema.make_reward missing a required argument: "
+     "'threshold'"),
 ])
 def test_a_component_typo_fails_at_validation_before_anything_is_built(tmp_path, override,
                                                                         message):
@@ -178,6 +187,7 @@ def test_a_component_typo_fails_at_validation_before_anything_is_built(tmp_path,
         validate_config(tiny_cfg(tmp_path, **override))
     assert str(e.value).startswith(message), str(e.value)
     assert "\n" not in str(e.value)
+    assert ("name a class" in str(e.value)) == ("name a class" in message)  # only for those
 
 
 def test_phases_run_in_order_schema_then_rules_then_machine(tmp_path):

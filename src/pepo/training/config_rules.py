@@ -233,7 +233,8 @@ def bind_names(key: str, path: str, target: Callable, names: Any, positional: in
             hint = f"; did you mean {key + '.' + close[0]!r}?" if close else ""
             if ALIASES.get(bad.group(1), "").startswith(key + "."):  # optimizer.learning_rate
                 hint = f"; pepo calls it {ALIASES[bad.group(1)]}"
-        elif key == "reward" and inspect.isfunction(target):  # TRL's reward functions
+        elif key == "reward" and re.search(r"argument: '(responses|completions|prompts)'",
+                                           str(e)):  # a reward function as TRL takes one
             hint = (" (reward._component_ is built with its keys, then called on (responses, "
                     "answers): name a class whose instances are, not a function)")
         raise ValueError(f"{key}: {path} {e}{hint}") from None
