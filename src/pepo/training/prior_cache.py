@@ -266,7 +266,8 @@ def prepare_estimator(estimator: Any, prompt_ids: Sequence[Hashable],
         # another run writing the same prior: say so, and on several processes give up
         # before the others' collective wait (distributed.timeout_s) ends in a bare timeout
         wait = dict(note=log.info if log is not None else None, timeout_s=(
-            0.9 * dist.timeout_s if dist is not None and dist.enabled else None))
+            0.9 * dist.timeout_s if dist is not None and dist.enabled else None),
+            then=": run again once it is written, or raise distributed.timeout_s")
         with locked(path, **wait) if main else contextlib.nullcontext():
             found = read_prior(path, fingerprint or {}, prompt_ids) if main else None
             if dist is not None:

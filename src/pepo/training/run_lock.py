@@ -45,7 +45,8 @@ def process_gone(pid: int) -> bool:
 
 @contextlib.contextmanager
 def locked(path: Union[str, os.PathLike], *, timeout_s: Optional[float] = None,
-           note: Optional[Callable[[str], None]] = None, poll_s: float = 1.0) -> Iterator[None]:
+           note: Optional[Callable[[str], None]] = None, poll_s: float = 1.0,
+           then: str = "") -> Iterator[None]:
     """Holds an exclusive advisory lock on ``path + '.lock'`` (created) while in the block,
     waiting for another holder to finish first.
 
@@ -54,6 +55,7 @@ def locked(path: Union[str, os.PathLike], *, timeout_s: Optional[float] = None,
         note: told once, in one line naming the holder, when the lock is held by another
             process (a run that waits in silence looks hung).
         poll_s: how often a wait with ``timeout_s`` or ``note`` tries again.
+        then: what to do after ``timeout_s``, ending the message.
 
     Raises:
         ValueError: the lock was still held after ``timeout_s``, naming the holder.
@@ -75,7 +77,7 @@ def locked(path: Union[str, os.PathLike], *, timeout_s: Optional[float] = None,
             waited = time.monotonic() - start
             if timeout_s is not None and waited >= timeout_s:
                 raise ValueError(f"{path} is being written by another process ({holder}); this "
-                                 f"one waited {waited:.0f} s for it and gives up")
+                                 f"one waited {waited:.0f} s for it and gives up{then}")
             if note is not None:
                 note(f"waiting for another process to finish writing {path} ({holder})")
                 note = None
