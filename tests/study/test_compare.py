@@ -8,6 +8,7 @@ import json
 import math
 import re
 import statistics
+import sys
 from pathlib import Path
 
 import pytest
@@ -633,16 +634,18 @@ def test_a_terminated_study_takes_its_training_run_with_it(tmp_path):
                 pass
 
 
-def test_a_study_killed_outright_stops_its_run_and_leaves_a_live_run_alone(study, tmp_path):
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_study_killed_outright_stops_its_run_and_leaves_a_live_run_alone(study, tmp_path,
+                                                                           monkeypatch):
     """``kill -9`` of a study left its recipe run training with nobody to record it, and the
     next call removed that live run's files (its lock file too) and started a second recipe in
     the same directory. Catches the child not told when its parent dies (a stand-in recipe
-    writes a file on the SIGTERM it gets), and a run directory whose run lock a live process
-    holds cleaned up or trained in."""
+    writes a file on the SIGTERM it gets), a run directory whose run lock a live process holds
+    cleaned up or trained in, and one whose run stops within the wait refused."""
     import os
     import signal
     import subprocess
-    import sys
+    import threading
     import time
 
     from pepo.study import runs
@@ -690,11 +693,16 @@ def test_a_study_killed_outright_stops_its_run_and_leaves_a_live_run_alone(study
     d = study.run_dir(tmp_path / "out2", "tiny", "group", "GRPO", 0)
     d.mkdir(parents=True)
     (d / "recipe.log").write_text("step 1\n")
-    holder = RunLock(d)  # a recipe still running there (a study killed before this fix)
+    holder = RunLock(d)  # a recipe still running there, which does not stop
     try:
-        with pytest.raises(ValueError, match=rf"^{d} is in use by a recipe run \(pid {os.getpid()} "
-                                             r"on .*\), one a study killed outright left going"):
+        monkeypatch.setattr(runs, "LIVE_RUN_WAIT_S", 1.0)
+        with pytest.raises(ValueError, match=rf"^{d} is still in use by a recipe run \(pid "
+                                             rf"{os.getpid()} on .*\) after 1 s, one a study "
+                                             r"killed outright left"):
             runs.run_one("tiny", "group", "GRPO", {"name": "uniform"}, 0, tmp_path / "out2", {})
+        assert (d / "recipe.log").read_text() == "step 1\n"
+        threading.Timer(0.5, holder.release).start()  # one that stops after its step
+        runs._check_no_live_run(d, wait_s=30)
         assert (d / "recipe.log").read_text() == "step 1\n"
     finally:
         holder.release()

@@ -85,23 +85,40 @@ def run_one(task: str, mode: str, label: str, strategy: dict, seed: int, out: Pa
         return _run(task, mode, label, seed, out, overrides, cfg, how)
 
 
-def _check_no_live_run(d: Path) -> None:
-    """Refuses a run directory where a recipe still runs: one a study killed without a chance
-    to stop it (``kill -9``) left going. Removing its files, or starting a second recipe there,
-    would mix two runs."""
-    if not (d / LOCK_FILE).exists():
-        return
-    try:
-        RunLock(d).release()
-    except ValueError:
+LIVE_RUN_WAIT_S = 600.0  # a step of the paper's shape and its checkpoint take minutes
+
+
+def _check_no_live_run(d: Path, wait_s: Optional[float] = None) -> None:
+    """Waits (at most ``wait_s``) while a recipe still runs in a run directory: one whose study
+    was killed outright, which stops after its current step and that step's checkpoint (it got
+    a SIGTERM when the study died), or one a study before that left going. Removing its files,
+    or starting a second recipe there, would mix two runs.
+
+    Raises:
+        ValueError: it still runs after ``wait_s``, naming it.
+    """
+    wait_s = LIVE_RUN_WAIT_S if wait_s is None else wait_s
+    start, said = time.monotonic(), False
+    while (d / LOCK_FILE).exists():
+        try:
+            RunLock(d).release()
+            return
+        except ValueError:
+            pass
         try:
             info = json.loads((d / LOCK_FILE).read_text(encoding="utf-8"))
             who = f"pid {info['pid']} on {info['host']}"
         except (OSError, ValueError, KeyError, TypeError):
             who = "its details are not written yet"
-        raise ValueError(f"{d} is in use by a recipe run ({who}), one a study killed outright "
-                         f"left going; let it finish (the next call reads or resumes it) or "
-                         f"stop it") from None
+        if time.monotonic() - start >= wait_s:
+            raise ValueError(f"{d} is still in use by a recipe run ({who}) after {wait_s:.0f} s, "
+                             f"one a study killed outright left: let it finish (the next call "
+                             f"reads or resumes it) or stop it")
+        if not said:
+            print(f"{d}: waiting for the recipe run a stopped study left there ({who}) to stop "
+                  f"after its step", flush=True)
+            said = True
+        time.sleep(min(1.0, wait_s))
 
 
 # where a run's files go: spelled from --out, which may be written another way next time
@@ -258,7 +275,7 @@ def run_recipe(cfg: Any, d: Path, resume: bool = False) -> dict[str, Any]:
                                  str(d / "config.yaml")]
                                 + (["resume_from_checkpoint=True"] if resume else []),
                                 stdout=log_file, stderr=subprocess.STDOUT,
-                                preexec_fn=_stop_with_parent)
+                                preexec_fn=_stop_with_parent())
         try:
             code = proc.wait()
         except BaseException as e:  # Ctrl-C, or SIGTERM (SystemExit): the run saves its step
@@ -273,15 +290,25 @@ def run_recipe(cfg: Any, d: Path, resume: bool = False) -> dict[str, Any]:
     return read_summary(str(cfg.output_dir))
 
 
-def _stop_with_parent() -> None:
-    """In the run's child, before the recipe starts (Linux): a SIGTERM when the study dies
-    however it dies (``kill -9`` included), so that the run stops after its step's checkpoint
-    instead of going on unwatched (the next call of the study resumes it)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
+def _stop_with_parent() -> Optional[Any]:
+    """What the run's child calls before the recipe starts (Linux; None elsewhere): a SIGTERM
+    when the study dies however it dies (``kill -9`` included), so that the run stops after
+    its step's checkpoint instead of going on unwatched (the next call resumes it). ``prctl``
+    is looked up here, in the study: the child between fork and exec only calls it, and exits
+    if the study died before (no signal would come)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    import os
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    prctl, study = ctypes.CDLL(None, use_errno=True).prctl, os.getpid()
+
+    def in_child() -> None:
+        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != study:
+            os._exit(143)
+
+    return in_child
 
 
 def prune(d: Path) -> None:
