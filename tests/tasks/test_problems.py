@@ -204,8 +204,7 @@ def dicts_dataset(kind: str = "dicts", n: int = 70):
               r"attribute\(s\) \['id', 'prompt', 'answer'\]: a dataset component returns "
               r"pepo.tasks.Problem"),
     ("empty", r"^dataset: its component returned no problems$"),
-    ("same_id", r"^dataset: items 0 and 1 have the same id 'same': ids key the single-stream "
-                r"tracker"),
+    ("same_id", None),  # refused where the estimator reads ids (the next test)
     ("list_id", r"^dataset: item 0's id \[0\] is not hashable \(a list\): use a str or an int$"),
     ("ids_prompt", r"^dataset: item 0 \(id 'p0'\) has a prompt of type list, not str$"),
 ])
@@ -217,9 +216,32 @@ def test_a_custom_dataset_component_is_checked_when_built(tmp_path, kind, messag
     from pepo.training.config import build
     from tests.recipe_helpers import tiny_cfg
 
-    cfg = tiny_cfg(tmp_path)
+    cfg = tiny_cfg(tmp_path, "tiny_spo")
     cfg.dataset = {"_component_": "tests.tasks.test_problems.dicts_dataset", "kind": kind}
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message or r"^dataset: items 0 and 1 have the same "
+                                                    r"id 'same': ids key the single-stream"):
         build(cfg, "dataset")
     cfg.dataset.kind = "problems"
     assert len(build(cfg, "dataset")) == 70
+
+
+def test_repeated_ids_are_refused_only_where_the_estimator_reads_them(tmp_path):
+    """Ids key SPO's tracker (and any registered estimator's state) and the prior cache; the
+    group estimator and a validation set do not read them, so a dataset with repeated ids that
+    trained in group mode is warned of there, once, not refused. Catches the refusal in group
+    mode or for a validation set, and no word at all."""
+    from pepo.training.config import build
+    from tests.recipe_helpers import tiny_cfg
+
+    group, spo = tiny_cfg(tmp_path), tiny_cfg(tmp_path, "tiny_spo")
+    for cfg in (group, spo):
+        cfg.dataset = {"_component_": "tests.tasks.test_problems.dicts_dataset",
+                       "kind": "same_id"}
+        cfg.val_dataset = cfg.dataset
+    with pytest.raises(ValueError, match="items 0 and 1 have the same id 'same'"):
+        build(spo, "dataset")
+    for cfg, key in ((group, "dataset"), (group, "val_dataset"), (spo, "val_dataset")):
+        with pytest.warns(UserWarning, match=r"same id 'same'.*\(this run does not read them\)"
+                          ) as caught:
+            assert len(build(cfg, key)) == 70
+        assert len(caught) == 1

@@ -30,6 +30,7 @@ tokens near 0 nats, a fifth near ln 2); docs/results.md has the measured profile
 from __future__ import annotations
 
 import random
+import warnings
 import zlib
 from dataclasses import dataclass
 from typing import Optional
@@ -61,11 +62,12 @@ class Problem:
     solution: Optional[str] = None
 
 
-def check_problems(items: list, key: str) -> list:
+def check_problems(items: list, key: str, unique_ids: bool = True) -> list:
     """``items`` (what a ``dataset`` or ``val_dataset`` component returned) when there is at
     least one, each is a problem (``id``, a ``str`` ``prompt``, ``answer``: a :class:`Problem`)
-    and the ids are hashable and distinct (they key SPO's tracker and the prior cache: two
-    problems of one id shared one tracker).
+    and the ids are hashable and, with ``unique_ids``, distinct (they key SPO's tracker and
+    the prior cache: two problems of one id shared one tracker); without it a repeated id is
+    warned of (``warnings.warn``).
 
     Raises:
         ValueError: naming ``key``, the item and what is wrong.
@@ -73,6 +75,7 @@ def check_problems(items: list, key: str) -> list:
     if not items:
         raise ValueError(f"{key}: its component returned no problems")
     seen: dict = {}
+    warned = False
     for j, p in enumerate(items):
         missing = [f for f in ("id", "prompt", "answer") if not hasattr(p, f)]
         if missing:
@@ -91,9 +94,14 @@ def check_problems(items: list, key: str) -> list:
             raise ValueError(f"{key}: item {j}'s id {p.id!r} is not hashable (a "
                              f"{type(p.id).__name__}): use a str or an int") from None
         if first != j:
-            raise ValueError(f"{key}: items {first} and {j} have the same id {p.id!r}: ids key "
-                             f"the single-stream tracker and the prior cache, so each problem "
-                             f"needs its own")
+            message = (f"{key}: items {first} and {j} have the same id {p.id!r}: ids key the "
+                       f"single-stream tracker and the prior cache, so each problem needs its "
+                       f"own")
+            if unique_ids:
+                raise ValueError(message)
+            if not warned:
+                warnings.warn(message + " (this run does not read them)", stacklevel=2)
+                warned = True
     return items
 
 

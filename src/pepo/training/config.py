@@ -201,10 +201,11 @@ def build(cfg: DictConfig, key: str, *args: Any, **kwargs: Any) -> Any:
         built = tune_config.instantiate(cfg[key], *args, **kwargs)
     except TypeError as e:
         raise ValueError(f"{key}: {cfg[key].get('_component_')} {e}") from None
-    if key in ("dataset", "val_dataset"):  # problems of distinct ids, at least one
-        from pepo.tasks.problems import check_problems
+    if key in ("dataset", "val_dataset"):  # problems, at least one; distinct ids where the
+        from pepo.tasks.problems import check_problems  # estimator keys its state by them
 
-        return check_problems(list(built), key)
+        return check_problems(list(built), key, unique_ids=key == "dataset" and str(
+            cfg.get("estimator", {}).get("name")) != "group")
     return built
 
 
