@@ -3,6 +3,7 @@ on a 2-step, 1-seed run of the tiny task."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import math
@@ -588,77 +589,23 @@ def test_the_reported_command_can_be_pasted(study):
 
 
 @pytest.mark.slow
-def test_a_terminated_study_takes_its_training_run_with_it(tmp_path):
-    """``kill`` (SIGTERM: a scheduler's, a stop script's) of a running study ends the recipe run
-    it started too, instead of leaving an orphan that trains on with nobody to record its
-    result. Catches the default SIGTERM action (the study dies, its child lives on). The recipe
-    is replaced by a stand-in that writes its pid and sleeps."""
+@contextlib.contextmanager
+def _study_with_a_stand_in_run(tmp_path, on_sigterm: str = ""):
+    """A study of one run whose recipe is a stand-in that writes its pid to ``child.pid``, runs
+    ``on_sigterm`` (Python lines) on a SIGTERM and sleeps; yields ``(study process, run pid)``
+    once the run started, and kills both when done."""
     import os
     import signal
     import subprocess
-    import sys
     import time
 
     fake = tmp_path / "fake"
     fake.mkdir()
+    handler = ("import signal, sys\ndef stop(*_):\n" + "".join(
+        f"    {line}\n" for line in on_sigterm.splitlines()) + "    sys.exit(143)\n"
+        "signal.signal(signal.SIGTERM, stop)\n") if on_sigterm else ""
     (fake / "pepo_recipe.py").write_text(
-        "import os, pathlib, time\n"
-        "pathlib.Path(os.environ['CHILD_PID_FILE']).write_text(str(os.getpid()))\n"
-        "time.sleep(120)\n", encoding="utf-8")
-    pid_file = tmp_path / "child.pid"
-    env = {**os.environ, "CHILD_PID_FILE": str(pid_file),
-           "PYTHONPATH": os.pathsep.join([str(fake), *filter(None, [os.environ.get(
-               "PYTHONPATH")])])}
-    study = subprocess.Popen([sys.executable, "-m", "pepo.study.compare", "--tasks", "tiny",
-                              "--only", "group", "--methods", "GRPO", "--seeds", "0",
-                              "--out", str(tmp_path / "out")], env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    child = None
-    try:
-        deadline = time.monotonic() + 120
-        while not pid_file.is_file() or not pid_file.read_text(encoding="utf-8"):
-            assert study.poll() is None, "the study ended before starting its run"
-            assert time.monotonic() < deadline, "the run never started"
-            time.sleep(0.2)
-        child = int(pid_file.read_text(encoding="utf-8"))
-        study.send_signal(signal.SIGTERM)
-        assert study.wait(timeout=60) == 128 + signal.SIGTERM
-        with pytest.raises(ProcessLookupError):  # killed and reaped by the study
-            os.kill(child, 0)
-    finally:
-        study.kill()
-        if child is not None:
-            try:
-                os.kill(child, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
-def test_a_study_killed_outright_stops_its_run_and_leaves_a_live_run_alone(study, tmp_path,
-                                                                           monkeypatch):
-    """``kill -9`` of a study left its recipe run training with nobody to record it, and the
-    next call removed that live run's files (its lock file too) and started a second recipe in
-    the same directory. Catches the child not told when its parent dies (a stand-in recipe
-    writes a file on the SIGTERM it gets), a run directory whose run lock a live process holds
-    cleaned up or trained in, and one whose run stops within the wait refused."""
-    import os
-    import signal
-    import subprocess
-    import threading
-    import time
-
-    from pepo.study import runs
-    from pepo.training.run_lock import RunLock
-
-    fake = tmp_path / "fake"
-    fake.mkdir()
-    (fake / "pepo_recipe.py").write_text(
-        "import os, pathlib, signal, sys, time\n"
-        "def stop(*_):\n"
-        "    pathlib.Path(os.environ['CHILD_PID_FILE'] + '.term').write_text('')\n"
-        "    sys.exit(143)\n"
-        "signal.signal(signal.SIGTERM, stop)\n"
+        "import os, pathlib, time\n" + handler +
         "pathlib.Path(os.environ['CHILD_PID_FILE']).write_text(str(os.getpid()))\n"
         "time.sleep(120)\n", encoding="utf-8")
     pid_file = tmp_path / "child.pid"
@@ -677,12 +624,7 @@ def test_a_study_killed_outright_stops_its_run_and_leaves_a_live_run_alone(study
             assert time.monotonic() < deadline, "the run never started"
             time.sleep(0.2)
         child = int(pid_file.read_text(encoding="utf-8"))
-        proc.kill()
-        proc.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while not Path(f"{pid_file}.term").exists():
-            assert time.monotonic() < deadline, "the run was not stopped with its study"
-            time.sleep(0.1)
+        yield proc, child
     finally:
         proc.kill()
         if child is not None:
@@ -690,6 +632,47 @@ def test_a_study_killed_outright_stops_its_run_and_leaves_a_live_run_alone(study
                 os.kill(child, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_a_terminated_study_takes_its_training_run_with_it(tmp_path):
+    """``kill`` (SIGTERM: a scheduler's, a stop script's) of a running study ends the recipe run
+    it started too, instead of leaving an orphan that trains on with nobody to record its
+    result. Catches the default SIGTERM action (the study dies, its child lives on). The recipe
+    is replaced by a stand-in that writes its pid and sleeps."""
+    import os
+    import signal
+
+    with _study_with_a_stand_in_run(tmp_path) as (study, child):
+        study.send_signal(signal.SIGTERM)
+        assert study.wait(timeout=60) == 128 + signal.SIGTERM
+        with pytest.raises(ProcessLookupError):  # killed and reaped by the study
+            os.kill(child, 0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_study_killed_outright_stops_its_run_and_leaves_a_live_run_alone(study, tmp_path,
+                                                                           monkeypatch):
+    """``kill -9`` of a study left its recipe run training with nobody to record it, and the
+    next call removed that live run's files (its lock file too) and started a second recipe in
+    the same directory. Catches the child not told when its parent dies (a stand-in recipe
+    writes a file on the SIGTERM it gets), a run directory whose run lock a live process holds
+    cleaned up or trained in, and one whose run stops within the wait refused."""
+    import os
+    import threading
+    import time
+
+    from pepo.study import runs
+    from pepo.training.run_lock import RunLock
+
+    term = tmp_path / "child.pid.term"
+    with _study_with_a_stand_in_run(tmp_path, f"open({str(term)!r}, 'w').close()") as (
+            proc, _):
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while not term.exists():
+            assert time.monotonic() < deadline, "the run was not stopped with its study"
+            time.sleep(0.1)
     d = study.run_dir(tmp_path / "out2", "tiny", "group", "GRPO", 0)
     d.mkdir(parents=True)
     (d / "recipe.log").write_text("step 1\n")
