@@ -267,11 +267,11 @@ class RecipeConfig:
                                 rule=Int(1))
     micro_batch_size: int = key(help="rows per forward/backward; must divide the mini-batch",
                                 rule=Int(1), role=RUN)
-    logprob_chunk_size: int = key(1024, "positions per chunk in `pepo.entropy`", rule=Int(1),
-                                  role=RUN)
+    logprob_chunk_size: int = key(1024, "positions per chunk (pepo.entropy)", rule=Int(1), role=RUN)
     logprobs_from_hidden: bool = key(False, "apply the output projection chunk by chunk "
                                      "(`logprobs_and_entropy_from_hidden`), so the `[b, S, V]` "
-                                     "logits are never held; same numbers", rule=Bool(), role=RUN)
+                                     "logits are never held; same numbers to rounding", rule=Bool(),
+                                     role=RUN)
     save_logits_mib: int = key(0, "with `logprobs_from_hidden`: keep a micro-batch's fp32 "
                                "logits from its forward to its backward when they take at most "
                                "this many MiB, instead of making them again there (one of the "
