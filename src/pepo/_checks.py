@@ -233,3 +233,15 @@ def overflow_message(name: str, out: torch.Tensor, adv: torch.Tensor) -> str:
         f"non-finite token advantages (|A| up to {float(adv.abs().max()):.4g}): the weighted "
         f"advantages overflow float32; scale the rewards or advantages down"
     )
+
+
+def check_registration(kind: str, name: str, old: Any, new: Any, overwrite: bool) -> None:
+    """Refuses registering ``new`` under a ``name`` that ``old`` holds (a ``kind``: strategy,
+    estimator), naming it, unless ``overwrite`` or ``new`` is ``old`` defined again (the same
+    function or class of the same module: a notebook cell run twice, ``importlib.reload``)."""
+    if old is None or overwrite:
+        return
+    where = (getattr(old, "__module__", None), getattr(old, "__qualname__", None))
+    if where != (getattr(new, "__module__", 0), getattr(new, "__qualname__", 0)):
+        raise ValueError(f"{kind} {name!r} is already registered (by {where[0]}.{where[1]}); "
+                         f"pass overwrite=True to replace it")

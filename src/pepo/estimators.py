@@ -586,11 +586,7 @@ def register_estimator(name: str, *, overwrite: bool = False
         raise ValueError(f"estimator name must be a non-empty str, got {name!r}")
 
     def decorator(factory: Callable[..., Estimator]) -> Callable[..., Estimator]:
-        old = ESTIMATORS.get(name)
-        if old is not None and not overwrite and (old.__module__, old.__qualname__) != (
-                getattr(factory, "__module__", 0), getattr(factory, "__qualname__", 0)):
-            raise ValueError(f"estimator {name!r} is already registered (by {old.__module__}."
-                             f"{old.__qualname__}); pass overwrite=True to replace it")
+        _checks.check_registration("estimator", name, ESTIMATORS.get(name), factory, overwrite)
         ESTIMATORS[name] = factory
         return factory
 

@@ -209,23 +209,11 @@ def register_strategy(
         raise ValueError(f"strategy name must be a non-empty str, got {name!r}")
 
     def decorator(factory: Callable[..., StrategyFn]) -> Callable[..., StrategyFn]:
-        if name in _REGISTRY and not overwrite and not _same_code(_REGISTRY[name], factory):
-            raise ValueError(
-                f"strategy {name!r} is already registered (by "
-                f"{_REGISTRY[name].__module__}.{_REGISTRY[name].__qualname__}); pass "
-                f"overwrite=True to replace it"
-            )
+        _checks.check_registration("strategy", name, _REGISTRY.get(name), factory, overwrite)
         _REGISTRY[name] = factory
         return factory
 
     return decorator
-
-
-def _same_code(old: Callable[..., Any], new: Callable[..., Any]) -> bool:
-    """Whether ``new`` is ``old`` defined again: the same function of the same module (a
-    notebook cell run twice, ``importlib.reload``), which replaces it without ``overwrite``."""
-    return (getattr(old, "__module__", None), getattr(old, "__qualname__", None)) == (
-        getattr(new, "__module__", 0), getattr(new, "__qualname__", 0))
 
 
 def list_strategies() -> list[str]:
