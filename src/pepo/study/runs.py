@@ -22,7 +22,7 @@ from pepo.training.checkpointing import atomic_write_text
 from pepo.training.config import find_config, register_resolvers
 from pepo.training.precision import cpu_model
 from pepo.training.reporting import read_summary
-from pepo.training.run_lock import LOCK_FILE, RunLock
+from pepo.training.run_lock import LOCK_FILE, RunLock, holder
 
 __all__ = ["CONFIGS", "check_configs", "precision_line", "prune", "run_config", "run_one",
            "run_recipe", "unfinished"]
@@ -105,11 +105,7 @@ def _check_no_live_run(d: Path, wait_s: Optional[float] = None) -> None:
             return
         except ValueError:
             pass
-        try:
-            info = json.loads((d / LOCK_FILE).read_text(encoding="utf-8"))
-            who = f"pid {info['pid']} on {info['host']}"
-        except (OSError, ValueError, KeyError, TypeError):
-            who = "its details are not written yet"
+        who = holder(d)
         if time.monotonic() - start >= wait_s:
             raise ValueError(f"{d} is still in use by a recipe run ({who}) after {wait_s:.0f} s, "
                              f"one a study killed outright left: let it finish (the next call "

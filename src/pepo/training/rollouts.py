@@ -186,8 +186,7 @@ def choice_of(estimator: Any, prompt_ids: list, k: int, generator: Any) -> list[
     return idx
 
 
-def advantages_of(estimator: Any, prompt_ids: Sequence, rewards: torch.Tensor
-                       ) -> torch.Tensor:
+def advantages_of(estimator: Any, prompt_ids: Sequence, rewards: torch.Tensor) -> torch.Tensor:
     """``estimator.advantages(prompt_ids, rewards)`` when it is a float tensor ``[N]`` of finite
     values (the rewards are finite: a NaN is the estimator's, which the loss guard would skip
     step after step), in one host sync.

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
 
-__all__ = ["LOCK_FILE", "RunLock", "locked", "process_gone"]
+__all__ = ["LOCK_FILE", "RunLock", "holder", "locked", "process_gone"]
 
 LOCK_FILE = ".pepo.lock"
 
@@ -91,6 +91,18 @@ def locked(path: Union[str, os.PathLike], *, timeout_s: Optional[float] = None,
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
+def holder(directory: Union[str, Path]) -> str:
+    """Who holds (or last held) ``directory``'s run lock, from its record: pid, host, start
+    time and command."""
+    try:
+        info: dict[str, Any] = json.loads((Path(directory) / LOCK_FILE).read_text(
+            encoding="utf-8"))
+        return (f"pid {info['pid']} on {info['host']}, started {info['started']}: "
+                f"{info.get('command', '')}".rstrip(": "))
+    except (OSError, ValueError, KeyError, TypeError):
+        return "its details are not written yet"
+
+
 class RunLock:
     """Holds ``directory/.pepo.lock`` exclusively until :meth:`release` or process exit.
 
@@ -126,12 +138,7 @@ class RunLock:
         os.pwrite(fd, (json.dumps(info) + "\n").encode("utf-8"), 0)
 
     def _holder(self) -> str:
-        try:
-            info: dict[str, Any] = json.loads(self.path.read_text(encoding="utf-8"))
-            return (f"pid {info['pid']} on {info['host']}, started {info['started']}: "
-                    f"{info.get('command', '')}".rstrip(": "))
-        except (OSError, ValueError, KeyError, TypeError):
-            return "its details are not written yet"
+        return holder(self.directory)
 
     @property
     def held(self) -> bool:
