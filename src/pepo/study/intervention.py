@@ -281,7 +281,7 @@ def intervene(
 
     if "base" in cells and saved_base is not None and saved_base.is_file():
         s0 = kept("base")
-        ents, masks = torch.load(saved_base)
+        ents, masks = torch.load(saved_base, weights_only=True)
     else:
         s0, base_parts = run("base", None, use_replacement=False)
         ents = [r.entropies for r in base_parts]
