@@ -212,19 +212,19 @@ def check_finite_clean(
         stats.append(ent.amin() if ent.numel() else ent.new_zeros(()))
     if output is not None:  # its sum: 40x cheaper than isfinite().all() on a CPU
         stats.append(output.sum())
-    stats = torch.stack([x.float() for x in stats]).tolist()
-    inputs_ok = all(math.isfinite(x) for x in stats[: len(tensors)]) and (
-        ent is None or stats[len(tensors)] >= -_windows.NEGATIVE_TOLERANCE)
+    values: list[float] = torch.stack([x.float() for x in stats]).tolist()
+    inputs_ok = all(math.isfinite(x) for x in values[: len(tensors)]) and (
+        ent is None or values[len(tensors)] >= -_windows.NEGATIVE_TOLERANCE)
     if not inputs_ok:
         for name, t in tensors.items():
             bad = int((~torch.isfinite(t)).sum())
             if bad:
                 raise ValueError(nonfinite_message(name, bad))
-        if ent is not None and stats[len(tensors)] < -_windows.NEGATIVE_TOLERANCE:
-            raise ValueError(_windows.negative_entropy_message(stats[len(tensors)]))
+        if ent is not None and values[len(tensors)] < -_windows.NEGATIVE_TOLERANCE:
+            raise ValueError(_windows.negative_entropy_message(values[len(tensors)]))
         # else only a sum of finite values overflowed: the inputs are fine
     # a sum of finite values can overflow: only then is every element looked at (a second read)
-    return output is None or math.isfinite(stats[-1]) or bool(torch.isfinite(output).all())
+    return output is None or math.isfinite(values[-1]) or bool(torch.isfinite(output).all())
 
 
 def overflow_message(name: str, out: torch.Tensor, adv: torch.Tensor) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import inspect
 import os
 import warnings
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -45,18 +45,11 @@ def compile_enabled() -> bool:
     return _COMPILE["on"]
 
 
-class StrategyFn(Protocol):
-    """What a registered factory returns. ``positive`` may be left out of the signature by
-    strategies that treat every row alike; :class:`Strategy` passes it (and ``groups``) only
-    when declared, by name or through ``**kwargs``."""
-
-    def __call__(
-        self,
-        advantages: torch.Tensor,
-        entropies: torch.Tensor,
-        mask: torch.Tensor,
-        positive: torch.Tensor,
-    ) -> torch.Tensor: ...
+StrategyFn = Callable[..., torch.Tensor]
+"""What a registered factory returns: ``fn(advantages, entropies, mask[, positive][, groups])
+-> weighted advantages``. ``positive`` and ``groups`` may be left out of the signature by
+strategies that do not use them; :class:`Strategy` passes each only when declared, by name or
+through ``**kwargs``."""
 
 
 def validate_flag(validate: bool, check_finite: Optional[bool]) -> bool:

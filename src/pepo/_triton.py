@@ -522,7 +522,7 @@ def _window_stats(ent: torch.Tensor, mask: torch.Tensor, window: int,
     its tiles (``[B, tiles]``) and the rows' lengths (``[B]`` int32): two launches."""
     b, t = ent.shape
     proximal = temperature is not None
-    scale = 1.0 / temperature if proximal else 1.0
+    scale = 1.0 / temperature if temperature is not None else 1.0
     n_tiles = triton.cdiv(t, _TILE)
     x = torch.empty((b, t), dtype=torch.float32, device=ent.device)
     pos = torch.empty((b, t), dtype=torch.int32, device=ent.device)

@@ -165,6 +165,7 @@ def proximal_compact(
     if exact_log:
         x = buf[:, half : half + t]
         return torch.exp(x - window_logsumexp(buf, window, t))
+    assert shift is not None, "the exp path needs each row's shift"
     buf.sub_(shift[:, None]).exp_()
     return buf[:, half : half + t] / window_sum(buf, window, t)
 

@@ -297,25 +297,28 @@ class _FromHidden(torch.autograd.Function):
                     x = kept.pop((s, a)) if kept else _hidden_block(h, weight, a, b,
                                                                     ctx.temperature)
                     gz = _softmax_grad_(x, tg, lse[s:e], g, a, b, ctx.temperature)
-                    if need_h:
+                    if grad_h is not None:
                         w = (w_all if w_all is not None
                              else weight[a:b].to(ctx.gmm) if cast else weight[a:b])
                         if a == 0:
                             grad_h[s:e] = gz.to(w.dtype) @ w
                         else:
                             grad_h[s:e] += gz.to(w.dtype) @ w
-                    if need_w and cast:  # a [b - a, D] product in gmm, added in fp32
+                    if grad_w is None or h_w is None:
+                        continue
+                    if cast:  # a [b - a, D] product in gmm, added in fp32
                         if s == 0:
                             grad_w[a:b] = gz.t().to(ctx.gmm) @ h_w
                         else:
                             grad_w[a:b] += gz.t().to(ctx.gmm) @ h_w
-                    elif need_w:  # in place: no [b - a, D] temporary (all of V on a GPU)
+                    else:  # in place: no [b - a, D] temporary (all of V on a GPU)
                         if s == 0:
                             torch.mm(gz.t(), h_w, out=grad_w[a:b])
                         else:
                             grad_w[a:b].addmm_(gz.t(), h_w)
-        return ((grad_h.to(hidden.dtype) if need_h else None),
-                (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None)
+        return ((grad_h.to(hidden.dtype) if grad_h is not None else None),
+                (grad_w.to(weight.dtype) if grad_w is not None else None),
+                None, None, None, None, None)
 
 
 def _check_targets(targets: Any, lead: torch.Size, vocab: int) -> torch.Tensor:

@@ -70,6 +70,8 @@ __all__ = [
     "ESTIMATORS",
     "Estimator",
     "GroupEstimator",
+    "PromptIds",
+    "ScoreFn",
     "SingleStreamEstimator",
     "build_estimator",
     "estimator_parameters",
@@ -98,11 +100,21 @@ class Estimator(Protocol):
             offline prior; :meth:`set_prior` then takes none).
     """
 
-    name: str
-    rollouts_per_prompt: int
-    candidate_pool: int
-    needs_drift: bool
-    prior_samples: int
+    # read-only protocol members: a plain attribute or a property satisfies each
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def rollouts_per_prompt(self) -> int: ...
+
+    @property
+    def candidate_pool(self) -> int: ...
+
+    @property
+    def needs_drift(self) -> bool: ...
+
+    @property
+    def prior_samples(self) -> int: ...
 
     def prepare(self, prompt_ids: PromptIds, score: ScoreFn) -> dict[Hashable, float]:
         """Samples the offline prior (``prior_samples`` rollouts of each prompt, scored by

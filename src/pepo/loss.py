@@ -181,6 +181,7 @@ def clipped_policy_loss(
     if is_weights is not None:
         per_token = per_token * is_weights.float()
     per_token = torch.where(mask, per_token, 0.0)
+    denom: Union[torch.Tensor, float]
     if num_tokens is None:
         denom = mask.sum().clamp_min(1).float()
     elif isinstance(num_tokens, torch.Tensor):
@@ -261,6 +262,7 @@ def policy_loss_metrics(
     ratio, log_ratio, unclipped, clipped = _ratio_terms(
         logprobs, old_logprobs, advantages, mask, eps_low, eps_high, true_ratio=True
     )
+    assert ratio is not None  # true_ratio=True (a Python check: no host sync)
     n = mask.sum()
     denom = n.clamp_min(1).float()
     adv = torch.where(mask, advantages.float(), 0.0)

@@ -70,7 +70,7 @@ metrics are added.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, cast
 
 import torch
 
@@ -487,7 +487,7 @@ class PepoGRPOTrainer(GRPOTrainer):
             entropies = acc.gather(acc.pad_across_processes(entropies.float(), dim=1))
             mask = acc.gather(acc.pad_across_processes(mask.long(), dim=1)).bool()
             positive = acc.gather(positive.long()).bool()
-        groups = torch.arange(mask.size(0), device=mask.device) // self.num_generations
+        groups = torch.arange(mask.size(0), device=mask.device) // cast(int, self.num_generations)
         scored = self._pepo_scored()
         if scored is not None:  # an unscorable completion is a group of its own: in its
             # prompt's group it would make a group of successes look mixed (gtpo counts rows),
