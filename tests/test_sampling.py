@@ -24,6 +24,20 @@ def test_sampler_covers_each_epoch_and_resumes():
             t.load_state_dict({**state, **bad})
 
 
+def test_sampler_refuses_a_count_or_size_that_is_not_a_positive_int():
+    """``next(0)`` and ``next(-1)`` returned [] (a step of no prompts, in silence) and a float
+    size failed inside torch: each is one line naming the value."""
+    s = PromptSampler(10, seed=3)
+    for k in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match=rf"k must be an int >= 1 .*got {k!r}"):
+            s.next(k)
+    assert s.state_dict() == {"epoch": 0, "position": 0, "size": 10}  # nothing drawn
+    with pytest.raises(ValueError, match=r"size must be an int .*got 3.5"):
+        PromptSampler(3.5)
+    with pytest.raises(ValueError, match=r"seed must be an int, got '1'"):
+        PromptSampler(10, seed="1")
+
+
 def test_sampler_order_depends_on_the_seed_and_the_epoch():
     """Catches a sampler that ignores its seed, or repeats one permutation every epoch."""
     a, b = PromptSampler(50, seed=3), PromptSampler(50, seed=4)

@@ -400,8 +400,8 @@ def test_window_average_entropy_hand_worked_and_zero_windows():
 
 def test_the_old_name_linear_proximal_entropy_is_the_same_function_and_warns():
     """The name before the window average had one name: same values, same checks, a
-    FutureWarning naming the new one. Catches an alias that computes something else (the
-    proximal entropy, say) or drops ``check_finite``."""
+    FutureWarning naming the new one, and the new one's keywords. Catches an alias that computes
+    something else (the proximal entropy, say), drops ``check_finite`` or lacks ``validate``."""
     _, ent, mask = ragged_batch([1, 4, 9], 12, holes=True, seed=5)
     with pytest.warns(FutureWarning, match="use pepo.weighting.window_average_entropy"):
         old = pw.linear_proximal_entropy(ent, mask, window=5)
@@ -414,6 +414,8 @@ def test_the_old_name_linear_proximal_entropy_is_the_same_function_and_warns():
         assert torch.isnan(
             pw.linear_proximal_entropy(bad, ones, window=3, check_finite=False)  # its own name
         ).any()
+    with pytest.warns(FutureWarning):
+        assert torch.isnan(pw.linear_proximal_entropy(bad, ones, window=3, validate=False)).any()
 
 
 def test_window_average_entropy_refuses_negative_entropies():
@@ -713,9 +715,13 @@ def test_bad_inputs_name_the_problem():
         s(adv, ent[..., None], mask)
     bad = ent.clone()
     bad[1, 2] = float("nan")
-    with pytest.raises(ValueError, match="entropies holds 1 NaN/inf value"):
+    # the first bad value named where it is: [row, column] of a masked tensor, the index of a
+    # per-row one (which has no mask to speak of)
+    with pytest.raises(ValueError, match=r"entropies holds 1 NaN/inf value\(s\) at valid "
+                                         r"\(mask=True\) positions, the first \[1, 2\] \(nan\)"):
         s(adv, bad, mask)
-    with pytest.raises(ValueError, match="advantages holds 1 NaN/inf"):
+    with pytest.raises(ValueError, match=r"advantages holds 1 NaN/inf value\(s\) the first at "
+                                         r"index 1 \(inf\); fix"):
         s(torch.tensor([1.0, float("inf")]), ent, mask)
     with pytest.raises(ValueError, match="entropies holds 1 NaN/inf"):
         pw.proximal_entropy(bad, mask, window=3)

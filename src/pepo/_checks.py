@@ -189,11 +189,16 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     return value
 
 
-def nonfinite_message(name: str, count: int) -> str:
-    return (
-        f"{name} holds {count} NaN/inf value(s) at valid (mask=True) positions; "
-        f"fix the producer, or pass validate=False to skip this check"
-    )
+def nonfinite_message(name: str, t: torch.Tensor) -> str:
+    """``t``'s NaN/inf values (0 where masked), the first one's position and value named; only
+    ever built on failure (it reads the tensor on the host)."""
+    bad = ~torch.isfinite(t)
+    first = [int(i) for i in bad.nonzero()[0]]
+    where = (f"at valid (mask=True) positions, the first [{first[0]}, {first[1]}]"
+             if t.dim() == 2 else f"the first at index {first[0] if first else 0}")
+    value = float(t[tuple(first)]) if first else math.nan
+    return (f"{name} holds {int(bad.sum())} NaN/inf value(s) {where} ({value}); "
+            f"fix the producer, or pass validate=False to skip this check")
 
 
 def check_finite_clean(
@@ -217,9 +222,8 @@ def check_finite_clean(
         ent is None or values[len(tensors)] >= -_windows.NEGATIVE_TOLERANCE)
     if not inputs_ok:
         for name, t in tensors.items():
-            bad = int((~torch.isfinite(t)).sum())
-            if bad:
-                raise ValueError(nonfinite_message(name, bad))
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(nonfinite_message(name, t))
         if ent is not None and values[len(tensors)] < -_windows.NEGATIVE_TOLERANCE:
             raise ValueError(_windows.negative_entropy_message(values[len(tensors)]))
         # else only a sum of finite values overflowed: the inputs are fine

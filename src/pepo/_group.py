@@ -82,7 +82,7 @@ def group_advantages(
     bad, ok = torch.stack([(~torch.isfinite(r)).sum().to(out_dtype),
                            torch.isfinite(out).all().to(out_dtype)]).tolist()  # one sync
     if bad:
-        raise ValueError(_checks.nonfinite_message("rewards", int(bad)).split(";")[0])
+        raise ValueError(_checks.nonfinite_message("rewards", rewards).split(";")[0])
     if not ok:
         raise ValueError(
             f"the advantages r - mean overflow {out_dtype} (rewards from "

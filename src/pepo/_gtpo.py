@@ -52,6 +52,9 @@ def gtpo_rewards(
         mask: ``[B, T]`` bool, True on valid tokens.
         positive: ``[B]`` bool, the successful rollouts.
         groups: ``[B]`` integer, equal for the rollouts of one prompt.
+        alpha1: the outcome reward's share ``α1`` (>= 0; GTPO's default 1.0).
+        alpha2: the entropy term's share ``α2`` (>= 0, not both 0; GTPO's default 0.1).
+        eps: ``ε`` of ``1/(H + ε)`` (> 0).
 
     Returns:
         ``[B, T]`` fp32, 0 where ``mask`` is False.

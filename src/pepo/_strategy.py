@@ -41,7 +41,8 @@ def set_compile(enabled: bool) -> None:
 
 
 def compile_enabled() -> bool:
-    """See :func:`set_compile`."""
+    """Whether the built-in strategies run through ``torch.compile`` on a GPU (see
+    :func:`set_compile`)."""
     return _COMPILE["on"]
 
 
@@ -142,8 +143,9 @@ class Strategy:
             groups: one integer id per rollout, equal for the rollouts of one prompt. Only
                 strategies that compare rollouts within their group read it (``gtpo``, which
                 refuses to run without it, as does any strategy whose ``fn`` has a ``groups``
-                parameter without a default); the others ignore it, so a loop may always pass
-                it.
+                parameter without a default); the others do not use its values, so a loop may
+                always pass it (its form is checked for every strategy: a ``[B]`` integer
+                tensor on the rows' device).
             validate: raise ``ValueError`` if ``advantages`` or the valid entropies hold
                 NaN/inf, a valid entropy is negative, or the weighted advantages overflow
                 float32: all in one host sync, after the strategy ran. With False the call

@@ -412,7 +412,7 @@ def logprobs_and_entropy_from_hidden(
 
     Shape:
         hidden: ``[..., D]``; weight: ``[V, D]``; targets: ``[...]``; returns two ``[...]``
-        fp32 tensors. Gradient flows to ``hidden`` and ``weight``.
+        fp32 tensors (fp64 for fp64 inputs). Gradient flows to ``hidden`` and ``weight``.
 
     Under ``torch.autocast`` the logits are still made in the parameters' dtype: bf16 logits
     are rounded to 1/16-1/8 at a language model's top logits, an error the log-probs would

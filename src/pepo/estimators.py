@@ -137,7 +137,9 @@ class Estimator(Protocol):
         """What a checkpoint keeps: tensors, Python numbers and strings, lists and plain dicts
         (a resume reads it with ``torch.load(weights_only=True)``)."""
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores a :meth:`state_dict` (on resume); refuses one of another estimator or
+        configuration."""
 
 
 def _ids(prompt_ids: PromptIds) -> list[Hashable]:
@@ -208,6 +210,7 @@ class GroupEstimator:
 
     @property
     def rollouts_per_prompt(self) -> int:
+        """``group_size``: every chosen prompt gets a group."""
         return self.group_size
 
     def prepare(self, prompt_ids: PromptIds, score: ScoreFn) -> dict[Hashable, float]:
@@ -248,9 +251,11 @@ class GroupEstimator:
                 "unbiased": self.unbiased, "eps": self.eps}
 
     def state_dict(self) -> dict[str, Any]:
+        """No learnt state: the name and configuration, which a resume checks."""
         return {"name": self.name, "config": self._config()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Checks that ``state`` is this estimator's, with this configuration."""
         if state.get("name") != self.name:
             raise ValueError(f"state_dict is of estimator {state.get('name')!r}, not {self.name!r}")
         _check_config(self._config(), state["config"], "GroupEstimator")
@@ -585,7 +590,8 @@ def register_estimator(name: str, *, overwrite: bool = False
     """Decorator registering an estimator factory under ``name`` (as
     :func:`pepo.weighting.register_strategy` does for strategies): its keyword arguments are
     what the ``estimator`` config section may set, and :func:`build_estimator` refuses what it
-    returns unless that implements the whole :class:`Estimator` protocol.
+    returns unless that implements the whole :class:`Estimator` protocol. ``overwrite``: as
+    :func:`pepo.weighting.register_strategy`'s.
 
     Example::
 

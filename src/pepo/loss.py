@@ -222,11 +222,14 @@ class ClippedPolicyLoss:
     def __call__(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor,
                  advantages: torch.Tensor, mask: torch.Tensor, *,
                  num_tokens: Optional[Union[int, torch.Tensor]] = None,
-                 is_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """:func:`clipped_policy_loss` with the bound clip range. Shape: as there."""
+                 is_weights: Optional[torch.Tensor] = None,
+                 validate: bool = True) -> torch.Tensor:
+        """:func:`clipped_policy_loss` with the bound clip range. Shape and ``validate``: as
+        there."""
         return clipped_policy_loss(logprobs, old_logprobs, advantages, mask,
                                    eps_low=self.eps_low, eps_high=self.eps_high,
-                                   num_tokens=num_tokens, is_weights=is_weights)
+                                   num_tokens=num_tokens, is_weights=is_weights,
+                                   validate=validate)
 
     def __repr__(self) -> str:
         return f"ClippedPolicyLoss(eps_low={self.eps_low}, eps_high={self.eps_high})"

@@ -19,8 +19,12 @@ class PromptSampler:
     """Epoch-wise shuffled indices into a dataset of ``size`` items."""
 
     def __init__(self, size: int, seed: int = 0) -> None:
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise ValueError(f"size must be an int (the dataset's items), got {size!r}")
         if size < 1:
             raise ValueError(f"cannot sample from an empty dataset (size={size})")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an int, got {seed!r}")
         self.size, self.seed = size, seed
         self.epoch, self.position = 0, 0
 
@@ -29,7 +33,9 @@ class PromptSampler:
         return torch.randperm(self.size, generator=g).tolist()
 
     def next(self, k: int) -> list[int]:
-        """The next ``k`` indices, crossing into the next epoch's permutation when needed."""
+        """The next ``k`` indices (``k >= 1``), crossing into the next epoch's permutation when
+        needed."""
+        k = check_k(k)
         out: list[int] = []
         while len(out) < k:
             perm = self._perm(self.epoch)
@@ -41,9 +47,11 @@ class PromptSampler:
         return out
 
     def state_dict(self) -> dict[str, Any]:
+        """The position (``epoch``, ``position``) and the dataset's ``size`` it is for."""
         return {"epoch": self.epoch, "position": self.position, "size": self.size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Goes back to a :meth:`state_dict`'s position; refuses one of another dataset size."""
         if state["size"] != self.size:
             raise ValueError(
                 f"sampler state is for a dataset of {state['size']} items, this one has "

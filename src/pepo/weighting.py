@@ -97,9 +97,9 @@ def proximal_entropy(
         mask: True at valid (generated) tokens.
         window: odd window size ``W >= 1`` (paper: 101).
         temperature: softmax temperature ``τ > 0`` (paper: 1.0).
-        validate: raise if ``entropies`` holds NaN/inf or a negative value at a valid position
-            (one host sync). With False the call reads no value on the host, and a NaN/inf
-            reaches the output as NaN.
+        validate: raise if ``entropies`` holds NaN/inf or a value below ``-1e-4`` at a valid
+            position (one host sync; fp32 rounding's slightly negative entropies pass). With
+            False the call reads no value on the host, and a NaN/inf reaches the output as NaN.
         check_finite: deprecated name of ``validate``.
 
     Shape:
@@ -143,9 +143,10 @@ def window_average_entropy(
             near-zero entropies, count as 0).
         mask: True at valid (generated) tokens.
         window: odd window size ``W >= 1``.
-        validate: raise if ``entropies`` holds NaN/inf or a negative value at a valid position
-            (one host sync). With False the call reads no value on the host: a NaN/inf reaches
-            the output as NaN and negative entropies count as 0.
+        validate: raise if ``entropies`` holds NaN/inf or a value below ``-1e-4`` at a valid
+            position (one host sync; fp32 rounding's slightly negative entropies pass). With
+            False the call reads no value on the host: a NaN/inf reaches the output as NaN and
+            negative entropies count as 0.
         check_finite: deprecated name of ``validate``.
 
     Shape:
@@ -166,13 +167,15 @@ def window_average_entropy(
 
 
 def linear_proximal_entropy(entropies: torch.Tensor, mask: torch.Tensor, window: int = 101, *,
-                            check_finite: bool = True) -> torch.Tensor:
+                            validate: bool = True, check_finite: Optional[bool] = None
+                            ) -> torch.Tensor:
     """Deprecated alias of :func:`window_average_entropy` (the same function under its old
-    name), with a ``FutureWarning``. It goes away in 0.3."""
+    name, the same keywords), with a ``FutureWarning``. It goes away in 0.3."""
     warnings.warn("pepo.weighting.linear_proximal_entropy is deprecated: use "
                   "pepo.weighting.window_average_entropy (the same function)", FutureWarning,
                   stacklevel=2)
-    return window_average_entropy(entropies, mask, window, validate=check_finite)
+    return window_average_entropy(entropies, mask, window, validate=validate,
+                                  check_finite=check_finite)
 
 
 # --------------------------------------------------------------------------------------------
@@ -195,6 +198,10 @@ def register_strategy(
     default makes the strategy require groups (:attr:`Strategy.needs_groups`).
     :func:`get_strategy` wraps it in a :class:`Strategy` that validates inputs and zeroes
     masked positions, so a factory needs neither.
+
+    A ``name`` already registered is refused (naming its factory) unless ``overwrite=True``,
+    or unless the factory is the same function defined again (the same module and qualified
+    name: a notebook cell run twice, ``importlib.reload``), which replaces it.
 
     Example::
 
@@ -295,7 +302,9 @@ def proximal_softmax(
     T_i``: the total advantage of each row equals GRPO's. With ``apply_to="positive"`` (the
     paper's default) only the rows flagged ``positive`` (successful rollouts) are weighted and
     the others keep the uniform advantage; ``"all"`` weights every row (the weighting ablation's
-    "continuous weighting on all rollouts", the paper's Table 12).
+    "continuous weighting on all rollouts", the paper's Table 12). ``window`` (an odd number of
+    tokens, the paper's 101) and ``temperature`` (``τ > 0``, the paper's 1.0; Table 13's
+    ablation) are :func:`proximal_entropy`'s.
     """
     window = _checks.check_window(window)
     temperature = _checks.check_temperature(temperature)
@@ -404,7 +413,8 @@ def global_topk(
     (``score="proximal"``, Table 3's drop-in, with ``window`` and ``temperature``). The
     threshold ``τ_q`` is the ``q = 1 - fraction`` quantile over *all* valid tokens passed in
     (and over every rank of ``process_group``), never per row. It selects exactly the tokens
-    ``s >= torch.quantile(s_valid, q)`` would (ties included) but is computed on the device (a
+    ``s >= torch.quantile(s_valid.double(), q)`` would (ties included; an fp32 quantile's
+    rounding can keep one token fewer or more) but is computed on the device (a
     sort, a ``topk`` or a bisection across ranks; no value is read on the host), so it works
     above 2^24 tokens and on bf16 input.
 
@@ -497,6 +507,7 @@ def gtpo(alpha1: float = 1.0, alpha2: float = 0.1, normalize: str = "group",
 
     Needs ``groups=`` (the prompt group of each rollout) when called, and group mode in the
     recipe (a single-stream "group" of one rollout is always all-success or all-failure).
+    ``alpha1``, ``alpha2`` and ``eps`` are :func:`gtpo_rewards`'s.
     """
     alpha1, alpha2, eps = check_gtpo_params(alpha1, alpha2, eps)
     normalize = _checks.check_choice("normalize", normalize, GTPO_NORMALIZE)

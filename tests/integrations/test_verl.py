@@ -354,12 +354,14 @@ def test_estimators_verls_v1_trainer_cannot_run_are_refused_when_built(name):
     """remax and gdpo were listed as supported, but verl 0.9.1's v1 advantage step (the trainer
     pepo's is) fails on them at the first step: remax without the greedy rollout's
     reward_baselines, gdpo without the reward's components. Refused at construction, naming what
-    is missing; the second half pins verl's behaviour (a verl that runs them fails here, and the
-    refusal is to be lifted)."""
+    is missing, not blaming the flattening of row-varying advantages (theirs are one per row); the
+    second half pins verl's behaviour (a verl that runs them fails here, and the refusal is to be
+    lifted)."""
     with pytest.raises(ValueError, match=rf"algorithm.adv_estimator={name} needs .*first step "
                                          rf"would fail\).*use one of: gpg, grpo") as e:
         pv.check_adv_estimator(algorithm(name))
     assert "\n" not in str(e.value) and name not in str(e.value).split("use one of")[1]
+    assert "flatten" not in str(e.value)
     rewards, scores, mask, _ = batch(seed=5)
     uids = blocks(len(rewards))
     data = DataProto.from_dict(tensors={"token_level_rewards": scores,

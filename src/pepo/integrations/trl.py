@@ -147,8 +147,9 @@ def top_fifth_weight_share(token_advantages: torch.Tensor, mask: torch.Tensor) -
 
     For row i with ``n_i`` valid tokens and weights ``w = |token_advantages|`` sorted in
     decreasing order, ``(Σ_{j < ⌊n_i/5⌋} w_j + frac(n_i/5) · w_{⌊n_i/5⌋}) / Σ_j w_j``: the top
-    fifth counts a fraction of the boundary token, so equal weights (``uniform``) give exactly
-    0.2 at every length, and a row whose weight sits on at most n_i/5 of its tokens gives 1.
+    fifth counts a fraction of the boundary token, so equal weights (``uniform``) give 0.2 at
+    every length (to fp32 rounding, within 1e-7), and a row whose weight sits on at most n_i/5
+    of its tokens gives 1.
 
     Shape:
         token_advantages: ``[B, T]``; mask: ``[B, T]`` bool; returns ``[B]`` fp32, NaN for rows

@@ -108,8 +108,9 @@ def check_adv_estimator(algorithm: Optional[Mapping[str, Any]]) -> Optional[str]
     name = str(getattr(name, "value", name))
     why = None
     if name in V1_UNAVAILABLE:
-        why = f"{V1_UNAVAILABLE[name]} (its first step would fail)"
-    elif name in ROW_VARYING_ESTIMATORS:
+        raise ValueError(f"algorithm.adv_estimator={name} {V1_UNAVAILABLE[name]} (its first step "
+                         f"would fail); use one of: {_supported()}")
+    if name in ROW_VARYING_ESTIMATORS:
         why = "gives each token its own advantage"
     elif name == "reinforce_plus_plus" and float(algorithm.get("gamma", 1.0)) != 1.0:
         why = f"with algorithm.gamma={algorithm.get('gamma')} discounts along the response"
@@ -184,12 +185,15 @@ def token_advantages(
     """verl's padded batch -> the strategy's token advantages ``[B, T]``.
 
     Args:
+        strategy: the pepo strategy (:func:`strategy_from_config` of the ``pepo`` section).
         advantages: ``[B, T]`` verl's advantages, one value per row on its response tokens (the
             estimators of :data:`CONSTANT_ROW_ESTIMATORS` broadcast it so).
         entropy: ``[B, T]`` the rollout entropies ``_compute_old_log_prob`` wrote.
         response_mask: ``[B, T]`` 1 on response tokens (0 on padding and tool tokens).
         token_scores: ``[B, T]`` verl's ``rm_scores``; a row succeeded when their sum exceeds
             ``success_threshold``.
+        success_threshold: see ``token_scores`` (the ``pepo`` section's key; 0: a positive
+            reward is a success).
         groups: ``[B]`` integer, equal for the rollouts of one prompt (:func:`group_ids` of
             verl's ``uid``); needed by strategies that compare a group's rollouts (``gtpo``).
         adv_estimator: verl's estimator, named in the error below.
