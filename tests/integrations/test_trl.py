@@ -701,6 +701,65 @@ def test_liger_loss_that_bypasses_the_weights_is_refused(model_dir, tmp_path, mo
     assert len(loaded) == 2  # refused before TRL loaded anything
 
 
+def test_sequence_level_ratios_that_would_flatten_the_weights_are_refused(model_dir, tmp_path,
+                                                                          monkeypatch):
+    """Under ``importance_sampling_level="sequence"`` TRL's ratio is one per row,
+    ``exp(mean_t log ratio)``, and for every loss but cispo and vespo the gradient reaches the
+    tokens only through it: a row's token advantages act through their sum, so PEPO (which
+    keeps it) trained exactly as uniform, and 80/20 trained every token of a row alike (an
+    audit measured PEPO's update equal to uniform's to 3e-8 with dapo, grpo, luspo and sapo).
+    Catches the check missing, made for uniform, at token level, or for cispo/vespo (whose loss
+    multiplies each token's own log-prob: the weights act there)."""
+    loaded = []
+
+    def stand_in(self, *a, **k):  # TRL's __init__, loading nothing
+        loaded.append(1)
+        self.reward_funcs = [reward_has_seven]
+
+    monkeypatch.setattr(GRPOTrainer, "__init__", stand_in)
+
+    def build(strategy, **overrides):
+        PepoGRPOTrainer(model=str(model_dir), reward_funcs=reward_has_seven,
+                        args=config(tmp_path, **overrides), train_dataset=dataset(),
+                        pepo_strategy=strategy)
+
+    for loss in ("dapo", "grpo", "bnpo", "dr_grpo", "luspo", "sapo"):
+        for strategy in ("proximal_softmax", "global_topk"):
+            with pytest.raises(ValueError, match=rf"pepo_strategy='{strategy}' with "
+                               rf"importance_sampling_level='sequence' and loss_type='{loss}'"
+                               rf".*only through their sum"):
+                build(strategy, importance_sampling_level="sequence", loss_type=loss)
+    assert loaded == []  # refused before TRL loaded anything
+    build("uniform", importance_sampling_level="sequence", loss_type="dapo")
+    build("proximal_softmax", importance_sampling_level="sequence", loss_type="cispo")
+    build("proximal_softmax", importance_sampling_level="sequence", loss_type="vespo")
+    build("proximal_softmax", importance_sampling_level="token", loss_type="dapo")
+    assert len(loaded) == 4
+
+
+def test_one_graded_reward_without_pepo_success_warns_once(model_dir, tmp_path):
+    """One reward function of partial credit (0.5 or 1): the default success rule (> 0) counts
+    every completion a success, so gtpo saw all-success groups (every token 0 where TRL had
+    12 of 16 rows to learn from) and PEPO weighted the failures. Catches no warning, one per
+    batch, one for a 0/1 reward, with pepo_success, or for a strategy that reads no success."""
+    def graded(completions, **kwargs):
+        return [1.0 if "7" in c else 0.5 for c in completions]
+
+    def run(strategy, reward, **kwargs):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train(PepoGRPOTrainer, model_dir, config(tmp_path, max_steps=2), reward=reward,
+                  pepo_strategy=strategy, **kwargs)
+        return [str(w.message) for w in caught if "values other than 0 and 1" in str(w.message)]
+
+    (message,) = run("gtpo", graded)  # two generations, one warning
+    assert "pepo_strategy='gtpo'" in message and "(such as 0.5)" in message
+    assert "pass pepo_success=" in message
+    assert run("gtpo", reward_has_seven) == []
+    assert run("gtpo", graded, pepo_success=lambda r: r >= 1.0) == []
+    assert run("global_topk", graded) == []
+
+
 def test_several_reward_functions_without_pepo_success_warn_once(model_dir, tmp_path):
     """Catches the default success rule (rewards > 0 on TRL's weighted sum) applied silently
     where a positive format reward would count a wrong answer as a success."""

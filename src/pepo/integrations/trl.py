@@ -100,6 +100,11 @@ _RECORDABLE = frozenset({
     "top_h", "repetition_penalty", "cache_implementation", "use_cache", "disable_compile",
 })
 
+# TRL's losses whose gradient reaches each token through its own log-prob under
+# importance_sampling_level="sequence" (the others' flows through one ratio per sequence,
+# exp(mean_t log ratio), so a row's token advantages act only through their sum)
+_TOKEN_GRADIENT_LOSSES = frozenset({"cispo", "vespo"})
+
 # settings a model's generation_config may hold that add no logits processor either
 _INERT = frozenset({"length_penalty", "early_stopping", "num_return_sequences", "max_time",
                     "low_memory", "compile_config", "stop_strings"})
@@ -178,11 +183,14 @@ class PepoGRPOTrainer(GRPOTrainer):
         pepo_success: maps TRL's rewards ``[B]`` (the weighted sum of the reward functions) to the
             successful completions (bool ``[B]``). Default ``rewards > 0``; with several reward
             functions and a strategy that reads success, the trainer warns that this default
-            counts a positive format reward as a success.
+            counts a positive format reward as a success, and with one that gives values other
+            than 0 and 1, that it counts a partial credit as one (at the first such batch).
 
     Raises:
         ValueError: an unknown strategy, a bad parameter, ``process_group`` in ``pepo_params``,
-            ``pepo_params`` not a mapping, ``pepo_success`` not callable, or
+            ``pepo_params`` not a mapping, ``pepo_success`` not callable, a strategy other than
+            ``uniform`` with ``importance_sampling_level="sequence"`` and a loss whose gradient
+            then sees only each row's sum of token advantages (all but ``cispo``, ``vespo``), or
             ``use_liger_kernel=True`` on a TRL whose loss then bypasses ``_compute_loss`` (before
             TRL loads anything).
     """
@@ -218,6 +226,18 @@ class PepoGRPOTrainer(GRPOTrainer):
                 f"computes the loss with Liger's fused kernel, which takes no token advantages, "
                 f"so pepo's weights would be dropped; set use_liger_kernel=False or use TRL 1.16"
             )
+        level = getattr(trl_args, "importance_sampling_level", "token")
+        loss_type = getattr(trl_args, "loss_type", None)
+        if (pepo_strategy != "uniform" and level == "sequence"
+                and loss_type not in _TOKEN_GRADIENT_LOSSES):
+            raise ValueError(
+                f"pepo_strategy={pepo_strategy!r} with importance_sampling_level='sequence' and "
+                f"loss_type={loss_type!r}: the loss's gradient then flows through one ratio per "
+                f"sequence, exp(mean_t log ratio), so each row's token advantages act only "
+                f"through their sum (PEPO, which keeps it, trains as GRPO); use "
+                f"importance_sampling_level='token', or loss_type 'cispo' or 'vespo' (each "
+                f"token's own log-prob carries its weight)"
+            )
         self.pepo_strategy_name = pepo_strategy
         self.pepo_params = params
         self._pepo_strategy = pw.get_strategy(pepo_strategy, **params)  # fails fast on bad input
@@ -228,6 +248,7 @@ class PepoGRPOTrainer(GRPOTrainer):
         self._pepo_recorder: Optional[EntropyRecorder] = None
         self._pepo_rewards: Optional[torch.Tensor] = None
         self._pepo_loss_inputs: Optional[dict] = None
+        self._pepo_graded_warned = False
         super().__init__(*args, **kwargs)
         reads_success = self._pepo_strategy.reads_positive
         if pepo_success is None and len(self.reward_funcs) > 1 and reads_success:
@@ -395,6 +416,7 @@ class PepoGRPOTrainer(GRPOTrainer):
         start = self.accelerator.process_index * local_count
         rewards = rewards[start : start + local_count]
         if self._pepo_success is None:
+            self._pepo_warn_graded(rewards)
             return rewards > 0
         flags = torch.as_tensor(self._pepo_success(rewards), device=rewards.device)
         if flags.dtype != torch.bool or flags.shape != rewards.shape:
@@ -403,6 +425,25 @@ class PepoGRPOTrainer(GRPOTrainer):
                 f"dtype {flags.dtype} and shape {list(flags.shape)}"
             )
         return flags
+
+    def _pepo_warn_graded(self, rewards: torch.Tensor) -> None:
+        """Warns once when one reward function's rewards are graded (not 0 or 1) and the default
+        ``rewards > 0`` decides success for a strategy that reads it: a partial credit of 0.5
+        is then a success (several functions: the warning when the trainer was built)."""
+        if (self._pepo_graded_warned or len(self.reward_funcs) != 1
+                or not self._pepo_strategy.reads_positive):
+            return
+        graded = (rewards != 0) & (rewards != 1) & ~torch.isnan(rewards)
+        if bool(graded.any()):  # one host sync a generation, until it warns
+            self._pepo_graded_warned = True
+            warnings.warn(
+                f"PepoGRPOTrainer counts a completion as successful when its reward is > 0, and "
+                f"this reward function gives values other than 0 and 1 (such as "
+                f"{float(rewards[graded][0]):.4g}), so a partial credit counts as a success for "
+                f"pepo_strategy={self.pepo_strategy_name!r}; pass pepo_success= (e.g. "
+                f"lambda rewards: rewards >= 1.0) to say which completions succeeded",
+                UserWarning, stacklevel=2,
+            )
 
     def pepo_rollout_entropies(self, output: Mapping[str, Any]) -> torch.Tensor:
         """Token entropies ``[B, T]`` of the rollout policy for the generation batch in
