@@ -213,6 +213,55 @@ def test_the_trainer_checks_its_pepo_section_before_verl_builds_anything(monkeyp
     assert trainer.pepo_adv_estimator == "grpo"
 
 
+@pytest.mark.parametrize("mode", ["geo_mean", "gspo", "vanilla"])
+def test_losses_that_average_a_rows_advantages_are_refused(mode, monkeypatch):
+    """verl's geo_mean (GMPO) averages each response's token advantages into one before its
+    loss: its gradient on token advantages equals that on their row means (pinned below with
+    verl's own loss), so PEPO trained there as GRPO in silence. gspo's ratio carries each
+    token's own log-prob (its gradient tells the two apart) and stays allowed. Catches the
+    check missing, made for uniform, or made for gspo or vanilla (which do weight tokens)."""
+    from verl.workers.config import FSDPActorConfig
+
+    cfg = FSDPActorConfig(strategy="fsdp", rollout_n=G, clip_ratio=0.2, clip_ratio_low=0.2,
+                          clip_ratio_high=0.28, ppo_micro_batch_size_per_gpu=1,
+                          global_batch_info={"dp_size": 1, "batch_num_tokens": 8,
+                                             "global_batch_size": 2})
+    g = torch.Generator().manual_seed(0)
+    mask = torch.tensor([[1.0] * 5, [1.0] * 3 + [0.0] * 2])
+    old = -torch.rand(2, 5, generator=g)
+    new = old + 0.1 * torch.randn(2, 5, generator=g)
+    tokens = torch.tensor([[0.2, 1.8, 1.0, 0.5, 1.5], [-1.0, -0.5, -1.5, 0.0, 0.0]])
+    means = (tokens * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True) * mask
+    grads = []
+    for adv in (tokens, means):
+        lp = new.clone().requires_grad_(True)
+        loss, _ = core_algos.get_policy_loss_fn(mode)(
+            old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask,
+            loss_agg_mode="token-mean", config=cfg)
+        loss.backward()
+        grads.append(lp.grad)
+    flattens = torch.equal(grads[0], grads[1])
+    assert flattens == (mode in pv.SEQUENCE_ADVANTAGE_LOSSES)
+    built = []
+    monkeypatch.setattr(pv.PPOTrainerSync, "__init__", lambda self, config: built.append(config))
+    grpo = {"adv_estimator": "grpo", "gamma": 1.0, "use_kl_in_reward": False}
+
+    def trainer(strategy):
+        return pv.PepoPPOTrainer(OmegaConf.create({
+            "pepo": {"strategy": strategy}, "algorithm": grpo,
+            "actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": mode}}}}))
+
+    trainer("uniform")
+    if flattens:
+        with pytest.raises(ValueError, match=rf"policy_loss.loss_mode={mode} averages each "
+                                             rf"response's token advantages .*proximal_softmax"):
+            trainer("proximal_softmax")
+        assert len(built) == 1  # refused before verl built anything
+    else:
+        trainer("proximal_softmax")
+        assert len(built) == 2
+
+
 def test_the_trainer_runs_as_verls_sync_trainer():
     """Built from verl's own composed config with trainer_mode=pepo (how verl selects it), it
     runs as the sync trainer: catches verl's v1 base reading the mode 'pepo' as an asynchronous

@@ -60,7 +60,9 @@ __all__ = [
     "ROW_VARYING_ESTIMATORS",
     "V1_UNAVAILABLE",
     "PepoPPOTrainer",
+    "SEQUENCE_ADVANTAGE_LOSSES",
     "check_adv_estimator",
+    "check_policy_loss",
     "group_ids",
     "strategy_from_config",
     "token_advantages",
@@ -86,6 +88,25 @@ V1_UNAVAILABLE = {
     "gdpo": "needs the reward's components (algorithm.gdpo_reward_keys), the prompts and the "
             "attention mask, which verl's v1 advantage step does not fetch",
 }
+
+#: verl 0.9.1's policy losses that average each response's token advantages into one before
+#: they meet its tokens (``geo_mean``, GMPO: "we only support sequence level advantage"): a
+#: weighting keeps nothing there but the row's mean (PEPO's is GRPO's ``A_i``). Every other loss
+#: weights each token's own term by its advantage (``gspo`` included: its ratio's gradient is
+#: each token's own log-prob's, scaled by the sequence ratio).
+SEQUENCE_ADVANTAGE_LOSSES = ("geo_mean",)
+
+
+def check_policy_loss(loss_mode: Optional[str], strategy: str) -> None:
+    """Refuses ``actor_rollout_ref.actor.policy_loss.loss_mode`` of
+    :data:`SEQUENCE_ADVANTAGE_LOSSES` with a strategy other than ``uniform``."""
+    if loss_mode in SEQUENCE_ADVANTAGE_LOSSES and strategy != "uniform":
+        raise ValueError(
+            f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode} averages each "
+            f"response's token advantages into one before its loss, so pepo.strategy="
+            f"{strategy} would train as its row means (PEPO's are GRPO's advantages); use "
+            f"another loss_mode (vanilla, gspo, cispo, ...)"
+        )
 
 
 def _supported() -> str:
@@ -252,6 +273,8 @@ class PepoPPOTrainer(PPOTrainerSync):
         # anything
         self.pepo_strategy, self.pepo_success_threshold = strategy_from_config(config.get("pepo"))
         self.pepo_adv_estimator = check_adv_estimator(config.get("algorithm"))
+        check_policy_loss(OmegaConf.select(config, "actor_rollout_ref.actor.policy_loss.loss_mode",
+                                           default=None), self.pepo_strategy.name)
         correction = (config.get("algorithm") or {}).get("rollout_correction") or {}
         if correction.get("bypass_mode", False):
             raise ValueError(_NO_ENTROPY)
