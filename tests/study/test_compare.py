@@ -849,3 +849,45 @@ def test_a_result_json_that_is_not_one_is_named(study, tmp_path):
         (d / "result.json").write_text(text)
         with pytest.raises(SystemExit, match=rf"^error: {d / 'result.json'}: {shown}"):
             study.main(argv)
+
+
+def test_each_method_keeps_its_look_and_the_figure_shows_the_spread(study, tmp_path,
+                                                                  monkeypatch):
+    """A method's colour came from matplotlib's cycle in the order of the methods that had
+    results, so PEPO was purple in one published figure and red in another; the curves were
+    means without the spread the text reports; a mode without results got an empty panel; the
+    figures relied on colour alone (GRPO and PEPO merge for a colour-blind reader). Catches
+    each: the same look for a method whichever others ran, a dash and marker of its own, a
+    band of mean ± SD over the seeds (in %), and one panel per mode that has results."""
+    import matplotlib.figure
+
+    figures = []
+    save = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda self, *a, **k: (figures.append(self), save(self, *a, **k))[1])
+    curves = {"GRPO": (0.4, [0.50, 0.60, 0.55]), "80/20": (0.4, [0.45, 0.40, 0.50]),
+              "PEPO": (0.4, [0.60, 0.70, 0.62])}
+
+    def results(labels):
+        return [{"task": "tiny", "mode": "group", "method": m, "seed": s, "val_k": 4,
+                 "val_curve": [[0, curves[m][0]], [10, end]]}
+                for m in labels for s, end in enumerate(curves[m][1])]
+
+    study.plot(results(["GRPO", "PEPO"]), ["tiny"], tmp_path / "a.png")
+    study.plot(results(["GRPO", "80/20", "PEPO"]), ["tiny"], tmp_path / "b.png")
+    looks = []
+    for fig in figures:
+        (ax,) = fig.axes  # the single-stream mode has no results: no panel
+        assert ax.get_ylabel() == "validation avg@4 (%)"
+        looks.append({line.get_label().split(" (")[0]: (line.get_color(), line.get_linestyle(),
+                                                      line.get_marker())
+                      for line in ax.get_lines()})
+        bands = {tuple(round(y, 6) for y in sorted({v[1] for v in c.get_paths()[0].vertices}))
+                 for c in ax.collections}
+        for m in looks[-1]:  # each band spans mean ± SD at each step, in %
+            ends = [100 * v for v in curves[m][1]]
+            mean, sd = statistics.fmean(ends), statistics.stdev(ends)
+            assert tuple(round(y, 6) for y in sorted({40.0, mean - sd, mean + sd})) in bands
+    assert looks[0]["PEPO"] == looks[1]["PEPO"] and looks[0]["GRPO"] == looks[1]["GRPO"]
+    assert len({look[1:] for look in looks[1].values()}) == 3  # dash and marker differ too
+    assert len({look[0] for look in looks[1].values()}) == 3

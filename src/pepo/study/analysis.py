@@ -405,7 +405,8 @@ def heatmap_html(r: RolloutDump, indices: Sequence[int], window: int = 101) -> s
     return "".join(parts)
 
 
-def _plot_positional(curves: dict[str, torch.Tensor], windows: Sequence[int], path: Path) -> None:
+def _plot_positional(curves: dict[str, torch.Tensor], windows: Sequence[int], path: Path,
+                     title: Optional[str] = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -413,31 +414,46 @@ def _plot_positional(curves: dict[str, torch.Tensor], windows: Sequence[int], pa
 
     n_bins = len(curves["global"])
     x = [(b + 0.5) * 100 / n_bins for b in range(n_bins)]
-    fig, axes = plt.subplots(1, len(windows), figsize=(4.2 * len(windows), 3.6), dpi=110,
+    # up to three windows in a row; more in rows of two (fonts that stay legible in a page)
+    cols = len(windows) if len(windows) <= 3 else 2
+    rows = -(-len(windows) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.3 * rows + 0.3), dpi=110,
                              sharey=True, squeeze=False)
-    for ax, w in zip(axes[0], windows):
+    for ax in axes.flat[len(windows):]:
+        ax.set_visible(False)
+    for ax, w in zip(axes.flat, windows):
         ax.axhline(0, color="k", lw=0.8)
-        ax.plot(x, (100 * curves["global"]).tolist(), "--", color="gray", label="global entropy")
-        ax.plot(x, (100 * curves[f"proximal_{w}"]).tolist(), color="tab:purple", lw=2,
+        # three looks a greyscale print or a colour-blind reader tells apart: dark dashed,
+        # thick solid blue, dotted orange (Okabe and Ito's palette)
+        ax.plot(x, (100 * curves["global"]).tolist(), "--", color="#333333", lw=1.3,
+                label="global entropy")
+        ax.plot(x, (100 * curves[f"proximal_{w}"]).tolist(), "-", color="#0072B2", lw=2.2,
                 label="proximal entropy")
-        ax.plot(x, (100 * curves[f"window_average_{w}"]).tolist(), "--", color="tab:orange",
-                label="window ratio H / Σ_W H (no softmax)")
+        ax.plot(x, (100 * curves[f"window_average_{w}"]).tolist(), ":", color="#E69F00",
+                lw=1.8, label=r"window ratio $H\,/\,\Sigma_W H$ (no softmax)")
         ax.set_title(f"W = {w}")
         ax.set_xlabel("generation percentile (%)")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("deviation from sequence mean (%)")
-    axes[0][-1].legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
+    for row in axes:
+        row[0].set_ylabel("deviation from sequence mean (%)")
+    if title:
+        fig.suptitle(title, fontsize=11)
+    # below the panels, where it hides no curve
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=9,
+               bbox_to_anchor=(0.5, 0.0), frameon=False)
+    fig.tight_layout(rect=(0, 0.08 / rows, 1, 1))
     fig.savefig(path)
     plt.close(fig)
 
 
 def run(dump: Union[str, Path, Sequence[Union[str, Path]]], out: Union[str, Path],
         windows: Sequence[int] = (31, 51, 101),
-        heatmap_rollouts: int = 4, window: Optional[int] = None) -> dict[str, Path]:
+        heatmap_rollouts: int = 4, window: Optional[int] = None,
+        title: Optional[str] = None) -> dict[str, Path]:
     """Writes every diagnostic of the dump ``dump`` into ``out``; returns the files. The
     positional curves and the profile cover every one of ``windows``; the difficulty table, the
-    weight mass and the heatmap use ``window`` (default: the largest of ``windows``)."""
+    weight mass and the heatmap use ``window`` (default: the largest of ``windows``). ``title``
+    heads the positional figure (which model, task and stage; default: the rollouts' count)."""
     if window is not None and window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     t0 = time.perf_counter()
@@ -458,7 +474,8 @@ def run(dump: Union[str, Path, Sequence[Union[str, Path]]], out: Union[str, Path
         for b in range(n_bins):
             wr.writerow([(b + 0.5) / n_bins, *(f"{float(v[b]):.6g}" for v in curves.values())])
     files["positional_png"] = out / "positional_bias.png"
-    _plot_positional(curves, windows, files["positional_png"])
+    _plot_positional(curves, windows, files["positional_png"],
+                     title or f"positional bias of {len(r)} rollouts")
 
     diff = difficulty_bias(r, w_main)
     lines = [f"Mean token entropy by prompt difficulty (pass rate over each prompt's rollouts of "
@@ -546,7 +563,8 @@ def compare_stages(stages: Sequence[tuple[str, str, Sequence[Path]]], dest: Path
             with open(f, "rb") as src, open(kept / f"{method}_{seed}_{f.name}.gz", "wb") as raw, \
                     gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz:
                 shutil.copyfileobj(src, gz)
-        run(files, dest / name, windows=windows, window=window)
+        run(files, dest / name, windows=windows, window=window,
+            title=f"{task}: {title}, {len(files)} run{'s' if len(files) > 1 else ''}")
         profiles[name] = json.loads((dest / name / "profile.json").read_text(encoding="utf-8"))
         diff = difficulty_bias(load_dump(files), window)
         tables += [f"| {title} | {g} | {d['rollouts']} | {_cell('{:.3f}', d['global'])} | "
@@ -597,13 +615,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--window", type=window_arg, default=None,
                     help="the W of the difficulty table, the weight mass and the heatmap "
                          "(default: the largest of --windows)")
+    ap.add_argument("--title", default=None,
+                    help="a title above the positional figure: which model, task and stage "
+                         "(default: the number of rollouts)")
     args = ap.parse_args(argv)
     try:
         from pepo.training.config import check_output_dir
 
         check_output_dir(args.out, "--out")  # before reading the dump
         run(args.dump if len(args.dump) > 1 else args.dump[0], args.out, args.windows,
-            args.heatmap_rollouts, args.window)
+            args.heatmap_rollouts, args.window, args.title)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
 

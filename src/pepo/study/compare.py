@@ -59,7 +59,7 @@ from omegaconf import OmegaConf
 
 from pepo.study import analysis, cli, intervention, rescore
 from pepo.study.cli import command_line, count_arg, percent_arg, positive_arg, shard_arg
-from pepo.study.lengths import plot_lengths
+from pepo.study.lengths import plot_lengths, seeds_label
 from pepo.study.methods import (
     METHODS,
     MODES,
@@ -69,6 +69,7 @@ from pepo.study.methods import (
     run_dir,
     saved_result,
     slug,
+    style,
 )
 from pepo.study.runs import CONFIGS, check_configs, precision_line, prune, run_one
 from pepo.training.config import check_output_dir, find_config, register_resolvers
@@ -123,34 +124,50 @@ def _paired_cell(p: Optional[dict[str, Any]], runs: Optional[int] = None) -> str
 
 
 def plot(results: list[dict], tasks: list[str], path: Path) -> None:
+    """Validation accuracy over training, one panel per task and mode that has results: each
+    method's mean over its seeds (its look fixed by :func:`pepo.study.methods.style`, the same
+    in every figure) with a band of ± 1 SD over the seeds, the legend beside the panel."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(tasks), 2, figsize=(11, 4 * len(tasks)), dpi=110,
-                             squeeze=False)
-    for row, task in zip(axes, tasks):
-        for ax, mode in zip(row, MODES):
-            for label, _ in methods(mode):
-                runs = [r for r in results if (r["task"], r["mode"], r["method"]) ==
-                        (task, mode, label)]
-                if not runs:
-                    continue
-                n = min(len(r["val_curve"]) for r in runs)
-                steps = [s for s, _ in runs[0]["val_curve"][:n]]
-                mean = [statistics.mean(r["val_curve"][i][1] for r in runs) for i in range(n)]
-                ax.plot(steps, mean, "o-", label=f"{label} (n={len(runs)})")
-            ax.set_title(f"{CONFIGS[task].get(mode, task)} ({mode.replace('_', '-')})")
-            ax.set_xlabel("step")
-            ax.grid(alpha=0.3)
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=8, loc="lower right")
-            else:
-                ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes)
-        row[0].set_ylabel("validation avg@k (mean over seeds)")
+    panels = [(t, m) for t in tasks for m in MODES
+              if any((r["task"], r["mode"]) == (t, m) for r in results)]
+    fig, axes = plt.subplots(max(len(panels), 1), 1, figsize=(8.5, 3.8 * max(len(panels), 1)),
+                             dpi=110, squeeze=False)
+    for ax, (task, mode) in zip(axes[:, 0], panels):
+        k = None
+        for label, _ in methods(mode):
+            runs = [r for r in results if (r["task"], r["mode"], r["method"]) ==
+                    (task, mode, label)]
+            if not runs:
+                continue
+            k = runs[0].get("val_k", k)
+            n = min(len(r["val_curve"]) for r in runs)
+            steps = [s for s, _ in runs[0]["val_curve"][:n]]
+            values = [[100 * r["val_curve"][i][1] for r in runs] for i in range(n)]
+            mean = [statistics.fmean(v) for v in values]
+            look = style(label)
+            ax.plot(steps, mean, markersize=4, **look,
+                    label=f"{label} ({seeds_label([r['seed'] for r in runs])})")
+            if len(runs) > 1:
+                sd = [statistics.stdev(v) for v in values]
+                ax.fill_between(steps, [m - s for m, s in zip(mean, sd)],
+                                [m + s for m, s in zip(mean, sd)], color=look["color"],
+                                alpha=0.1, linewidth=0)
+        name = CONFIGS[task].get(mode, task)
+        where = mode.replace("_", "-") if name == task else f"{task}, {mode.replace('_', '-')}"
+        ax.set_title(f"{name} ({where}): mean over seeds, band ± 1 SD", fontsize=10)
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"validation avg@{k} (%)" if k else "validation accuracy (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    if not panels:
+        axes[0, 0].text(0.5, 0.5, "no results", ha="center", va="center",
+                        transform=axes[0, 0].transAxes)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -342,7 +359,8 @@ def run_diagnostics(task: str, results: list[dict], out: Path, docs: Path,
     w = int(OmegaConf.load(find_config(CONFIGS[task]["group"])).strategy.proximal_softmax.window)
     windows = tuple(sorted({*windows, w}))
     dest = docs / "images" / f"analysis_{task}"
-    files = analysis.run(dumps[0], dest, windows=windows, window=w)
+    files = analysis.run(dumps[0], dest, windows=windows, window=w,
+                         title=f"{task}: PEPO seed {pepo[0]['seed']}, {dumps[0].name}")
     return (f"### Entropy structure of {task} (the rollouts of the first dumped step of PEPO, "
             f"seed {pepo[0]['seed']})\n\n"
             f"`python -m pepo.study.analysis RUN/rollouts/{dumps[0].name} --windows "

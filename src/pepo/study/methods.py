@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 __all__ = ["METHODS", "MODES", "OPTIONAL", "RESULT_KEYS", "check_settings", "methods",
-           "read_result", "run_dir", "saved_result", "slug"]
+           "read_result", "run_dir", "saved_result", "slug", "style"]
 
 METHODS = {
     "group": [
@@ -40,6 +40,33 @@ OPTIONAL = {
     "single_stream": [],
 }
 MODES = ("group", "single_stream")
+
+# One look per method in every figure (matplotlib keywords): Okabe and Ito's colour-blind-safe
+# palette, and a line style and marker of its own, so that GRPO and PEPO differ in colour, dash
+# and marker, in greyscale and for a colour-blind reader alike. A baseline is black and dashed;
+# each mode's counterpart of a method shares its look (the modes are drawn in separate panels).
+_BLUE, _SKY, _GREEN, _ORANGE, _RED, _PURPLE = (
+    "#0072B2", "#56B4E9", "#009E73", "#E69F00", "#D55E00", "#CC79A7")
+_STYLES = {
+    "GRPO": ("black", "--", "o"), "SPO": ("black", "--", "o"),
+    "80/20": (_RED, "-.", "s"), "S-80/20": (_RED, "-.", "s"),
+    "80/20, proximal score": (_RED, ":", "D"),
+    "Entropy Adv.": (_ORANGE, "-.", "^"), "S-Entropy Adv.": (_ORANGE, "-.", "^"),
+    "PEPO": (_BLUE, "-", "v"), "PESPO": (_BLUE, "-", "v"),
+    "window_average": (_GREEN, "-", "P"),
+    "GTPO": (_PURPLE, "--", "X"),
+    "PEPO, τ = 0.5": (_SKY, ":", "<"), "PEPO, τ = 2": (_SKY, "--", ">"),
+    "PEPO, W = 11": (_BLUE, ":", "d"), "PEPO, W = 29": (_BLUE, "--", "h"),
+    "PEPO, W = 101": (_BLUE, "-.", "*"),
+}
+
+
+def style(label: str) -> dict[str, Any]:
+    """The matplotlib keywords (``color``, ``linestyle``, ``marker``, ``linewidth``) of method
+    ``label`` in every figure; a label of no method's is grey."""
+    color, linestyle, marker = _STYLES.get(label, ("gray", "-", "."))
+    return {"color": color, "linestyle": linestyle, "marker": marker,
+            "linewidth": 2.2 if label in ("PEPO", "PESPO") else 1.4}
 
 
 def methods(mode: str) -> list[tuple[str, dict]]:

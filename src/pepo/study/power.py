@@ -183,10 +183,9 @@ def forest_plot(comps: dict[str, dict[str, Any]], base_label: str, path: Path,
     for y, (label, v) in enumerate(reversed(rows)):
         ax.plot([100 * v["lo"], 100 * v["hi"]], [y, y], "-", color="tab:blue", lw=2)
         ax.plot([100 * v["mean"]], [y], "o", color="tab:blue")
-        ax.text(100 * v["hi"], y + 0.15, f" n={v['n']}", fontsize=8, va="bottom")
     ax.axvline(0.0, color="black", lw=0.8)
-    ax.set_ylim(-0.7, len(rows) - 0.3)  # room for the labels above one row, too
-    ax.set_yticks(range(len(rows)), [k for k, _ in reversed(rows)])
+    ax.set_ylim(-0.7, len(rows) - 0.3)
+    ax.set_yticks(range(len(rows)), [f"{k} (n={v['n']})" for k, v in reversed(rows)])
     level = 100 * (1 - rows[0][1]["alpha"]) if rows else 95
     ax.set_xlabel(f"final validation accuracy − {base_label}, points "
                   f"(mean, {level:.0f}% simultaneous interval)")
