@@ -103,16 +103,12 @@ class Estimator(Protocol):
     # read-only protocol members: a plain attribute or a property satisfies each
     @property
     def name(self) -> str: ...
-
     @property
     def rollouts_per_prompt(self) -> int: ...
-
     @property
     def candidate_pool(self) -> int: ...
-
     @property
     def needs_drift(self) -> bool: ...
-
     @property
     def prior_samples(self) -> int: ...
 
@@ -138,8 +134,7 @@ class Estimator(Protocol):
         (a resume reads it with ``torch.load(weights_only=True)``)."""
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restores a :meth:`state_dict` (on resume); refuses one of another estimator or
-        configuration."""
+        """Restores a :meth:`state_dict` (on resume); refuses another estimator's."""
 
 
 def _ids(prompt_ids: PromptIds) -> list[Hashable]:
