@@ -423,3 +423,12 @@ def test_the_loss_component_is_clipped_policy_loss_with_its_clip_range_bound():
                                                     is_weights=w))
     with pytest.raises(ValueError, match="eps_low must be < 1"):
         ClippedPolicyLoss(eps_low=1.0)
+    # validate= passes through: advantages that require grad are refused by default and taken
+    # as they are without the check (the component had no switch: a call with it was a
+    # TypeError)
+    live = adv.clone().requires_grad_(True)
+    with pytest.raises(ValueError, match="advantages require grad"):
+        loss(lp, old, live, mask, num_tokens=40)
+    unchecked = loss(lp, old, live, mask, num_tokens=40, validate=False)
+    assert torch.equal(unchecked.detach(), clipped_policy_loss(
+        lp, old, adv, mask, eps_low=0.05, eps_high=0.1, num_tokens=40))
