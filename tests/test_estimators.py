@@ -97,7 +97,7 @@ def test_degenerate_groups_are_exactly_zero():
         (torch.zeros(8), 1, "group_size must be an int >= 2"),
         (torch.zeros(9), 4, "rewards has 9 entries, not a multiple of group_size=4"),
         (torch.zeros(8, 1), 4, r"rewards must be \[N\], got \[8, 1\]"),
-        (torch.tensor([0.0, float("nan")]), 2, r"rewards holds 1 NaN/inf value\(s\) the first "
+        (torch.tensor([0.0, float("nan")]), 2, r"rewards holds 1 NaN/inf value\(s\), the first "
                                                r"at index 1 \(nan\)"),
     ],
 )

@@ -720,7 +720,7 @@ def test_bad_inputs_name_the_problem():
     with pytest.raises(ValueError, match=r"entropies holds 1 NaN/inf value\(s\) at valid "
                                          r"\(mask=True\) positions, the first \[1, 2\] \(nan\)"):
         s(adv, bad, mask)
-    with pytest.raises(ValueError, match=r"advantages holds 1 NaN/inf value\(s\) the first at "
+    with pytest.raises(ValueError, match=r"advantages holds 1 NaN/inf value\(s\), the first at "
                                          r"index 1 \(inf\); fix"):
         s(torch.tensor([1.0, float("inf")]), ent, mask)
     with pytest.raises(ValueError, match="entropies holds 1 NaN/inf"):

@@ -193,12 +193,13 @@ def nonfinite_message(name: str, t: torch.Tensor) -> str:
     """``t``'s NaN/inf values (0 where masked), the first one's position and value named; only
     ever built on failure (it reads the tensor on the host)."""
     bad = ~torch.isfinite(t)
-    first = [int(i) for i in bad.nonzero()[0]]
-    where = (f"at valid (mask=True) positions, the first [{first[0]}, {first[1]}]"
-             if t.dim() == 2 else f"the first at index {first[0] if first else 0}")
-    value = float(t[tuple(first)]) if first else math.nan
-    return (f"{name} holds {int(bad.sum())} NaN/inf value(s) {where} ({value}); "
-            f"fix the producer, or pass validate=False to skip this check")
+    at = bad.nonzero()
+    first = [int(i) for i in at[0]] if len(at) else [0] * t.dim()
+    where = (f" at valid (mask=True) positions, the first [{first[0]}, {first[1]}]"
+             if t.dim() == 2 else f", the first at index {first[0]}")
+    value = float(t[tuple(first)]) if len(at) else math.nan
+    return (f"{name} holds {int(bad.sum())} NaN/inf value(s){where} ({value}); fix the "
+            f"producer, or pass validate=False to skip this check")
 
 
 def check_finite_clean(
