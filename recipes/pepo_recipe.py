@@ -2,7 +2,7 @@
 
     tune run pepo_recipe --config tiny [key=value ...]
 
-One step (PEPO paper, Sec. 3-4 and App. C.1; ``docs/recipe.md`` has the details):
+One step (PEPO paper, Sec. 4-5 and App. C.1; ``docs/recipe.md`` has the details):
 
 1. choose prompts: a candidate pool from a seeded epoch-wise shuffle, from which the estimator
    picks ``prompts_per_step`` (group mode: the pool as it is; single-stream mode: SPO's
@@ -356,7 +356,7 @@ class PEPORecipe(FTRecipeInterface):
         return mean_abs_change(self._all_logprobs(ro)[0], old_lp, ro.mask, self.dist)
 
     def train_step(self) -> dict[str, float]:
-        """One RL step (PEPO paper, Sec. 3); returns its metrics (over the whole batch, the
+        """One RL step (PEPO paper, Sec. 4); returns its metrics (over the whole batch, the
         same on every rank)."""
         t0 = time.perf_counter()
         traj = self._generate()  # prompts -> rollouts -> rewards

@@ -7,7 +7,7 @@ Every strategy has one signature::
 
 The output is fp32, detached, and exactly 0 wherever ``mask`` is False. ``positive`` (bool
 ``[B]``) names the rollouts that count as successful: strategies with ``apply_to="positive"``
-weight those rows only and leave the others at the uniform advantage (paper Sec. 3: weighting
+weight those rows only and leave the others at the uniform advantage (paper Sec. 4: weighting
 applies to *positive-reward* rollouts). Without it, ``advantages > 0`` stands in, which is the
 same thing for GRPO with binary rewards but not for SPO's batch-normalised advantages; the
 recipe passes its reward's success flags. ``groups`` (integer ``[B]``, equal for the rollouts of

@@ -93,7 +93,7 @@ EXPECTED = {
         ),
         arch="qwen3",
     ),
-    # Sec. 4.1: avg@16 on AIME and AMC, avg@1 on MATH500, T 0.6, top-p 0.6, 4096 tokens
+    # Sec. 5.1: avg@16 on AIME and AMC, avg@1 on MATH500, T 0.6, top-p 0.6, 4096 tokens
     "eval_math": dict(
         eval={"AIME2024": 16, "AIME2025": 16, "AMC": 16, "MATH500": 1},
         temperature=0.6,

@@ -1,4 +1,4 @@
-"""Token intervention (Sec. 4.4, Table 5): mixed decoding against a slow loop reference, the
+"""Token intervention (Sec. 5.5, Table 5): mixed decoding against a slow loop reference, the
 position selection against a sort written from its definition, the end points of the table
 (budget 0 = the base model's avg@k, every token replaced = the replacement model's) and the CLI."""
 

@@ -14,12 +14,12 @@ table, the weight mass and the heatmap at ``--window``, default the largest of `
   window ratio ``H_t / Σ_{k∈W(t)} H_k`` (App. E; ``window_average``'s statistic), from each
   rollout's own mean, averaged over the tokens in each bin of generation percentile ``t / T``
   (all rollouts' tokens pooled: a rollout weighs by its tokens in the bin; the paper's Fig. 2 and
-  Fig. 5), for each window;
+  Fig. 4), for each window;
 * ``difficulty_bias.md`` — prompts grouped by pass rate over their rollouts of one step into
   hard (≤ 1/8), moderate and easy (≥ 7/8), with the mean global and proximal entropy of their
   tokens, pooled over the group's rollouts (Table 1); needs group-mode dumps;
 * ``heatmap.html`` — a few rollouts with each token coloured by ``H / mean H`` and by its PEPO
-  weight ``c = e / mean e`` (Eq. 7), side by side (Fig. 4); self-contained, text escaped;
+  weight ``c = e / mean e`` (Eq. 7), side by side (Fig. 3); self-contained, text escaped;
 * ``profile.md`` / ``.json`` — the numbers that say whether a task has the paper's entropy
   structure: response lengths, the mean token entropy, the share of near-deterministic tokens
   (``H < 0.01``), the 80th percentile of token entropy, the share of all entropy held by the top

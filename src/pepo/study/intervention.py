@@ -1,4 +1,4 @@
-"""Token intervention (paper Sec. 4.4, Table 5): does a metric find the tokens that matter?
+"""Token intervention (paper Sec. 5.5, Table 5): does a metric find the tokens that matter?
 
 Generate with a base model; rank each response's positions by a token metric (global entropy
 ``H`` or proximal entropy ``e``, Eq. 6, both of the base model at the sampling temperature);
