@@ -368,6 +368,31 @@ def test_the_study_window_sets_table_1_and_the_weights_not_the_largest(tmp_path)
         A.run(dump, tmp_path / "out", windows=(5,), window=0)
 
 
+def test_the_positional_figure_is_titled_and_its_windows_laid_out(tmp_path, monkeypatch):
+    """The published positional figures carried no title (three were embedded back to back,
+    told apart by their alt text only) and four windows in one row shrank their fonts. Catches
+    ``--title`` not reaching the figure, no default title, and the layout: one row up to three
+    windows, rows of two beyond (no panel left over)."""
+    import matplotlib.figure
+
+    figures = []
+    save = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda self, *a, **k: (figures.append(self), save(self, *a, **k))[1])
+    h = trend_and_shift(n=16, T=60)
+    dump = write_dump(tmp_path / "d.jsonl", h.tolist(), [1.0, 0.0] * 8,
+                      [f"p{i // 8}" for i in range(16)])
+    A.main([str(dump), "--out", str(tmp_path / "a"), "--windows", "5", "11", "21", "--title",
+            "tiny: step 10 of PEPO"])
+    A.run(dump, tmp_path / "b", windows=(5, 11, 29, 101))
+    (titled, default) = [f for f in figures if f._suptitle is not None]
+    assert titled._suptitle.get_text() == "tiny: step 10 of PEPO"
+    assert default._suptitle.get_text() == "positional bias of 16 rollouts"
+    shown = [[ax.get_subplotspec().get_geometry()[:2] for ax in f.axes if ax.get_visible()]
+             for f in (titled, default)]
+    assert shown == [[(1, 3)] * 3, [(2, 2)] * 4]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["intervene", "--config", "tiny", "--replacement", "x", "--window", "4", "--out", "iv"],
      "argument --window: must be an odd int >= 1, got '4'"),
