@@ -760,6 +760,35 @@ def test_one_graded_reward_without_pepo_success_warns_once(model_dir, tmp_path):
     assert run("global_topk", graded) == []
 
 
+def test_dropout_left_on_while_training_warns(model_dir, tmp_path):
+    """TRL trains with dropout unless ``disable_dropout=True``, and every entropy pepo reads
+    (the loss's forward, generate's logits, TRL's old-log-prob pass) is then taken under it: an
+    audit measured a LoRA run's (lora_dropout=0.05) up to 0.56 nats off the policy's, moving
+    80/20's selection by up to 14 of 47 tokens, in silence. Catches no warning for a dropout
+    layer or a config's attention dropout (which TRL's switch does not zero), and one where
+    TRL zeroed the layers, for uniform (which reads no entropy), or with no dropout at all."""
+    def build(strategy, disable, attention=0.0, layer=True):
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model.config.attention_dropout = attention
+        if layer:
+            model.pepo_test_dropout = torch.nn.Dropout(0.1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            PepoGRPOTrainer(model=model, reward_funcs=reward_has_seven,
+                            args=config(tmp_path, disable_dropout=disable),
+                            train_dataset=dataset(), pepo_strategy=strategy)
+        return [str(w.message) for w in caught if "dropout" in str(w.message)]
+
+    (message,) = build("proximal_softmax", disable=False)
+    assert "1 dropout layer(s) are active (p=0.1)" in message
+    assert "pepo_strategy='proximal_softmax'" in message and "disable_dropout=True" in message
+    assert build("proximal_softmax", disable=True) == []  # TRL set the layer's p to 0
+    (message,) = build("gtpo", disable=True, attention=0.1)
+    assert "attention_dropout=0.1" in message
+    assert build("uniform", disable=False) == []
+    assert build("global_topk", disable=False, layer=False) == []
+
+
 def test_several_reward_functions_without_pepo_success_warn_once(model_dir, tmp_path):
     """Catches the default success rule (rewards > 0 on TRL's weighted sum) applied silently
     where a positive format reward would count a wrong answer as a success."""

@@ -170,6 +170,20 @@ def top_fifth_weight_share(token_advantages: torch.Tensor, mask: torch.Tensor) -
     return torch.where(total > 0, share, torch.nan)
 
 
+def _active_dropout(model: torch.nn.Module) -> Optional[str]:
+    """What dropout ``model`` applies in training mode (a dropout layer of p > 0, which TRL's
+    ``disable_dropout=True`` zeroes; an ``attention_dropout`` of its config, which it does not),
+    or None."""
+    layers = [m for m in model.modules()
+              if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0]
+    if layers:
+        return f"{len(layers)} dropout layer(s) are active (p={layers[0].p})"
+    rate = getattr(getattr(model, "config", None), "attention_dropout", 0.0)
+    if isinstance(rate, (int, float)) and rate > 0:
+        return f"the model config's attention_dropout={rate} is active"
+    return None
+
+
 class PepoGRPOTrainer(GRPOTrainer):
     """``GRPOTrainer`` whose advantages are weighted per token by a pepo strategy.
 
@@ -268,6 +282,18 @@ class PepoGRPOTrainer(GRPOTrainer):
                 f"weighting, so the two multiply (pepo's global_topk is that selection on the "
                 f"rollout policy's entropies); set top_entropy_quantile=1.0 to train the "
                 f"strategy alone",
+                UserWarning, stacklevel=2,
+            )
+        model = getattr(self, "model", None)
+        dropout = (_active_dropout(model) if self._pepo_uses_entropy
+                   and isinstance(model, torch.nn.Module) else None)
+        if dropout is not None:
+            warnings.warn(
+                f"PepoGRPOTrainer: {dropout} while TRL trains, so the entropies "
+                f"pepo_strategy={pepo_strategy!r} weighs by are read under dropout, not the "
+                f"policy's (a LoRA run with lora_dropout=0.05 read them up to 0.56 nats off); "
+                f"set disable_dropout=True (and a model config without attention dropout), as "
+                f"pepo's own recipe trains",
                 UserWarning, stacklevel=2,
             )
 
