@@ -262,6 +262,35 @@ def test_losses_that_average_a_rows_advantages_are_refused(mode, monkeypatch):
         assert len(built) == 2
 
 
+def test_distillation_without_the_task_rewards_is_refused(monkeypatch):
+    """verl's distillation with use_task_rewards=False sets the policy loss to 0 (pinned below
+    in verl's own code): no advantage reaches the gradient, so a weighting strategy would run,
+    log its metric and change nothing. Catches the check missing, made for uniform (plain verl
+    then), or made with the task's rewards on."""
+    import inspect
+
+    from verl.trainer.distillation import losses
+
+    assert "policy_loss = 0.0" in inspect.getsource(losses.distillation_ppo_loss)
+    built = []
+    monkeypatch.setattr(pv.PPOTrainerSync, "__init__", lambda self, config: built.append(config))
+
+    def trainer(strategy, use_task_rewards):
+        return pv.PepoPPOTrainer(OmegaConf.create({
+            "pepo": {"strategy": strategy},
+            "algorithm": {"adv_estimator": "grpo", "gamma": 1.0, "use_kl_in_reward": False},
+            "distillation": {"enabled": True,
+                             "distillation_loss": {"use_task_rewards": use_task_rewards}}}))
+
+    with pytest.raises(ValueError, match=r"use_task_rewards=False trains on the teacher's "
+                                         r"distillation loss alone .*pepo.strategy=gtpo"):
+        trainer("gtpo", False)
+    assert built == []
+    trainer("gtpo", True)
+    trainer("uniform", False)
+    assert len(built) == 2
+
+
 def test_the_trainer_runs_as_verls_sync_trainer():
     """Built from verl's own composed config with trainer_mode=pepo (how verl selects it), it
     runs as the sync trainer: catches verl's v1 base reading the mode 'pepo' as an asynchronous

@@ -275,6 +275,15 @@ class PepoPPOTrainer(PPOTrainerSync):
         self.pepo_adv_estimator = check_adv_estimator(config.get("algorithm"))
         check_policy_loss(OmegaConf.select(config, "actor_rollout_ref.actor.policy_loss.loss_mode",
                                            default=None), self.pepo_strategy.name)
+        if (self.pepo_strategy.name != "uniform"
+                and OmegaConf.select(config, "distillation.enabled", default=False)
+                and not OmegaConf.select(
+                    config, "distillation.distillation_loss.use_task_rewards", default=True)):
+            raise ValueError(
+                "distillation.distillation_loss.use_task_rewards=False trains on the teacher's "
+                "distillation loss alone (verl sets the policy loss to 0), so no advantage, "
+                f"and no pepo.strategy={self.pepo_strategy.name} weight, reaches the gradient; "
+                "set it to true or leave trainer_mode=pepo out")
         correction = (config.get("algorithm") or {}).get("rollout_correction") or {}
         if correction.get("bypass_mode", False):
             raise ValueError(_NO_ENTROPY)
