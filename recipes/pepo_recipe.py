@@ -61,7 +61,6 @@ from omegaconf import DictConfig
 from torchtune import config, training, utils
 from torchtune.modules import TransformerSelfAttentionLayer
 from torchtune.recipe_interfaces import FTRecipeInterface
-from tqdm import tqdm
 
 from pepo import weighting
 from pepo.loss import policy_loss_metrics, truncated_is_weights
@@ -98,6 +97,7 @@ from pepo.training.precision import (
     resolve_compute_dtype,
 )
 from pepo.training.precision import describe as describe_precision
+from pepo.training.progress import Progress
 from pepo.training.reporting import NullLogger, write_rollouts
 from pepo.training.rollouts import ComponentError, advantages_of, check_reward_range, choice_of
 from pepo.training.run_lock import RunLock
@@ -534,45 +534,44 @@ class PEPORecipe(FTRecipeInterface):
                          + (f" (read from {self.val_cache})" if read else ""))
         if self.validation_pending:
             closing.settle_validation(self, log)
-        bar = tqdm(total=self.num_steps, initial=self.step, desc=f"pepo[{self.strategy_name}]",
-                   dynamic_ncols=True, file=sys.stdout, disable=not self.dist.is_main)
-        while self.step < self.num_steps:
-            self.signals.stepping = True
-            self.step += 1
-            m = self.train_step()
-            new_best = False
-            if self.val_every and (self.step % self.val_every == 0 or self.step == self.num_steps):
-                try:
-                    m["val_accuracy"] = self.validate()
-                except TrainingStopped:  # a second signal: at once
-                    raise
-                except Exception as e:  # the step is trained: keep it (one process)
-                    closing.keep_unvalidated_step(self, m, e, log)
-                    raise
-                new_best = self.keep_best and m["val_accuracy"] > max(
-                    (h["val_accuracy"] for h in self.history
-                     if h["step"] >= 1 and "val_accuracy" in h), default=-math.inf)
-            self.history.append({"step": self.step, **m, **(
-                {"val_samples": self.val_samples} if "val_accuracy" in m else {})})
-            self.metric_logger.log_dict(m, step=self.step)
-            bar.update(1)
-            bar.set_postfix(
-                reward=f"{m['reward']:.3f}", acc=f"{m['accuracy']:.3f}", loss=f"{m['loss']:.4f}",
-                tok_s=f"{m['tokens_per_s']:.0f}", step_s=f"{m['step_time']:.2f}",
-                **({"val": f"{m['val_accuracy']:.3f}"} if "val_accuracy" in m else {}),
-            )
-            stop = self.signals.vote()  # every rank stops together
-            if (
-                (self.save_every and self.step % self.save_every == 0)
-                or self.step == self.num_steps or stop
-                or new_best  # the best validation so far: its weights are kept
-            ):
-                self.save_checkpoint(self.step, {"val_accuracy": m["val_accuracy"]}
-                                     if "val_accuracy" in m else None)
-            if self.signals.stopping:
-                bar.close()
-                self.signals.check(self.checkpointer.root)
-        bar.close()
+        with Progress(self.num_steps, self.step, f"pepo[{self.strategy_name}]",
+                      enabled=self.dist.is_main, logger=log) as progress:
+            while self.step < self.num_steps:
+                self.signals.stepping = True
+                self.step += 1
+                m = self.train_step()
+                new_best = False
+                if self.val_every and (self.step % self.val_every == 0
+                                       or self.step == self.num_steps):
+                    try:
+                        m["val_accuracy"] = self.validate()
+                    except TrainingStopped:  # a second signal: at once
+                        raise
+                    except Exception as e:  # the step is trained: keep it (one process)
+                        closing.keep_unvalidated_step(self, m, e, log)
+                        raise
+                    new_best = self.keep_best and m["val_accuracy"] > max(
+                        (h["val_accuracy"] for h in self.history
+                         if h["step"] >= 1 and "val_accuracy" in h), default=-math.inf)
+                    progress.write(f"step {self.step}: validation avg@{self.val_samples} "
+                                   f"{m['val_accuracy']:.3f}" + " (the best so far)" * new_best)
+                self.history.append({"step": self.step, **m, **(
+                    {"val_samples": self.val_samples} if "val_accuracy" in m else {})})
+                self.metric_logger.log_dict(m, step=self.step)
+                progress.step(self.step, m)
+                stop = self.signals.vote()  # every rank stops together
+                if (
+                    (self.save_every and self.step % self.save_every == 0)
+                    or self.step == self.num_steps or stop
+                    or new_best  # the best validation so far: its weights are kept
+                ):
+                    self.save_checkpoint(self.step, {"val_accuracy": m["val_accuracy"]}
+                                         if "val_accuracy" in m else None)
+                    progress.write(f"step {self.step}: checkpoint "
+                                   f"{self.checkpointer.root / f'step_{self.step}'}")
+                if self.signals.stopping:
+                    progress.close()
+                    self.signals.check(self.checkpointer.root)
         closing.close_run(self, log)
 
     def save_checkpoint(self, step: int, metrics: Optional[dict[str, float]] = None) -> None:

@@ -48,6 +48,15 @@ def test_a_run_extended_and_stopped_after_its_new_last_step_is_closed_by_a_resum
     pepo_recipe.recipe_main(more, log_config=False)
     summary = read_summary(out)
     assert summary["num_steps"] == 2 and [h["step"] for h in summary["history"]] == [1, 2]
+    # what the numbers depend on beyond the config: tiny computes in its weights' dtype
+    import datetime
+
+    import pepo
+
+    assert (summary["compute_dtype"], summary["world_size"]) == (None, 1)
+    assert summary["pepo_version"] == pepo.__version__
+    finished = datetime.datetime.fromisoformat(summary["finished"])
+    assert abs((datetime.datetime.now(datetime.timezone.utc) - finished).total_seconds()) < 600
 
 
 def test_a_run_stopped_after_its_last_step_is_closed_by_a_resume(tmp_path, monkeypatch):
@@ -156,3 +165,18 @@ def test_the_summary_counts_the_prompts_dropped_for_length(tmp_path):
     summary = read_summary(tmp_path / "run")
     assert summary["prompts_dropped"] == {"dataset": 13, "val_dataset": 1}
     assert summary["train_problems"] == 64 - 13 and summary["val_problems"] == 4 - 1
+
+
+def test_run_facts_name_the_precision_and_processes_a_run_had():
+    """``compute_dtype: auto`` resolves per machine (bf16 where the CPU has bf16 units): the
+    summary records the choice, or two runs of one config could not be told apart. Catches the
+    config's ``auto`` recorded, or the dtype's repr (``torch.bfloat16``)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from pepo.training.closing import run_facts
+
+    facts = run_facts(SimpleNamespace(compute_dtype=torch.bfloat16,
+                                      dist=SimpleNamespace(world_size=2)))
+    assert (facts["compute_dtype"], facts["world_size"]) == ("bfloat16", 2)

@@ -338,7 +338,7 @@ def test_ctrl_c_stops_the_run_at_a_checkpoint_and_the_next_call_goes_on(tmp_path
         after = after or stops[-1] + 2
         deadline = time.monotonic() + 300
         while not any(int(n) >= after for n in re.findall(
-                r"pepo\[uniform\]:\s+\d+%\|[^|]*\| (\d+)/16",
+                r"pepo\[uniform\] step (\d+)/16:",
                 (d / "recipe.log").read_text() if (d / "recipe.log").is_file() else "")):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.2)

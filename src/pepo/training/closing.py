@@ -86,13 +86,28 @@ def close_run(recipe: Any, log: logging.Logger) -> None:
         write_summary(recipe.output_dir, recipe.history, val_problems=len(recipe.val_data),
                       val_samples=recipe.val_samples, num_steps=recipe.num_steps,
                       train_problems=len(recipe.train_data),
-                      prompts_dropped=recipe.prompts_dropped)
+                      prompts_dropped=recipe.prompts_dropped, **run_facts(recipe))
     if recipe.plot and recipe.dist.is_main:
         curves = recipe.output_dir / "training_curves.png"
         title = f"{recipe.config_name}: {recipe.strategy_name}, {recipe.estimator.name}"
         if recipe.write_diagnostic("training curves", curves,
                                    lambda: plot_curves(recipe.history, curves, title=title)):
             log.info(f"Training curves: {curves}")
+
+
+def run_facts(recipe: Any) -> dict[str, Any]:
+    """What a finished run's numbers depend on beyond its config (``summary.json``): the
+    precision ``compute_dtype: auto`` chose (None: no autocast, the weights' dtype), the number
+    of processes, pepo's version, and when it finished (UTC)."""
+    import datetime
+
+    import pepo
+
+    dtype = recipe.compute_dtype
+    return {"compute_dtype": None if dtype is None else str(dtype).removeprefix("torch."),
+            "world_size": recipe.dist.world_size, "pepo_version": pepo.__version__,
+            "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                timespec="seconds")}
 
 
 def keep_unvalidated_step(recipe: Any, metrics: dict[str, Any], error: BaseException,

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
 from pepo.training.generation import draw_seeds
+from pepo.training.progress import rollout_counter
 from pepo.training.rollouts import RewardError, is_success, reward_tensor, sample_and_score
 
 __all__ = [
@@ -67,8 +67,9 @@ def avg_at_k(
     Generation runs in batches of ``batch_size`` rollouts; ``generator`` makes it reproducible.
     With ``dist`` (a :class:`pepo.training.distributed.Dist`), each process samples its share of the
     ``len(problems) * k`` rollouts and the counts are summed: the same avg@k as one process.
-    ``progress``: the label of a progress bar (tqdm, on standard error, removed when done) that
-    counts this process's rollouts as they finish, on the main process only; None: no bar.
+    ``progress``: the label of a count of this process's rollouts as they finish, on standard
+    error, on the main process only (:func:`pepo.training.progress.rollout_counter`: a bar on a
+    terminal, removed when done; elsewhere a line a minute); None: no count.
     ``records``: a list that receives one dict per rollout of this process, in problem order
     (``prompt_id``, ``prompt``, ``answer``, ``response``, ``reward``, ``success``).
     ``counts``: a dict that receives ``rollouts``, ``correct`` and ``truncated`` (responses that
@@ -85,12 +86,7 @@ def avg_at_k(
     mine = rows[part]
     bar = None
     if progress is not None and (dist is None or dist.is_main):
-        from tqdm import tqdm
-
-        # below another bar (the recipe's steps) tqdm moves the cursor up and down, which
-        # only a terminal understands: elsewhere (a log file) it draws in place of the other
-        bar = tqdm(total=len(mine), desc=progress, unit="rollout", leave=False,
-                   dynamic_ncols=True, position=None if sys.stderr.isatty() else 0)
+        bar = rollout_counter(len(mine), progress)
     try:
         ro, rewards, texts = sample_and_score(
             engine, tokenizer, mine, reward_fn,
