@@ -1,7 +1,7 @@
 """pepo's recipes and configs, the way ``tune ls`` and ``tune cp`` list and copy torchtune's
 (which do not know pepo's)::
 
-    python -m pepo.configs ls                  # recipes, and each bundled config's first line
+    python -m pepo.configs ls                  # recipes, and each bundled config's first sentence
     python -m pepo.configs cp tiny my.yaml     # a config to edit; then --config my.yaml
 
 ``cp`` never overwrites a file.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
+import textwrap
 from pathlib import Path
 
 RECIPES = {"pepo_recipe": "training (tune run pepo_recipe --config NAME)",
@@ -19,16 +20,28 @@ RECIPES = {"pepo_recipe": "training (tune run pepo_recipe --config NAME)",
 
 
 def _summary(path: Path) -> str:
+    """The first sentence of the config's opening comment (which may span lines)."""
+    words: list[str] = []
     for line in path.read_text(encoding="utf-8").splitlines():
-        if line.startswith("#") and line.strip("# "):
-            return line.strip("# ").rstrip(".:")
-    return ""
+        text = line.strip("# ") if line.startswith("#") else ""
+        if not text:
+            if words:
+                break
+            continue
+        words += text.split()
+        ends = [i for i, w in enumerate(words) if w.endswith(".")
+                and w.strip("(").rstrip(".") not in ("Sec", "App", "Eq", "Fig", "e.g", "i.e")]
+        if ends:
+            return " ".join(words[: ends[0] + 1]).rstrip(".")
+    return " ".join(words).rstrip(".:")
 
 
 def main(argv: list[str] | None = None) -> int:
     from pepo.training.config import find_config, list_configs
 
-    ap = argparse.ArgumentParser(prog="python -m pepo.configs", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m pepo.configs", description=(
+        "pepo's recipes and bundled configs, as tune ls and tune cp list and copy torchtune's: "
+        "ls lists them, cp copies one to edit"))
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("ls", help="list the recipes and bundled configs")
     cp = sub.add_parser("cp", help="copy a bundled config to edit")
@@ -42,8 +55,12 @@ def main(argv: list[str] | None = None) -> int:
         for recipe, what in RECIPES.items():
             print(f"  {recipe:<12} {what}")
         print("configs:")
+        # wrapped on a terminal; a line a config elsewhere (for grep)
+        wrap = textwrap.TextWrapper(width=max(60, shutil.get_terminal_size().columns - 1),
+                                    subsequent_indent=" " * (width + 4))
         for name in names:
-            print(f"  {name:<{width}}  {_summary(Path(find_config(name)))}")
+            line = f"  {name:<{width}}  {_summary(Path(find_config(name)))}"
+            print(wrap.fill(line) if sys.stdout.isatty() else line)
         return 0
     if args.name not in list_configs():
         print(f"error: no bundled config {args.name!r}; bundled configs: {list_configs()}",

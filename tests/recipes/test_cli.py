@@ -89,3 +89,19 @@ def test_cp_where_it_cannot_write_is_one_line(tmp_path, monkeypatch, capsys):
     assert cli.main(["cp", "tiny", str(tmp_path / "mine.yaml")]) == 2
     err = capsys.readouterr().err
     assert err == f"error: cannot write {tmp_path / 'mine.yaml'}: Permission denied\n"
+
+
+def test_config_summaries_are_whole_sentences(tmp_path):
+    """``ls`` showed each config's first comment line, cut mid-sentence ("minutes on a") where
+    the sentence went on. Catches the first line alone, a cut at an abbreviation's period
+    ("Sec. 5.1"), and a sentence run into the next paragraph."""
+    from pepo.configs.__main__ import _summary
+
+    f = tmp_path / "c.yaml"
+    f.write_text("# PEPO on the drift task (Sec. 4, App. C.1): minutes on a\n"
+                 "# laptop CPU, no downloads. More after.\n#\n# tune run ...\nname: x\n",
+                 encoding="utf-8")
+    assert _summary(f) == ("PEPO on the drift task (Sec. 4, App. C.1): minutes on a laptop CPU, "
+                           "no downloads")
+    f.write_text("# a sentence without its period\n#\n# the next paragraph.\n", encoding="utf-8")
+    assert _summary(f) == "a sentence without its period"

@@ -731,3 +731,16 @@ def test_another_estimators_key_says_how_to_remove_it(tmp_path, monkeypatch):
     cfg.estimator.group_siz = 4
     with pytest.raises(ValueError, match=r"did you mean 'estimator.group_size'\?$"):
         validate_config(cfg)
+
+
+def test_a_required_key_left_out_says_how_to_give_it():
+    """A paper config run as it is (its checkpoint_dir is ???): the error named the key only,
+    not that the command line takes it. Catches the hint lost, or given for another key."""
+    from omegaconf import OmegaConf
+
+    from pepo.training.config import find_config, register_resolvers, validate_config
+
+    register_resolvers()
+    with pytest.raises(ValueError, match=r"^config key 'checkpoint_dir' is required \(on the "
+                                         r"command line: checkpoint_dir=\.\.\.\)$"):
+        validate_config(OmegaConf.load(find_config("qwen3_1_7b_pepo")))

@@ -55,7 +55,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from pepo import weighting
-from pepo.study.cli import count_arg, window_arg
+from pepo.study.cli import DefaultsFormatter, count_arg, window_arg
 
 __all__ = [
     "PROFILE_ROWS",
@@ -604,14 +604,19 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
         intervention.main(argv[1:])
         return
-    ap = argparse.ArgumentParser(prog="python -m pepo.study.analysis",
-                                 description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m pepo.study.analysis", description=__doc__.split("\n")[0],
+        formatter_class=DefaultsFormatter,
+        epilog="python -m pepo.study.analysis intervene --help: the token intervention "
+               "(Table 5) of two checkpoints")
     ap.add_argument("dump", nargs="+", help="a rollouts/step_N.jsonl file or the rollouts/ "
-                                            "directory; several are pooled, each run's groups "
-                                            "kept apart")
+                                            "directory (every step's dump in it, pooled); "
+                                            "several are pooled, each run's groups kept apart")
     ap.add_argument("--out", required=True, help="directory for the plots and tables")
-    ap.add_argument("--windows", type=window_arg, nargs="+", default=[31, 51, 101])
-    ap.add_argument("--heatmap-rollouts", type=count_arg, default=4)
+    ap.add_argument("--windows", type=window_arg, nargs="+", default=[31, 51, 101],
+                    help="the windows W of the positional curves and the profile")
+    ap.add_argument("--heatmap-rollouts", type=count_arg, default=4,
+                    help="rollouts shown in heatmap.html")
     ap.add_argument("--window", type=window_arg, default=None,
                     help="the W of the difficulty table, the weight mass and the heatmap "
                          "(default: the largest of --windows)")

@@ -8,8 +8,23 @@ import shlex
 import sys
 from typing import Any, Callable, Optional
 
-__all__ = ["command_line", "count_arg", "percent_arg", "positive_arg", "positive_number_arg",
-           "probability_arg", "shard_arg", "window_arg"]
+__all__ = ["DefaultsFormatter", "command_line", "count_arg", "percent_arg", "positive_arg",
+           "positive_number_arg", "probability_arg", "shard_arg", "window_arg"]
+
+
+class DefaultsFormatter(argparse.HelpFormatter):
+    """``--help`` with each option's default where it has one worth saying (not None, False or
+    empty), lists written as on the command line (``0 1 2``, not ``[0, 1, 2]``)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (default in (None, False, argparse.SUPPRESS) or default == [] or "(default" in text
+                or not action.option_strings):
+            return text
+        if isinstance(default, (list, tuple)):
+            default = " ".join(map(str, default))
+        return f"{text} (default: {str(default).replace('%', '%%')})"
 
 
 def _parsed(text: str, convert: Callable[[str], Any], ok: Callable[[Any], bool],

@@ -1,4 +1,4 @@
-"""The strategy study on both embedded tasks: every method x seeds -> a Markdown report.
+"""The strategy study: every method x seed on the embedded tasks or SmolLM2 -> a Markdown report.
 
     python -m pepo.study.compare [--tasks tiny tiny_drift] [--seeds 0 1 2 3 4]
         [--out comparison_runs] [--only group|single_stream] [--shard I/N]
@@ -372,14 +372,22 @@ def run_diagnostics(task: str, results: list[dict], out: Path, docs: Path,
 
 
 def main(argv: Optional[list[str]] = None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tasks", nargs="+", choices=sorted(CONFIGS), default=["tiny", "tiny_drift"])
-    ap.add_argument("--seeds", type=count_arg, nargs="+", default=[0, 1, 2, 3, 4])
-    ap.add_argument("--out", default="comparison_runs")
-    ap.add_argument("--only", choices=MODES, default=None)
+    ap = argparse.ArgumentParser(prog="python -m pepo.study.compare",
+                                 description=__doc__.split("\n")[0],
+                                 formatter_class=cli.DefaultsFormatter)
+    ap.add_argument("--tasks", nargs="+", choices=sorted(CONFIGS), default=["tiny", "tiny_drift"],
+                    help="the tasks to run, each in group mode and, where it has one, in "
+                         "single-stream mode")
+    ap.add_argument("--seeds", type=count_arg, nargs="+", default=[0, 1, 2, 3, 4],
+                    help="one run of every method per seed (paired by seed in the report)")
+    ap.add_argument("--out", default="comparison_runs",
+                    help="where the runs go (finished ones there are read back, not rerun)")
+    ap.add_argument("--only", choices=MODES, default=None, help="run one mode only")
     ap.add_argument("--methods", nargs="+", default=None,
-                    help="run only these method labels (the baselines are always run); the "
-                         "optional ones (PEPO, W = 11 / 29 / 101) run only when named")
+                    help="run only these method labels, as the report names them (GRPO, PEPO, "
+                         "80/20, ...; the baselines are always run); the window ablation's "
+                         "labels ('PEPO, W = 11', 'PEPO, W = 29', 'PEPO, W = 101') run only "
+                         "when named")
     ap.add_argument("--prune", action="store_true",
                     help="delete each finished run's checkpoints and exported model, except "
                          "the first seed's GRPO (the intervention's replacement): about 2 GB a "
@@ -388,7 +396,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="config overrides for every run (e.g. validation.every=10)")
     ap.add_argument("--shard", type=shard_arg, default=(0, 1),
-                    help="I/N: run every N-th run, starting at I")
+                    help="I/N: run every N-th run, starting at I (default: all of them)")
     ap.add_argument("--max-runs", type=positive_arg, default=None,
                     help="train at most this many runs, then exit (finished runs are read back "
                          "by the next call, which goes on; the call that finds nothing left to "
@@ -396,9 +404,12 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
                          "run's rollout engine does not give back cannot add up")
     ap.add_argument("--report-only", action="store_true",
                     help="write the report from finished runs; run nothing")
-    ap.add_argument("--no-intervention", action="store_true")
-    ap.add_argument("--budgets", type=percent_arg, nargs="+", default=[0, 5, 10, 15, 20, 30])
-    ap.add_argument("--intervention-k", type=positive_arg, default=4)
+    ap.add_argument("--no-intervention", action="store_true",
+                    help="leave out each task's token intervention (pepo.study.intervention)")
+    ap.add_argument("--budgets", type=percent_arg, nargs="+", default=[0, 5, 10, 15, 20, 30],
+                    help="the intervention's budgets: %% of token positions replaced")
+    ap.add_argument("--intervention-k", type=positive_arg, default=4,
+                    help="the intervention's samples per prompt (avg@k)")
     ap.add_argument("--docs", default=None,
                     help="where results.md and its images go (default: --out)")
     ap.add_argument("--discussion", default=None,
@@ -446,6 +457,11 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
             check_configs(plan, out, overrides)
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
+    if not args.report_only:  # before the first run's minutes of silence
+        mine = [p for i, p in enumerate(plan) if i % n_shards == shard]
+        done = sum((run_dir(out, *p[:3], p[4]) / "result.json").is_file() for p in mine)
+        print(f"{len(mine)} run(s) planned{f' (shard {shard}/{n_shards})' * (n_shards > 1)}, "
+              f"{done} finished, under {out}", flush=True)
     results, elsewhere, trained, missing = [], 0, 0, []
     for i, (task, mode, label, strategy, seed) in enumerate(plan):
         try:  # a result.json that is not one (cut short, edited) is named

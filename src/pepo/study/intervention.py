@@ -37,7 +37,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from pepo import weighting
-from pepo.study.cli import percent_arg, positive_arg, window_arg
+from pepo.study.cli import DefaultsFormatter, percent_arg, positive_arg, window_arg
 from pepo.training.checkpointing import atomic_write_text
 from pepo.training.evaluation import eval_generator
 from pepo.training.fast_decoder import FastPlan
@@ -391,7 +391,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, dict[float, float]]:
     ap = argparse.ArgumentParser(
         prog="python -m pepo.study.analysis intervene",
         description="Token intervention (Table 5): replace the top-ranked tokens of the base "
-                    "model's responses with the replacement model's and score avg@k.")
+                    "model's responses with the replacement model's and score avg@k.",
+        formatter_class=DefaultsFormatter)
     ap.add_argument("--config", required=True,
                     help="a recipe config (bundled name or YAML path): its tokenizer, model, "
                          "val_dataset, reward and generation settings are used")
@@ -402,15 +403,17 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, dict[float, float]]:
                          "HF directory)")
     ap.add_argument("--budgets", type=percent_arg, nargs="+", default=[0, 5, 10, 15, 20, 30],
                     help="percent of each response's positions to replace")
-    ap.add_argument("--metrics", nargs="+", default=list(METRICS), choices=METRICS)
+    ap.add_argument("--metrics", nargs="+", default=list(METRICS), choices=METRICS,
+                    help="the rankings of the tokens to replace")
     ap.add_argument("--window", type=window_arg, default=None,
                     help="proximal entropy window (default: the config's "
                          "strategy.proximal_softmax.window, else 101)")
     ap.add_argument("--k", type=positive_arg, default=4, help="samples per problem (avg@k)")
     ap.add_argument("--problems", type=positive_arg, default=None,
                     help="use the first N validation problems (default: all)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--batch-size", type=positive_arg, default=256)
+    ap.add_argument("--seed", type=int, default=0, help="the sampling's seed")
+    ap.add_argument("--batch-size", type=positive_arg, default=256,
+                    help="rollouts generated at once")
     ap.add_argument("--compute-dtype", default=None, choices=["auto", "fp32", "bf16"],
                     help="the matmuls' precision (default: the config's compute_dtype, as its "
                          "runs sampled)")

@@ -194,6 +194,10 @@ def _run(task: str, mode: str, label: str, seed: int, out: Path, overrides: dict
     (:func:`run_config`) and saves its result."""
     d = run_dir(out, task, mode, label, seed)
     t0 = time.perf_counter()
+    if how != "closed":  # a run takes minutes to hours: say which, and where its log is
+        print(f"{task:10s} {mode:13s} {label:22s} seed {seed}: "
+              f"{'going on from its checkpoint' if how == 'resume' else 'training'} "
+              f"(log: {d / 'recipe.log'})", flush=True)
     summary = (read_summary(str(cfg.output_dir)) if how == "closed"
                else run_recipe(cfg, d, resume=how == "resume"))
     history = summary["history"]

@@ -459,7 +459,7 @@ def _read(node: Any, cls: type, where: str, skip: tuple[str, ...] = ()) -> Any:
                 value = OmegaConf.to_container(value, resolve=True)
         if value is None and f.default is REQUIRED and not isinstance(rule, (StrictInt,
                                                                              Component)):
-            raise ValueError(f"config key {full!r} is required")
+            raise ValueError(f"config key {full!r} is required (on the command line: {full}=...)")
         values[f.name] = rule.check(full, value)
     return cls(**values)
 
