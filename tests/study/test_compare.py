@@ -166,9 +166,11 @@ def test_shards_split_the_runs(study, tmp_path, monkeypatch):
     assert len(set(ran)) == len(ran)
 
 
-def test_max_runs_trains_that_many_per_call_and_the_last_call_reports(study, tmp_path, monkeypatch):
+def test_max_runs_trains_that_many_per_call_and_the_last_call_reports(study, tmp_path, monkeypatch,
+                                                                    capsys):
     """A fresh process per run (what a study with vLLM needs: its engine's memory adds up in one
-    process): each call trains --max-runs runs, later calls read them back and go on."""
+    process): each call trains --max-runs runs, later calls read them back and go on. Each call
+    says first what it plans (a study was silent until its first run ended)."""
     ran = []
 
     def fake(task, mode, label, strategy, seed, out, overrides):
@@ -189,6 +191,8 @@ def test_max_runs_trains_that_many_per_call_and_the_last_call_reports(study, tmp
     n = len(study.METHODS["single_stream"])
     for call in range(1, n + 1):
         study.main(argv)
+        assert capsys.readouterr().out.splitlines()[0] == (
+            f"{n} run(s) planned, {call - 1} finished, under {tmp_path}")
         assert len(ran) == call and len(set(ran)) == call  # one new run per call
         assert (tmp_path / "results.md").is_file() == (call == n) == bool(reported)
     assert sorted(ran) == sorted(label for label, _ in study.METHODS["single_stream"])
