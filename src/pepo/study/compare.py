@@ -176,15 +176,15 @@ def report(results: list[dict], tasks: list[str], command: str,
     lines = [
         "# Results on the embedded tasks",
         "",
-        f"Produced by `{command}` (rerun it to reproduce; finished runs "
-        "are reused). Validation accuracy is avg@k on the held-out prompts, in %, as mean ± "
-        "sample SD over seeds. **Δ vs baseline** is the paired difference of the final accuracy "
-        "to the mode's baseline (GRPO / SPO) on the same seeds: mean ± SD in points, the paired "
-        "t statistic (* where |t| exceeds the two-sided 5% critical value of one comparison, not "
-        "corrected for the number of rows), and wins / ties / "
-        "losses over the seeds. s/step is each run's median step time, averaged over the seeds: "
-        "it depends on what else the machine ran at the time, so it is not a comparison of "
-        "speed (docs/performance.md measures the weighting's own cost).",
+        f"Produced by `{command}` (rerun it to reproduce; a call with the same `--out` reads "
+        "finished runs back). Validation accuracy is avg@k on the held-out prompts, in %, as "
+        "mean ± sample SD over seeds. **Δ vs baseline** is the paired difference of the final "
+        "accuracy to the mode's baseline (GRPO / SPO) on the same seeds: mean ± SD in points, "
+        "the paired t statistic (* where |t| exceeds the two-sided 5% critical value of one "
+        "comparison, not corrected for the number of rows), and wins / ties / losses over the "
+        "seeds. s/step is each run's median step time, averaged over the seeds: it depends on "
+        "what else the machine ran at the time, so it is not a comparison of speed "
+        "(docs/performance.md measures the weighting's own cost)."
         "",
     ]
     for task in tasks:
