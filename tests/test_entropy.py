@@ -528,3 +528,15 @@ def test_hidden_variant_gives_nan_for_nan_and_overflowing_logits(chunk, vocab_bl
     r_lp, r_ent = ref(flat[good].double() @ w.double().t(), targets.view(-1)[good])
     torch.testing.assert_close(lp[good].double(), r_lp, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ent[good].double(), r_ent, rtol=1e-5, atol=1e-5)
+
+
+def test_a_large_vocabulary_of_small_probabilities_keeps_its_entropy():
+    """100,000 logits 25 nats below the top one: each holds e^-25 of the mass, together 1.4e-6,
+    and they carry the whole entropy (3.6e-5 nats). Catches a CPU exp floor that drops terms
+    above e^-80 (a floor at -20 gave 4.3e-3)."""
+    z = torch.full((1, 100_000), -25.0)
+    z[0, 0] = 0.0
+    p = torch.softmax(z.double(), -1)
+    want = -(p * p.log()).sum().item()
+    _, ent = logprobs_and_entropy(z, torch.zeros(1, dtype=torch.long))
+    assert abs(ent.item() - want) < 5e-6  # fp32 rounding of the top token's log: 1.4e-6

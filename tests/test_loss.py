@@ -432,3 +432,21 @@ def test_the_loss_component_is_clipped_policy_loss_with_its_clip_range_bound():
     unchecked = loss(lp, old, live, mask, num_tokens=40, validate=False)
     assert torch.equal(unchecked.detach(), clipped_policy_loss(
         lp, old, adv, mask, eps_low=0.05, eps_high=0.1, num_tokens=40))
+
+
+def test_approx_kl_is_k3_on_an_asymmetric_log_ratio():
+    """``mean(ρ - 1 - log ρ)`` at one token of log-ratio 0.5: e^0.5 - 1.5. The metrics' test
+    used log-ratios 0.5, 0, -0.5, whose logs sum to 0, so the log term's sign could not show."""
+    m = policy_loss_metrics(torch.tensor([[0.5]]), torch.zeros(1, 1), torch.ones(1, 1),
+                            torch.ones(1, 1, dtype=torch.bool))
+    assert m["approx_kl"].item() == pytest.approx(math.exp(0.5) - 1.5, rel=1e-6)
+
+
+def test_the_loss_components_default_clip_range_is_the_papers():
+    """``ClippedPolicyLoss()`` clips at 1 + 0.28 (App. C.1): a ratio of e^0.25 = 1.284 with
+    A = 1 gives -1.28. Catches a default eps_high of 0.2 (-1.20)."""
+    from pepo.loss import ClippedPolicyLoss
+
+    loss = ClippedPolicyLoss()(torch.tensor([[0.25]]), torch.zeros(1, 1), torch.ones(1, 1),
+                               torch.ones(1, 1, dtype=torch.bool))
+    assert loss.item() == pytest.approx(-1.28, rel=1e-6)

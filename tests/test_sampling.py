@@ -58,3 +58,11 @@ def test_prioritized_sample_follows_weights():
     assert sorted(prioritized_sample(w, 10, g)) == [0, 1, 2, 3]  # k > N: everything once
     with pytest.raises(ValueError, match="finite and > 0"):
         prioritized_sample(torch.tensor([1.0, 0.0]), 1, g)
+
+
+def test_a_seeds_epochs_are_not_another_seeds_shifted():
+    """Seed s at epoch 1 is not seed s + 1 at epoch 0: catches a permutation seeded by
+    ``seed + epoch``, which made every seed replay its neighbour's order one epoch late."""
+    a = PromptSampler(10, seed=0)
+    a.next(10)
+    assert a.next(10) != PromptSampler(10, seed=1).next(10)

@@ -316,3 +316,26 @@ def test_global_topk_both_threshold_paths_select_the_same_and_read_nothing(sort,
         adv, ent, mask, _, _ = _meta_batch()
         out = pw.get_strategy("global_topk")(adv, ent, mask, validate=False)
         assert out.device.type == "meta"
+
+
+def test_the_wide_row_rule_scales_with_the_temperature():
+    """A row spanning 39.5 nats at τ = 0.4 (98.75 in units of τ) is beyond the shifted exp's
+    range: validated it is redone in the log domain and exact; unvalidated it is NaN. Catches
+    the width judged in nats rather than in units of τ (the shifted exp's denormals then gave
+    values 4e-3 off, validated or not)."""
+    h = torch.tensor([[0.0, 0.3, 0.6, 0.0, 0.45, 39.5]])
+    mask = torch.ones_like(h, dtype=torch.bool)
+    want = torch.tensor(ref.proximal_entropy_row(h[0].double().numpy(), 3, 0.4))[None]
+    got = pw.proximal_entropy(h, mask, window=3, temperature=0.4)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-30)
+    assert torch.isnan(pw.proximal_entropy(h, mask, window=3, temperature=0.4,
+                                           validate=False)).all()
+
+
+def test_a_constant_row_of_large_entropies_is_uniform_unvalidated():
+    """Eq. (6)'s softmax is shift-invariant: a row of H = 100 everywhere is 1/W at every token,
+    also on the unvalidated path (exp(100) overflows fp32 unless each row is shifted by its
+    largest value first). Catches the shift dropped."""
+    h = torch.full((1, 5), 100.0)
+    got = pw.proximal_entropy(h, torch.ones_like(h, dtype=torch.bool), window=3, validate=False)
+    torch.testing.assert_close(got, torch.full((1, 5), 1 / 3))

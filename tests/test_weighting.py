@@ -1295,3 +1295,58 @@ def test_a_registered_factorys_type_errors_name_the_strategy():
         assert pw.get_strategy("test_typed", k=2).params == {"k": 2, "gain": 1.0}
     finally:
         pw._REGISTRY.pop("test_typed", None)
+
+
+def test_the_defaults_are_the_papers():
+    """A call without parameters is the paper's setting (W = 101, τ = 1; 80/20's fifth; GTPO's
+    published α and ε): a default changed in one place (``proximal_entropy``'s window to 99,
+    ``window_average``'s) moved every call that relies on it, with no test failing. Checked on
+    rows long enough for the window to matter, against the explicit call."""
+    from pepo._gtpo import gtpo_rewards
+
+    torch.manual_seed(0)
+    ent = torch.rand(2, 300) * 3
+    mask = torch.ones(2, 300, dtype=torch.bool)
+    adv, pos = torch.tensor([1.0, -0.5]), torch.tensor([True, False])
+    assert torch.equal(pw.proximal_entropy(ent, mask),
+                       pw.proximal_entropy(ent, mask, window=101, temperature=1.0))
+    assert torch.equal(pw.window_average_entropy(ent, mask),
+                       pw.window_average_entropy(ent, mask, window=101))
+    for name, explicit in (("proximal_softmax", {"window": 101, "temperature": 1.0,
+                                                 "apply_to": "positive"}),
+                           ("window_average", {"window": 101, "apply_to": "positive"}),
+                           ("global_topk", {"fraction": 0.2, "score": "entropy"}),
+                           ("entropy_bonus", {"alpha": 0.4, "kappa": 2.0})):
+        assert torch.equal(pw.get_strategy(name)(adv, ent, mask, positive=pos),
+                           pw.get_strategy(name, **explicit)(adv, ent, mask, positive=pos)), name
+    # gtpo_rewards' own defaults, where ε shows: failures of entropy 0 and 1e-7 share Eq. 5's
+    # inverse-entropy term 1e8 : 1/(1.1e-7), i.e. 0.917 / 0.083 of α2 · h_t = 0.1 · 2
+    r = gtpo_rewards(torch.tensor([[1.0], [0.0], [1e-7]]), torch.ones(3, 1, dtype=torch.bool),
+                     torch.tensor([True, False, False]), torch.zeros(3, dtype=torch.long))
+    share = (1 / 1e-8) / (1 / 1e-8 + 1 / 1.1e-7)
+    torch.testing.assert_close(r[:, 0], torch.tensor(
+        [1.1, -1.0 - 0.2 * share, -1.0 - 0.2 * (1 - share)]), rtol=1e-5, atol=1e-6)
+
+
+def test_the_largest_window_is_accepted_and_the_next_refused():
+    """MAX_WINDOW (65537) is documented as allowed: catches a ``>=`` that refused it."""
+    ent, mask = torch.rand(1, 8), torch.ones(1, 8, dtype=torch.bool)
+    assert torch.isfinite(pw.proximal_entropy(ent, mask, window=65537)).all()
+    with pytest.raises(ValueError, match="window must be <= 65537 .* got 65539"):
+        pw.proximal_entropy(ent, mask, window=65539)
+
+
+@pytest.mark.parametrize("name", ["uniform", "proximal_softmax", "window_average",
+                                  "entropy_bonus", "global_topk", "gtpo"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_advantages_of_any_float_dtype_give_fp32_computed_in_fp32(name, dtype):
+    """The documented output is fp32 whatever the advantages' dtype: fp64 advantages gave fp64
+    weights, and bf16 ones computed entropy_bonus's cap |A|/κ in bf16. Catches the advantages
+    not upcast (the entropies' upcast was tested, not theirs)."""
+    ent, mask = torch.rand(4, 6) * 2, torch.ones(4, 6, dtype=torch.bool)
+    adv = torch.tensor([0.7, -0.3, 1.3, -1.1])
+    s = pw.get_strategy(name)
+    kw = {"positive": adv > 0, "groups": torch.tensor([0, 0, 1, 1])}
+    got = s(adv.to(dtype), ent, mask, **kw)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, s(adv.to(dtype).float(), ent, mask, **kw), rtol=0, atol=0)

@@ -1,6 +1,7 @@
 """Batch-global quantities with a process group: 2 gloo ranks holding uneven shards give what one
 process holding their concatenation gives (global_topk's selection, the loss normaliser)."""
 
+import math
 import os
 import tempfile
 
@@ -184,3 +185,17 @@ def test_an_input_refused_on_one_rank_is_refused_on_every_rank():
     assert outs[0].startswith("entropies holds 1 NaN/inf value(s) at valid"), outs[0]
     assert outs[1] == ("strategy 'global_topk': another rank's inputs were refused (its error "
                        "names them); the batch-wide result needs them all")
+
+
+def test_the_bisections_integer_keys_order_as_the_scores_do():
+    """Across ranks the threshold is bisected on integer keys of the fp32 scores: a negative
+    score's bits order backwards, and -0.0 is +0.0. Catches negatives not reversed (with
+    validate=False any score passes, and entropies down to -1e-4 pass the checks): the keys of
+    sorted scores must be sorted, equal scores equal."""
+    from pepo._topk import order_keys
+
+    s = torch.tensor([-math.inf, -3.5, -1e-5, -2e-45, -0.0, 0.0, 1e-45, 1e-5, 2.5, math.inf])
+    keys = order_keys(s)
+    assert keys[4] == keys[5]  # -0.0 and +0.0
+    assert (keys[1:] >= keys[:-1]).all() and (keys[1:] > keys[:-1]).sum() == len(s) - 2
+    assert (keys >= 0).all() and (keys < 2**32).all()
