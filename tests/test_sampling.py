@@ -36,6 +36,11 @@ def test_sampler_refuses_a_count_or_size_that_is_not_a_positive_int():
         PromptSampler(3.5)
     with pytest.raises(ValueError, match=r"seed must be an int, got '1'"):
         PromptSampler(10, seed="1")
+    with pytest.raises(ValueError, match=r"seed must be an int, got True"):
+        PromptSampler(10, seed=True)
+    import numpy as np  # a numpy integer is an int (operator.index takes it)
+
+    assert PromptSampler(np.int64(10), seed=np.int32(3)).next(4) == PromptSampler(10, 3).next(4)
 
 
 def test_sampler_order_depends_on_the_seed_and_the_epoch():

@@ -723,6 +723,11 @@ def test_bad_inputs_name_the_problem():
     with pytest.raises(ValueError, match=r"advantages holds 1 NaN/inf value\(s\), the first at "
                                          r"index 1 \(inf\); fix"):
         s(torch.tensor([1.0, float("inf")]), ent, mask)
+    twice = ent.clone()
+    twice[0, 3], twice[1, 1] = float("inf"), float("nan")  # the first in row-major order
+    with pytest.raises(ValueError, match=r"entropies holds 2 NaN/inf value\(s\) at valid "
+                                         r"\(mask=True\) positions, the first \[0, 3\] \(inf\)"):
+        s(adv, twice, mask)
     with pytest.raises(ValueError, match="entropies holds 1 NaN/inf"):
         pw.proximal_entropy(bad, mask, window=3)
     with pytest.raises(ValueError, match="must be a floating-point tensor"):

@@ -195,8 +195,9 @@ def nonfinite_message(name: str, t: torch.Tensor) -> str:
     bad = ~torch.isfinite(t)
     at = bad.nonzero()
     first = [int(i) for i in at[0]] if len(at) else [0] * t.dim()
-    where = (f" at valid (mask=True) positions, the first [{first[0]}, {first[1]}]"
-             if t.dim() == 2 else f", the first at index {first[0]}")
+    place = ", ".join(map(str, first))
+    where = (f" at valid (mask=True) positions, the first [{place}]" if t.dim() == 2
+             else f", the first at [{place}]" if t.dim() != 1 else f", the first at index {place}")
     value = float(t[tuple(first)]) if len(at) else math.nan
     return (f"{name} holds {int(bad.sum())} NaN/inf value(s){where} ({value}); fix the "
             f"producer, or pass validate=False to skip this check")

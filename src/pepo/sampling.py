@@ -8,6 +8,7 @@ replacement with probability proportional to the tracker's weights ``sqrt(p(1-p)
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -19,13 +20,10 @@ class PromptSampler:
     """Epoch-wise shuffled indices into a dataset of ``size`` items."""
 
     def __init__(self, size: int, seed: int = 0) -> None:
-        if isinstance(size, bool) or not isinstance(size, int):
-            raise ValueError(f"size must be an int (the dataset's items), got {size!r}")
+        size = _integer("size", size, "an int (the dataset's items)")
         if size < 1:
             raise ValueError(f"cannot sample from an empty dataset (size={size})")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed must be an int, got {seed!r}")
-        self.size, self.seed = size, seed
+        self.size, self.seed = size, _integer("seed", seed, "an int")
         self.epoch, self.position = 0, 0
 
     def _perm(self, epoch: int) -> list[int]:
@@ -63,6 +61,16 @@ class PromptSampler:
             raise ValueError(f"sampler state (epoch={epoch!r}, position={position!r}) is not a "
                              f"place in a dataset of {self.size} items")
         self.epoch, self.position = epoch, position
+
+
+def _integer(name: str, value: Any, what: str) -> int:
+    """``value`` as an int (a numpy integer too, as ``operator.index`` takes it), not a bool."""
+    try:
+        if not isinstance(value, bool):
+            return operator.index(value)
+    except TypeError:
+        pass
+    raise ValueError(f"{name} must be {what}, got {value!r}")
 
 
 def check_k(k: object) -> int:

@@ -174,8 +174,8 @@ def linear_proximal_entropy(entropies: torch.Tensor, mask: torch.Tensor, window:
     warnings.warn("pepo.weighting.linear_proximal_entropy is deprecated: use "
                   "pepo.weighting.window_average_entropy (the same function)", FutureWarning,
                   stacklevel=2)
-    return window_average_entropy(entropies, mask, window, validate=validate,
-                                  check_finite=check_finite)
+    return window_average_entropy(entropies, mask, window, validate=validate
+                                  if check_finite is None else bool(check_finite))
 
 
 # --------------------------------------------------------------------------------------------

@@ -742,20 +742,25 @@ def test_one_graded_reward_without_pepo_success_warns_once(model_dir, tmp_path):
     every completion a success, so gtpo saw all-success groups (every token 0 where TRL had
     12 of 16 rows to learn from) and PEPO weighted the failures. Catches no warning, one per
     batch, one for a 0/1 reward, with pepo_success, or for a strategy that reads no success."""
-    def graded(completions, **kwargs):
-        return [1.0 if "7" in c else 0.5 for c in completions]
+    def graded(completions, **kwargs):  # full credit for odd lengths, half for even ones
+        return [1.0 if len(c) % 2 else 0.5 for c in completions]
 
     def run(strategy, reward, **kwargs):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             train(PepoGRPOTrainer, model_dir, config(tmp_path, max_steps=2), reward=reward,
                   pepo_strategy=strategy, **kwargs)
-        return [str(w.message) for w in caught if "values other than 0 and 1" in str(w.message)]
+        return [str(w.message) for w in caught if "graded positive rewards" in str(w.message)]
 
     (message,) = run("gtpo", graded)  # two generations, one warning
-    assert "pepo_strategy='gtpo'" in message and "(such as 0.5)" in message
+    assert "pepo_strategy='gtpo'" in message and "(from 0.5 to 1)" in message
     assert "pass pepo_success=" in message
     assert run("gtpo", reward_has_seven) == []
+
+    def plus_minus_one(completions, **kwargs):  # binary, as > 0 reads it: no partial credit
+        return [1.0 if "7" in c else -1.0 for c in completions]
+
+    assert run("gtpo", plus_minus_one) == []
     assert run("gtpo", graded, pepo_success=lambda r: r >= 1.0) == []
     assert run("global_topk", graded) == []
 

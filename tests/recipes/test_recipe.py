@@ -166,16 +166,17 @@ def test_outputs_written(tmp_path, caplog, capsys):
             tiny_cfg(tmp_path, num_steps=2, plot=True, validation={"every": 1, "samples": 1})
         )
     assert pepo_recipe.validation_summary(recipe.history, 1) in caplog.messages
-    # every validation shows a progress bar saying what it does (a silent minute on SmolLM2),
-    # counting the rollouts of the 4 validation prompts x 1 sample (its counts are checked in
-    # tests/training/test_fast_decoder.py)
+    # off a terminal (pytest's capture, a log file) the steps are plain lines, each validation
+    # and checkpoint has its own, and nothing redraws: no carriage return, no cursor move up
+    # to a bar (`ESC[A`), garbage in a log file (pepo.training.progress; the bar on a terminal
+    # is tests/training/test_progress.py's)
     captured = capsys.readouterr()
     err = captured.err
-    for step in (0, 1, 2):
-        assert f"validation at step {step} (avg@1, 4 prompts):   0%| " in err, err[-2000:]
-    assert "| 0/4 [" in err
-    # ... without moving the cursor up to the step's bar (`ESC[A`), garbage in a log file
-    assert "\x1b[A" not in err + captured.out
+    for step in (1, 2):
+        assert f"step {step}: validation avg@1 " in err, err[-2000:]
+        assert f"pepo[proximal_softmax] step {step}/2: val=" in err
+        assert f"step {step}: checkpoint {tmp_path / 'run' / 'checkpoints' / f'step_{step}'}" in err
+    assert "\x1b[A" not in err + captured.out and "\r" not in err + captured.out
     out = tmp_path / "run"
     assert (out / "training_curves.png").stat().st_size > 1000
     assert "val_accuracy" in (out / "logs" / "metrics.txt").read_text()

@@ -156,14 +156,50 @@ def test_two_step_one_seed_study(study, tmp_path, monkeypatch):
     assert (other / "images" / "intervention_tiny" / "intervention.md").is_file()
 
 
-def test_shards_split_the_runs(study, tmp_path, monkeypatch):
+def test_shards_split_the_runs(study, tmp_path, monkeypatch, capsys):
     ran = []
     monkeypatch.setattr(study, "run_one", lambda task, mode, label, *a: ran.append(label) or {})
+    n = len(study.METHODS["single_stream"])
     for i in range(2):
         study.main(["--tasks", "tiny", "--seeds", "0", "--only", "single_stream", "--out",
                     str(tmp_path), "--shard", f"{i}/2"])
+        # each shard counts its own share of the plan, and says it is a shard
+        share = len(range(i, n, 2))
+        assert capsys.readouterr().out.splitlines()[0] == (
+            f"{share} run(s) planned (shard {i}/2), 0 finished, under {tmp_path}")
     assert sorted(ran) == sorted(label for label, _ in study.METHODS["single_stream"])
     assert len(set(ran)) == len(ran)
+
+
+def test_the_reports_opening_paragraph_stands_apart_from_its_first_section(study):
+    """A lost comma joined the opening paragraph's last string to the blank line after it: the
+    first ``## task`` heading ran into the paragraph."""
+    lines = study.report([], [], "python -m pepo.study.compare", {}).splitlines()
+    assert lines[2].startswith("Produced by `python -m pepo.study.compare`")
+    assert lines[2].endswith("(docs/performance.md measures the weighting's own cost).")
+    assert lines[3] == ""
+
+
+def test_help_gives_each_default_worth_saying():
+    """``(default: ...)`` for a value, lists as typed on the command line, a 0 too (0 == False
+    hid it), nothing for None, False or an empty list, and nothing added to a help that says
+    its default itself."""
+    import argparse
+
+    from pepo.study.cli import DefaultsFormatter
+
+    ap = argparse.ArgumentParser(prog="p", formatter_class=DefaultsFormatter)
+    ap.add_argument("--seed", type=int, default=0, help="the seed")
+    ap.add_argument("--seeds", nargs="+", default=[0, 1, 2], help="the seeds")
+    ap.add_argument("--out", default=None, help="where")
+    ap.add_argument("--prune", action="store_true", help="prune")
+    ap.add_argument("--set", nargs="*", default=[], help="overrides")
+    ap.add_argument("--shard", default=(0, 1), help="a shard (default: all of them)")
+    text = " ".join(ap.format_help().split())
+    assert "the seed (default: 0)" in text and "the seeds (default: 0 1 2)" in text
+    for bare in ("where", "prune", "overrides"):
+        assert f"{bare} (default" not in text
+    assert text.count("(default:") == 3
 
 
 def test_max_runs_trains_that_many_per_call_and_the_last_call_reports(study, tmp_path, monkeypatch,

@@ -112,3 +112,24 @@ def test_a_rollout_count_off_a_terminal_is_a_line_a_minute_and_silent_when_short
     counter.close()  # 75 s
     assert slow.getvalue().splitlines() == ["validation: 256/512 rollouts (61 s)",
                                             "validation: 512/512 rollouts (75 s)"]
+
+
+def test_the_loggers_lines_go_above_the_bar_only_for_a_logger_that_prints(monkeypatch):
+    """On a terminal a logger that prints to the console has its lines written above the bar
+    (a Ctrl-C's notice cut through it); one without a console handler of its own (it
+    propagates to the root's) is left alone, or each of its lines would print twice."""
+    import logging
+    import sys
+
+    monkeypatch.delenv("TERM", raising=False)
+    own = logging.getLogger("pepo.test.progress.own")
+    own.addHandler(logging.StreamHandler(sys.stderr))
+    bare = logging.getLogger("pepo.test.progress.bare")
+    try:
+        for logger, redirected in ((own, True), (bare, False)):
+            before = list(logger.handlers)
+            with Progress(10, 0, "pepo[x]", stream=Terminal(), logger=logger):
+                assert (logger.handlers != before) == redirected
+            assert logger.handlers == before
+    finally:
+        own.handlers.clear()

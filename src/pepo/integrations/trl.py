@@ -69,6 +69,7 @@ metrics are added.
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Callable, Mapping, Optional, cast
 
@@ -171,11 +172,10 @@ def top_fifth_weight_share(token_advantages: torch.Tensor, mask: torch.Tensor) -
 
 
 def _active_dropout(model: torch.nn.Module) -> Optional[str]:
-    """What dropout ``model`` applies in training mode (a dropout layer of p > 0, which TRL's
-    ``disable_dropout=True`` zeroes; an ``attention_dropout`` of its config, which it does not),
-    or None."""
-    layers = [m for m in model.modules()
-              if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0]
+    """What dropout ``model`` applies in training mode (a ``torch.nn.Dropout`` of p > 0, which
+    TRL's ``disable_dropout=True`` zeroes; an ``attention_dropout`` of its config, which it does
+    not), or None."""
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
     if layers:
         return f"{len(layers)} dropout layer(s) are active (p={layers[0].p})"
     rate = getattr(getattr(model, "config", None), "attention_dropout", 0.0)
@@ -197,8 +197,9 @@ class PepoGRPOTrainer(GRPOTrainer):
         pepo_success: maps TRL's rewards ``[B]`` (the weighted sum of the reward functions) to the
             successful completions (bool ``[B]``). Default ``rewards > 0``; with several reward
             functions and a strategy that reads success, the trainer warns that this default
-            counts a positive format reward as a success, and with one that gives values other
-            than 0 and 1, that it counts a partial credit as one (at the first such batch).
+            counts a positive format reward as a success, and with one whose positive rewards
+            take several values, that it counts a partial credit as one (at the first such
+            batch).
 
     Raises:
         ValueError: an unknown strategy, a bad parameter, ``process_group`` in ``pepo_params``,
@@ -453,19 +454,23 @@ class PepoGRPOTrainer(GRPOTrainer):
         return flags
 
     def _pepo_warn_graded(self, rewards: torch.Tensor) -> None:
-        """Warns once when one reward function's rewards are graded (not 0 or 1) and the default
-        ``rewards > 0`` decides success for a strategy that reads it: a partial credit of 0.5
-        is then a success (several functions: the warning when the trainer was built)."""
+        """Warns once when one reward function's rewards are graded (its positive rewards take
+        more than one value: partial credit) and the default ``rewards > 0`` decides success for
+        a strategy that reads it: a partial credit of 0.5 is then a success, as a full 1.0 is (a
+        binary reward of any two values, -1/1 or a weighted 0/1, is what > 0 reads right;
+        several functions: the warning when the trainer was built)."""
         if (self._pepo_graded_warned or len(self.reward_funcs) != 1
                 or not self._pepo_strategy.reads_positive):
             return
-        graded = (rewards != 0) & (rewards != 1) & ~torch.isnan(rewards)
-        if bool(graded.any()):  # one host sync a generation, until it warns
+        scored = rewards > 0
+        low, high = torch.stack([torch.where(scored, rewards, math.inf).min(),  # one host sync
+                                 torch.where(scored, rewards, -math.inf).max()]).tolist()
+        if low < high:  # (no positive reward: inf > -inf)
             self._pepo_graded_warned = True
             warnings.warn(
                 f"PepoGRPOTrainer counts a completion as successful when its reward is > 0, and "
-                f"this reward function gives values other than 0 and 1 (such as "
-                f"{float(rewards[graded][0]):.4g}), so a partial credit counts as a success for "
+                f"this reward function gives graded positive rewards (from {low:.4g} to "
+                f"{high:.4g}), so a partial credit counts as a success for "
                 f"pepo_strategy={self.pepo_strategy_name!r}; pass pepo_success= (e.g. "
                 f"lambda rewards: rewards >= 1.0) to say which completions succeeded",
                 UserWarning, stacklevel=2,

@@ -19,8 +19,8 @@ class DefaultsFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
-        if (default in (None, False, argparse.SUPPRESS) or default == [] or "(default" in text
-                or not action.option_strings):
+        if (default is None or default is False or default is argparse.SUPPRESS
+                or default == [] or "(default" in text or not action.option_strings):
             return text
         if isinstance(default, (list, tuple)):
             default = " ".join(map(str, default))

@@ -184,7 +184,7 @@ def report(results: list[dict], tasks: list[str], command: str,
         "comparison, not corrected for the number of rows), and wins / ties / losses over the "
         "seeds. s/step is each run's median step time, averaged over the seeds: it depends on "
         "what else the machine ran at the time, so it is not a comparison of speed "
-        "(docs/performance.md measures the weighting's own cost)."
+        "(docs/performance.md measures the weighting's own cost).",
         "",
     ]
     for task in tasks:

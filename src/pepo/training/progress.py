@@ -64,10 +64,14 @@ class Progress:
                             file=self.stream)
 
     def __enter__(self) -> "Progress":
-        if self.bar is not None and self._logger is not None:
+        handlers = self._logger.handlers if self._logger is not None else []
+        if self.bar is not None and any(
+                isinstance(h, logging.StreamHandler) and h.stream in (sys.stdout, sys.stderr)
+                for h in handlers):
             from tqdm.contrib.logging import logging_redirect_tqdm
 
-            # the logger's lines (a Ctrl-C's notice) above the bar, not through it
+            # the logger's lines (a Ctrl-C's notice) above the bar, not through it; only a
+            # logger that prints itself (one that propagates to the root's would print twice)
             self._stack.enter_context(logging_redirect_tqdm(loggers=[self._logger]))
         return self
 
