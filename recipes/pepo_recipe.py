@@ -97,7 +97,7 @@ from pepo.training.precision import (
     resolve_compute_dtype,
 )
 from pepo.training.precision import describe as describe_precision
-from pepo.training.progress import Progress
+from pepo.training.progress import Progress, run_line
 from pepo.training.reporting import NullLogger, write_rollouts
 from pepo.training.rollouts import ComponentError, advantages_of, check_reward_range, choice_of
 from pepo.training.run_lock import RunLock
@@ -262,7 +262,9 @@ class PEPORecipe(FTRecipeInterface):
         self.val_data = fitting_prompts(val_data, "val_dataset", *fit) if val_data else []
         self.prompts_dropped = {"dataset": len(train_data) - len(self.train_data),
                                 "val_dataset": len(val_data or ()) - len(self.val_data)}
+        self.config_name = c.name
         if self.dist.is_main:
+            log.info(run_line(self))
             log.info(describe_precision(c.compute_dtype, self.compute_dtype, self._device))
             for line in (cpu_warnings(self.compute_dtype, c.dtype, self._device)
                          + setting_warnings(c)):
@@ -287,7 +289,6 @@ class PEPORecipe(FTRecipeInterface):
                 closing.reopen(self.output_dir)  # it trains: no longer closed
         self.metric_logger = build(cfg, "metric_logger") if self.dist.is_main else NullLogger()
         self.metric_logger.log_config(cfg)
-        self.config_name = c.name
         if resume_state is not None:
             resume.load_state(self, *resume_state, log=log.info)
         else:  # a validation cache of other settings: refused now, not after the prior

@@ -133,3 +133,24 @@ def test_the_loggers_lines_go_above_the_bar_only_for_a_logger_that_prints(monkey
             assert logger.handlers == before
     finally:
         own.handlers.clear()
+
+
+def test_the_run_line_says_what_the_run_will_do():
+    """One line after the config's dump (85 lines, every strategy's section) says what runs:
+    catches a field read from the wrong place (the estimator's rollouts, the processes)."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import torch
+
+    from pepo.training.progress import run_line
+
+    recipe = SimpleNamespace(
+        config_name="tiny_spo", strategy_name="proximal_softmax", num_steps=60,
+        prompts_per_step=64, estimator=SimpleNamespace(name="single_stream",
+                                                       rollouts_per_prompt=1),
+        dist=SimpleNamespace(world_size=2), _device=torch.device("cpu"),
+        output_dir=Path("pepo_runs") / "tiny_spo")
+    assert run_line(recipe) == (
+        f"tiny_spo: proximal_softmax, single_stream estimator, 60 steps of 64 prompts x 1 "
+        f"rollouts, on cpu (2 processes), outputs in {Path('pepo_runs') / 'tiny_spo'}")

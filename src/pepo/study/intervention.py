@@ -508,7 +508,8 @@ def _main(args: argparse.Namespace) -> dict[str, dict[float, float]]:
         print(f"  generation {done[0]}/{n_runs}  {time.perf_counter() - t0:6.1f}s", flush=True)
 
     print(f"intervention: {len(problems)} problems x {args.k} samples, budgets "
-          f"{args.budgets} %, metrics {args.metrics}, W={window}; "
+          f"{', '.join(f'{b:g}' for b in args.budgets)} %, metrics {', '.join(args.metrics)}, "
+          f"W={window}; "
           + describe(setting, compute_dtype, device), flush=True)
     for line in cpu_warnings(compute_dtype, None, device):
         print(f"warning: {line}", flush=True)

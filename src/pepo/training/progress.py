@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any, Optional, TextIO
 
-__all__ = ["Progress", "is_terminal", "postfix", "rollout_counter"]
+__all__ = ["Progress", "is_terminal", "postfix", "rollout_counter", "run_line"]
 
 
 def is_terminal(stream: TextIO) -> bool:
@@ -147,3 +147,14 @@ def rollout_counter(total: int, desc: str, stream: Optional[TextIO] = None,
         return tqdm(total=total, desc=desc, unit="rollout", leave=False, dynamic_ncols=True,
                     file=stream)
     return _Lines(total, desc, stream, every_s)
+
+
+def run_line(recipe: Any) -> str:
+    """One line saying what a run will do, after the config's dump: the config, strategy and
+    estimator, the steps and batch, the device and processes, where the outputs go."""
+    est, n = recipe.estimator, recipe.dist.world_size
+    return (f"{recipe.config_name}: {recipe.strategy_name}, {est.name} estimator, "
+            f"{recipe.num_steps} step{'s' * (recipe.num_steps != 1)} of "
+            f"{recipe.prompts_per_step} prompts x "
+            f"{est.rollouts_per_prompt} rollouts, on {recipe._device.type} ({n} process"
+            f"{'es' * (n > 1)}), outputs in {recipe.output_dir}")
