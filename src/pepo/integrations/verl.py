@@ -97,16 +97,29 @@ V1_UNAVAILABLE = {
 SEQUENCE_ADVANTAGE_LOSSES = ("geo_mean",)
 
 
-def check_policy_loss(loss_mode: Optional[str], strategy: str) -> None:
-    """Refuses ``actor_rollout_ref.actor.policy_loss.loss_mode`` of
-    :data:`SEQUENCE_ADVANTAGE_LOSSES` with a strategy other than ``uniform``."""
-    if loss_mode in SEQUENCE_ADVANTAGE_LOSSES and strategy != "uniform":
+def check_policy_loss(config: Any, strategy: str) -> None:
+    """Refuses, for a strategy other than ``uniform``, a verl ``config`` whose loss does not
+    train each token's advantage: ``actor_rollout_ref.actor.policy_loss.loss_mode`` of
+    :data:`SEQUENCE_ADVANTAGE_LOSSES`, or distillation without the task's rewards (verl sets
+    the policy loss to 0)."""
+    if strategy == "uniform":
+        return
+    loss_mode = OmegaConf.select(config, "actor_rollout_ref.actor.policy_loss.loss_mode",
+                                 default=None)
+    if loss_mode in SEQUENCE_ADVANTAGE_LOSSES:
         raise ValueError(
             f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode} averages each "
             f"response's token advantages into one before its loss, so pepo.strategy="
             f"{strategy} would train as its row means (PEPO's are GRPO's advantages); use "
             f"another loss_mode (vanilla, gspo, cispo, ...)"
         )
+    if (OmegaConf.select(config, "distillation.enabled", default=False) and not OmegaConf.select(
+            config, "distillation.distillation_loss.use_task_rewards", default=True)):
+        raise ValueError(
+            "distillation.distillation_loss.use_task_rewards=False trains on the teacher's "
+            "distillation loss alone (verl sets the policy loss to 0), so no advantage, and no "
+            f"pepo.strategy={strategy} weight, reaches the gradient; set it to true or leave "
+            "trainer_mode=pepo out")
 
 
 def _supported() -> str:
@@ -273,17 +286,7 @@ class PepoPPOTrainer(PPOTrainerSync):
         # anything
         self.pepo_strategy, self.pepo_success_threshold = strategy_from_config(config.get("pepo"))
         self.pepo_adv_estimator = check_adv_estimator(config.get("algorithm"))
-        check_policy_loss(OmegaConf.select(config, "actor_rollout_ref.actor.policy_loss.loss_mode",
-                                           default=None), self.pepo_strategy.name)
-        if (self.pepo_strategy.name != "uniform"
-                and OmegaConf.select(config, "distillation.enabled", default=False)
-                and not OmegaConf.select(
-                    config, "distillation.distillation_loss.use_task_rewards", default=True)):
-            raise ValueError(
-                "distillation.distillation_loss.use_task_rewards=False trains on the teacher's "
-                "distillation loss alone (verl sets the policy loss to 0), so no advantage, "
-                f"and no pepo.strategy={self.pepo_strategy.name} weight, reaches the gradient; "
-                "set it to true or leave trainer_mode=pepo out")
+        check_policy_loss(config, self.pepo_strategy.name)
         correction = (config.get("algorithm") or {}).get("rollout_correction") or {}
         if correction.get("bypass_mode", False):
             raise ValueError(_NO_ENTROPY)

@@ -545,6 +545,11 @@ PROFILE_ROWS = (("rollouts", "rollouts", "{:.0f}"),
                 ("easy_share", "easy prompts (>= 7/8), share", "{:.1%}"))
 
 
+def _stage_label(title: str, files: Sequence[Any]) -> str:
+    """A stage's title with its number of runs, as its column and its figure name it."""
+    return f"{title}, {len(files)} run{'s' if len(files) > 1 else ''}"
+
+
 def compare_stages(stages: Sequence[tuple[str, str, Sequence[Path]]], dest: Path, link: str,
                    windows: Sequence[int], window: int, task: str) -> str:
     """Table 1 and Fig. 2 of several stages side by side (Markdown): each stage is ``(name,
@@ -564,13 +569,12 @@ def compare_stages(stages: Sequence[tuple[str, str, Sequence[Path]]], dest: Path
                     gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz:
                 shutil.copyfileobj(src, gz)
         run(files, dest / name, windows=windows, window=window,
-            title=f"{task}: {title}, {len(files)} run{'s' if len(files) > 1 else ''}")
+            title=f"{task}: {_stage_label(title, files)}")
         profiles[name] = json.loads((dest / name / "profile.json").read_text(encoding="utf-8"))
         diff = difficulty_bias(load_dump(files), window)
         tables += [f"| {title} | {g} | {d['rollouts']} | {_cell('{:.3f}', d['global'])} | "
                    f"{_cell('{:.4f}', d['proximal'])} |" for g, d in diff.items()]
-    head = " | ".join(f"{title}, {len(files)} run{'s' if len(files) > 1 else ''}"
-                      for _, title, files in stages)
+    head = " | ".join(_stage_label(title, files) for _, title, files in stages)
     lines = [f"### {task}: the entropy structure before and after training (W = {window})", "",
              "Each stage pools one step's rollouts over the seeds, kept (gzipped) in "
              f"`{link}/STAGE/rollouts/`: `python -m pepo.study.analysis docs/{link}/STAGE/"

@@ -15,9 +15,11 @@
 
 from __future__ import annotations
 
+import datetime
 import logging
 from typing import Any
 
+import pepo
 from pepo.training import resume
 from pepo.training.checkpointing import AtomicCheckpointer
 from pepo.training.hf import PROMPT_FILE, save_hf
@@ -99,10 +101,6 @@ def run_facts(recipe: Any) -> dict[str, Any]:
     """What a finished run's numbers depend on beyond its config (``summary.json``): the
     precision ``compute_dtype: auto`` chose (None: no autocast, the weights' dtype), the number
     of processes, pepo's version, and when it finished (UTC)."""
-    import datetime
-
-    import pepo
-
     dtype = recipe.compute_dtype
     return {"compute_dtype": None if dtype is None else str(dtype).removeprefix("torch."),
             "world_size": recipe.dist.world_size, "pepo_version": pepo.__version__,
