@@ -4,8 +4,8 @@ Each strategy is timed as the library runs it (``torch.compile``, default mode),
 CUDA graphs (``mode="reduce-overhead"``, its output cloned, since a graph's output is
 overwritten by its next replay), and as written (no compile); ``global_topk``'s threshold also
 from a full ``torch.sort`` instead of a ``topk`` of the shape's bound (its kernels find the
-threshold by a radix select under ``PEPO_TOPK_SELECT=radix``). Strategies with Triton kernels
-are also timed as their compiled bodies (what ``PEPO_TRITON=0`` runs). The first
+threshold by a radix select, or by a sort under ``PEPO_TOPK_SELECT=sort``). Strategies with
+Triton kernels are also timed as their compiled bodies (what ``PEPO_TRITON=0`` runs). The first
 table gives the fixed costs of this host: one eager op, one compiled call, one CUDA-graph
 replay. Times are mean µs per call of 50 back-to-back calls, median of 5 rounds (CUDA events),
 all in one run.
@@ -53,6 +53,9 @@ STRATEGIES = {
     "proximal_softmax": {"window": 101},
     "gtpo": {},
 }
+# what --profile can name: the strategies above, and global_topk with Table 3's proximal score
+PROFILED = {**{name: (name, params) for name, params in STRATEGIES.items()},
+            "global_topk(proximal)": ("global_topk", {"score": "proximal", "window": 101})}
 
 
 def flagged_batch(b: int, t: int, device: str):
@@ -260,7 +263,7 @@ def main() -> None:
                    help="only the first calls' compile times of these strategies")
     p.add_argument("--first-call-child", help=argparse.SUPPRESS)
     p.add_argument("--profile", nargs="*", default=[], metavar="STRATEGY",
-                   choices=list(STRATEGIES),
+                   choices=list(PROFILED),
                    help="also profile these strategies' unvalidated calls")
     p.add_argument("--profile-only", action="store_true",
                    help="only the profiles (no fixed costs, no table)")
@@ -366,7 +369,8 @@ def main() -> None:
     for b, t in shapes if args.profile else []:
         adv, ent, mask, kw = flagged_batch(b, t, device)
         for name in args.profile:
-            s = pw.get_strategy(name, **STRATEGIES.get(name, {}))
+            base, params = PROFILED[name]
+            s = pw.get_strategy(base, **params)
             fn = lambda: s(adv, ent, mask, validate=False, **kw)  # noqa: E731
             t_call = time_calls(fn, calls)
             launches, busy, table = profile_calls(fn)

@@ -11,7 +11,7 @@
 # 1. the machine (torch, Triton, Python, the GPU, its driver and memory) and the Triton kernels'
 #    tests on the GPU (kernel_tests.txt);
 # 2. the strategies' table, three back-to-back rounds, with global_topk's threshold by a sort
-#    (the default) and by a radix select (PEPO_TOPK_SELECT=radix): weighting_sort.md/.json,
+#    (PEPO_TOPK_SELECT=sort) and by a radix select (the default): weighting_sort.md/.json,
 #    weighting_radix.md/.json; the radix log ends with global_topk on 2^25 tokens, checked
 #    against the exact count;
 # 3. where the windowed strategies', global_topk's and gtpo's GPU time goes (profile.md);
@@ -74,12 +74,13 @@ if [ "$quick" -eq 1 ]; then
       | tee -a "$out/kernel_tests.txt"
   fi
   weighting=(--quick --sync-table --only weighting)
-  profile=(--quick --profile-only --profile global_topk)
+  profile=(--quick --profile-only --profile global_topk "global_topk(proximal)")
 else
   step "kernel tests" 120 "$out/kernel_tests.txt" \
     $PY -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_topk.py
   weighting=(--device cuda --only weighting --no-memory --rounds 3)
-  profile=(--profile-only --profile proximal_softmax window_average global_topk gtpo)
+  profile=(--profile-only --profile proximal_softmax window_average global_topk \
+    "global_topk(proximal)" gtpo)
 fi
 for select in sort radix; do
   step "strategies, global_topk by $select" 150 "$out/weighting_$select.md" \

@@ -25,15 +25,18 @@ KERNELS = [
     *[("_entropy_bonus_kernel", {"adv_ptr": "*fp32", "ent_ptr": e, "mask_ptr": "*i1",
                                  "out_ptr": "*fp32", "alpha": "fp32", "inv_kappa": "fp32"},
        {"BLOCK": 1024}) for e in ENT],
+    # ZERO: global_topk's counts zeroed (2 for the sort's, 2,048 for the radix select's 1,026)
     *[("_compact_kernel", {"ent_ptr": e, "mask_ptr": "*i1", "x_ptr": "*fp32", "pos_ptr": "*i32",
-                           "len_ptr": "*i32", "stat_ptr": "*fp32", "scale": "fp32"},
-       {"PROXIMAL": proximal, "BLOCK": 1024, "CHUNK": 2048})
-      for e in ENT for proximal in (True, False)],
+                           "len_ptr": "*i32", "stat_ptr": "*fp32",
+                           "count_ptr": "*i32" if zero == 0 else "*i64", "scale": "fp32"},
+       {"PROXIMAL": proximal, "ZERO": zero, "BLOCK": 1024, "CHUNK": 2048})
+      for e in ENT for proximal, zero in ((True, 0), (False, 0), (True, 2), (True, 2048))],
     *[("_window_kernel", {"x_ptr": "*fp32", "pos_ptr": "*i32", "len_ptr": "*i32",
                           "stat_ptr": "*fp32", "mask_ptr": "*i1", "e_ptr": "*fp32",
-                          "part_ptr": "*fp32", "inv_w": "fp32", "scale": "fp32",
-                          "wide_range": "fp32"},
-       {"PROXIMAL": proximal, "TILE": 256}) for proximal in (True, False)],
+                          "part_ptr": "*fp32", "count_ptr": "*i32" if topk == 0 else "*i64",
+                          "inv_w": "fp32", "scale": "fp32", "wide_range": "fp32"},
+       {"PROXIMAL": proximal, "TOPK": topk, "TILE": 256})
+      for proximal, topk in ((True, 0), (False, 0), (True, 1), (True, 2))],
     *[("_weight_kernel", {"e_ptr": "*fp32", "part_ptr": "*fp32", "len_ptr": "*i32",
                           "adv_ptr": "*fp32", "pos_flag_ptr": "*fp32" if all_rows else "*i1",
                           "mask_ptr": "*i1", "out_ptr": "*fp32"},

@@ -1,6 +1,7 @@
 """Triton kernels for strategies on CUDA: ``entropy_bonus`` in one launch where the eager
 formula takes six, PEPO's ``proximal_softmax`` and ``window_average`` in three, ``global_topk``
-in one on each side of a ``torch.sort``, ``gtpo`` in three, where ``torch.compile``'s call costs
+in six with either score (a radix select, no sort; its kernels in :mod:`pepo._triton_topk`),
+``gtpo`` in three, where ``torch.compile``'s call costs
 more (at the paper's batch sizes a strategy's call is bound by its launches, not by the GPU's
 work). Imported only for CUDA tensors, and only where Triton is installed; the pure-PyTorch
 bodies in :mod:`pepo.weighting` stay the reference the tests compare with and the path on CPUs.
@@ -30,9 +31,10 @@ __all__ = ["available", "entropy_bonus", "global_topk", "gtpo", "windowed"]
 
 _BLOCK = 1024
 _TILE = 256  # tokens per program of the window kernel: W loads each, from L1/L2
-# global_topk's threshold: "sort" (one torch.sort of the batch) or "radix" (a select over the
-# scores' bytes: four histogram passes, no sort; not yet timed on a GPU)
-_TOPK_SELECT = os.environ.get("PEPO_TOPK_SELECT", "sort")
+# global_topk's threshold: "radix" (a select over the scores' bytes: four histogram passes, no
+# sort; about twice the sort's speed on an H200, docs/performance.md) or "sort" (one torch.sort
+# of the batch)
+_TOPK_SELECT = os.environ.get("PEPO_TOPK_SELECT", "radix")
 _CHUNK = 2048  # columns per program of the windowed compaction (a multiple of _BLOCK: no overlap)
 
 
@@ -42,6 +44,12 @@ def available() -> bool:
 
 
 if triton is not None:
+    from pepo._triton_topk import f64 as _f64
+    from pepo._triton_topk import radix_hist_kernel as _radix_hist_kernel
+    from pepo._triton_topk import topk_apply_kernel as _topk_apply_kernel
+    from pepo._triton_topk import topk_prep_kernel as _topk_prep_kernel
+    from pepo._triton_topk import topk_radix_apply_kernel as _topk_radix_apply_kernel
+    from pepo._triton_topk import topk_scores as _topk_scores
 
     @triton.jit
     def _entropy_bonus_kernel(adv_ptr, ent_ptr, mask_ptr, out_ptr, T,  # noqa: N803
@@ -60,12 +68,6 @@ if triton is not None:
                            propagate_nan=tl.PropagateNan.ALL)
         bonus = tl.where(tl.abs(h) == float("inf"), float("nan"), bonus)  # the cap hides no inf
         tl.store(out_ptr + row * T + col, tl.where(valid, a + bonus, 0.0), mask=inside)
-
-    @triton.jit
-    def _f64(bits):
-        """A float64 argument passed as its bits (Triton would round a Python float to fp32):
-        an int64, or an int32 where the bits fit (Triton types small ints so)."""
-        return bits.to(tl.int64).to(tl.float64, bitcast=True)
 
     @triton.jit
     def _row_block(ent_ptr, mask_ptr, row, start, T, s_eb, s_et, s_mb, s_mt,
@@ -98,16 +100,23 @@ if triton is not None:
         return col, inside, valid, tl.load(pos_ptr + row * T + col, mask=valid, other=0)
 
     @triton.jit
-    def _compact_kernel(ent_ptr, mask_ptr, x_ptr, pos_ptr, len_ptr, stat_ptr, T, n_chunks,  # noqa: N803
-                        s_eb, s_et, s_mb, s_mt, scale,
-                        PROXIMAL: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):  # noqa: N803
+    def _compact_kernel(ent_ptr, mask_ptr, x_ptr, pos_ptr, len_ptr, stat_ptr, count_ptr,  # noqa: N803
+                        T, n_chunks, n_counts, s_eb, s_et, s_mb, s_mt, scale,
+                        PROXIMAL: tl.constexpr, ZERO: tl.constexpr, BLOCK: tl.constexpr,  # noqa: N803
+                        CHUNK: tl.constexpr):  # noqa: N803
         """One program a chunk of a row: its valid values moved to their compact places
         (``x``, times ``scale``; the valid tokens before the chunk counted from the mask), each
         column's index there (``pos``), the row's length (by its last chunk); for the softmax,
         the chunk's largest and smallest cleaned value (padding zeros included) and its number
-        of NaNs, for :func:`_row_shift`. Long rows so run on many programs, not one."""
+        of NaNs, for :func:`_row_shift`. Long rows so run on many programs, not one. With
+        ``ZERO`` (a power of two, at least ``n_counts``) the first program also zeroes
+        ``global_topk``'s ``n_counts`` counts, which the window kernel then adds to."""
         row = tl.program_id(0).to(tl.int64)
         chunk = tl.program_id(1)
+        if ZERO > 0:  # by the first program alone
+            k = tl.arange(0, ZERO)
+            tl.store(count_ptr + k, tl.zeros((ZERO,), dtype=tl.int64),
+                     mask=(k < n_counts) & (row == 0) & (chunk == 0))
         first = chunk.to(tl.int64) * CHUNK
         count = tl.zeros((), dtype=tl.int32)
         for start in range(0, first, 4 * BLOCK):  # the valid tokens before the chunk
@@ -176,12 +185,16 @@ if triton is not None:
 
     @triton.jit
     def _window_kernel(x_ptr, pos_ptr, len_ptr, stat_ptr, mask_ptr, e_ptr,  # noqa: N803
-                       part_ptr, T, n_tiles, n_chunks, s_mb, s_mt, W, inv_w, scale, wide_range,
-                       PROXIMAL: tl.constexpr, TILE: tl.constexpr):  # noqa: N803
+                       part_ptr, count_ptr, T, n_tiles, n_chunks, s_mb, s_mt, W, inv_w, scale,
+                       wide_range, PROXIMAL: tl.constexpr, TOPK: tl.constexpr,  # noqa: N803
+                       TILE: tl.constexpr):  # noqa: N803
         """Each valid token's windowed statistic over its row's compact values, reflected at
         the row's ends as ``numpy.pad(mode="reflect")``: ``exp(x_t - m) / Σ_W exp(x_k - m)``
         (Eq. 6, ``x = H/τ``, ``m`` the row's shift) or ``x_t / Σ_W x_k`` (``1/W`` where the
-        window sums to 0); 0 at masked tokens. Also each tile's sum, for the row's total."""
+        window sums to 0); 0 at masked tokens. Also each tile's sum, for the row's total. With
+        ``TOPK`` (1: a sort follows, 2: the radix select) what :func:`_topk_prep_kernel` does
+        instead, in this launch: -inf at masked tokens, no tile sums, the valid and non-finite
+        counts added to ``count`` and with 2 the keys' top-byte histogram."""
         row = tl.program_id(0).to(tl.int64)
         tile = tl.program_id(1)
         col, inside, valid, p = _tile(mask_ptr, pos_ptr, row, tile, T, s_mb, s_mt, TILE)
@@ -206,9 +219,12 @@ if triton is not None:
             e = tl.where(acc > 0.0, x / tl.where(acc > 0.0, acc, 1.0),
                          tl.where(acc == 0.0, inv_w, float("nan")))
             e = tl.where(acc == float("inf"), float("nan"), e)  # an inf in the window: NaN
-        e = tl.where(valid, e, 0.0)
-        tl.store(e_ptr + row * T + col, e, mask=inside)
-        tl.store(part_ptr + row * n_tiles + tile, tl.sum(e, axis=0))
+        if TOPK > 0:
+            _topk_scores(e, valid, inside, e_ptr + row * T + col, count_ptr, TOPK == 2)
+        else:
+            e = tl.where(valid, e, 0.0)
+            tl.store(e_ptr + row * T + col, e, mask=inside)
+            tl.store(part_ptr + row * n_tiles + tile, tl.sum(e, axis=0))
 
     @triton.jit
     def _weight_kernel(e_ptr, part_ptr, len_ptr, adv_ptr, pos_flag_ptr, mask_ptr, out_ptr,  # noqa: N803
@@ -236,125 +252,6 @@ if triton is not None:
         else:
             w = tl.where(tl.load(pos_flag_ptr + row * s_p) != 0, c * a, a)
         tl.store(out_ptr + row * T + col, tl.where(valid, w, 0.0), mask=inside)
-
-    @triton.jit
-    def _topk_prep_kernel(s_ptr, mask_ptr, flat_ptr, count_ptr, T,  # noqa: N803
-                          s_sb, s_st, s_mb, s_mt, RADIX: tl.constexpr, BLOCK: tl.constexpr):  # noqa: N803
-        """The scores as one fp32 row for the sort (-inf where masked, -0.0 as +0.0); the
-        numbers of valid tokens and of valid non-finite scores, added to ``count``; with
-        ``RADIX`` also the histogram of the keys' top byte (``count[2:258]``)."""
-        row = tl.program_id(0).to(tl.int64)
-        tile = tl.program_id(1)
-        col = tile.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        inside = col < T
-        valid = tl.load(mask_ptr + row * s_mb + col * s_mt, mask=inside, other=0) != 0
-        v = tl.load(s_ptr + row * s_sb + col * s_st, mask=valid, other=0.0).to(tl.float32)
-        tl.store(flat_ptr + row * T + col, tl.where(valid, v + 0.0, float("-inf")), mask=inside)
-        bad = valid & ~((v == v) & (tl.abs(v) < float("inf")))
-        tl.atomic_add(count_ptr, tl.sum(valid.to(tl.int32), axis=0).to(tl.int64))
-        tl.atomic_add(count_ptr + 1, tl.sum(bad.to(tl.int32), axis=0).to(tl.int64))
-        if RADIX:
-            key = _order_key(tl.where(valid, v + 0.0, float("-inf")))
-            _add_histogram(count_ptr + 2, (key >> 24).to(tl.int32), inside)
-
-    @triton.jit
-    def _order_key(v):
-        """fp32 as a uint32 whose unsigned order is the floats' (-inf lowest, -0.0 < +0.0)."""
-        b = v.to(tl.uint32, bitcast=True)
-        return tl.where((b >> 31) != 0, b ^ 0xFFFFFFFF, b | 0x80000000)
-
-    @triton.jit
-    def _add_histogram(hist_ptr, digit, keep):  # noqa: N803
-        h = tl.histogram(digit, 256, mask=keep)
-        tl.atomic_add(hist_ptr + tl.arange(0, 256), h.to(tl.int64), mask=h > 0)
-
-    @triton.jit
-    def _radix_state(hist_ptr, count_ptr, q_bits, PASSES: tl.constexpr):  # noqa: N803
-        """After ``PASSES`` byte histograms (``hist_ptr``, 256 counts each, the keys from the
-        top byte down, each counting the keys whose higher bytes are the chosen ones): the
-        top ``8 · PASSES`` bits of the ``k``-th largest key (``k`` as ``keep_count`` counts
-        it), the keys above it among those and the valid count ``n``."""
-        n = tl.load(count_ptr).to(tl.int64)
-        k = n - tl.ceil((n - 1).to(tl.float64) * _f64(q_bits)).to(tl.int64)
-        d = tl.arange(0, 256)
-        prefix = tl.zeros((), dtype=tl.uint32)
-        above = tl.zeros((), dtype=tl.int64)
-        for p in tl.static_range(PASSES):
-            h = tl.load(hist_ptr + p * 256 + d).to(tl.int64)
-            at_least = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # keys of this byte or more
-            digit = tl.max(tl.where(at_least >= k - above, d, 0), axis=0)
-            above += tl.sum(tl.where(d > digit, h, 0), axis=0)
-            prefix = (prefix << 8) | digit.to(tl.uint32)
-        return prefix, above, n
-
-    @triton.jit
-    def _radix_hist_kernel(flat_ptr, count_ptr, N, q_bits,  # noqa: N803
-                           PASS: tl.constexpr, BLOCK: tl.constexpr):  # noqa: N803
-        """The histogram of byte ``PASS`` (from the top) of the keys whose higher bytes are
-        the ``k``-th largest key's, as the earlier passes chose them."""
-        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        inside = i < N
-        key = _order_key(tl.load(flat_ptr + i, mask=inside, other=float("-inf")))
-        prefix, _, _ = _radix_state(count_ptr + 2, count_ptr, q_bits, PASS)
-        match = inside & ((key >> (32 - 8 * PASS)) == prefix)
-        _add_histogram(count_ptr + 2 + PASS * 256, ((key >> (24 - 8 * PASS)) & 255).to(tl.int32),
-                       match)
-
-    @triton.jit
-    def _topk_radix_apply_kernel(flat_ptr, count_ptr, adv_ptr, mask_ptr, out_ptr, T,  # noqa: N803
-                                 s_a, s_mb, s_mt, q_bits,
-                                 SELECTED: tl.constexpr, BLOCK: tl.constexpr):  # noqa: N803
-        """:func:`_topk_apply_kernel` with the threshold from the four byte histograms: the
-        ``k``-th largest key itself, and ``N_selected`` the keys above it plus its ties."""
-        row = tl.program_id(0).to(tl.int64)
-        col = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        inside = col < T
-        threshold, above, n = _radix_state(count_ptr + 2, count_ptr, q_bits, 4)
-        finite = tl.load(count_ptr + 1) == 0
-        valid = tl.load(mask_ptr + row * s_mb + col * s_mt, mask=inside, other=0) != 0
-        key = _order_key(tl.load(flat_ptr + row * T + col, mask=inside, other=float("-inf")))
-        a = tl.load(adv_ptr + row * s_a).to(tl.float32)
-        out = tl.where((key >= threshold) & (n > 0), a, 0.0)
-        if SELECTED:
-            ties = tl.load(count_ptr + 2 + 3 * 256 + (threshold & 255).to(tl.int32))
-            scale = (n.to(tl.float64) / (above + ties).to(tl.float64)).to(tl.float32)
-            out = out * tl.where(n > 0, scale, 1.0)
-        out = tl.where(finite | (n == 0), out, float("nan"))
-        tl.store(out_ptr + row * T + col, tl.where(valid, out, 0.0), mask=inside)
-
-    @triton.jit
-    def _topk_apply_kernel(flat_ptr, ordered_ptr, count_ptr, adv_ptr, mask_ptr, out_ptr, T,  # noqa: N803
-                           s_a, s_mb, s_mt, q_bits,
-                           SELECTED: tl.constexpr, BLOCK: tl.constexpr):  # noqa: N803
-        """``A_i`` where the score is at least the ``k``-th largest valid score (``k`` as
-        :func:`pepo._topk.keep_count` counts it, ties included), 0 elsewhere; NaN at every
-        valid token if a valid score is NaN or ±inf; with ``SELECTED`` times
-        ``N_valid / N_selected``."""
-        row = tl.program_id(0).to(tl.int64)
-        col = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        inside = col < T
-        n = tl.load(count_ptr).to(tl.int64)
-        finite = tl.load(count_ptr + 1) == 0
-        q = _f64(q_bits)
-        k = n - tl.ceil((n - 1).to(tl.float64) * q).to(tl.int64)
-        last = tl.maximum(n - 1, 0)
-        threshold = tl.load(ordered_ptr + tl.maximum(k - 1, 0))
-        valid = tl.load(mask_ptr + row * s_mb + col * s_mt, mask=inside, other=0) != 0
-        v = tl.load(flat_ptr + row * T + col, mask=inside, other=float("-inf"))
-        a = tl.load(adv_ptr + row * s_a).to(tl.float32)
-        out = tl.where((v >= threshold) & (n > 0), a, 0.0)
-        if SELECTED:  # N_selected: the last sorted index still >= the threshold, by bisection
-            lo = tl.maximum(k - 1, 0)
-            hi = last
-            for _ in range(0, 32):
-                mid = (lo + hi + 1) // 2
-                up = tl.load(ordered_ptr + mid) >= threshold
-                lo = tl.where(up, mid, lo)
-                hi = tl.where(up, hi, mid - 1)
-            scale = (n.to(tl.float64) / (lo + 1).to(tl.float64)).to(tl.float32)
-            out = out * tl.where(n > 0, scale, 1.0)
-        out = tl.where(finite | (n == 0), out, float("nan"))
-        tl.store(out_ptr + row * T + col, tl.where(valid, out, 0.0), mask=inside)
 
     @triton.jit
     def _gtpo_rows_kernel(ent_ptr, mask_ptr, pos_flag_ptr, group_ptr, x_ptr, pos_ptr,  # noqa: N803
@@ -516,10 +413,13 @@ def windowed(adv: torch.Tensor, ent: torch.Tensor, mask: torch.Tensor,
 
 
 def _window_stats(ent: torch.Tensor, mask: torch.Tensor, window: int,
-                  temperature: Optional[float], wide_range: float
+                  temperature: Optional[float], wide_range: float,
+                  counts: Optional[torch.Tensor] = None, radix: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every valid token's windowed statistic (``[B, T]`` fp32, 0 where masked), the sums of
-    its tiles (``[B, tiles]``) and the rows' lengths (``[B]`` int32): two launches."""
+    its tiles (``[B, tiles]``) and the rows' lengths (``[B]`` int32): two launches. Given
+    ``global_topk``'s ``counts`` (uninitialised: they are zeroed here), the statistic is the
+    select's input instead (-inf where masked, no tile sums; see :func:`_topk_scores`)."""
     b, t = ent.shape
     proximal = temperature is not None
     scale = 1.0 / temperature if temperature is not None else 1.0
@@ -533,14 +433,19 @@ def _window_stats(ent: torch.Tensor, mask: torch.Tensor, window: int,
     stat = torch.empty((b, n_chunks, 3) if proximal else (1,), dtype=torch.float32,
                        device=ent.device)
     with _on(ent.device):
-        _compact_kernel[(b, n_chunks)](ent, mask, x, pos, lengths, stat, t, n_chunks,
-                                       ent.stride(0), ent.stride(1), mask.stride(0),
+        n_counts = 0 if counts is None else counts.numel()
+        _compact_kernel[(b, n_chunks)](ent, mask, x, pos, lengths, stat,
+                                       lengths if counts is None else counts, t, n_chunks,
+                                       n_counts, ent.stride(0), ent.stride(1), mask.stride(0),
                                        mask.stride(1), float(scale), PROXIMAL=proximal,
+                                       ZERO=triton.next_power_of_2(n_counts) if n_counts else 0,
                                        BLOCK=_BLOCK, CHUNK=_CHUNK)
-        _window_kernel[(b, n_tiles)](x, pos, lengths, stat, mask, e, part, t, n_tiles,
+        _window_kernel[(b, n_tiles)](x, pos, lengths, stat, mask, e, part,
+                                     lengths if counts is None else counts, t, n_tiles,
                                      n_chunks, mask.stride(0), mask.stride(1), int(window),
                                      1.0 / window, float(scale), float(wide_range),
-                                     PROXIMAL=proximal, TILE=_TILE)
+                                     PROXIMAL=proximal,
+                                     TOPK=0 if counts is None else 1 + bool(radix), TILE=_TILE)
     return e, part, lengths
 
 
@@ -550,31 +455,36 @@ def global_topk(adv: torch.Tensor, ent: torch.Tensor, mask: torch.Tensor, q: flo
                 ) -> torch.Tensor:
     """``global_topk`` in one process as :mod:`pepo.weighting` computes it: ``A_i`` at the
     valid tokens whose score is ``>= torch.quantile(valid scores, q)`` (ties included), 0
-    elsewhere; the score is the entropy, or with ``temperature`` given Eq. 6's proximal entropy
-    (two launches more). The threshold is read off one ``torch.sort`` of the batch: a launch
-    before it, one after, and no value read on the host; or, with ``PEPO_TOPK_SELECT=radix``,
-    found by a radix select: the scores' order keys histogrammed a byte at a time (the first
-    in the launch before, three more passes), the same threshold without a sort. With
-    ``selected_tokens`` the selected advantages are scaled by ``N_valid / N_selected``.
-    ``[B, T]`` fp32."""
+    elsewhere; the score is the entropy, or with ``temperature`` given Eq. 6's proximal entropy.
+    No value is read on the host. The scores are written as one fp32 row with their counts (by
+    a launch of their own after the counts' zeroing, or for the proximal score by the window
+    kernels, which zero the counts too); the threshold is found by a radix select (the order
+    keys histogrammed a byte at a time: the top byte with the scores, three passes more), or
+    with ``PEPO_TOPK_SELECT=sort`` read off one ``torch.sort`` of that row; one launch applies
+    it. With ``selected_tokens`` the selected advantages are scaled by ``N_valid /
+    N_selected``. ``[B, T]`` fp32."""
     b, t = ent.shape
     out = torch.empty((b, t), dtype=torch.float32, device=ent.device)  # all of it written
     if not (b and t):
         return out
-    score = ent if temperature is None else _window_stats(ent, mask, window, temperature,
-                                                         wide_range)[0]
     n_tiles = triton.cdiv(t, _BLOCK)
-    flat = torch.empty((b, t), dtype=torch.float32, device=ent.device)
     if _TOPK_SELECT not in ("sort", "radix"):
         raise ValueError(f"PEPO_TOPK_SELECT={_TOPK_SELECT!r}: expected 'sort' or 'radix'")
     radix = _TOPK_SELECT == "radix"
     # valid, non-finite valid; with radix, four byte histograms of the keys
     # int64: a batch of 2^31 valid tokens or more would wrap an int32 count
-    counts = torch.zeros(2 + 4 * 256 * radix, dtype=torch.int64, device=ent.device)
+    n_counts = 2 + 4 * 256 * radix
+    if temperature is None:
+        counts = torch.zeros(n_counts, dtype=torch.int64, device=ent.device)
+        flat = torch.empty((b, t), dtype=torch.float32, device=ent.device)
+        with _on(ent.device):
+            _topk_prep_kernel[(b, n_tiles)](ent, mask, flat, counts, t, ent.stride(0),
+                                            ent.stride(1), mask.stride(0), mask.stride(1),
+                                            RADIX=radix, BLOCK=_BLOCK)
+    else:  # the window kernel writes the select's input and counts (zeroed by the compaction)
+        counts = torch.empty(n_counts, dtype=torch.int64, device=ent.device)
+        flat = _window_stats(ent, mask, window, temperature, wide_range, counts, radix)[0]
     with _on(ent.device):
-        _topk_prep_kernel[(b, n_tiles)](score, mask, flat, counts, t, score.stride(0),
-                                        score.stride(1), mask.stride(0), mask.stride(1),
-                                        RADIX=radix, BLOCK=_BLOCK)
         if radix:
             for p in (1, 2, 3):
                 _radix_hist_kernel[(triton.cdiv(b * t, _BLOCK),)](flat, counts, b * t, _bits(q),
