@@ -313,6 +313,18 @@ def test_by_length_orders_rows_by_response_length_stably():
     assert by_length(torch.arange(6), mask).tolist() == [1, 3, 5, 2, 4, 0]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device: CUDA")
+def test_by_length_takes_cpu_rows_and_a_gpu_mask():
+    """The recipe orders ``torch.arange(b)`` (CPU) by a mask on the GPU: catches the order's
+    indices left on the mask's device (indexing the CPU rows with CUDA indices raised, so no
+    ``device: cuda`` run got past its first step)."""
+    mask = torch.zeros(6, 5, dtype=torch.bool)
+    for i, n in enumerate([5, 1, 3, 1, 4, 2]):
+        mask[i, :n] = True
+    got = by_length(torch.arange(6), mask.cuda())
+    assert got.device.type == "cpu" and got.tolist() == [1, 3, 5, 2, 4, 0]
+
+
 def test_a_registered_strategys_own_nan_stops_the_run_naming_it(monkeypatch):
     """The recipe weighs with ``validate=False`` (a NaN logit's NaN token advantages are
     skipped by the loss guard); a registered strategy's own NaN (``A / |A|`` at a zero

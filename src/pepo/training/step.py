@@ -191,9 +191,10 @@ def by_length(rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``rows`` ordered by response length (``mask`` ``[b, T]`` of all rows; stable), so that
     micro-batches cut from it hold rows of similar length and :func:`policy_logprobs` pads
     each only to its own longest. A sum of per-micro-batch gradients does not depend on the
-    grouping (up to the order of float additions)."""
+    grouping (up to the order of float additions). ``rows`` may be on the CPU and ``mask``
+    on the GPU (the order is ``rows``' own device's)."""
     lengths = mask[rows].sum(1)
-    return rows[torch.sort(lengths, stable=True).indices]
+    return rows[torch.sort(lengths, stable=True).indices.to(rows.device)]
 
 
 def _default_group() -> Any:
