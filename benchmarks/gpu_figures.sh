@@ -5,6 +5,7 @@
 #
 #     bash benchmarks/gpu_figures.sh [OUT]                       # on one CUDA GPU
 #     bash benchmarks/gpu_figures.sh OUT --with-paper-shape      # and the paper's shape
+#     bash benchmarks/gpu_figures.sh OUT --with-recipe           # and the recipe on CUDA
 #     bash benchmarks/gpu_figures.sh OUT --quick                 # that it runs, on a CPU
 #
 # In this order, each step's output in OUT (default gpu_figures/) as it goes:
@@ -15,27 +16,33 @@
 #    weighting_radix.md/.json; the radix log ends with global_topk on 2^25 tokens, checked
 #    against the exact count;
 # 3. where the windowed strategies', global_topk's and gtpo's GPU time goes (profile.md);
-# 4. with --with-paper-shape, Qwen3-1.7B's GRPO and PEPO steps (paper_shape.md/.json).
+# 4. with --with-paper-shape, Qwen3-1.7B's GRPO and PEPO steps (paper_shape.md/.json);
+# 5. with --with-recipe, the training layer's CUDA-only tests and `tiny` for 10 steps on CUDA
+#    (recipe_cuda.log; recipes/ on PYTHONPATH, or pepo installed with its recipe extra): CI
+#    runs on CPUs only, and a recipe that failed on CUDA at its first step went unseen for days.
 # A step that fails, or runs past its time limit, is reported and the next one runs. Seven
-# files in all (eight with the paper's shape: what a device call of this project brings back);
-# every step together ends inside 10 minutes. A strategy whose output differs from its direct
+# files in all (two more with the paper's shape, one with the recipe); without the paper's
+# shape every step together ends inside 10 minutes. A strategy whose output differs from its direct
 # formulation, or whose kernel fails, is a row saying so (not a timing of a fallback).
 set -uo pipefail
 
 out=gpu_figures
 quick=0
 paper=0
+recipe=0
 for arg in "$@"; do
   case "$arg" in
     --quick) quick=1 ;;
     --with-paper-shape) paper=1 ;;
-    -*) echo "unknown option $arg (expected --quick or --with-paper-shape)" >&2; exit 2 ;;
+    --with-recipe) recipe=1 ;;
+    -*) echo "unknown option $arg (expected --quick, --with-paper-shape or --with-recipe)" >&2
+        exit 2 ;;
     *) out=$arg ;;
   esac
 done
 mkdir -p "$out"
 rm -f "$out"/kernel_tests.txt "$out"/weighting_*.md "$out"/weighting_*.json "$out"/profile.* \
-  "$out"/paper_shape.*  # the logs below are appended to
+  "$out"/paper_shape.* "$out"/recipe_cuda.log  # the logs below are appended to
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 failed=()
@@ -99,6 +106,19 @@ if [ "$paper" -eq 1 ] && [ "$quick" -eq 1 ]; then
 elif [ "$paper" -eq 1 ]; then
   step "the paper's shape" 600 "$out/paper_shape.md" \
     $PY benchmarks/bench_paper_shape.py --out "$out/paper_shape.json"
+fi
+if [ "$recipe" -eq 1 ]; then
+  run_dir=$(mktemp -d)  # the run's checkpoints stay behind; its summary is printed
+  if [ "$quick" -eq 1 ]; then device=cpu; steps=2; else device=cuda; steps=10; fi
+  if [ "$quick" -eq 0 ]; then
+    step "the training layer's CUDA-only tests" 120 "$out/recipe_cuda.log" \
+      $PY -m pytest -q -p no:cacheprovider tests/training/test_step.py -k cuda
+  fi
+  step "tiny, $steps steps on $device" 240 "$out/recipe_cuda.log" \
+    $PY -m pepo_recipe --config recipes/configs/tiny.yaml device=$device num_steps=$steps \
+    output_dir="$run_dir/tiny"
+  cat "$run_dir/tiny/summary.json" >> "$out/recipe_cuda.log" 2>/dev/null
+  rm -rf "$run_dir"
 fi
 
 if [ ${#failed[@]} -gt 0 ]; then
