@@ -314,7 +314,7 @@ def test_by_length_orders_rows_by_response_length_stably():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device: CUDA")
-def test_by_length_takes_cpu_rows_and_a_gpu_mask():
+def test_by_length_takes_cpu_rows_and_a_cuda_mask():
     """The recipe orders ``torch.arange(b)`` (CPU) by a mask on the GPU: catches the order's
     indices left on the mask's device (indexing the CPU rows with CUDA indices raised, so no
     ``device: cuda`` run got past its first step)."""
