@@ -139,7 +139,8 @@ class PEPORecipe(FTRecipeInterface):
             cfg.checkpoint_dir = resolve_marker(cfg.checkpoint_dir)
         c = self.config = validate_config(cfg)  # typed, with every default filled in
         device_type = str(c.device).split(":")[0]
-        self.dist = Dist(device_type, timeout_s=c.distributed.timeout_s)
+        self.dist = Dist(device_type, timeout_s=c.distributed.timeout_s,
+                         cpu_offload=c.distributed.cpu_offload)
         check_world_size(c, self.dist.world_size)
         self._device = (self.dist.device(device_type) if self.dist.enabled
                         else utils.get_device(c.device))
@@ -275,8 +276,9 @@ class PEPORecipe(FTRecipeInterface):
                             f"precision than the bf16 trainer (rollout_logprob_gap shows it)")
         self.engine = build_engine(engine, self.model, compile=c.generation.compile,
                                    compute_dtype=self.compute_dtype, **(
-            {**options, "hf_dir": self.hf_source, "seed": self.seed, "state_dict":
-             lambda: resume.model_state_dict(self.model, self.dist)} if engine == "vllm" else {}))
+            {**options, "hf_dir": self.hf_source, "seed": self.seed, "device": self._device,
+             "state_dict": lambda: resume.model_state_dict(self.model, self.dist)}
+            if engine == "vllm" else {}))
         self.sampler = PromptSampler(len(self.train_data), seed=self.seed)
         # host-side choices (prompt draws, mini-batch order) and token sampling on the model's
         # device use separate generators; both are checkpointed

@@ -162,6 +162,17 @@ def test_selected_positions_are_the_top_budget_fraction(budget):
         assert got.sum(-1).tolist() == [math.ceil(budget * n - 1e-9) for n in lengths.tolist()]
 
 
+@pytest.mark.parametrize("budget", [0.3, 1.0])
+def test_selected_positions_are_on_the_metrics_device(budget):
+    """On a GPU the metric and the mask are CUDA tensors (the meta device stands in for one
+    here). Catches a CPU mask returned for the whole budget. (A CPU ``arange`` scattered into
+    the CUDA ranks failed every intervention on a GPU at its first budget between 0 and 1; the
+    ranks are now the order's inverse permutation, which makes no tensor of its own.)"""
+    mask = torch.ones(2, 5, dtype=torch.bool, device="meta")
+    got = select_positions(torch.rand(2, 5, device="meta"), mask, budget, width=6)
+    assert got.device.type == "meta" and tuple(got.shape) == (2, 6)
+
+
 def test_selection_rejects_bad_budgets_and_shapes():
     mask = torch.ones((2, 4), dtype=torch.bool)
     with pytest.raises(ValueError, match="budget must be a fraction in"):

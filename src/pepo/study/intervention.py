@@ -134,13 +134,13 @@ def select_positions(metric: torch.Tensor, mask: torch.Tensor, budget: float,
     if width < T:
         raise ValueError(f"width={width} is shorter than the responses ({T})")
     if budget >= 1.0:
-        return torch.ones((bsz, width), dtype=torch.bool)
+        return torch.ones((bsz, width), dtype=torch.bool, device=mask.device)
     n = mask.sum(-1)  # [B]
     k = torch.ceil(budget * n.double() - 1e-9).long()  # [B]
     score = torch.where(mask, metric.double(), -math.inf)
     # stable descending order: earlier positions first among equal scores
     order = torch.sort(score, dim=-1, descending=True, stable=True).indices  # [B, T]
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(T).expand(bsz, T))
+    rank = order.argsort(dim=-1)  # each position's place in it (the inverse permutation)
     chosen = (rank < k[:, None]) & mask
     return torch.nn.functional.pad(chosen, (0, width - T), value=False)
 

@@ -42,9 +42,13 @@ class Dist:
         timeout_s: how long a collective may wait for the other ranks before it fails, so a rank
             that dies never leaves the others hanging (the recipe's
             ``distributed.timeout_s``, whose default the config schema holds).
+        cpu_offload: with ``"cuda"``, the group also reduces CPU tensors (gloo beside nccl):
+            FSDP2's CPU offload keeps the gradients there, and the gradient clip and the full
+            state dict reduce them (nccl alone fails: no backend for the device type cpu).
     """
 
-    def __init__(self, device_type: str = "cpu", *, timeout_s: float) -> None:
+    def __init__(self, device_type: str = "cpu", *, timeout_s: float,
+                 cpu_offload: bool = False) -> None:
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.timeout_s = float(timeout_s)
         self.group: Optional[Any] = None
@@ -55,7 +59,8 @@ class Dist:
             self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
             self.rank = int(os.environ.get("RANK", "0"))
             if self.world_size > 1:
-                backend = "nccl" if device_type == "cuda" else "gloo"
+                backend = "gloo" if device_type != "cuda" else (
+                    "cuda:nccl,cpu:gloo" if cpu_offload else "nccl")
                 if device_type == "cuda":
                     torch.cuda.set_device(self.local_rank)
                 dist.init_process_group(backend=backend,

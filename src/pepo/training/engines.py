@@ -80,10 +80,13 @@ class InProcessEngine:
         from pepo.training.precision import autocast
 
         kwargs.setdefault("compile", self.compile)
-        device = next(self.model.parameters()).device
-        # FSDP2: gathered once for the whole rollout phase (by every rank, with rows or not)
-        with unsharded(self.model), autocast(device, self.compute_dtype):
-            return generate(self.model, prompts, **kwargs) if prompts else Rollouts.empty(device)
+        # FSDP2: gathered once for the whole rollout phase (by every rank, with rows or not);
+        # the device is read once gathered (CPU offload keeps the shards on the CPU)
+        with unsharded(self.model):
+            device = next(self.model.parameters()).device
+            with autocast(device, self.compute_dtype):
+                return (generate(self.model, prompts, **kwargs) if prompts
+                        else Rollouts.empty(device))
 
     def weights_changed(self) -> None:
         """Nothing to do: the engine samples from the trainer's own parameters."""
@@ -157,6 +160,8 @@ class VLLMEngine:
         state_dict: a callable returning the trainer's full (unsharded) state dict in
             torchtune's key names; default ``model.state_dict`` (what an FSDP2-sharded model
             needs instead: a gather on every rank).
+        device: where the rollouts are returned: the trainer's device; default its parameters'
+            (which FSDP2's CPU offload keeps on the CPU: the recipe passes its device).
     """
 
     name = "vllm"
@@ -175,6 +180,7 @@ class VLLMEngine:
         sleep_level: int = 0,
         seed: int = 0,
         state_dict: Optional[Any] = None,
+        device: Optional[Union[str, torch.device]] = None,
     ) -> None:
         check_engine_available("vllm")
         if sleep_level not in (0, 1, 2):
@@ -186,6 +192,7 @@ class VLLMEngine:
         from vllm.platforms import current_platform
 
         self.model = model
+        self.device = None if device is None else torch.device(device)
         self._state_dict = state_dict or model.state_dict
         self._cpu = current_platform.is_cpu()
         self._tmp: Optional[Path] = None
@@ -318,7 +325,7 @@ class VLLMEngine:
         if self.sleep_level:
             self.llm.sleep(level=self.sleep_level)
             self._sleeping = True
-        device = next(self.model.parameters()).device
+        device = self.device or next(self.model.parameters()).device
         responses, logprobs, finished = [], [], []
         for o in outs:
             c = o.outputs[0]
