@@ -605,6 +605,56 @@ def test_fsdp_settings_on_one_process_are_refused(tmp_path):
         check_world_size(cfg, 1)
 
 
+@pytest.mark.parametrize("device, world, refused", [
+    ("cuda", 2, True), ("cuda:1", 1, True), ("cuda", 1, False), ("cuda:0", 1, False),
+    ("cpu", 2, False),
+])
+def test_vllm_is_refused_where_it_would_not_run_beside_its_trainer(tmp_path, device, world,
+                                                                   refused):
+    """vLLM's single-process engine runs on the first GPU whatever the process's (its device
+    string has no index): catches every torchrun process's engine put on GPU 0 (and a trainer on
+    cuda:1 beside an engine on cuda:0) accepted, and a refusal of what works (one process on
+    the first GPU, CPU processes)."""
+    from pepo.training.config import check_world_size
+
+    cfg = tiny_cfg(tmp_path, prompts_per_step=4, micro_batch_size=2, device=device)
+    cfg.generation.engine = "vllm"
+    if refused:
+        where = f"{world} CUDA processes" if world > 1 else f"device={device}"
+        with pytest.raises(ValueError, match=rf"^generation.engine=vllm with {where}: vLLM's "
+                                             rf"single-process engine runs on the first GPU"):
+            check_world_size(cfg, world)
+    else:
+        check_world_size(cfg, world)
+    cfg.generation.engine = "inprocess"
+    check_world_size(cfg, world)
+
+
+def test_fp16_mixed_precision_is_refused(tmp_path):
+    """Nothing scales the loss, so fp16 gradients could underflow in silence: catches fp16
+    accepted where ``dtype`` and ``compute_dtype`` already refuse it."""
+    cfg = tiny_cfg(tmp_path, distributed={"mixed_precision": "fp16"})
+    with pytest.raises(ValueError, match=r"^distributed.mixed_precision must be null or 'bf16' "
+                                         r"\(fp16 needs loss scaling, which pepo does not do\), "
+                                         r"got 'fp16'$"):
+        schema.parse(cfg)
+
+
+def test_pepo_eval_refuses_vllm_on_a_gpu_it_would_not_run_on(monkeypatch):
+    """The eval script's vLLM engine on ``cuda:1`` would sample on ``cuda:0``: catches the eval
+    config's check left out (the recipe's is in check_world_size)."""
+    import torch
+
+    from pepo.training.config import validate_eval_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    register_resolvers()
+    cfg = OmegaConf.load(find_config("eval_tiny"))
+    cfg.device, cfg.generation.engine = "cuda:1", "vllm"
+    with pytest.raises(ValueError, match=r"^generation.engine=vllm with device=cuda:1: vLLM's"):
+        validate_eval_config(cfg)
+
+
 @pytest.mark.parametrize("override, message", [
     ({"gradient_accumulation_steps": 2},
      r"unknown config key 'gradient_accumulation_steps'; pepo calls it micro_batch_size \("),

@@ -242,12 +242,14 @@ def check_world_size(cfg: Union[RecipeConfig, DictConfig], world_size: int) -> N
     """Raises ``ValueError`` unless the step's batch splits evenly over ``world_size``
     processes: whole prompt groups per process, and every process's share of each mini-batch
     a whole number of micro-batches (with the same number of forwards on every process, which
-    FSDP2's collectives need), and that FSDP2's own settings are not asked of one process
-    (where they would not apply)."""
+    FSDP2's collectives need), that FSDP2's own settings are not asked of one process
+    (where they would not apply), and that a vLLM engine would run beside its trainer."""
     from pepo.training.distributed import tile_rows
+    from pepo.training.engines import check_vllm_device
 
     if not isinstance(cfg, RecipeConfig):
         cfg = schema.parse(cfg)
+    check_vllm_device(cfg.generation.engine, cfg.device, world_size)
     if world_size == 1:
         d = cfg.distributed
         if d.mixed_precision is not None or d.cpu_offload:
@@ -279,9 +281,12 @@ def check_device(device: Any) -> None:
     import torch
 
     if str(device).startswith("cuda") and not torch.cuda.is_available():
+        fix = (f"this torch is built for CUDA {torch.version.cuda}: check that a GPU is "
+               f"visible and its driver supports that CUDA (nvidia-smi)") if torch.version.cuda \
+            else "use device=cpu, or a CUDA build of torch on a machine with a GPU"
         raise ValueError(
             f"device={device!r} but CUDA is not available here (torch {torch.__version__}); "
-            f"use device=cpu, or a CUDA build of torch on a machine with a GPU"
+            f"{fix}"
         )
 
 
@@ -633,7 +638,8 @@ def validate_eval_config(cfg: DictConfig) -> EvalConfig:
             raise ValueError(f"benchmarks.{name}.dataset.path={path!r} does not exist")
     check_checkpoint_dir(ec.checkpoint_dir)
     check_device(ec.device)
-    from pepo.training.engines import check_engine_available
+    from pepo.training.engines import check_engine_available, check_vllm_device
 
+    check_vllm_device(ec.generation.engine, ec.device)
     check_engine_available(ec.generation.engine)
     return ec

@@ -51,6 +51,7 @@ __all__ = [
     "build_engine",
     "check_compile",
     "check_engine_available",
+    "check_vllm_device",
     "fitting_prompts",
     "sequence_limit",
     "vllm_available",
@@ -470,6 +471,21 @@ def build_engine(name: str, model: torch.nn.Module, *, compile: bool = False,
             raise ValueError(f"the in-process engine takes no options, got {sorted(options)}")
         return InProcessEngine(model, compile=compile, compute_dtype=compute_dtype)
     return VLLMEngine(model, **options)
+
+
+def check_vllm_device(engine: str, device: Any, world_size: int = 1) -> None:
+    """Raises ``ValueError`` for a vLLM engine that would not run beside its trainer: vLLM's
+    single-process engine runs on the first GPU whatever the process's (its device has no
+    index), so under torchrun every process's engine would share GPU 0, and a trainer on
+    ``cuda:1`` would sample on ``cuda:0``."""
+    d = str(device)
+    if OLD_NAMES.get(engine, engine) == "vllm" and d.startswith("cuda") and (
+            world_size > 1 or d not in ("cuda", "cuda:0")):
+        where = f"{world_size} CUDA processes" if world_size > 1 else f"device={d}"
+        raise ValueError(f"generation.engine=vllm with {where}: vLLM's single-process engine "
+                         f"runs on the first GPU whatever the process's, so it would not run "
+                         f"beside its trainer; use generation.engine=inprocess (or one "
+                         f"process on device=cuda)")
 
 
 def check_compile(name: str, compile: Any) -> None:

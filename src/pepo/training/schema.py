@@ -180,11 +180,11 @@ class DistributedConfig:
                            "it fails", rule=Number(0, finite=True), role=RUN)
     cpu_offload: bool = key(False, "FSDP2 keeps parameters and optimizer state on the CPU "
                             "(needs device=cuda and several processes)", rule=Bool(), role=RUN)
-    mixed_precision: Optional[str] = key(None, "FSDP2 compute dtype (`bf16`, `fp16`; null: the "
+    mixed_precision: Optional[str] = key(None, "FSDP2 compute dtype (`bf16`; null: the "
                                          "model's); several processes only (one process: "
                                          "`compute_dtype`)",
-                                         rule=OneOf((None, "bf16", "fp16"),
-                                                    "null, 'bf16' or 'fp16'"))
+                                         rule=OneOf((None, "bf16"), "null or 'bf16' (fp16 "
+                                                    "needs loss scaling, which pepo does not do)"))
 
 
 @dataclass
