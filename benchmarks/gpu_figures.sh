@@ -18,11 +18,11 @@
 # 3. where the windowed strategies', global_topk's and gtpo's GPU time goes (profile.md);
 # 4. with --with-paper-shape, Qwen3-1.7B's GRPO and PEPO steps (paper_shape.md/.json);
 # 5. with --with-recipe, the training layer's CUDA-only tests and `tiny` for 10 steps on CUDA
-#    (recipe_cuda.log; recipes/ on PYTHONPATH, or pepo installed with its recipe extra): CI
-#    runs on CPUs only, and a recipe that failed on CUDA at its first step went unseen for days.
+#    (recipe_cuda.log; recipes/ on PYTHONPATH, or pepo installed with its recipe extra): what
+#    a test suite on CPUs cannot see.
 # A step that fails, or runs past its time limit, is reported and the next one runs. Seven
 # files in all (two more with the paper's shape, one with the recipe); without the paper's
-# shape every step together ends inside 10 minutes. A strategy whose output differs from its direct
+# shape or the recipe every step together ends inside 10 minutes. A strategy whose output differs from its direct
 # formulation, or whose kernel fails, is a row saying so (not a timing of a fallback).
 set -uo pipefail
 

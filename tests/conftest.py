@@ -1,5 +1,6 @@
 import importlib.util
 import os
+import re
 
 import pytest
 import torch
@@ -59,19 +60,28 @@ def pytest_addoption(parser):
              "cuda): each generate() call moves its model there and back")
 
 
-# PEPO_NO_SKIPS=1 (CI's recipe stage, which runs the README's test command): a test skipped for
-# any reason but a missing GPU fails the run, as the other stages' checks do (pytest -q lists no
-# skip: a new one would pass unseen). Counted where the reports arrive (xdist's controller).
+# PEPO_NO_SKIPS=1 (CI's recipe stage, which runs the README's test command): a test or a module
+# skipped for any reason but a missing GPU (its reason names CUDA or a GPU) fails the run, as the
+# other stages' checks do (pytest -q lists no skip: a new one would pass unseen). Counted where
+# the reports arrive (xdist's controller); files left out by collect_ignore above are not skips.
 _BAD_SKIPS: list = []
 
 
-def pytest_runtest_logreport(report):
+def _note_skip(report) -> None:
     if (os.environ.get("PEPO_NO_SKIPS") != "1" or not report.skipped
             or os.environ.get("PYTEST_XDIST_WORKER")):
         return
     reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-    if "CUDA" not in reason:
+    if not re.search(r"cuda|gpu", reason, re.IGNORECASE):
         _BAD_SKIPS.append(f"{report.nodeid}: {reason}")
+
+
+def pytest_runtest_logreport(report):
+    _note_skip(report)
+
+
+def pytest_collectreport(report):
+    _note_skip(report)
 
 
 def pytest_sessionfinish(session, exitstatus):

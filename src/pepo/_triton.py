@@ -100,10 +100,10 @@ if triton is not None:
         return col, inside, valid, tl.load(pos_ptr + row * T + col, mask=valid, other=0)
 
     @triton.jit
-    def _compact_kernel(ent_ptr, mask_ptr, x_ptr, pos_ptr, len_ptr, stat_ptr, count_ptr,  # noqa: N803
-                        T, n_chunks, n_counts, s_eb, s_et, s_mb, s_mt, scale,
-                        PROXIMAL: tl.constexpr, ZERO: tl.constexpr, BLOCK: tl.constexpr,  # noqa: N803
-                        CHUNK: tl.constexpr):  # noqa: N803
+    def _compact_kernel(ent_ptr, mask_ptr, x_ptr, pos_ptr, len_ptr, stat_ptr,  # noqa: N803
+                        count_ptr, T, n_chunks, n_counts, s_eb, s_et, s_mb, s_mt, scale,
+                        PROXIMAL: tl.constexpr, ZERO: tl.constexpr,  # noqa: N803
+                        BLOCK: tl.constexpr, CHUNK: tl.constexpr):  # noqa: N803
         """One program a chunk of a row: its valid values moved to their compact places
         (``x``, times ``scale``; the valid tokens before the chunk counted from the mask), each
         column's index there (``pos``), the row's length (by its last chunk); for the softmax,

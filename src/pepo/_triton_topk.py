@@ -24,7 +24,8 @@ if triton is not None:
 
     @triton.jit
     def topk_prep_kernel(s_ptr, mask_ptr, flat_ptr, count_ptr, T,  # noqa: N803
-                         s_sb, s_st, s_mb, s_mt, RADIX: tl.constexpr, BLOCK: tl.constexpr):  # noqa: N803
+                         s_sb, s_st, s_mb, s_mt,
+                         RADIX: tl.constexpr, BLOCK: tl.constexpr):  # noqa: N803
         """The scores as one fp32 row for the sort (-inf where masked, -0.0 as +0.0); the
         numbers of valid tokens and of valid non-finite scores, added to ``count``; with
         ``RADIX`` also the histogram of the keys' top byte (``count[2:258]``)."""
@@ -115,8 +116,8 @@ if triton is not None:
         tl.store(out_ptr + row * T + col, tl.where(valid, out, 0.0), mask=inside)
 
     @triton.jit
-    def topk_apply_kernel(flat_ptr, ordered_ptr, count_ptr, adv_ptr, mask_ptr, out_ptr, T,  # noqa: N803
-                          s_a, s_mb, s_mt, q_bits,
+    def topk_apply_kernel(flat_ptr, ordered_ptr, count_ptr, adv_ptr,  # noqa: N803
+                          mask_ptr, out_ptr, T, s_a, s_mb, s_mt, q_bits,
                           SELECTED: tl.constexpr, BLOCK: tl.constexpr):  # noqa: N803
         """``A_i`` where the score is at least the ``k``-th largest valid score (``k`` as
         :func:`pepo._topk.keep_count` counts it, ties included), 0 elsewhere; NaN at every

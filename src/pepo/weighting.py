@@ -452,7 +452,7 @@ def global_topk(
         return out
 
     def kernel(advantages: torch.Tensor, entropies: torch.Tensor, mask: torch.Tensor,
-               process_group: Optional[Any] = None) -> torch.Tensor:  # launches around a sort
+               process_group: Optional[Any] = None) -> torch.Tensor:  # six launches, no sort
         import pepo._triton as _triton
 
         return _triton.global_topk(advantages, entropies, mask, q,

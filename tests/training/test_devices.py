@@ -1,6 +1,5 @@
 """What only a GPU run meets, checked on a CPU: the process group's backends and the device the
-rollout engine reads. (CI has no GPU; these were found by reading the CUDA path after a
-``device: cuda`` run failed at its first step.)"""
+rollout engine reads (a device mix shows only where there are two devices)."""
 
 from __future__ import annotations
 

@@ -98,6 +98,17 @@ def test_rollout_logprobs_are_the_sampling_distributions(pair):
     assert float(lp[ro.mask].min()) < -0.5  # sampled, not argmax: the check covers real log-probs
 
 
+def test_rollouts_come_back_on_the_trainers_device(pair, monkeypatch):
+    """The recipe passes its device (FSDP2's CPU offload keeps the parameters on the CPU while
+    the trainer is on a GPU; the meta device stands in for the GPU here): catches the rollouts
+    put on the parameters' device whatever ``device=`` says."""
+    _, engine = pair
+    monkeypatch.setattr(engine, "device", torch.device("meta"))
+    ro = engine.generate(PROMPTS[:2], max_new_tokens=4, pad_id=0, stop_tokens=[3],
+                         temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert {t.device.type for t in (ro.tokens, ro.mask, ro.logprobs, ro.finished)} == {"meta"}
+
+
 def test_seeded_sampling_is_reproducible(pair):
     """Each request is seeded from the caller's generator: the same generator state gives the
     same rollouts (what exact resume needs), another gives others."""

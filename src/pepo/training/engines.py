@@ -326,7 +326,7 @@ class VLLMEngine:
         if self.sleep_level:
             self.llm.sleep(level=self.sleep_level)
             self._sleeping = True
-        device = self.device or next(self.model.parameters()).device
+        device = self.device if self.device is not None else next(self.model.parameters()).device
         responses, logprobs, finished = [], [], []
         for o in outs:
             c = o.outputs[0]
