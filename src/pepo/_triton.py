@@ -434,14 +434,13 @@ def _window_stats(ent: torch.Tensor, mask: torch.Tensor, window: int,
                        device=ent.device)
     with _on(ent.device):
         n_counts = 0 if counts is None else counts.numel()
-        _compact_kernel[(b, n_chunks)](ent, mask, x, pos, lengths, stat,
-                                       lengths if counts is None else counts, t, n_chunks,
+        count_arg = lengths if counts is None else counts  # without counts: a pointer unread
+        _compact_kernel[(b, n_chunks)](ent, mask, x, pos, lengths, stat, count_arg, t, n_chunks,
                                        n_counts, ent.stride(0), ent.stride(1), mask.stride(0),
                                        mask.stride(1), float(scale), PROXIMAL=proximal,
                                        ZERO=triton.next_power_of_2(n_counts) if n_counts else 0,
                                        BLOCK=_BLOCK, CHUNK=_CHUNK)
-        _window_kernel[(b, n_tiles)](x, pos, lengths, stat, mask, e, part,
-                                     lengths if counts is None else counts, t, n_tiles,
+        _window_kernel[(b, n_tiles)](x, pos, lengths, stat, mask, e, part, count_arg, t, n_tiles,
                                      n_chunks, mask.stride(0), mask.stride(1), int(window),
                                      1.0 / window, float(scale), float(wide_range),
                                      PROXIMAL=proximal,
