@@ -22,8 +22,9 @@
 #    a test suite on CPUs cannot see.
 # A step that fails, or runs past its time limit, is reported and the next one runs. Seven
 # files in all (two more with the paper's shape, one with the recipe); without the paper's
-# shape or the recipe every step together ends inside 10 minutes. A strategy whose output differs from its direct
-# formulation, or whose kernel fails, is a row saying so (not a timing of a fallback).
+# shape or the recipe every step together ends inside 10 minutes. A strategy whose output
+# differs from its direct formulation, or whose kernel fails, is a row saying so (not a timing
+# of a fallback).
 set -uo pipefail
 
 out=gpu_figures

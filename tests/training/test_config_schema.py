@@ -630,6 +630,27 @@ def test_vllm_is_refused_where_it_would_not_run_beside_its_trainer(tmp_path, dev
     check_world_size(cfg, world)
 
 
+@pytest.mark.parametrize("cuda_build, advice", [
+    (None, r"use device=cpu, or a CUDA build of torch on a machine with a GPU$"),
+    ("13.0", r"this torch is built for CUDA 13.0: check that a GPU is visible and its driver "
+             r"supports that CUDA \(nvidia-smi\)$"),
+])
+def test_cuda_unavailable_says_what_to_check(monkeypatch, cuda_build, advice):
+    """A CUDA build of torch that sees no GPU (none visible, or a driver too old for its CUDA)
+    is told to check the driver, a CPU build to use the CPU or install a CUDA build: catches the
+    advice to install a CUDA build given to one who has it."""
+    import torch
+
+    from pepo.training.config import check_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", cuda_build)
+    with pytest.raises(ValueError, match=r"^device='cuda' but CUDA is not available here "
+                                         r"\(torch [^)]+\); " + advice):
+        check_device("cuda")
+    check_device("cpu")
+
+
 def test_fp16_mixed_precision_is_refused(tmp_path):
     """Nothing scales the loss, so fp16 gradients could underflow in silence: catches fp16
     accepted where ``dtype`` and ``compute_dtype`` already refuse it."""

@@ -99,9 +99,9 @@ def test_rollout_logprobs_are_the_sampling_distributions(pair):
 
 
 def test_rollouts_come_back_on_the_trainers_device(pair, monkeypatch):
-    """The recipe passes its device (FSDP2's CPU offload keeps the parameters on the CPU while
-    the trainer is on a GPU; the meta device stands in for the GPU here): catches the rollouts
-    put on the parameters' device whatever ``device=`` says."""
+    """The recipe passes its device, and the rollouts go there whatever device the module's
+    parameters are on (the meta device stands in for another one here): catches ``device=``
+    ignored, the rollouts put on the parameters' device."""
     _, engine = pair
     monkeypatch.setattr(engine, "device", torch.device("meta"))
     ro = engine.generate(PROMPTS[:2], max_new_tokens=4, pad_id=0, stop_tokens=[3],

@@ -281,9 +281,11 @@ def check_device(device: Any) -> None:
     import torch
 
     if str(device).startswith("cuda") and not torch.cuda.is_available():
-        fix = (f"this torch is built for CUDA {torch.version.cuda}: check that a GPU is "
-               f"visible and its driver supports that CUDA (nvidia-smi)") if torch.version.cuda \
-            else "use device=cpu, or a CUDA build of torch on a machine with a GPU"
+        if torch.version.cuda:  # a CUDA build: no GPU visible, or a driver too old for it
+            fix = (f"this torch is built for CUDA {torch.version.cuda}: check that a GPU is "
+                   f"visible and its driver supports that CUDA (nvidia-smi)")
+        else:
+            fix = "use device=cpu, or a CUDA build of torch on a machine with a GPU"
         raise ValueError(
             f"device={device!r} but CUDA is not available here (torch {torch.__version__}); "
             f"{fix}"

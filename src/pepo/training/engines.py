@@ -161,8 +161,9 @@ class VLLMEngine:
         state_dict: a callable returning the trainer's full (unsharded) state dict in
             torchtune's key names; default ``model.state_dict`` (what an FSDP2-sharded model
             needs instead: a gather on every rank).
-        device: where the rollouts are returned: the trainer's device; default its parameters'
-            (which FSDP2's CPU offload keeps on the CPU: the recipe passes its device).
+        device: where the rollouts are returned: the trainer's device, which the recipe passes
+            (so they follow the trainer, not wherever the module's parameters sit); default the
+            parameters' device.
     """
 
     name = "vllm"
