@@ -67,6 +67,11 @@ def test_eval_config_errors(tmp_path):
         "checkpoint_dir": str(tmp_path), "data_dir": str(tmp_path)})
     with pytest.raises(ValueError, match="benchmarks.AIME2024.dataset.path=.* does not exist"):
         pepo_eval.validate_eval_config(cfg)
+    # the files the directory holds are named: a publisher's layout, not the config's names
+    (tmp_path / "aime_2024_problems.parquet").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"aime24.parquet' does not exist; its directory holds "
+                                         r"aime_2024_problems.parquet \(point the key at"):
+        pepo_eval.validate_eval_config(cfg)
 
 
 @pytest.mark.slow

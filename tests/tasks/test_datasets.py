@@ -45,8 +45,12 @@ def test_benchmarks(tmp_path, rows, answers, ids):
 
 
 def test_errors(tmp_path):
-    with pytest.raises(ValueError, match="does not exist"):
+    with pytest.raises(ValueError, match=r"nope.parquet' does not exist$"):
         load_math_dataset(tmp_path / "nope.parquet")
+    # a publisher's file name beside the missing one is named (MATH-500 ships test.jsonl)
+    (tmp_path / "test.jsonl").write_text("", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"does not exist; its directory holds test.jsonl$"):
+        load_math_dataset(tmp_path / "math500.parquet")
     # a file of another extension was read as JSON: "holds no rows", or a JSON error
     (tmp_path / "rows.txt").write_text(json.dumps(F.amc_rows()[0]) + "\n", encoding="utf-8")
     with pytest.raises(ValueError, match=r"rows.txt is not a .parquet, .jsonl or .json file"):

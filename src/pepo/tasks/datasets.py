@@ -40,7 +40,8 @@ from typing import Any, Iterator, Optional, Union
 
 from pepo.tasks.problems import Problem
 
-__all__ = ["BOXED_TEMPLATE", "LAYOUTS", "ON_BAD_ROW", "load_math_dataset", "read_rows"]
+__all__ = ["BOXED_TEMPLATE", "LAYOUTS", "ON_BAD_ROW", "load_math_dataset", "missing_path_hint",
+           "read_rows"]
 
 BOXED_TEMPLATE = (
     "{question}\n\nPlease reason step by step, and put your final answer within \\boxed{{}}."
@@ -58,6 +59,21 @@ _SUFFIXES = (".parquet", ".jsonl", ".json")
 _UNREAD = (".gz", ".bz2", ".xz", ".zst", ".zip", ".csv", ".tsv", ".arrow", ".txt")
 
 
+def missing_path_hint(path: Union[str, Path]) -> str:
+    """For a data path that does not exist: the data files its directory holds, as a clause
+    (``"; its directory holds test.jsonl"``: a publisher's name for the file), or ``""``."""
+    parent = Path(path).parent
+    try:
+        near = sorted(p.name for p in parent.iterdir()
+                      if p.suffix.lower() in _SUFFIXES or p.is_dir())
+    except OSError:  # no such directory, or not readable
+        return ""
+    if not near:
+        return ""
+    shown = ", ".join(near[:5]) + (f" and {len(near) - 5} more" if len(near) > 5 else "")
+    return f"; its directory holds {shown}"
+
+
 def _files(path: Path) -> list[Path]:
     if path.is_dir():
         found = sorted(p for p in path.rglob("*") if p.is_file())
@@ -71,7 +87,7 @@ def _files(path: Path) -> list[Path]:
             raise ValueError(f"{path} holds no .parquet, .jsonl or .json file")
         return files
     if not path.is_file():
-        raise ValueError(f"dataset path {str(path)!r} does not exist")
+        raise ValueError(f"dataset path {str(path)!r} does not exist{missing_path_hint(path)}")
     if path.suffix.lower() not in _SUFFIXES:
         raise ValueError(f"{path} is not a .parquet, .jsonl or .json file (it is read by its "
                          f"extension)")

@@ -637,7 +637,11 @@ def validate_eval_config(cfg: DictConfig) -> EvalConfig:
     for name, b in ec.benchmarks.items():
         path = b.dataset.get("path")
         if path is not None and not Path(path).exists():
-            raise ValueError(f"benchmarks.{name}.dataset.path={path!r} does not exist")
+            from pepo.tasks.datasets import missing_path_hint
+
+            raise ValueError(f"benchmarks.{name}.dataset.path={path!r} does not exist"
+                             f"{missing_path_hint(path)} (point the key at a file or a "
+                             f"directory of them)")
     check_checkpoint_dir(ec.checkpoint_dir)
     check_device(ec.device)
     from pepo.training.engines import check_engine_available, check_vllm_device
