@@ -223,6 +223,21 @@ def test_budget_zero_is_the_base_model_and_full_budget_the_replacement(models):
         intervene(base, repl, _Tok(), problems, _digit_share, budgets=[20], k=1, **kw)
 
 
+def test_table_prints_a_dash_for_an_error_bar_it_cannot_estimate(tmp_path):
+    """A NaN standard error (one problem, or an accuracy of 0 or 100 %) prints as "–", never as
+    "± 0.0" (which claims an exact figure) or "± nan"; the plot takes it too."""
+    from pepo.study.intervention import write_table
+
+    res = {"global": {0.0: 0.5, 0.5: 0.0}, "proximal": {0.0: 0.5, 0.5: 0.25},
+           "se": {"global": {0.0: 0.1, 0.5: math.nan}, "proximal": {0.0: 0.1, 0.5: 0.05}},
+           "paired": {0.0: [0.0, 0.0], 0.5: [0.25, math.nan]}}
+    files = write_table(res, tmp_path, k=2)
+    md = files["md"].read_text(encoding="utf-8")
+    assert "| Global Entropy | 50.0 ± 10.0 | 0.0 ± – |" in md
+    assert "| Proximal − Global (paired) | +0.0 ± 0.0 | +25.0 ± – |" in md
+    assert "nan" not in md and files["png"].stat().st_size > 0
+
+
 def test_cli_writes_the_table(tmp_path, capsys):
     base = random_checkpoint(tmp_path / "base", seed=0)
     repl = random_checkpoint(tmp_path / "repl", seed=1)
@@ -249,7 +264,8 @@ def test_cli_writes_the_table(tmp_path, capsys):
     assert table[("global", "100")] == table[("replacement", "100")]
     assert table[("proximal - global", "10")] == pytest.approx(
         table[("proximal", "10")] - table[("global", "10")], abs=2e-6)
-    assert all(r["se"] != "" and float(r["se"]) >= 0 for r in rows)
+    # NaN where no sample differs (a random model scores 0 everywhere): "–" in the table
+    assert all(r["se"] != "" and not float(r["se"]) < 0 for r in rows)
     assert (out / "intervention.png").stat().st_size > 0
     md = (out / "intervention.md").read_text()
     assert "| Global Entropy |" in md and "| Proximal − Global (paired) |" in md and " ± " in md
@@ -406,8 +422,15 @@ def test_standard_errors_of_the_cells_and_of_the_paired_difference(models, tmp_p
     assert problem_se(t, 3) != pytest.approx(problem_se(s, 3))
     assert sampling_se(t, 3) != pytest.approx(sampling_se(s, 3))
     assert problem_se(s, 3) != pytest.approx(float(s.std() / 3))  # rows as independent
-    assert problem_se(torch.ones(4), 4) == 0.0  # one problem: no spread to measure
+    # one problem: no spread to measure (0 claimed an exact difference); all-zero differences
+    # over several problems are a measured 0
+    assert math.isnan(problem_se(torch.tensor([1.0, 0.0, 1.0, 0.0]), 4))
+    assert problem_se(torch.zeros(8), 4) == 0.0
     assert sampling_se(torch.tensor([1.0, 0.0, 0.0, 1.0]), 1) == pytest.approx(0.25)  # binomial
+    # 0 or 100 %, or no sample differing from its problem's others: the plug-in's 0 is no
+    # error bar (0/836 has a 95 % upper bound of 0.46 %)
+    for k, s in ((1, torch.zeros(836)), (1, torch.ones(209)), (2, torch.tensor([1.0, 1, 0, 0]))):
+        assert math.isnan(sampling_se(s, k))
 
     base, repl = models
     problems = modsum_dataset(6, split="val")

@@ -75,6 +75,11 @@ def test_holm_adjustment():
     assert power.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
     assert power.holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])
     assert power.holm([]) == []
+    # a NaN p (no spread) cannot be ordered: sorted() left [nan, 0.01, 0.04] as is and gave
+    # [1, 1, 1], where 0.01 among three is at most 0.03
+    for bad in (float("nan"), 1.5, -0.1):
+        with pytest.raises(ValueError, match=f"must be numbers in \\[0, 1\\], got {bad}"):
+            power.holm([bad, 0.01, 0.04])
 
 
 def _runs(method, seeds, after, before=0.3):

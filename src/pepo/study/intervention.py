@@ -149,22 +149,27 @@ def problem_se(success: torch.Tensor, k: int) -> float:
     """The standard error of a mean over problems, the problems a sample of the task's:
     ``success`` is ``[N * k]`` (row ``i`` is sample ``i % k`` of problem ``i // k``); the samples
     of one problem are not independent, so the error is that of the ``N`` per-problem means
-    (sample SD / sqrt(N); 0 for one problem). The paired differences use it."""
+    (sample SD / sqrt(N); NaN for one problem, whose spread cannot be estimated). The paired
+    differences use it."""
     per = success.double().reshape(-1, k).mean(-1)
-    return float(per.std() / math.sqrt(per.numel())) if per.numel() > 1 else 0.0
+    return float(per.std() / math.sqrt(per.numel())) if per.numel() > 1 else math.nan
 
 
 def sampling_se(success: torch.Tensor, k: int) -> float:
     """The standard error of avg@k on a fixed set of problems (as the paper's avg@16 on AIME):
     only the sampling varies, so it is ``sqrt(sum_j s_j^2 / k) / N`` with ``s_j^2`` problem
     ``j``'s sample variance over its ``k`` samples (ddof 1); for ``k = 1``, the binomial
-    ``sqrt(p (1 - p) / N)``."""
+    ``sqrt(p (1 - p) / N)``. NaN where that plug-in is 0 because no sample differs from its
+    problem's others (an accuracy of 0 or 100 % at ``k = 1``): no spread to estimate it from,
+    not an exact accuracy."""
     rows = success.double().reshape(-1, k)
     n = rows.shape[0]
     if k == 1:
         p = float(rows.mean())
-        return math.sqrt(p * (1 - p) / n)
-    return float(rows.var(dim=-1).sum().div(k).sqrt() / n)
+        se = math.sqrt(p * (1 - p) / n)
+    else:
+        se = float(rows.var(dim=-1).sum().div(k).sqrt() / n)
+    return se if se > 0 else math.nan
 
 
 def _load_cells(cache: Path, key: dict[str, Any]) -> dict[str, Any]:
@@ -315,6 +320,11 @@ def intervene(
     return out
 
 
+def _pct(se: float) -> str:
+    """A standard error in percent, or "–" where it could not be estimated (NaN)."""
+    return "–" if math.isnan(se) else f"{100 * se:.1f}"
+
+
 def write_table(results: dict[str, dict[Any, Any]], out: Union[str, Path], *,
                 k: int, title: str = "") -> dict[str, Path]:
     """``intervention.{csv,md,png}`` of :func:`intervene`'s results (accuracies in %, each with
@@ -329,7 +339,7 @@ def write_table(results: dict[str, dict[Any, Any]], out: Union[str, Path], *,
 
     def cell(name: str, b: float) -> str:
         e = se.get(name, {}).get(b)
-        return f"{100 * results[name][b]:.1f}" + ("" if e is None else f" ± {100 * e:.1f}")
+        return f"{100 * results[name][b]:.1f}" + ("" if e is None else f" ± {_pct(e)}")
 
     with open(files["csv"], "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
@@ -357,7 +367,7 @@ def write_table(results: dict[str, dict[Any, Any]], out: Union[str, Path], *,
         md.append(f"| {names.get(m, m)} | " + " | ".join(cell(m, b) for b in budgets) + " |")
     if "paired" in results:
         md.append("| Proximal − Global (paired) | " + " | ".join(
-            f"{100 * results['paired'][b][0]:+.1f} ± {100 * results['paired'][b][1]:.1f}"
+            f"{100 * results['paired'][b][0]:+.1f} ± {_pct(results['paired'][b][1])}"
             for b in budgets) + " |")
     if "replacement" in results:
         md += ["", f"Replacement model alone (every token replaced): "

@@ -127,7 +127,14 @@ def exact_power(n: int, m: int, alpha: float = 0.05, power: float = 0.8) -> floa
 
 def holm(pvalues: Sequence[float]) -> list[float]:
     """Holm's step-down adjustment of ``m`` p values (in their order): the smallest is multiplied
-    by ``m``, the next by ``m - 1`` and so on, made monotone, capped at 1."""
+    by ``m``, the next by ``m - 1`` and so on, made monotone, capped at 1.
+
+    Raises:
+        ValueError: a p value that is not a number in [0, 1] (NaN has no place in the order).
+    """
+    bad = [p for p in pvalues if not 0.0 <= p <= 1.0]  # NaN fails both comparisons
+    if bad:
+        raise ValueError(f"holm: p values must be numbers in [0, 1], got {bad[0]!r}")
     m = len(pvalues)
     order = sorted(range(m), key=lambda i: pvalues[i])
     adjusted, running = [0.0] * m, 0.0
