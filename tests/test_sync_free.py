@@ -220,6 +220,47 @@ def test_rows_wider_than_the_shifted_exp_are_exact_validated_and_nan_unvalidated
     torch.testing.assert_close(s(adv, h, mask).double(), c, rtol=1e-5, atol=1e-30)
 
 
+def test_a_redo_in_one_thread_leaves_other_threads_on_their_own_path():
+    """The exact path that a validated call's redo takes is per thread. Two threads' redos
+    overlapping (A in, B in, A out, B out) left a module-wide flag set for good (B restored
+    A's True), and while one thread redid, another thread's unvalidated call on rows too wide
+    for the shifted exp came back finite instead of NaN. Catches a flag shared by threads."""
+    import threading
+
+    from pepo import _windows as _w
+
+    h = torch.tensor([[0.0, 100.0, 0.5, 90.0, 0.0, 3.0, 99.0]])  # too wide at τ = 1: NaN
+    mask = torch.ones_like(h, dtype=torch.bool)
+    steps = [threading.Event() for _ in range(4)]
+    seen = []
+
+    def thread_a():
+        with _w.exact_windows():
+            steps[0].set()  # A in
+            steps[1].wait(10)  # B in, and B's check made
+        steps[2].set()  # A out
+
+    def thread_b():
+        steps[0].wait(10)
+        with _w.exact_windows():
+            seen.append(torch.isfinite(pw.proximal_entropy(h, mask, window=3,
+                                                           validate=False)).all())
+            steps[1].set()
+            steps[2].wait(10)
+        steps[3].set()  # B out
+
+    threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+    for t in threads:
+        t.start()
+    steps[1].wait(10)
+    mine = pw.proximal_entropy(h, mask, window=3, validate=False)  # while both are inside
+    for t in threads:
+        t.join(10)
+    assert all(e.is_set() for e in steps) and seen == [True]  # B itself was on the exact path
+    assert torch.isnan(mine).all()
+    assert torch.isnan(pw.proximal_entropy(h, mask, window=3, validate=False)).all()  # after
+
+
 @pytest.mark.parametrize("fraction", [0.2, 0.5, 1.0, 1e-6])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_global_topk_selects_what_torch_quantile_selects(fraction, seed):

@@ -111,6 +111,26 @@ def test_global_topk_kernel_non_finite_scores(bad):
     assert out[mask].isnan().all() and out[~mask].eq(0).all()
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+@pytest.mark.parametrize("normalize", ["all_tokens", "selected_tokens"])
+@pytest.mark.usefixtures("topk_select")
+def test_global_topk_kernel_keeps_a_bad_advantage_where_no_token_is_selected(bad, normalize):
+    """As the PyTorch body: a NaN/inf ``A_i`` on a row with no selected token is NaN at that
+    row's valid tokens (0 would be a finite guess), masked tokens 0, finite rows exactly 0 or
+    ``A_i`` (``A - A`` is +0, never -0)."""
+    ent = torch.tensor([[0.1, 0.1, 0.1, 0.0], [2.0, 2.0, 2.0, 2.0]], device=DEVICE)
+    mask = torch.tensor([[True, True, False, True], [True, True, True, True]], device=DEVICE)
+    s = pw.get_strategy("global_topk", fraction=0.2, normalize=normalize)
+    for adv in ([bad, 1.0], [-0.5, 1.0]):
+        a = torch.tensor(adv, device=DEVICE)
+        out = s._triton(a, ent, mask).cpu()
+        want = s(a, ent, mask, validate=False).cpu()  # the PyTorch body
+        assert torch.equal(out.isnan(), want.isnan())
+        assert out.isnan().sum() == (0 if math.isfinite(adv[0]) else 3)
+        assert torch.equal(out.nan_to_num(7.0), want.nan_to_num(7.0))
+        assert torch.equal(torch.signbit(out), torch.signbit(want))
+
+
 @pytest.mark.usefixtures("topk_select")
 def test_global_topk_kernel_small_batches():
     """No valid token (all 0), one valid token (kept: k = 1), empty shapes."""

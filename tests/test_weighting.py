@@ -780,6 +780,23 @@ def test_check_finite_false_propagates_nan_never_a_finite_guess(name, bad):
         assert torch.isnan(out[0][mask[0]]).all() and torch.isfinite(out[1][mask[1]]).all()
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("normalize", ["all_tokens", "selected_tokens"])
+def test_global_topk_unvalidated_keeps_a_bad_advantage_where_no_token_is_selected(bad, normalize):
+    """A NaN/inf advantage on a row none of whose tokens is selected reaches that row's valid
+    tokens as NaN, not as 0 (the row's entropies are the batch's lowest); masked tokens stay 0
+    and the other rows are untouched. Catches ``where(selected, A, 0)``, a finite guess."""
+    ent = torch.tensor([[0.1, 0.1, 0.1, 0.0], [2.0, 2.0, 2.0, 2.0]])
+    mask = torch.tensor([[True, True, False, True], [True, True, True, True]])
+    s = pw.get_strategy("global_topk", fraction=0.2, normalize=normalize)
+    out = s(torch.tensor([bad, 1.0]), ent, mask, validate=False)
+    assert torch.isnan(out[0][mask[0]]).all() and out[0, 2] == 0.0
+    want = 1.0 if normalize == "all_tokens" else 7 / 4  # N_valid / N_selected
+    assert out[1].tolist() == [want] * 4
+    good = s(torch.tensor([-0.5, 1.0]), ent, mask, validate=False)  # finite: exactly 0, not -0
+    assert good[0].tolist() == [0.0] * 4 and not torch.signbit(good[0]).any()
+
+
 # ---------------------------------------------------------- building blocks for user strategies
 
 

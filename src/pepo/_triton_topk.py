@@ -107,7 +107,7 @@ if triton is not None:
         valid = tl.load(mask_ptr + row * s_mb + col * s_mt, mask=inside, other=0) != 0
         key = _order_key(tl.load(flat_ptr + row * T + col, mask=inside, other=float("-inf")))
         a = tl.load(adv_ptr + row * s_a).to(tl.float32)
-        out = tl.where((key >= threshold) & (n > 0), a, 0.0)
+        out = tl.where((key >= threshold) & (n > 0), a, a - a)  # a NaN/inf A stays NaN
         if SELECTED:
             ties = tl.load(count_ptr + 2 + 3 * 256 + (threshold & 255).to(tl.int32))
             scale = (n.to(tl.float64) / (above + ties).to(tl.float64)).to(tl.float32)
@@ -135,7 +135,7 @@ if triton is not None:
         valid = tl.load(mask_ptr + row * s_mb + col * s_mt, mask=inside, other=0) != 0
         v = tl.load(flat_ptr + row * T + col, mask=inside, other=float("-inf"))
         a = tl.load(adv_ptr + row * s_a).to(tl.float32)
-        out = tl.where((v >= threshold) & (n > 0), a, 0.0)
+        out = tl.where((v >= threshold) & (n > 0), a, a - a)  # a NaN/inf A stays NaN
         if SELECTED:  # N_selected: the last sorted index still >= the threshold, by bisection
             lo = tl.maximum(k - 1, 0)
             hi = last

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -104,10 +105,9 @@ def padded_buffer(x: torch.Tensor, lengths: torch.Tensor, window: int,
     nb = -(-(t + 2 * half) // window)
     buf = x.new_zeros(b, nb * window)
     mid = buf[:, half : half + t]
-    if scale != 1.0:
-        torch.mul(x, scale, out=mid)
-    else:
-        mid.copy_(x)
+    mid.copy_(x)
+    if scale != 1.0:  # in place, not mul(out=mid): torch.compile breaks its graph at an out= view
+        mid.mul_(scale)  # and inductor then fixes the buffer's size to the first batch's shape
     if half:
         offs = torch.arange(half, device=x.device)  # [h]
         lengths = lengths[:, None]
@@ -174,20 +174,27 @@ def _empty(mask: torch.Tensor) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
 
 
-_EXACT = False
+_LOCAL = threading.local()  # .exact: inside exact_windows, in this thread (torch.compile
+# guards on it as on a global)
 
 
 @contextlib.contextmanager
 def exact_windows() -> Iterator[None]:
     """Within it, :func:`proximal` takes the log-domain path at every temperature: the redo of a
-    call whose rows were too wide for the shifted exp (see :func:`proximal`). A module global,
-    not per thread: the redo is rare and short."""
-    global _EXACT
-    before, _EXACT = _EXACT, True
+    call whose rows were too wide for the shifted exp (see :func:`proximal`). Per thread: a
+    redo in one thread leaves the path of another thread's calls as it was (a module global
+    was left set when two threads' redos overlapped)."""
+    before = getattr(_LOCAL, "exact", False)
+    _LOCAL.exact = True
     try:
         yield
     finally:
-        _EXACT = before
+        _LOCAL.exact = before
+
+
+def _exact() -> bool:
+    """Whether this thread is inside :func:`exact_windows`."""
+    return getattr(_LOCAL, "exact", False)
 
 
 def proximal(clean: torch.Tensor, mask: torch.Tensor, window: int,
@@ -204,7 +211,7 @@ def proximal(clean: torch.Tensor, mask: torch.Tensor, window: int,
     if mask.numel() == 0:
         return _empty(mask)
     rows = Rows(clean, mask)
-    if _EXACT or EXP_SAFE_RANGE * temperature < ENTROPY_SPAN:
+    if _exact() or EXP_SAFE_RANGE * temperature < ENTROPY_SPAN:
         return rows.expand(proximal_compact(rows, window, temperature, True, None), mask)
     lo, hi = torch.aminmax(clean, dim=1)  # [B] each, padding zeros included (an over-estimate)
     e = proximal_compact(rows, window, temperature, False, hi / temperature)

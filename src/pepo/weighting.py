@@ -440,7 +440,9 @@ def global_topk(
         else:
             s = entropies
         selected, n_valid = select_top(s, mask, q, process_group)
-        out = torch.where(selected, advantages[:, None], 0.0)
+        # A - A: 0 at the unselected tokens, NaN for a NaN/inf advantage (kept even where none
+        # of its row's tokens is selected: never a finite guess)
+        out = torch.where(selected, advantages[:, None], (advantages - advantages)[:, None])
         # the threshold is over the whole batch: a NaN/inf score anywhere (on any rank) makes
         # all of it NaN
         nonfinite = ~torch.isfinite(torch.where(mask, s, 0.0))

@@ -30,6 +30,7 @@ from typing import Any, Optional, Union
 from omegaconf import DictConfig, OmegaConf
 
 from pepo import weighting
+from pepo.tasks.datasets import missing_path_hint
 from pepo.training import schema
 from pepo.training.schema import PRIOR_IGNORES, RESUME_MAY_CHANGE, EvalConfig, RecipeConfig
 
@@ -637,8 +638,6 @@ def validate_eval_config(cfg: DictConfig) -> EvalConfig:
     for name, b in ec.benchmarks.items():
         path = b.dataset.get("path")
         if path is not None and not Path(path).exists():
-            from pepo.tasks.datasets import missing_path_hint
-
             raise ValueError(f"benchmarks.{name}.dataset.path={path!r} does not exist"
                              f"{missing_path_hint(path)} (point the key at a file or a "
                              f"directory of them)")
