@@ -1,6 +1,7 @@
 import importlib.util
 import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -53,8 +54,10 @@ if TRITON_CANNOT_COMPILE:
     collect_ignore += ["test_triton_compile.py"]
 
 
-# A user's torch.compile around the core: torch 1.13 has none
-if not hasattr(torch, "compile"):
+# A user's torch.compile around the core, on a CPU: torch 1.13 has none, and inductor needs a
+# C++ compiler (its CXX, else c++ / g++ / clang++)
+if not hasattr(torch, "compile") or not any(
+        shutil.which(c) for c in (os.environ.get("CXX", "c++"), "g++", "clang++")):
     collect_ignore += ["test_user_compile.py"]
 
 

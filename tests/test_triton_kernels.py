@@ -431,6 +431,12 @@ def test_gtpo_kernel_propagates_a_bad_entropy_to_its_group_as_nan(bad):
     hidden = ent.clone()
     hidden[~mask] = bad
     assert torch.equal(s._triton(adv, hidden, mask, positive=positive, groups=groups), clean)
+    # a group whose rollouts all succeeded: 0 (+0) where finite, NaN where its entropy is bad
+    agree = torch.tensor([True, True, True, False], device=DEVICE)
+    out = s._triton(adv, poisoned, mask, positive=agree, groups=groups)
+    assert torch.isnan(out[:2][mask[:2]]).all() and out[:2][~mask[:2]].eq(0).all()
+    fine = s._triton(adv, ent, mask, positive=agree, groups=groups)
+    assert fine[:2].eq(0).all() and not torch.signbit(fine[:2]).any()
 
 
 def test_gtpo_kernel_side_mode_keeps_its_digits():

@@ -4,12 +4,14 @@ of the field compile their training step around it. Collected where torch has
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import pepo.weighting as pw
 from tests.conftest import ragged_batch
 
 
+@pytest.mark.slow  # inductor compiles six graphs: 20-40 s on 2 cores
 def test_compiled_proximal_strategies_follow_the_batch_shape(tmp_path, monkeypatch):
     """A compiled step over batches of three shapes, at a temperature other than 1, gives the
     eager values at each. Catches the padded buffer filled by ``torch.mul(out=view)``: the graph

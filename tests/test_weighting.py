@@ -1083,6 +1083,17 @@ def test_gtpo_propagates_a_bad_entropy_to_its_group_as_nan(bad):
         adv, ent, mask, positive=positive, groups=groups, validate=False
     )
     assert torch.isnan(out[:2][mask[:2]]).all() and torch.isfinite(out[2:]).all()
+    # a group whose rollouts all succeeded gets 0 (GRPO's), but a bad entropy there stays NaN,
+    # not that finite 0 (catches where(mixed, out, 0.0)); masked tokens 0, finite groups +0
+    positive = torch.tensor([True, True, True, False])
+    out = pw.get_strategy("gtpo")(
+        adv, ent, mask, positive=positive, groups=groups, validate=False
+    )
+    assert torch.isnan(out[:2][mask[:2]]).all() and out[:2][~mask[:2]].eq(0).all()
+    assert torch.isfinite(out[2:]).all() and out[2:].abs().sum() > 0
+    ent[1, 2] = 1.0
+    out = pw.get_strategy("gtpo")(adv, ent, mask, positive=positive, groups=groups)
+    assert out[:2].eq(0).all() and not torch.signbit(out[:2]).any()
 
 
 # ---------------------------------------------------------------------------- the CUDA fast path

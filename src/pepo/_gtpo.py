@@ -127,7 +127,8 @@ def standardized(r: torch.Tensor, mask: torch.Tensor, positive: torch.Tensor,
                  groups: torch.Tensor, normalize: str) -> torch.Tensor:
     """Eq. 6: the shaped rewards ``r`` ``[B, T]`` (float64, :func:`shaped`) standardised over each
     group's valid tokens (``normalize="group"``) or over each side of it (``"side"``), with
-    population std plus ``1e-6``; 0 in a group whose rollouts all succeeded or all failed.
+    population std plus ``1e-6``; 0 in a group whose rollouts all succeeded or all failed (NaN
+    there too where its values are: a NaN/inf entropy is never turned into a finite 0).
     Returns ``[B, T]`` fp32."""
     group, side = members(groups, positive)
     n_rows = group.sum(dim=1)  # [B]: the rollouts of the row's group
@@ -139,4 +140,4 @@ def standardized(r: torch.Tensor, mask: torch.Tensor, positive: torch.Tensor,
     dev = torch.where(mask, r - mean[:, None], 0.0)
     std = (_rows_sum(unit, (dev * dev).sum(1)) / tokens).sqrt()
     out = dev / (std[:, None] + 1e-6)
-    return torch.where(mixed[:, None], out, 0.0).float()
+    return torch.where(mixed[:, None], out, out - out).float()

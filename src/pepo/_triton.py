@@ -366,7 +366,8 @@ if triton is not None:
         mixed = (n_pos > 0) & (n_pos < n_group)
         valid = tl.load(mask_ptr + row * s_mb + col * s_mt, mask=inside, other=0) != 0
         r = tl.load(r_ptr + row * T + col, mask=inside, other=0.0)
-        out = tl.where(valid & mixed, (r - mean) / (std + 1e-6), 0.0)
+        x = (r - mean) / (std + 1e-6)
+        out = tl.where(valid, tl.where(mixed, x, x - x), 0.0)  # a NaN stays NaN, unmixed too
         tl.store(out_ptr + row * T + col, out.to(tl.float32), mask=inside)
 
 

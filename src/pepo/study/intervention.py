@@ -149,10 +149,12 @@ def problem_se(success: torch.Tensor, k: int) -> float:
     """The standard error of a mean over problems, the problems a sample of the task's:
     ``success`` is ``[N * k]`` (row ``i`` is sample ``i % k`` of problem ``i // k``); the samples
     of one problem are not independent, so the error is that of the ``N`` per-problem means
-    (sample SD / sqrt(N); NaN for one problem, whose spread cannot be estimated). The paired
-    differences use it."""
+    (sample SD / sqrt(N)); NaN for one problem, or where every problem's mean is the same
+    (no spread to estimate it from: both rankings scoring 0 everywhere is no exact 0). The
+    paired differences use it."""
     per = success.double().reshape(-1, k).mean(-1)
-    return float(per.std() / math.sqrt(per.numel())) if per.numel() > 1 else math.nan
+    se = float(per.std() / math.sqrt(per.numel())) if per.numel() > 1 else 0.0
+    return se if se > 0 else math.nan
 
 
 def sampling_se(success: torch.Tensor, k: int) -> float:
@@ -315,6 +317,8 @@ def intervene(
     out["se"] = {n: {b: sampling_se(s, k) for b, s in d.items()} for n, d in success.items()}
     if all(m in metrics for m in METRICS):
         out["paired"] = {b: [float((success["proximal"][b] - success["global"][b]).mean()),
+                             # at 0 and 100 % both are the same generations: exactly 0
+                             0.0 if b in (0.0, 1.0) else
                              problem_se(success["proximal"][b] - success["global"][b], k)]
                          for b in budgets}
     return out
@@ -359,7 +363,8 @@ def write_table(results: dict[str, dict[Any, Any]], out: Union[str, Path], *,
     md = [title or f"Token-replacement intervention, avg@{k} (%); budget = fraction of token "
                     f"positions replaced" + (
                         "; ± one standard error of the sampling, these problems fixed; the "
-                        "paired difference's is over problems, as a sample of the task's."
+                        "paired difference's is over problems, as a sample of the task's; – "
+                        "where the samples show no spread to estimate it from."
                         if se else "."), "",
           "| Metric | " + " | ".join(f"{100 * b:g}%" for b in budgets) + " |",
           "|---|" + "---:|" * len(budgets)]

@@ -64,8 +64,8 @@ def missing_path_hint(path: Union[str, Path]) -> str:
     (``"; its directory holds test.jsonl"``: a publisher's name for the file), or ``""``."""
     parent = Path(path).parent
     try:
-        near = sorted(p.name for p in parent.iterdir()
-                      if p.suffix.lower() in _SUFFIXES or p.is_dir())
+        near = sorted(p.name for p in parent.iterdir() if not p.name.startswith(".")
+                      and (p.suffix.lower() in _SUFFIXES or p.is_dir()))
     except OSError:  # no such directory, or not readable
         return ""
     if not near:
