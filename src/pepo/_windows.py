@@ -105,9 +105,11 @@ def padded_buffer(x: torch.Tensor, lengths: torch.Tensor, window: int,
     nb = -(-(t + 2 * half) // window)
     buf = x.new_zeros(b, nb * window)
     mid = buf[:, half : half + t]
+    # copy, then scale in place: at torch.mul(x, scale, out=mid) torch.compile broke its graph
+    # (an out= view), and inductor then fixed the buffer's size to the first batch's shape
     mid.copy_(x)
-    if scale != 1.0:  # in place, not mul(out=mid): torch.compile breaks its graph at an out= view
-        mid.mul_(scale)  # and inductor then fixes the buffer's size to the first batch's shape
+    if scale != 1.0:
+        mid.mul_(scale)
     if half:
         offs = torch.arange(half, device=x.device)  # [h]
         lengths = lengths[:, None]

@@ -153,7 +153,7 @@ def problem_se(success: torch.Tensor, k: int) -> float:
     (no spread to estimate it from: both rankings scoring 0 everywhere is no exact 0). The
     paired differences use it."""
     per = success.double().reshape(-1, k).mean(-1)
-    se = float(per.std() / math.sqrt(per.numel())) if per.numel() > 1 else 0.0
+    se = float(per.std() / math.sqrt(per.numel())) if per.numel() > 1 else math.nan
     return se if se > 0 else math.nan
 
 

@@ -60,8 +60,9 @@ _UNREAD = (".gz", ".bz2", ".xz", ".zst", ".zip", ".csv", ".tsv", ".arrow", ".txt
 
 
 def missing_path_hint(path: Union[str, Path]) -> str:
-    """For a data path that does not exist: the data files its directory holds, as a clause
-    (``"; its directory holds test.jsonl"``: a publisher's name for the file), or ``""``."""
+    """For a data path that does not exist: the data files and folders its directory holds, as
+    a clause (``"; its directory holds test.jsonl"``: a publisher's name for the file), or
+    ``""``."""
     parent = Path(path).parent
     try:
         near = sorted(p.name for p in parent.iterdir() if not p.name.startswith(".")

@@ -639,8 +639,8 @@ def validate_eval_config(cfg: DictConfig) -> EvalConfig:
         path = b.dataset.get("path")
         if path is not None and not Path(path).exists():
             raise ValueError(f"benchmarks.{name}.dataset.path={path!r} does not exist"
-                             f"{missing_path_hint(path)} (point the key at a file or a "
-                             f"directory of them)")
+                             f"{missing_path_hint(path)} (point the key at the file, or at "
+                             f"a directory of data files)")
     check_checkpoint_dir(ec.checkpoint_dir)
     check_device(ec.device)
     from pepo.training.engines import check_engine_available, check_vllm_device
