@@ -1313,7 +1313,7 @@ def test_a_registered_factorys_type_errors_name_the_strategy():
     ``ValueError``, let it through. Catches either left a ``TypeError``."""
 
     @pw.register_strategy("test_typed", overwrite=True)
-    def typed(k: int, gain: float = 1.0):
+    def typed(k: int, gain=1.0):  # gain unannotated: the factory's own TypeError
         boost = gain + 1.0
 
         def fn(advantages, entropies, mask):
@@ -1331,6 +1331,38 @@ def test_a_registered_factorys_type_errors_name_the_strategy():
         assert pw.get_strategy("test_typed", k=2).params == {"k": 2, "gain": 1.0}
     finally:
         pw._REGISTRY.pop("test_typed", None)
+
+
+def test_a_registered_factorys_annotations_refuse_a_value_of_another_kind():
+    """A parameter annotated ``float``, ``int``, ``bool`` or ``str`` takes only that kind, as a
+    config writes it: ``gain: true`` was taken as 1 (a bool is an int), ``k: 2.5`` reached
+    ``range``, ``mode: 3`` compared unequal to every choice. Ints pass as floats, NumPy scalars
+    as numbers; an annotation of another type (or none) is the factory's own to check."""
+    from typing import Optional
+
+    @pw.register_strategy("test_annotated", overwrite=True)
+    def annotated(gain: float = 1.0, k: int = 1, flip: bool = False, mode: str = "a",
+                  other: Optional[float] = None, free=None):
+        def fn(advantages, entropies, mask):
+            return advantages[:, None] * gain * k * torch.ones_like(entropies)
+
+        return fn
+
+    try:
+        for key, value, kind in (("gain", True, r"a number \(annotated float\), got True"),
+                                 ("gain", "0.5", r"a number \(annotated float\), got '0.5'"),
+                                 ("k", 2.5, r"an integer \(annotated int\), got 2.5"),
+                                 ("k", False, r"an integer \(annotated int\), got False"),
+                                 ("flip", 1, r"true or false \(annotated bool\), got 1"),
+                                 ("mode", 3, r"a string \(annotated str\), got 3")):
+            with pytest.raises(ValueError, match=rf"^strategy 'test_annotated': {key} must be "
+                                                 rf"{kind}$"):
+                pw.get_strategy("test_annotated", **{key: value})
+        s = pw.get_strategy("test_annotated", gain=2, k=np.int64(3), flip=True, mode="b",
+                            other="left to the factory", free=[1])
+        assert s.params["gain"] == 2 and s.params["k"] == 3
+    finally:
+        pw._REGISTRY.pop("test_annotated", None)
 
 
 def test_the_defaults_are_the_papers():

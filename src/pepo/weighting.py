@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
+import typing
 import warnings
 from typing import Any, Callable, Optional
 
@@ -261,6 +263,8 @@ def get_strategy(name: str, **params: Any) -> Strategy:
         raise ValueError(
             f"strategy {name!r} got unknown parameter(s) {unknown}; valid parameters: {valid}"
         )
+    if _BUILTIN.get(name) is not factory:
+        _check_annotated(name, factory, params)
     try:  # a missing argument, or a value the factory cannot take (its TypeError)
         bound = inspect.signature(factory).bind(**params)
         bound.apply_defaults()
@@ -268,6 +272,28 @@ def get_strategy(name: str, **params: Any) -> Strategy:
     except TypeError as e:
         raise ValueError(f"strategy {name!r}: {e}") from e
     return Strategy(name, dict(bound.arguments), fn, builtin=_BUILTIN.get(name) is factory)
+
+
+# what a registered factory's parameter annotated with these types accepts (a bool is no number:
+# `gain: true` in a config was taken as 1)
+_ANNOTATED = {float: (numbers.Real, "a number"), int: (numbers.Integral, "an integer"),
+              bool: (bool, "true or false"), str: (str, "a string")}
+
+
+def _check_annotated(name: str, factory: Callable[..., Any], params: dict[str, Any]) -> None:
+    """A value of the wrong kind for a parameter annotated ``float``, ``int``, ``bool`` or
+    ``str`` (the kinds a config writes) is one line naming it; other annotations, and names
+    that do not resolve, are the factory's own to check."""
+    try:
+        hints = typing.get_type_hints(factory)
+    except Exception:  # a forward reference the factory's module cannot resolve
+        return
+    for key, value in params.items():
+        kind = _ANNOTATED.get(hints.get(key))  # type: ignore[arg-type]
+        if kind is not None and not (isinstance(value, kind[0]) and (
+                kind[0] is bool or not isinstance(value, bool))):
+            raise ValueError(f"strategy {name!r}: {key} must be {kind[1]} (annotated "
+                             f"{hints[key].__name__}), got {value!r}")
 
 
 # --------------------------------------------------------------------------------------------
