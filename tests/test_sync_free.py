@@ -253,7 +253,7 @@ def test_a_redo_in_one_thread_leaves_other_threads_on_their_own_path():
     for t in threads:
         t.start()
     steps[1].wait(10)
-    mine = pw.proximal_entropy(h, mask, window=3, validate=False)  # while both are inside
+    mine = pw.proximal_entropy(h, mask, window=3, validate=False)  # B inside (A maybe out)
     for t in threads:
         t.join(10)
     assert all(e.is_set() for e in steps) and seen == [True]  # B itself was on the exact path

@@ -1,6 +1,6 @@
 """The core inside a user's ``torch.compile`` on a CPU (inductor, its C++ backend), as users
 of the field compile their training step around it. Collected where torch has
-``torch.compile`` (not 1.13)."""
+``torch.compile`` (not 1.13) and a C++ compiler is installed (tests/conftest.py)."""
 
 from __future__ import annotations
 

@@ -263,7 +263,8 @@ def get_strategy(name: str, **params: Any) -> Strategy:
         raise ValueError(
             f"strategy {name!r} got unknown parameter(s) {unknown}; valid parameters: {valid}"
         )
-    if _BUILTIN.get(name) is not factory:
+    builtin = _BUILTIN.get(name) is factory  # the built-ins check their own parameters
+    if not builtin:
         _check_annotated(name, factory, params)
     try:  # a missing argument, or a value the factory cannot take (its TypeError)
         bound = inspect.signature(factory).bind(**params)
@@ -271,7 +272,7 @@ def get_strategy(name: str, **params: Any) -> Strategy:
         fn = factory(**params)
     except TypeError as e:
         raise ValueError(f"strategy {name!r}: {e}") from e
-    return Strategy(name, dict(bound.arguments), fn, builtin=_BUILTIN.get(name) is factory)
+    return Strategy(name, dict(bound.arguments), fn, builtin=builtin)
 
 
 # what a registered factory's parameter annotated with these types accepts (a bool is no number:

@@ -422,8 +422,8 @@ def test_standard_errors_of_the_cells_and_of_the_paired_difference(models, tmp_p
     assert problem_se(t, 3) != pytest.approx(problem_se(s, 3))
     assert sampling_se(t, 3) != pytest.approx(sampling_se(s, 3))
     assert problem_se(s, 3) != pytest.approx(float(s.std() / 3))  # rows as independent
-    # one problem: no spread to measure (0 claimed an exact difference); all-zero differences
-    # over several problems are a measured 0
+    # one problem, or the same mean on every problem: no spread to measure (0 claimed an exact
+    # difference)
     assert math.isnan(problem_se(torch.tensor([1.0, 0.0, 1.0, 0.0]), 4))
     assert math.isnan(problem_se(torch.zeros(8), 4))  # every problem's difference 0: no spread
     assert sampling_se(torch.tensor([1.0, 0.0, 0.0, 1.0]), 1) == pytest.approx(0.25)  # binomial
