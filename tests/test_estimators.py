@@ -345,8 +345,14 @@ def test_step_interface_of_both_estimators():
     with pytest.raises(ValueError,
                        match=r"unknown single_stream estimator key\(s\) \['group_size'\]"):
         est.build_estimator("single_stream", group_size=4)
-    with pytest.raises(ValueError, match="estimator name must be one of"):
+    with pytest.raises(ValueError, match="estimator name must be one of .*, got 'ppo'$"):
         est.build_estimator("ppo")
+    # what the paper calls an estimator is named (catches the hint left out, or matched
+    # case-sensitively)
+    for name, registered in [("grpo", "group"), ("SPO", "single_stream")]:
+        with pytest.raises(ValueError, match=rf"got '{name}' \(the paper's {name.upper()} is "
+                           rf"'{registered}'\)$"):
+            est.build_estimator(name)
 
 
 def test_tensor_prompt_ids():

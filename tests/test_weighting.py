@@ -1,6 +1,7 @@
 """pepo.weighting against the slow references of tests/reference.py."""
 
 import math
+import re
 import types
 
 import numpy as np
@@ -670,6 +671,23 @@ def test_a_registered_strategy_returning_nan_is_not_called_an_overflow():
             pw.get_strategy("test_nan", value=1e38)(adv * 1e3, ent, mask)
     finally:
         pw._REGISTRY.pop("test_nan", None)
+
+
+@pytest.mark.parametrize(
+    "name,registered",
+    [("pepo", "proximal_softmax"), ("PEPO", "proximal_softmax"), ("GRPO", "uniform"),
+     ("80/20", "global_topk"), ("80_20", "global_topk"), ("Entropy Adv.", "entropy_bonus"),
+     ("PESPO", "proximal_softmax"), ("spo", "uniform")],
+)
+def test_paper_names_point_at_registered_names(name, registered):
+    """What the paper calls a method is no registered name; the error names the one to use
+    (catches a name matched case-sensitively or with its '/' or '.', a wrong pairing, the hint
+    left out and difflib's guess given instead: 'pepo' is closest to nothing)."""
+    with pytest.raises(ValueError, match=rf"unknown strategy {re.escape(repr(name))}; the "
+                       rf"paper's \S.* is .*'{registered}'.*; registered strategies"):
+        pw.get_strategy(name)
+    with pytest.raises(ValueError, match=r"unknown strategy 'ppo'; registered strategies"):
+        pw.get_strategy("ppo")  # no paper name and no close match: no hint
 
 
 @pytest.mark.parametrize(

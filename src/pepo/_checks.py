@@ -251,3 +251,24 @@ def check_registration(kind: str, name: str, old: Any, new: Any, overwrite: bool
     if where != (getattr(new, "__module__", 0), getattr(new, "__qualname__", 0)):
         raise ValueError(f"{kind} {name!r} is already registered (by {where[0]}.{where[1]}); "
                          f"pass overwrite=True to replace it")
+
+
+# what the paper calls its methods, as newcomers type them (lower case, letters and digits only)
+_PAPER_NAMES = {
+    "strategy": {"pepo": ("PEPO", "'proximal_softmax'"), "grpo": ("GRPO", "'uniform'"),
+                 "pespo": ("PESPO", "'proximal_softmax' with the single_stream estimator"),
+                 "8020": ("80/20", "'global_topk'"),
+                 "entropyadv": ("Entropy Adv.", "'entropy_bonus'"),
+                 "entropyadvantage": ("Entropy Adv.", "'entropy_bonus'"),
+                 "spo": ("SPO", "the single_stream estimator with strategy 'uniform'")},
+    "estimator": {"grpo": ("GRPO", "'group'"), "spo": ("SPO", "'single_stream'"),
+                  "pespo": ("PESPO", "'single_stream' with strategy 'proximal_softmax'")},
+}
+
+
+def paper_name_hint(kind: str, name: Any) -> str:
+    """``"the paper's PEPO is 'proximal_softmax'"`` where an unknown ``kind`` (strategy or
+    estimator) ``name`` is what the paper calls a method, else ``""``."""
+    key = "".join(c for c in str(name).lower() if c.isalnum())
+    paper = _PAPER_NAMES[kind].get(key)
+    return f"the paper's {paper[0]} is {paper[1]}" if paper else ""

@@ -150,15 +150,12 @@ def _ids(prompt_ids: PromptIds) -> list[Hashable]:
 def _rewards(rewards: Any, n: int) -> torch.Tensor:
     rewards = torch.as_tensor(rewards)
     if rewards.dim() != 1 or rewards.shape[0] != n:
-        raise ValueError(
-            f"rewards must be [N]=[{n}] (one per prompt id), got {_checks.format_shape(rewards)}"
-        )
+        raise ValueError(f"rewards must be [N]=[{n}] (one per prompt id), got "
+                         f"{_checks.format_shape(rewards)}")
     r = rewards.detach().double().cpu()
     if not torch.isfinite(r).all() or (r < 0).any() or (r > 1).any():
-        raise ValueError(
-            f"rewards must lie in [0, 1] for the Beta tracker, got values in "
-            f"[{r.min().item()}, {r.max().item()}]"
-        )
+        raise ValueError(f"rewards must lie in [0, 1] for the Beta tracker, got values in "
+                         f"[{r.min().item()}, {r.max().item()}]")
     return r
 
 
@@ -618,7 +615,9 @@ def list_estimators() -> list[str]:
 def estimator_parameters(name: str) -> list[str]:
     """The keyword arguments of estimator ``name`` (what its config section may set)."""
     if name not in ESTIMATORS:
-        raise ValueError(f"estimator name must be one of {sorted(ESTIMATORS)}, got {name!r}")
+        paper = _checks.paper_name_hint("estimator", name)
+        raise ValueError(f"estimator name must be one of {sorted(ESTIMATORS)}, got {name!r}"
+                         + (f" ({paper})" if paper else ""))
     return [p for p in inspect.signature(ESTIMATORS[name]).parameters if p != "prior_pass_rates"]
 
 

@@ -240,7 +240,8 @@ def strategy_parameters(name: str) -> Optional[list[str]]:
         import difflib
 
         close = difflib.get_close_matches(str(name), list_strategies(), n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
+        paper = _checks.paper_name_hint("strategy", name)
+        hint = f"{paper}; " if paper else f"did you mean {close[0]!r}? " if close else ""
         raise ValueError(f"unknown strategy {name!r}; {hint}registered strategies: "
                          f"{list_strategies()}")
     params = inspect.signature(_REGISTRY[name]).parameters.values()

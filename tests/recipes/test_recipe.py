@@ -245,6 +245,9 @@ def test_nonfinite_steps_are_skipped_then_stop(tmp_path, monkeypatch):
         ({"ppo_mini_batches": 3}, "ppo_mini_batches=3 does not divide"),
         ({"estimator": {"group_size": 1}}, "estimator.group_size must be an int >= 2"),
         ({"estimator": {"name": "ppo"}}, "estimator.name must be one of"),
+        # the paper's names point at pepo's (the schema passes the core's message on)
+        ({"strategy": {"name": "PEPO"}}, "the paper's PEPO is 'proximal_softmax'; registered"),
+        ({"estimator": {"name": "spo"}}, r"got 'spo' \(the paper's SPO is 'single_stream'\)"),
         (
             {"checkpoint_dir": "/nonexistent/ckpt"},
             "checkpoint_dir='/nonexistent/ckpt' does not exist",

@@ -481,8 +481,10 @@ def _estimator(cfg: DictConfig) -> EstimatorConfig:
               if isinstance(section, DictConfig) else {})
     name = params.pop("name", None)
     if name not in estimators.ESTIMATORS:
-        raise ValueError(
-            f"estimator.name must be one of {sorted(estimators.ESTIMATORS)}, got {name!r}")
+        try:  # the core's message, with what the paper calls an estimator
+            estimators.estimator_parameters(name)
+        except ValueError as e:
+            raise ValueError(f"estimator.{e}".replace("estimator name", "name", 1)) from None
     valid = {"name", *estimators.estimator_parameters(name)}
     for sub in section:
         if sub not in valid:
@@ -502,14 +504,11 @@ def _strategy_name(cfg: DictConfig) -> str:
     if not isinstance(cfg.get("strategy"), DictConfig) or cfg.strategy.get("name") is None:
         raise ValueError("config key 'strategy.name' is required")
     name = cfg.strategy.name
-    names = weighting.list_strategies()
-    if name not in names:
-        close = difflib.get_close_matches(str(name), names, n=1)
-        raise ValueError(
-            f"strategy.name={name!r}: unknown strategy {name!r}; "
-            + (f"did you mean {close[0]!r}? " if close else "")
-            + f"registered strategies: {names}"
-        )
+    if name not in weighting.list_strategies():
+        try:  # the core's message: a close name, or what the paper calls a method
+            weighting.strategy_parameters(str(name))
+        except ValueError as e:
+            raise ValueError(f"strategy.name={name!r}: {e}") from None
     return str(name)
 
 
