@@ -34,7 +34,7 @@ import pepo.tasks.rewards as R
 
 mode = sys.argv[1]
 if mode == "busy":
-    real = R.math_verify_score
+    real = R._score
 
     def score(response, *args):
         if response == "BUSY":
@@ -42,7 +42,7 @@ if mode == "busy":
             return float(7 ** n > 0)  # minutes of big-int arithmetic, deaf to signals
         return real(response, *args)
 
-    R.math_verify_score = score  # the forked workers inherit it
+    R._score = score  # the forked workers inherit it
 mv = R.MathVerify(timeout=120 if mode == "busy" else 5, workers=2)
 assert mv(["\\boxed{2}", "\\boxed{3}"], ["2", "2"]) == [1.0, 0.0]
 print("PIDS", *mv.pids, flush=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import re
 import signal
@@ -74,23 +75,23 @@ def _unchecked(caplog) -> list[str]:
 
 
 def test_a_stuck_worker_is_killed_and_replaced(monkeypatch, caplog):
-    real = R.math_verify_score
+    real = R._score
 
     def sometimes_hangs(response, *args):
         if response == "HANG":
             time.sleep(60)  # like C-level arithmetic that SIGALRM cannot interrupt
         return real(response, *args)
 
-    monkeypatch.setattr(R, "math_verify_score", sometimes_hangs)  # forked workers inherit it
+    monkeypatch.setattr(R, "_score", sometimes_hangs)  # forked workers inherit it
     mv = R.MathVerify(timeout=1, workers=1, grace=0.5)
     try:
         t0 = time.monotonic()
         got = mv(["HANG", "\\boxed{2}"], ["2", "2"])
         elapsed = time.monotonic() - t0
         # catches the 0 given in silence, where it reads as a wrong answer
-        assert _unchecked(caplog) == ["MathVerify: 1 of 2 responses scored 0 unchecked (1 over "
-                                      "the 2.5 s limit, 0 whose worker died 2 times); 1 killed, "
-                                      "0 died so far"]
+        assert _unchecked(caplog) == ["MathVerify: 1 of 2 responses scored 0 unchecked (0 at "
+                                      "math-verify's 1 s timeout, 1 over the 2.5 s limit, 0 whose "
+                                      "worker died 2 times); 0 timed out, 1 killed, 0 died so far"]
         assert got == [0.0, 1.0] and mv.killed == 1
         # the limit (2.5 s) plus a worker restart (< 1 s), with 3x headroom; the hang is 60 s
         assert elapsed < 3 * (2 * 1 + 0.5 + 1.0), elapsed
@@ -143,7 +144,7 @@ def test_a_worker_that_dies_under_a_job_is_replaced_and_the_job_rerun(monkeypatc
     """Catches scoring 0 a job whose worker died under it (it must be re-run on the new
     worker), and re-running forever a job that kills every worker it reaches (it must score 0
     after two tries, without hanging)."""
-    real = R.math_verify_score
+    real = R._score
     once = tmp_path / "died-once"
 
     def dies(response, *args):
@@ -154,13 +155,13 @@ def test_a_worker_that_dies_under_a_job_is_replaced_and_the_job_rerun(monkeypatc
             os.kill(os.getpid(), signal.SIGKILL)
         return real(response, *args)
 
-    monkeypatch.setattr(R, "math_verify_score", dies)  # forked workers inherit it
+    monkeypatch.setattr(R, "_score", dies)  # forked workers inherit it
     with R.MathVerify(timeout=5, workers=2) as mv:
         got = _bounded(lambda: mv(["DIE_ONCE \\boxed{5}", "\\boxed{6}",
                                    "DIE_ALWAYS \\boxed{7}"], ["5", "6", "7"]))
-        assert _unchecked(caplog) == ["MathVerify: 1 of 3 responses scored 0 unchecked (0 over "
-                                      "the 11 s limit, 1 whose worker died 2 times); 0 killed, "
-                                      "3 died so far"]
+        assert _unchecked(caplog) == ["MathVerify: 1 of 3 responses scored 0 unchecked (0 at "
+                                      "math-verify's 5 s timeout, 0 over the 11 s limit, 1 whose "
+                                      "worker died 2 times); 0 timed out, 0 killed, 3 died so far"]
         assert got == [1.0, 1.0, 0.0]
         assert mv.died == 3 and len(mv.pids) == 2  # DIE_ONCE once, DIE_ALWAYS twice
 
@@ -399,3 +400,58 @@ def test_several_boxed_answers_are_read_as_a_set_as_documented():
     assert R.math_verify_score("so \\boxed{5}.\nCheck: \\boxed{5}", "5") == 1.0
     assert R.math_verify_score("first \\boxed{3}\nfinal \\boxed{5}", "5") == 0.0
     assert R.math_verify_score("first \\boxed{3}\nfinal \\boxed{5}", "3, 5") == 1.0
+
+
+@pytest.mark.parametrize("response, gold, expected", [
+    ("\\boxed{10\\,080}", "10080", 1.0),  # SI's thin space: math-verify alone reads 10 + 80
+    ("\\boxed{10080}", "10\\,080", 1.0),  # the same in the gold answer
+    ("\\boxed{0}", "1\\,000", 0.0),  # math-verify alone reads that gold as 1 * 0 and gives 1
+    ("\\boxed{1\\,000\\,000}", "1000000", 1.0),  # every group
+    ("\\boxed{10\\ 080}", "10080", 1.0),
+    ("\\boxed{10~080}", "10080", 1.0),
+    ("The answer is 10 080.", "10080", 1.0),
+    ("\\boxed{3.141\\,592}", "3.141592", 1.0),
+    ("\\boxed{12\\,34}", "1234", 0.0),  # not a group of three: left to math-verify
+    ("\\boxed{10,\\!080}", "10080", 1.0),  # math-verify's own separators stay its own
+])
+def test_digit_groups_separated_by_a_space_are_one_number(response, gold, expected):
+    """Catches the space left in (math-verify reads ``10\\,080`` as arithmetic), dropped on one
+    side only, or dropped between digits that are not a group of three."""
+    assert R.math_verify_score(response, gold, timeout=5) == expected
+
+
+TOWER = "\\boxed{9^{9^{9^{9^{9^{9}}}}}}"  # math-verify's own 1 s timeout ends its comparison
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_math_verify_timeouts_are_counted_and_reported(workers, caplog, capsys):
+    """math-verify answers "no match" at its own timeout and logs a bare line: catches that 0
+    given in silence (no count, no warning; the old code's), and the raw line (up to 4,000
+    characters of the response) left to reach the console."""
+    with R.MathVerify(timeout=1, workers=workers) as mv:
+        assert mv([TOWER, "\\boxed{2}"], ["1", "2"]) == [0.0, 1.0]
+        assert mv.timed_out == 1 and mv.killed == 0 and mv.died == 0
+        assert _unchecked(caplog) == [
+            "MathVerify: 1 of 2 responses scored 0 unchecked (1 at math-verify's 1 s timeout, 0 "
+            "over the 3 s limit, 0 whose worker died 2 times); 1 timed out, 0 killed, 0 died so "
+            "far"]
+    assert not [r for r in caplog.records if r.getMessage().startswith("Timeout during")]
+    assert "Timeout during" not in capsys.readouterr().err
+    # the filter is on math-verify's loggers for a scoring's time only (a user's own
+    # math-verify calls keep their lines)
+    assert all(not logging.getLogger(f"math_verify.{m}").filters for m in ("parser", "grader"))
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_gold_answer_math_verify_cannot_read_is_warned_of_once(workers, caplog):
+    """Catches every response to an unreadable gold answer scored 0 in silence, the warning
+    repeated at each call, and a readable gold answer ('12', 'Yes') warned of."""
+    with R.MathVerify(timeout=5, workers=workers) as mv:
+        assert mv(["\\boxed{12}"] * 3 + ["\\boxed{2}"], ["{12", "12", "Yes", "\\frac{1}{2"]) == [
+            0.0, 1.0, 0.0, 0.0]
+        assert _unchecked(caplog) == [
+            "MathVerify: 2 gold answer(s) hold no expression math-verify reads, so every "
+            "response to them scores 0: '\\\\frac{1}{2', '{12' (2 so far)"]
+        caplog.clear()
+        assert mv(["\\boxed{12}", "x"], ["{12", "{13"]) == [0.0, 0.0]  # '{13': never parsed
+        assert _unchecked(caplog) == []

@@ -15,6 +15,7 @@ import multiprocessing
 import multiprocessing.connection
 import numbers
 import os
+import re
 import signal
 import sys
 import threading
@@ -85,12 +86,24 @@ def final_answer_text(response: str, think_end: str = "</think>", max_chars: int
         response = response.rsplit(think_end, 1)[1]
     elif think_end and think_end.startswith("</") and "<" + think_end[2:] in response:
         return ""
-    return response[-max_chars:].replace("\u2212", "-")
+    return _digit_groups(response[-max_chars:].replace("\u2212", "-"))
+
+
+# A space between groups of three digits (``10\,080``, SI's style; ``10\ 080``, ``10~080``, a
+# thin or plain space) is part of the number, but math-verify reads it as arithmetic (``10\,080``
+# is 90): it is dropped, gold and response alike. The separators math-verify reads itself
+# (``10,080``, ``10{,}080``, ``10,\!080``) are left to it.
+_GROUP_SPACE = re.compile(r"(?<=\d)(?:\\[,;: ]|~|[ \u2009\u202f\u00a0])(?=\d{3}(?!\d))")
+
+
+def _digit_groups(text: str) -> str:
+    return _GROUP_SPACE.sub("", text)
 
 
 def _gold(answer: str, timeout: int) -> list:
     from math_verify import parse
 
+    answer = _digit_groups(answer)
     text = answer if ("\\boxed" in answer or "$" in answer) else f"${answer}$"
     parsed = parse(text, parsing_timeout=timeout)
     return parsed if parsed else parse(f"\\boxed{{{answer}}}", parsing_timeout=timeout)
@@ -121,20 +134,54 @@ def math_verify_score(
     (verl's ``last_boxed_only_string``) would score 1.
 
     Runs math-verify's own SIGALRM timeouts, so call it from a main thread (the
-    :class:`MathVerify` workers do). Any error scores 0.
+    :class:`MathVerify` workers do). Any error, and a math-verify timeout, scores 0.
     """
+    return _score(response, answer, timeout, think_end, max_chars, number_only)[0]
+
+
+class _Timeouts(logging.Filter):
+    """Counts math-verify's own timeouts, which it logs and answers as "no match" (a score of
+    0 that reads as a wrong answer), and keeps their lines (with up to 4,000 characters of the
+    response) off the console: :class:`MathVerify` reports the count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith("Timeout during"):
+            self.count += 1
+            return False
+        return True
+
+
+def _score(response: str, answer: str, timeout: int, think_end: str, max_chars: int,
+           number_only: bool) -> tuple[float, bool, bool]:
+    """The score, whether math-verify timed out on it, and whether the gold answer (where it
+    was parsed) held no expression math-verify reads (``{12``: every response to it scores 0)."""
+    timeouts = _Timeouts()  # on math-verify's loggers for this call only
+    loggers = [logging.getLogger(f"math_verify.{m}") for m in ("parser", "grader")]
+    for logger in loggers:
+        logger.addFilter(timeouts)
+    bad_gold = False
     try:
         from math_verify import parse, verify
 
         text = final_answer_text(response, think_end, max_chars)
         if not text.strip():
-            return 0.0
+            return 0.0, False, False
         pred = parse(text, parsing_timeout=timeout)
         if not pred or (number_only and not _written_number(pred[0])):
-            return 0.0
-        return 1.0 if verify(_gold(str(answer), timeout), pred, timeout_seconds=timeout) else 0.0
+            return 0.0, timeouts.count > 0, False
+        gold = _gold(str(answer), timeout)
+        bad_gold = all(isinstance(g, str) for g in gold) and not timeouts.count
+        score = 1.0 if verify(gold, pred, timeout_seconds=timeout) else 0.0
     except Exception:  # a verifier failure is a wrong answer, never a crashed run
-        return 0.0
+        score = 0.0
+    finally:
+        for logger in loggers:
+            logger.removeFilter(timeouts)
+    return score, timeouts.count > 0, bad_gold
 
 
 # Parent-side pipe ends of every live worker of every MathVerify in this process. A forked
@@ -193,9 +240,9 @@ def _worker_loop(conn: Any, parent_pid: int) -> None:
             return
         if job is None:
             return
-        score = math_verify_score(*job)
+        result = _score(*job)
         try:
-            conn.send(score)
+            conn.send(result)
         except OSError:
             return
 
@@ -240,9 +287,13 @@ class MathVerify:
     not answered ``2 * timeout + grace`` seconds after it got the response (parse and verify
     may each take ``timeout``) is killed and replaced, and that response scores 0. A worker
     that died on its own (OOM killer, a stray signal) is replaced too, and its response is
-    re-run once on the new worker (scoring 0 if that one dies too). A call that scored any
-    response 0 unchecked says so in one logged warning (a log line, not a Python warning: one
-    made an error by ``-W error`` would crash the training step it reports on). A pathological
+    re-run once on the new worker (scoring 0 if that one dies too). math-verify's own timeout
+    (its SIGALRM, at ``timeout``) also scores 0: math-verify answers "no match" there, and the
+    line it logs is kept off the console. A call that scored any response 0 unchecked (killed,
+    died, or at math-verify's timeout) says so in one logged warning (a log line, not a Python
+    warning: one made an error by ``-W error`` would crash the training step it reports on); a
+    gold answer that holds nothing math-verify reads (``{12``: every response to it scores 0) is
+    warned of the first time it is met. A pathological
     response costs at most that time and never stalls or crashes training. ``workers=0`` checks
     in the calling thread instead (no hard kill; for debugging).
 
@@ -269,6 +320,7 @@ class MathVerify:
     Attributes:
         killed: workers killed for exceeding the time limit.
         died: workers found dead (between or during jobs) and replaced.
+        timed_out: responses math-verify's own timeout scored 0 (it answers "no match").
     """
 
     def __init__(self, timeout: int = 5, workers: int = 2, grace: float = 1.0,
@@ -299,6 +351,8 @@ class MathVerify:
         self._pool: list[tuple[Any, Any]] = []
         self.killed = 0
         self.died = 0
+        self.timed_out = 0
+        self._bad_golds: set[str] = set()
         # Runs on close(), on garbage collection and at interpreter exit; it holds the pool
         # list, not self, so it does not keep the object alive.
         self._owner_pid = os.getpid()
@@ -354,9 +408,9 @@ class MathVerify:
                                    "verify's SIGALRM timeouts, which work in the main thread "
                                    "only (elsewhere every score was 0): call it from the main "
                                    "thread, or use workers >= 1")
-            return [math_verify_score(*j) for j in jobs]
+            return self._report([_score(*j) for j in jobs], jobs, 0, 0)
         self._fill()
-        scores = [0.0] * len(jobs)
+        results: list[tuple[float, bool, bool]] = [(0.0, False, False)] * len(jobs)
         tries = [0] * len(jobs)
         todo = list(range(len(jobs)))[::-1]
         busy: dict[int, tuple[int, float]] = {}  # worker slot -> (job index, start time)
@@ -387,7 +441,7 @@ class MathVerify:
                 slot = conns[conn]
                 i = busy.pop(slot)[0]
                 try:
-                    scores[i] = float(conn.recv())
+                    results[i] = conn.recv()
                 except (EOFError, OSError):  # the worker died under the job: re-run it once
                     self._replace(slot)
                     self.died += 1
@@ -397,17 +451,34 @@ class MathVerify:
                         lost_died += 1
             now = time.monotonic()
             for slot, (i, start) in list(busy.items()):
-                if now - start > limit:  # the job's own fault: no re-run, scores[i] stays 0
+                if now - start > limit:  # the job's own fault: no re-run, it stays at 0
                     self._replace(slot)
                     self.killed += 1
                     lost_slow += 1
                     del busy[slot]
-        if lost_slow or lost_died:  # a silent 0 would read as a wrong answer
-            _log.warning(f"MathVerify: {lost_slow + lost_died} of {len(jobs)} responses scored 0 "
-                         f"unchecked ({lost_slow} over the {limit:g} s limit, {lost_died} whose "
-                         f"worker died {_MAX_TRIES} times); {self.killed} killed, {self.died} "
-                         "died so far")
-        return scores
+        return self._report(results, jobs, lost_slow, lost_died)
+
+    def _report(self, results: list[tuple[float, bool, bool]], jobs: list[tuple],
+                lost_slow: int, lost_died: int) -> list[float]:
+        """The scores; a warning for those scored 0 unchecked and for gold answers met for the
+        first time that hold nothing math-verify reads (a silent 0 reads as a wrong answer)."""
+        timed_out = sum(r[1] for r in results)
+        self.timed_out += timed_out
+        if lost_slow or lost_died or timed_out:
+            limit = 2 * self.timeout + self.grace
+            _log.warning(f"MathVerify: {lost_slow + lost_died + timed_out} of {len(jobs)} "
+                         f"responses scored 0 unchecked ({timed_out} at math-verify's "
+                         f"{self.timeout} s timeout, {lost_slow} over the {limit:g} s limit, "
+                         f"{lost_died} whose worker died {_MAX_TRIES} times); {self.timed_out} "
+                         f"timed out, {self.killed} killed, {self.died} died so far")
+        bad = sorted({jobs[i][1] for i, r in enumerate(results) if r[2]} - self._bad_golds)
+        if bad:
+            self._bad_golds.update(bad)
+            _log.warning(f"MathVerify: {len(bad)} gold answer(s) hold no expression math-verify "
+                         f"reads, so every response to them scores 0: "
+                         f"{', '.join(repr(b) for b in bad[:3])}{', ...' if len(bad) > 3 else ''}"
+                         f" ({len(self._bad_golds)} so far)")
+        return [float(r[0]) for r in results]
 
     def _replace(self, slot: int) -> None:
         proc, conn = self._pool[slot]
