@@ -512,8 +512,8 @@ def gtpo(alpha1: float = 1.0, alpha2: float = 0.1, normalize: str = "group",
       of the prompt's group;
     * ``normalize="side"``: over the group's ``O+`` tokens and its ``O-`` tokens separately.
 
-    Deviations and readings, since we could not consult the paper's text and follow the
-    equations as independent public re-implementations state them:
+    Deviations and readings (the equations as independent public re-implementations state
+    them; not checked against the paper's own Eq. 6):
 
     * ``"side"`` is Eq. 6 as written there. With a binary outcome it subtracts ``α1·r`` exactly
       (each side's mean is ``±(α1 + α2)``), so no outcome signal is left: on both sides the
