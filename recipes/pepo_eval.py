@@ -19,7 +19,9 @@ where rows were sampled or scored with different settings.
 The results file is written after every benchmark and records, besides avg@k, everything that
 decides it: the resolved settings (seed, precision, tokenizer, reward, sampling), the weight
 files (name, size, time), each benchmark's dataset, ``k``, a digest of its encoded prompts and
-answers, its problem count and share of truncated responses, and pepo's version. An evaluation
+answers, its problem count and share of truncated responses, avg@k's standard error over the
+problems, and pepo's version; ``<label>/responses/<benchmark>.jsonl`` holds every response with
+its problem, answer, reward, success and truncation, to score again or read. An evaluation
 that stopped (Ctrl-C, a crash) keeps the benchmarks it finished, and the same command again
 evaluates only the rest: a saved benchmark is kept while the weight files, the settings, its
 ``k`` and its prompts are unchanged, and sampled again (said in one line) when its ``k`` or
@@ -63,10 +65,13 @@ from pepo.training.evaluation import (
     avg_at_k,
     eval_generator,
     format_tables,
+    problem_se,
     write_results,
 )
+from pepo.training.hf import prompt_differences
 from pepo.training.precision import cpu_attention_in_fp32, cpu_warnings, resolve_compute_dtype
 from pepo.training.precision import describe as describe_precision
+from pepo.training.reporting import write_rollouts
 from pepo.training.run_lock import RunLock
 from pepo.training.tokenizers import stop_token_ids
 from pepo.training.weights import load_model_weights
@@ -251,6 +256,9 @@ def _setup(cfg: DictConfig) -> dict[str, Any]:
         device = utils.get_device(c.device)
         dtype = training.get_dtype(c.dtype, device=device)
         tokenizer = config.instantiate(cfg.tokenizer)
+        differs = prompt_differences(tokenizer, c.checkpoint_dir)
+        if differs:  # a trained model asked otherwise than in training: its numbers differ
+            log.warning(differs)
         stop_tokens = stop_token_ids(tokenizer, c.generation.stop_tokens)
         data = {name: list(config.instantiate(b.dataset)) for name, b in cfg.benchmarks.items()}
         reward = config.instantiate(cfg.reward)
@@ -317,11 +325,12 @@ def _evaluate(cfg: DictConfig, setup: dict[str, Any]) -> dict[str, float]:
         for name, b in cfg.benchmarks.items():
             problems = setup["data"][name]
             if name in done:
-                log.info(f"{name}: avg@{b.k} = {100 * done[name]['avg']:.2f}, kept from {js} "
-                         f"(the same checkpoint, settings and benchmark)")
+                log.info(f"{name}: avg@{b.k} = {100 * done[name]['avg']:.2f}{_se(done[name])}, "
+                         f"kept from {js} (the same checkpoint, settings and benchmark)")
                 continue
             t0 = time.perf_counter()
             counts: dict[str, int] = {}
+            records: list[dict[str, Any]] = []
             avg = avg_at_k(
                 setup["engine"], setup["tokenizer"], problems, b.k, setup["reward"],
                 max_new_tokens=g.max_new_tokens, temperature=g.temperature,
@@ -329,18 +338,23 @@ def _evaluate(cfg: DictConfig, setup: dict[str, Any]) -> dict[str, float]:
                 generator=eval_generator(c.seed, setup["device"]),
                 batch_size=c.batch_size, stop_tokens=setup["stop_tokens"],
                 progress=f"{name} (avg@{b.k}, {len(problems)} problems)", counts=counts,
+                records=records,
             )
+            responses = write_rollouts(
+                _results_dir(cfg, setup["label"]) / "responses" / f"{name}.jsonl", records)
             seconds = time.perf_counter() - t0
             cut = counts.get("truncated")
             share = None if cut is None else cut / max(1, counts["rollouts"])
             done[name] = {"avg": avg, "k": b.k, "problems": len(problems),
                           "truncated": share, "seconds": round(seconds, 1),
                           "prompts": setup["prompts"][name],
-                          "dataset": flatten_config(b.dataset)}
+                          "dataset": flatten_config(b.dataset),
+                          "se": problem_se([r["success"] for r in records], b.k),
+                          "responses": str(responses)}
             note = "" if not share else (f"; {100 * share:.1f}% of responses truncated, scored "
                                          f"on their text")
-            log.info(f"{name}: avg@{b.k} = {100 * avg:.2f} over {len(problems)} problems "
-                     f"({seconds:.1f}s{note})")
+            log.info(f"{name}: avg@{b.k} = {100 * avg:.2f}{_se(done[name])} over "
+                     f"{len(problems)} problems ({seconds:.1f}s{note}); responses: {responses}")
             js = _save(cfg, setup, done)  # a stop later keeps this benchmark
             setup["finished"].append(name)
         # every benchmark kept: the file, and its row's place in the table, stay as they were
@@ -352,6 +366,11 @@ def _evaluate(cfg: DictConfig, setup: dict[str, Any]) -> dict[str, float]:
     print("\n" + table + "\n")
     log.info(f"Results: {js}; every evaluation in {cfg.output_dir}: {everything}")
     return {n: done[n]["avg"] for n in cfg.benchmarks}
+
+
+def _se(entry: dict[str, Any]) -> str:
+    se = entry.get("se")
+    return "" if se is None else f" ± {100 * se:.2f} (standard error over problems)"
 
 
 def _write_summary(out: Path) -> tuple[str, Path]:

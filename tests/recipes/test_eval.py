@@ -16,6 +16,33 @@ from pepo.training.evaluation import format_table
 from tests import hf_fixtures as F
 
 
+def test_the_mean_compares_only_the_benchmarks_every_row_has():
+    """Catches each row's Mean over its own benchmarks (a row without AMC averaged fewer and
+    easier benchmarks than the row beside it, with no word)."""
+    from pepo.training.evaluation import format_tables
+
+    table = format_tables([("a", {"AMC": 0.5, "MATH500": 0.25}), ("b", {"MATH500": 0.75})])
+    assert table.splitlines()[2:4] == ["| a | 50.00 | 25.00 | 25.00 |", "| b | - | 75.00 | 75.00 |"]
+    assert table.splitlines()[-1] == ("Mean averages the benchmarks every row has (MATH500); "
+                                      "left out: AMC, which some rows lack.")
+    table = format_tables([("a", {"AMC": 0.5}), ("b", {"MATH500": 0.75})])
+    assert table.splitlines()[2:4] == ["| a | 50.00 | - | - |", "| b | - | 75.00 | - |"]
+    assert "no Mean is given" in table.splitlines()[-1]
+    assert format_tables([("a", {"AMC": 0.5, "MATH500": 0.25})]).splitlines()[-1] == (
+        "| a | 50.00 | 25.00 | 37.50 |")  # one row: its own benchmarks, no note
+
+
+def test_problem_se_is_over_the_problems_shares():
+    """Three problems at k = 2 with shares 1, 0.5, 0: mean 0.5, sample SD 0.5, SE 0.5/sqrt(3)
+    (catches an SE over the 6 rollouts, 0.2236, or with the population SD, 0.2357)."""
+    from pepo.training.evaluation import problem_se
+
+    assert problem_se([True, True, False, True, False, False], 2) == pytest.approx(0.5 / 3 ** 0.5)
+    assert problem_se([True, False], 2) is None  # one problem: no spread to measure
+    with pytest.raises(ValueError, match="5 flags are not k=2"):
+        problem_se([True] * 5, 2)
+
+
 def test_format_table_paper_layout():
     table = format_table({"MATH500": 0.5, "AMC": 0.25, "AIME2025": 0.0, "AIME2024": 0.125}, "m")
     assert table.splitlines()[0] == "| Model | AIME2024 | AIME2025 | AMC | MATH500 | Mean |"
@@ -59,6 +86,51 @@ def test_eval_math_on_fixture_files(tmp_path, capsys):
     assert saved["model"] == str(model_dir)
     assert (folder / "eval_results.md").read_text().startswith("| Model | AIME2024")
     assert (tmp_path / "out" / "eval_results.md").read_text().startswith("| Model | AIME2024")
+    # every response is kept, k a problem in order, each with its own problem's answer, and the
+    # standard error is over the problems' shares (catches the file not written, a problem's
+    # answer taken from another, and an SE over rollouts or with the population SD)
+    data = {n: pepo_eval.config.instantiate(cfg.benchmarks[n].dataset) for n in results}
+    for name, problems in data.items():
+        k = saved["k"][name]
+        lines = (folder / "responses" / f"{name}.jsonl").read_text().splitlines()
+        rows = [json.loads(line) for line in lines]
+        assert len(rows) == k * len(problems)
+        assert [(r["prompt"], r["answer"]) for r in rows] == [
+            (p.prompt, p.answer) for p in problems for _ in range(k)]
+        assert sum(r["success"] for r in rows) / len(rows) == pytest.approx(results[name])
+        shares = [sum(r["success"] for r in rows[i:i + k]) / k for i in range(0, len(rows), k)]
+        if len(shares) < 2:  # one problem: no spread to measure
+            assert saved["benchmarks"][name]["se"] is None
+            continue
+        mean = sum(shares) / len(shares)
+        sd = (sum((x - mean) ** 2 for x in shares) / (len(shares) - 1)) ** 0.5
+        assert saved["benchmarks"][name]["se"] == pytest.approx(sd / len(shares) ** 0.5)
+        assert all(r["truncated"] for r in rows)  # 8 new tokens: no response ends on its own
+
+
+def test_a_trained_models_prompt_settings_are_compared_with_the_eval_tokenizers(tmp_path,
+                                                                                caplog):
+    """Training records how it rendered prompts (hf_model/pepo_prompt.json); an evaluation that
+    renders them otherwise says so with the overrides that match (catches the file never read:
+    the eval asked with thinking on and no system turn, in silence)."""
+    register_resolvers()
+    model_dir = F.tiny_hf_qwen3(tmp_path / "qwen3")
+    (model_dir / "pepo_prompt.json").write_text(json.dumps(
+        {"enable_thinking": False, "system_prompt": "Be brief.", "date_string": "26 Jul 2024"}))
+    F.write_benchmarks(tmp_path / "data")
+    cfg = OmegaConf.merge(OmegaConf.load(find_config("eval_math")), {
+        "checkpoint_dir": str(model_dir), "data_dir": str(tmp_path / "data"),
+        "output_dir": str(tmp_path / "out"), "device": "cpu", "dtype": "fp32",
+        "model": {"max_seq_len": 512}, "reward": {"workers": 0},
+        "generation": {"max_new_tokens": 8}})
+    for n in ("AIME2024", "AIME2025", "AMC"):
+        cfg.benchmarks.pop(n)
+    setup = pepo_eval._setup(cfg)
+    pepo_eval._close(setup["reward"], setup["engine"], setup["lock"])
+    warned = [r.getMessage() for r in caplog.records if "pepo_prompt.json" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].endswith(
+        "(enable_thinking=True, system_prompt=None): tokenizer.enable_thinking=false "
+        "tokenizer.system_prompt=\"Be brief.\" asks as training did"), warned
 
 
 def test_eval_config_errors(tmp_path):

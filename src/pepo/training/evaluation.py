@@ -10,7 +10,9 @@ reward component defines its own rule.
 from __future__ import annotations
 
 import json
+import math
 import os
+import statistics
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -29,6 +31,7 @@ __all__ = [
     "eval_generator",
     "format_table",
     "format_tables",
+    "problem_se",
     "sample_and_score",
     "write_results",
 ]
@@ -71,7 +74,8 @@ def avg_at_k(
     error, on the main process only (:func:`pepo.training.progress.rollout_counter`: a bar on a
     terminal, removed when done; elsewhere a line a minute); None: no count.
     ``records``: a list that receives one dict per rollout of this process, in problem order
-    (``prompt_id``, ``prompt``, ``answer``, ``response``, ``reward``, ``success``).
+    (``prompt_id``, ``prompt``, ``answer``, ``response``, ``reward``, ``success``,
+    ``truncated``).
     ``counts``: a dict that receives ``rollouts``, ``correct`` and ``truncated`` (responses that
     reached ``max_new_tokens`` without a stop token; the reward scored their text as it is), over
     every process.
@@ -101,8 +105,10 @@ def avg_at_k(
     success = is_success(reward_fn, rewards)
     if records is not None:
         records.extend({"prompt_id": getattr(p, "id", None), "prompt": p.prompt,
-                        "answer": p.answer, "response": t, "reward": float(r), "success": bool(s)}
-                       for p, t, r, s in zip(mine, texts, rewards.tolist(), success.tolist()))
+                        "answer": p.answer, "response": t, "reward": float(r), "success": bool(s),
+                        "truncated": not f}
+                       for p, t, r, s, f in zip(mine, texts, rewards.tolist(), success.tolist(),
+                                                ro.finished.tolist()))
     tally = torch.stack([success.float().sum(),
                          (~ro.finished).float().sum().to(success.device)])  # [2]
     if dist is not None:
@@ -111,6 +117,22 @@ def avg_at_k(
     if counts is not None:
         counts.update(rollouts=len(rows), correct=correct, truncated=truncated)
     return correct / len(rows)
+
+
+def problem_se(success: Sequence[bool], k: int) -> Optional[float]:
+    """The standard error of avg@k over problems: the sample SD of the problems' shares of
+    correct responses over the square root of their number (``success``: ``k`` consecutive
+    flags per problem, as :func:`avg_at_k`'s ``records`` come); None for fewer than 2 problems.
+    It counts the problems as a sample of all such problems, so it includes the sampling's
+    own noise and the problems' spread."""
+    n = len(success) // k
+    if n * k != len(success) or k < 1:
+        raise ValueError(f"{len(success)} flags are not k={k} for each of a whole number of "
+                         f"problems")
+    if n < 2:
+        return None
+    shares = [sum(success[i * k:(i + 1) * k]) / k for i in range(n)]
+    return statistics.stdev(shares) / math.sqrt(n)
 
 
 def format_table(results: Mapping[str, float], model_name: str = "model") -> str:
@@ -123,16 +145,24 @@ def format_table(results: Mapping[str, float], model_name: str = "model") -> str
 
 def format_tables(rows: Sequence[tuple[str, Mapping[str, float]]]) -> str:
     """:func:`format_table` with one row per evaluated model, over the benchmarks any of them
-    has (``-`` where a model has no result; its Mean averages the benchmarks it has)."""
+    has (``-`` where a model has no result). Mean averages the benchmarks every row has, so
+    that the rows' Means compare the same benchmarks; where some row lacks one, a note under
+    the table names those left out (``-`` where the rows share none)."""
     present = {c for _, results in rows for c in results}
     cols = [c for c in PAPER_COLUMNS if c in present] + sorted(present - set(PAPER_COLUMNS))
+    shared = [c for c in cols if all(c in results for _, results in rows)]
     head = "| Model | " + " | ".join(cols) + " | Mean |"
     rule = "|---|" + "---:|" * (len(cols) + 1)
     lines = [head, rule]
     for name, results in rows:
         cells = [f"{100 * results[c]:.2f}" if c in results else "-" for c in cols]
-        mean = sum(results.values()) / len(results)
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {100 * mean:.2f} |")
+        mean = f"{100 * sum(results[c] for c in shared) / len(shared):.2f}" if shared else "-"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {mean} |")
+    if len(shared) < len(cols):
+        left = ", ".join(c for c in cols if c not in shared)
+        lines.append(f"\nMean averages the benchmarks every row has ({', '.join(shared)}); "
+                     f"left out: {left}, which some rows lack." if shared else
+                     f"\nNo benchmark is in every row, so no Mean is given (rows lack: {left}).")
     return "\n".join(lines)
 
 

@@ -39,6 +39,7 @@ __all__ = [
     "is_hf_state",
     "load_hf_config",
     "load_hf_state",
+    "prompt_differences",
     "read_safetensors",
     "read_tune_state",
     "save_hf",
@@ -285,6 +286,29 @@ def from_hf(
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "chat_template.jinja")
 PROMPT_FILE = "pepo_prompt.json"  # the chat template's settings training rendered prompts with
+
+
+def prompt_differences(tokenizer: Any, model_dir: Union[str, Path]) -> Optional[str]:
+    """One line saying how ``tokenizer`` (a :class:`pepo.training.tokenizers.ChatTokenizer`)
+    renders prompts otherwise than the training that exported ``model_dir`` did, as its
+    ``pepo_prompt.json`` records, with the overrides that render them alike; None where they
+    agree, where there is no record, or for another tokenizer."""
+    path = Path(model_dir) / PROMPT_FILE
+    if not hasattr(tokenizer, "enable_thinking") or not path.is_file():
+        return None
+    try:
+        recorded = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        return f"{path} cannot be read ({e}): prompts may be rendered otherwise than in training"
+    keys = [k for k in ("enable_thinking", "system_prompt", "date_string")
+            if isinstance(recorded, dict) and k in recorded
+            and recorded[k] != getattr(tokenizer, k, None)]
+    if not keys:
+        return None
+    here = ", ".join(f"{k}={getattr(tokenizer, k, None)!r}" for k in keys)
+    fix = " ".join(f"tokenizer.{k}={json.dumps(recorded[k])}" for k in keys)
+    return (f"{path} records that training rendered its prompts otherwise than this tokenizer "
+            f"({here}): {fix} asks as training did")
 
 
 def save_hf(
