@@ -340,8 +340,9 @@ def _evaluate(cfg: DictConfig, setup: dict[str, Any]) -> dict[str, float]:
                 progress=f"{name} (avg@{b.k}, {len(problems)} problems)", counts=counts,
                 records=records,
             )
+            file = re.sub(r"[^A-Za-z0-9._-]+", "_", str(name)).strip("_.") or "benchmark"
             responses = write_rollouts(
-                _results_dir(cfg, setup["label"]) / "responses" / f"{name}.jsonl", records)
+                _results_dir(cfg, setup["label"]) / "responses" / f"{file}.jsonl", records)
             seconds = time.perf_counter() - t0
             cut = counts.get("truncated")
             share = None if cut is None else cut / max(1, counts["rollouts"])
@@ -377,12 +378,14 @@ def _write_summary(out: Path) -> tuple[str, Path]:
     """``out/eval_results.md``: one row per evaluation whose results lie in a folder of ``out``,
     oldest first (an unfinished one marked so), and a note naming the settings that differ
     between rows. Returns the table and its path."""
-    rows, settings = [], []
+    rows, settings, unfinished = [], [], []
     for js in sorted(out.glob("*/eval_results.json"), key=lambda f: (f.stat().st_mtime, f)):
         try:
             saved = json.loads(js.read_text(encoding="utf-8"))
             label = str(saved["model"]) + (" (unfinished)" if saved.get("complete") is False
                                            else "")
+            if saved.get("complete") is False:
+                unfinished.append(label)
             rows.append((label, {str(k): float(v) for k, v in saved["results"].items()}))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             log.warning(f"{js} is not an evaluation's results; left out of the table")
@@ -394,7 +397,7 @@ def _write_summary(out: Path) -> tuple[str, Path]:
             if isinstance(entry, dict) and entry.get("prompts"):  # the questions, as asked
                 mine[f"benchmarks.{name}.prompts"] = str(entry["prompts"])[:12]
         settings.append((label, mine))
-    table = format_tables(rows)
+    table = format_tables(rows, unfinished)
 
     def values(key: str) -> list[tuple[str, Any]]:  # a benchmark's keys where a row has it
         return [(n, s[key] if key in s else "<unset>") for n, s in settings

@@ -353,6 +353,9 @@ def test_step_interface_of_both_estimators():
         with pytest.raises(ValueError, match=rf"got '{name}' \(the paper's {name.upper()} is "
                            rf"'{registered}'\)$"):
             est.build_estimator(name)
+    with pytest.raises(ValueError,
+                       match=r"got 'Single-Stream' \(did you mean 'single_stream'\?\)$"):
+        est.build_estimator("Single-Stream")
 
 
 def test_tensor_prompt_ids():

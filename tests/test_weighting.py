@@ -688,6 +688,8 @@ def test_paper_names_point_at_registered_names(name, registered):
         pw.get_strategy(name)
     with pytest.raises(ValueError, match=r"unknown strategy 'ppo'; registered strategies"):
         pw.get_strategy("ppo")  # no paper name and no close match: no hint
+    with pytest.raises(ValueError, match=r"unknown strategy 'GTPO'; did you mean 'gtpo'\?"):
+        pw.get_strategy("GTPO")  # a registered name in capitals (difflib alone finds nothing)
 
 
 @pytest.mark.parametrize(

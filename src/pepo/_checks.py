@@ -266,6 +266,17 @@ _PAPER_NAMES = {
 }
 
 
+def close_name(name: Any, names: list[str]) -> Optional[str]:
+    """The registered name closest to ``name`` (``GTPO`` and ``Single-Stream`` too), or None."""
+    import difflib
+
+    for guess in (str(name), str(name).lower().replace("-", "_").replace(" ", "_")):
+        close = difflib.get_close_matches(guess, names, n=1)
+        if close:
+            return close[0]
+    return None
+
+
 def paper_name_hint(kind: str, name: Any) -> str:
     """``"the paper's PEPO is 'proximal_softmax'"`` where an unknown ``kind`` (strategy or
     estimator) ``name`` is what the paper calls a method, else ``""``."""

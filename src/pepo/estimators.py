@@ -615,9 +615,10 @@ def list_estimators() -> list[str]:
 def estimator_parameters(name: str) -> list[str]:
     """The keyword arguments of estimator ``name`` (what its config section may set)."""
     if name not in ESTIMATORS:
-        paper = _checks.paper_name_hint("estimator", name)
+        close = _checks.close_name(name, sorted(ESTIMATORS)) if name is not None else None
+        hint = _checks.paper_name_hint("estimator", name) or (close and f"did you mean {close!r}?")
         raise ValueError(f"estimator name must be one of {sorted(ESTIMATORS)}, got {name!r}"
-                         + (f" ({paper})" if paper else ""))
+                         + (f" ({hint})" if hint else ""))
     return [p for p in inspect.signature(ESTIMATORS[name]).parameters if p != "prior_pass_rates"]
 
 

@@ -237,11 +237,9 @@ def strategy_parameters(name: str) -> Optional[list[str]]:
         ValueError: unknown name (the message lists the registered names).
     """
     if name not in _REGISTRY:
-        import difflib
-
-        close = difflib.get_close_matches(str(name), list_strategies(), n=1)
+        close = _checks.close_name(name, list_strategies())
         paper = _checks.paper_name_hint("strategy", name)
-        hint = f"{paper}; " if paper else f"did you mean {close[0]!r}? " if close else ""
+        hint = f"{paper}; " if paper else f"did you mean {close!r}? " if close else ""
         raise ValueError(f"unknown strategy {name!r}; {hint}registered strategies: "
                          f"{list_strategies()}")
     params = inspect.signature(_REGISTRY[name]).parameters.values()
@@ -513,7 +511,7 @@ def gtpo(alpha1: float = 1.0, alpha2: float = 0.1, normalize: str = "group",
     * ``normalize="side"``: over the group's ``O+`` tokens and its ``O-`` tokens separately.
 
     Deviations and readings (the equations as independent public re-implementations state
-    them; not checked against the paper's own Eq. 6):
+    them; the reading of Eq. 6 is pepo's):
 
     * ``"side"`` is Eq. 6 as written there. With a binary outcome it subtracts ``α1·r`` exactly
       (each side's mean is ``±(α1 + α2)``), so no outcome signal is left: on both sides the

@@ -23,13 +23,17 @@ def test_the_mean_compares_only_the_benchmarks_every_row_has():
 
     table = format_tables([("a", {"AMC": 0.5, "MATH500": 0.25}), ("b", {"MATH500": 0.75})])
     assert table.splitlines()[2:4] == ["| a | 50.00 | 25.00 | 25.00 |", "| b | - | 75.00 | 75.00 |"]
-    assert table.splitlines()[-1] == ("Mean averages the benchmarks every row has (MATH500); "
-                                      "left out: AMC, which some rows lack.")
+    assert table.splitlines()[-1] == ("Mean averages the benchmarks every finished row has "
+                                      "(MATH500); left out: AMC, which some rows lack.")
     table = format_tables([("a", {"AMC": 0.5}), ("b", {"MATH500": 0.75})])
     assert table.splitlines()[2:4] == ["| a | 50.00 | - | - |", "| b | - | 75.00 | - |"]
     assert "no Mean is given" in table.splitlines()[-1]
     assert format_tables([("a", {"AMC": 0.5, "MATH500": 0.25})]).splitlines()[-1] == (
         "| a | 50.00 | 25.00 | 37.50 |")  # one row: its own benchmarks, no note
+    # an unfinished row (an evaluation stopped midway) does not narrow the others' Mean
+    table = format_tables([("a", {"AMC": 0.5, "MATH500": 0.25}), ("b", {"MATH500": 0.75})],
+                          unfinished=["b"])
+    assert table.splitlines()[2:] == ["| a | 50.00 | 25.00 | 37.50 |", "| b | - | 75.00 | - |"]
 
 
 def test_problem_se_is_over_the_problems_shares():
@@ -41,6 +45,8 @@ def test_problem_se_is_over_the_problems_shares():
     assert problem_se([True, False], 2) is None  # one problem: no spread to measure
     with pytest.raises(ValueError, match="5 flags are not k=2"):
         problem_se([True] * 5, 2)
+    with pytest.raises(ValueError, match="are not k=0"):
+        problem_se([True] * 4, 0)
 
 
 def test_format_table_paper_layout():
@@ -131,6 +137,16 @@ def test_a_trained_models_prompt_settings_are_compared_with_the_eval_tokenizers(
     assert len(warned) == 1 and warned[0].endswith(
         "(enable_thinking=True, system_prompt=None): tokenizer.enable_thinking=false "
         "tokenizer.system_prompt=\"Be brief.\" asks as training did"), warned
+    # a setting the template does not print is no difference (Qwen3's prints no date; catches
+    # the settings compared rather than the prompts they render)
+    from pepo.training.hf import prompt_differences
+    from pepo.training.tokenizers import ChatTokenizer
+
+    (model_dir / "pepo_prompt.json").write_text(json.dumps(
+        {"enable_thinking": True, "system_prompt": None, "date_string": "1 Jan 2030"}))
+    assert prompt_differences(ChatTokenizer(model_dir), model_dir) is None
+    (model_dir / "pepo_prompt.json").write_text("[1, 2]")  # not a record: nothing to compare
+    assert prompt_differences(ChatTokenizer(model_dir), model_dir) is None
 
 
 def test_eval_config_errors(tmp_path):

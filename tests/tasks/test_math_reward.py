@@ -7,6 +7,8 @@ import logging
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -413,6 +415,8 @@ def test_several_boxed_answers_are_read_as_a_set_as_documented():
     ("\\boxed{3.141\\,592}", "3.141592", 1.0),
     ("\\boxed{12\\,34}", "1234", 0.0),  # not a group of three: left to math-verify
     ("\\boxed{10,\\!080}", "10080", 1.0),  # math-verify's own separators stay its own
+    ("\\boxed{x^2 100}", "x^{2100}", 0.0),  # an exponent's digit is no number's first group
+    ("\\boxed{a_1 234}", "a_{1234}", 0.0),  # nor a subscript's
 ])
 def test_digit_groups_separated_by_a_space_are_one_number(response, gold, expected):
     """Catches the space left in (math-verify reads ``10\\,080`` as arithmetic), dropped on one
@@ -420,14 +424,47 @@ def test_digit_groups_separated_by_a_space_are_one_number(response, gold, expect
     assert R.math_verify_score(response, gold, timeout=5) == expected
 
 
+@pytest.mark.parametrize("text", ["In 2023 100 students", "1234 567", "12:30 100", "x_1 234",
+                                  "1.5 000", "\\frac{1}{2}\\,000", "12\\,34", "10 0801"])
+def test_only_a_whole_number_written_in_groups_is_joined(text):
+    """Catches a join after any digit (the first group has 1 to 3 digits and starts a number)."""
+    assert R.final_answer_text(text) == text
+
+
 TOWER = "\\boxed{9^{9^{9^{9^{9^{9}}}}}}"  # math-verify's own 1 s timeout ends its comparison
 
 
 @pytest.mark.parametrize("workers", [0, 1])
-def test_math_verify_timeouts_are_counted_and_reported(workers, caplog, capsys):
+@pytest.mark.parametrize("silenced", [False, True])
+def test_math_verify_timeouts_are_counted_and_reported(workers, silenced, caplog, capfd):
     """math-verify answers "no match" at its own timeout and logs a bare line: catches that 0
-    given in silence (no count, no warning; the old code's), and the raw line (up to 4,000
-    characters of the response) left to reach the console."""
+    given in silence (no count, no warning; the old code's), the raw line (up to 4,000
+    characters of the response) left to reach the console (in this process: a worker's goes
+    to the log capture it inherits; the next test runs one outside pytest), and a timeout
+    uncounted where the user silenced math-verify's loggers (no record is made)."""
+    if silenced:
+        logging.getLogger("math_verify").setLevel(logging.ERROR)
+    try:
+        _timeouts_counted(workers, caplog, capfd)
+    finally:
+        logging.getLogger("math_verify").setLevel(logging.NOTSET)
+    assert logging.getLogger("math_verify.grader").level == logging.NOTSET  # as it was
+
+
+def test_a_workers_timeout_line_stays_off_the_console():
+    """Outside pytest (whose log capture a forked worker inherits) a worker's timeout line
+    reaches stderr through logging's last resort: catches the filter letting it through."""
+    script = ("import logging, pepo.tasks.rewards as R\n"
+              "logging.basicConfig(level=logging.WARNING)\n"
+              f"with R.MathVerify(timeout=1, workers=1) as mv: print(mv([{TOWER!r}], ['1']))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.stdout.strip() == "[0.0]", done.stderr
+    assert "1 at math-verify's 1 s timeout" in done.stderr
+    assert "Timeout during" not in done.stderr
+
+
+def _timeouts_counted(workers, caplog, capfd):
     with R.MathVerify(timeout=1, workers=workers) as mv:
         assert mv([TOWER, "\\boxed{2}"], ["1", "2"]) == [0.0, 1.0]
         assert mv.timed_out == 1 and mv.killed == 0 and mv.died == 0
@@ -436,7 +473,7 @@ def test_math_verify_timeouts_are_counted_and_reported(workers, caplog, capsys):
             "over the 3 s limit, 0 whose worker died 2 times); 1 timed out, 0 killed, 0 died so "
             "far"]
     assert not [r for r in caplog.records if r.getMessage().startswith("Timeout during")]
-    assert "Timeout during" not in capsys.readouterr().err
+    assert "Timeout during" not in capfd.readouterr().err
     # the filter is on math-verify's loggers for a scoring's time only (a user's own
     # math-verify calls keep their lines)
     assert all(not logging.getLogger(f"math_verify.{m}").filters for m in ("parser", "grader"))
@@ -450,8 +487,8 @@ def test_a_gold_answer_math_verify_cannot_read_is_warned_of_once(workers, caplog
         assert mv(["\\boxed{12}"] * 3 + ["\\boxed{2}"], ["{12", "12", "Yes", "\\frac{1}{2"]) == [
             0.0, 1.0, 0.0, 0.0]
         assert _unchecked(caplog) == [
-            "MathVerify: 2 gold answer(s) hold no expression math-verify reads, so every "
-            "response to them scores 0: '\\\\frac{1}{2', '{12' (2 so far)"]
+            "MathVerify: 2 gold answer(s) hold no expression math-verify reads, so only a "
+            "response ending on the same text can score: '\\\\frac{1}{2', '{12' (2 so far)"]
         caplog.clear()
         assert mv(["\\boxed{12}", "x"], ["{12", "{13"]) == [0.0, 0.0]  # '{13': never parsed
         assert _unchecked(caplog) == []

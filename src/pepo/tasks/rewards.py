@@ -76,7 +76,8 @@ def final_answer_text(response: str, think_end: str = "</think>", max_chars: int
     for ``</think>``) was opened and never closed (a response truncated mid-thought has given
     no answer); otherwise, and always with ``think_end`` None or ``""``, the whole response.
     Only the last ``max_chars`` characters are kept: answers come at the end, and a huge LaTeX
-    blob must not reach the parser whole. A Unicode minus (U+2212) reads as ``-``. A chat
+    blob must not reach the parser whole. A Unicode minus (U+2212) reads as ``-``, and a number
+    whose groups of three digits are set apart by a space (``10\\,080``) as one number. A chat
     template that opens the block in the prompt (Qwen3's Thinking-2507 models, the R1
     distills) leaves no ``<think>`` in the response, so a response truncated mid-thought is then
     read whole, and so is any truncated response without the block: math-verify may find a
@@ -91,13 +92,19 @@ def final_answer_text(response: str, think_end: str = "</think>", max_chars: int
 
 # A space between groups of three digits (``10\,080``, SI's style; ``10\ 080``, ``10~080``, a
 # thin or plain space) is part of the number, but math-verify reads it as arithmetic (``10\,080``
-# is 90): it is dropped, gold and response alike. The separators math-verify reads itself
-# (``10,080``, ``10{,}080``, ``10,\!080``) are left to it.
-_GROUP_SPACE = re.compile(r"(?<=\d)(?:\\[,;: ]|~|[ \u2009\u202f\u00a0])(?=\d{3}(?!\d))")
+# is 90): it is dropped, gold and response alike. Only a whole number written so is joined: 1 to
+# 3 digits not after a letter, digit, ``.``, ``^`` or ``:`` (``2023 100``, ``x^2 100`` and
+# ``12:30 100`` stay apart), then groups of 3; after a decimal point, groups of 3 and a last of 1
+# to 3. The separators math-verify reads itself (``10,080``, ``10{,}080``, ``10,\!080``) are
+# left to it.
+_SPACE = r"(?:\\[,;: ]|~|[ \u2009\u202f\u00a0])"
+_GROUPED = re.compile(rf"(?<![\w.^:])\d{{1,3}}(?:{_SPACE}\d{{3}})+(?!\d)"
+                      rf"|(?<=\d\.)\d{{3}}(?:{_SPACE}\d{{3}})*{_SPACE}\d{{1,3}}(?!\d)")
+_SPACES = re.compile(_SPACE)
 
 
 def _digit_groups(text: str) -> str:
-    return _GROUP_SPACE.sub("", text)
+    return _GROUPED.sub(lambda m: _SPACES.sub("", m.group()), text)
 
 
 def _gold(answer: str, timeout: int) -> list:
@@ -142,26 +149,33 @@ def math_verify_score(
 class _Timeouts(logging.Filter):
     """Counts math-verify's own timeouts, which it logs and answers as "no match" (a score of
     0 that reads as a wrong answer), and keeps their lines (with up to 4,000 characters of the
-    response) off the console: :class:`MathVerify` reports the count."""
+    response) off the console: :class:`MathVerify` reports the count. On a logger the user
+    silenced it is put at WARNING for the call, so that a timeout is still counted, and lets
+    nothing else through."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
+        self.shown: dict[str, bool] = {}  # logger name -> whether its records reach handlers
 
     def filter(self, record: logging.LogRecord) -> bool:
         if str(record.msg).startswith("Timeout during"):
             self.count += 1
             return False
-        return True
+        return self.shown.get(record.name, True)
 
 
 def _score(response: str, answer: str, timeout: int, think_end: str, max_chars: int,
            number_only: bool) -> tuple[float, bool, bool]:
-    """The score, whether math-verify timed out on it, and whether the gold answer (where it
-    was parsed) held no expression math-verify reads (``{12``: every response to it scores 0)."""
+    """The score; whether math-verify's timeout scored it 0; and whether the gold answer (where
+    it was parsed) held no expression math-verify reads (``{12``: only the same text matches)."""
     timeouts = _Timeouts()  # on math-verify's loggers for this call only
     loggers = [logging.getLogger(f"math_verify.{m}") for m in ("parser", "grader")]
+    levels = [logger.level for logger in loggers]
     for logger in loggers:
+        timeouts.shown[logger.name] = logger.isEnabledFor(logging.WARNING)
+        if not timeouts.shown[logger.name]:
+            logger.setLevel(logging.WARNING)
         logger.addFilter(timeouts)
     bad_gold = False
     try:
@@ -179,9 +193,10 @@ def _score(response: str, answer: str, timeout: int, think_end: str, max_chars: 
     except Exception:  # a verifier failure is a wrong answer, never a crashed run
         score = 0.0
     finally:
-        for logger in loggers:
+        for logger, level in zip(loggers, levels):
             logger.removeFilter(timeouts)
-    return score, timeouts.count > 0, bad_gold
+            logger.setLevel(level)
+    return score, score == 0.0 and timeouts.count > 0, bad_gold
 
 
 # Parent-side pipe ends of every live worker of every MathVerify in this process. A forked
@@ -292,8 +307,8 @@ class MathVerify:
     line it logs is kept off the console. A call that scored any response 0 unchecked (killed,
     died, or at math-verify's timeout) says so in one logged warning (a log line, not a Python
     warning: one made an error by ``-W error`` would crash the training step it reports on); a
-    gold answer that holds nothing math-verify reads (``{12``: every response to it scores 0) is
-    warned of the first time it is met. A pathological
+    gold answer that holds nothing math-verify reads (``{12``: only the same text can match it)
+    is warned of the first time it is met. A pathological
     response costs at most that time and never stalls or crashes training. ``workers=0`` checks
     in the calling thread instead (no hard kill; for debugging).
 
@@ -475,7 +490,7 @@ class MathVerify:
         if bad:
             self._bad_golds.update(bad)
             _log.warning(f"MathVerify: {len(bad)} gold answer(s) hold no expression math-verify "
-                         f"reads, so every response to them scores 0: "
+                         f"reads, so only a response ending on the same text can score: "
                          f"{', '.join(repr(b) for b in bad[:3])}{', ...' if len(bad) > 3 else ''}"
                          f" ({len(self._bad_golds)} so far)")
         return [float(r[0]) for r in results]

@@ -122,11 +122,11 @@ def avg_at_k(
 def problem_se(success: Sequence[bool], k: int) -> Optional[float]:
     """The standard error of avg@k over problems: the sample SD of the problems' shares of
     correct responses over the square root of their number (``success``: ``k`` consecutive
-    flags per problem, as :func:`avg_at_k`'s ``records`` come); None for fewer than 2 problems.
-    It counts the problems as a sample of all such problems, so it includes the sampling's
-    own noise and the problems' spread."""
-    n = len(success) // k
-    if n * k != len(success) or k < 1:
+    flags per problem, as one process's :func:`avg_at_k` ``records`` come: without ``dist``);
+    None for fewer than 2 problems. It counts the problems as a sample of all such problems, so
+    it includes the sampling's own noise and the problems' spread."""
+    n = len(success) // k if isinstance(k, int) and k >= 1 else -1
+    if n < 0 or n * k != len(success):
         raise ValueError(f"{len(success)} flags are not k={k} for each of a whole number of "
                          f"problems")
     if n < 2:
@@ -143,26 +143,31 @@ def format_table(results: Mapping[str, float], model_name: str = "model") -> str
     return format_tables([(model_name, results)])
 
 
-def format_tables(rows: Sequence[tuple[str, Mapping[str, float]]]) -> str:
+def format_tables(rows: Sequence[tuple[str, Mapping[str, float]]],
+                  unfinished: Sequence[str] = ()) -> str:
     """:func:`format_table` with one row per evaluated model, over the benchmarks any of them
-    has (``-`` where a model has no result). Mean averages the benchmarks every row has, so
-    that the rows' Means compare the same benchmarks; where some row lacks one, a note under
-    the table names those left out (``-`` where the rows share none)."""
+    has (``-`` where a model has no result). Mean averages the benchmarks every finished row
+    has (rows named in ``unfinished`` do not narrow it), so that the rows' Means compare the
+    same benchmarks: ``-`` for a row without all of them; where some row lacks one, a note
+    under the table names those left out."""
     present = {c for _, results in rows for c in results}
     cols = [c for c in PAPER_COLUMNS if c in present] + sorted(present - set(PAPER_COLUMNS))
-    shared = [c for c in cols if all(c in results for _, results in rows)]
+    done = [results for name, results in rows if name not in unfinished] or [{}]
+    shared = [c for c in cols if all(c in results for results in done)]
     head = "| Model | " + " | ".join(cols) + " | Mean |"
     rule = "|---|" + "---:|" * (len(cols) + 1)
     lines = [head, rule]
     for name, results in rows:
         cells = [f"{100 * results[c]:.2f}" if c in results else "-" for c in cols]
-        mean = f"{100 * sum(results[c] for c in shared) / len(shared):.2f}" if shared else "-"
+        mean = (f"{100 * sum(results[c] for c in shared) / len(shared):.2f}"
+                if shared and all(c in results for c in shared) else "-")
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {mean} |")
     if len(shared) < len(cols):
         left = ", ".join(c for c in cols if c not in shared)
-        lines.append(f"\nMean averages the benchmarks every row has ({', '.join(shared)}); "
-                     f"left out: {left}, which some rows lack." if shared else
-                     f"\nNo benchmark is in every row, so no Mean is given (rows lack: {left}).")
+        lines.append(f"\nMean averages the benchmarks every finished row has ("
+                     f"{', '.join(shared)}); left out: {left}, which some rows lack." if shared
+                     else f"\nNo benchmark is in every finished row, so no Mean is given "
+                     f"(rows lack: {left}).")
     return "\n".join(lines)
 
 

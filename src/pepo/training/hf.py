@@ -15,6 +15,7 @@ interleaved RoPE needs torchtune's q/k permutation (``torchtune.models.convert_w
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -303,6 +304,13 @@ def prompt_differences(tokenizer: Any, model_dir: Union[str, Path]) -> Optional[
     keys = [k for k in ("enable_thinking", "system_prompt", "date_string")
             if isinstance(recorded, dict) and k in recorded
             and recorded[k] != getattr(tokenizer, k, None)]
+    if keys and hasattr(tokenizer, "encode_prompt"):  # a setting the template ignores is no
+        trained = copy.copy(tokenizer)  # difference (Llama's enable_thinking, "" or None)
+        for k in keys:
+            setattr(trained, k, recorded[k])
+        probe = "What is 1 + 1?"
+        if trained.encode_prompt(probe) == tokenizer.encode_prompt(probe):
+            return None
     if not keys:
         return None
     here = ", ".join(f"{k}={getattr(tokenizer, k, None)!r}" for k in keys)
