@@ -340,9 +340,8 @@ def _evaluate(cfg: DictConfig, setup: dict[str, Any]) -> dict[str, float]:
                 progress=f"{name} (avg@{b.k}, {len(problems)} problems)", counts=counts,
                 records=records,
             )
-            file = re.sub(r"[^A-Za-z0-9._-]+", "_", str(name)).strip("_.") or "benchmark"
             responses = write_rollouts(
-                _results_dir(cfg, setup["label"]) / "responses" / f"{file}.jsonl", records)
+                _results_dir(cfg, setup["label"]) / "responses" / _file_name(name), records)
             seconds = time.perf_counter() - t0
             cut = counts.get("truncated")
             share = None if cut is None else cut / max(1, counts["rollouts"])
@@ -367,6 +366,16 @@ def _evaluate(cfg: DictConfig, setup: dict[str, Any]) -> dict[str, float]:
     print("\n" + table + "\n")
     log.info(f"Results: {js}; every evaluation in {cfg.output_dir}: {everything}")
     return {n: done[n]["avg"] for n in cfg.benchmarks}
+
+
+def _file_name(benchmark: Any) -> str:
+    """``<benchmark>.jsonl``; a name with other characters than letters, digits, ``.``, ``_``
+    and ``-`` made safe, with a digest of it so that two names never share a file."""
+    name = str(benchmark)
+    if re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9._-]*", name):
+        return f"{name}.jsonl"
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_.")[:80]
+    return f"{safe}-{hashlib.sha256(name.encode('utf-8')).hexdigest()[:8]}.jsonl"
 
 
 def _se(entry: dict[str, Any]) -> str:

@@ -34,6 +34,9 @@ def test_the_mean_compares_only_the_benchmarks_every_row_has():
     table = format_tables([("a", {"AMC": 0.5, "MATH500": 0.25}), ("b", {"MATH500": 0.75})],
                           unfinished=["b"])
     assert table.splitlines()[2:] == ["| a | 50.00 | 25.00 | 37.50 |", "| b | - | 75.00 | - |"]
+    # every row unfinished (one evaluation stopped midway): each its own Mean, as before
+    assert format_tables([("a", {"AMC": 0.5, "MATH500": 0.25})], unfinished=["a"]).splitlines()[
+        2] == "| a | 50.00 | 25.00 | 37.50 |"
 
 
 def test_problem_se_is_over_the_problems_shares():
@@ -145,8 +148,23 @@ def test_a_trained_models_prompt_settings_are_compared_with_the_eval_tokenizers(
     (model_dir / "pepo_prompt.json").write_text(json.dumps(
         {"enable_thinking": True, "system_prompt": None, "date_string": "1 Jan 2030"}))
     assert prompt_differences(ChatTokenizer(model_dir), model_dir) is None
-    (model_dir / "pepo_prompt.json").write_text("[1, 2]")  # not a record: nothing to compare
+    # not a record: nothing to compare (a JSON string would be searched for the keys)
+    (model_dir / "pepo_prompt.json").write_text('"enable_thinking system_prompt"')
     assert prompt_differences(ChatTokenizer(model_dir), model_dir) is None
+    # a template that refuses the recorded settings: they differ (no traceback)
+    (model_dir / "pepo_prompt.json").write_text(json.dumps({"enable_thinking": False}))
+    refusing = ChatTokenizer(model_dir)
+    refusing.encode_prompt = lambda prompt: (_ for _ in ()).throw(RuntimeError("template"))
+    assert "tokenizer.enable_thinking=false asks as training did" in prompt_differences(
+        refusing, model_dir)
+
+
+def test_responses_files_never_share_a_name():
+    """Catches two benchmark names made one file name ('a b', 'a_b'), and a '/' in a name
+    making a folder."""
+    names = [pepo_eval._file_name(n) for n in ("a b", "a_b", "x/y", "MATH500", "..")]
+    assert len(set(names)) == 5 and names[1] == "a_b.jsonl" and names[3] == "MATH500.jsonl"
+    assert all("/" not in n and not n.startswith(".") for n in names)
 
 
 def test_eval_config_errors(tmp_path):

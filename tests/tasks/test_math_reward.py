@@ -417,6 +417,7 @@ def test_several_boxed_answers_are_read_as_a_set_as_documented():
     ("\\boxed{10,\\!080}", "10080", 1.0),  # math-verify's own separators stay its own
     ("\\boxed{x^2 100}", "x^{2100}", 0.0),  # an exponent's digit is no number's first group
     ("\\boxed{a_1 234}", "a_{1234}", 0.0),  # nor a subscript's
+    ("The answer is 1.250 2.500", "1.2502", 0.0),  # two decimals, not one
 ])
 def test_digit_groups_separated_by_a_space_are_one_number(response, gold, expected):
     """Catches the space left in (math-verify reads ``10\\,080`` as arithmetic), dropped on one
@@ -425,10 +426,16 @@ def test_digit_groups_separated_by_a_space_are_one_number(response, gold, expect
 
 
 @pytest.mark.parametrize("text", ["In 2023 100 students", "1234 567", "12:30 100", "x_1 234",
-                                  "1.5 000", "\\frac{1}{2}\\,000", "12\\,34", "10 0801"])
+                                  "1.5 000", "\\frac{1}{2}\\,000", "12\\,34", "10 0801",
+                                  "1/2 100", "0.125 0.25"])
 def test_only_a_whole_number_written_in_groups_is_joined(text):
     """Catches a join after any digit (the first group has 1 to 3 digits and starts a number)."""
     assert R.final_answer_text(text) == text
+
+
+def test_a_number_after_a_words_colon_is_joined():
+    """Catches every colon taken for a time's (only a digit's colon is)."""
+    assert R.final_answer_text("Answer:1\\,000") == "Answer:1000"
 
 
 TOWER = "\\boxed{9^{9^{9^{9^{9^{9}}}}}}"  # math-verify's own 1 s timeout ends its comparison
@@ -464,6 +471,26 @@ def test_a_workers_timeout_line_stays_off_the_console():
     assert "Timeout during" not in done.stderr
 
 
+def test_the_timeout_filter_comes_first_and_lets_nothing_through_a_silenced_logger(caplog):
+    """Catches the filter added after a user's filter that drops the record (the timeout then
+    goes uncounted), and a silenced logger's other records let through while its level is
+    lowered for the call."""
+    grader = logging.getLogger("math_verify.grader")
+    drop_all = logging.Filter("nothing")  # passes no record
+    grader.addFilter(drop_all)
+    try:
+        with R.MathVerify(timeout=1, workers=0) as mv:
+            assert mv([TOWER], ["1"]) == [0.0] and mv.timed_out == 1
+    finally:
+        grader.removeFilter(drop_all)
+    f = R._Timeouts()
+    f.shown["math_verify.parser"] = False
+    other = logging.LogRecord("math_verify.parser", logging.WARNING, "", 0, "a note", None, None)
+    assert f.filter(other) is False and f.count == 0
+    f.shown["math_verify.parser"] = True
+    assert f.filter(other) is True
+
+
 def _timeouts_counted(workers, caplog, capfd):
     with R.MathVerify(timeout=1, workers=workers) as mv:
         assert mv([TOWER, "\\boxed{2}"], ["1", "2"]) == [0.0, 1.0]
@@ -487,8 +514,8 @@ def test_a_gold_answer_math_verify_cannot_read_is_warned_of_once(workers, caplog
         assert mv(["\\boxed{12}"] * 3 + ["\\boxed{2}"], ["{12", "12", "Yes", "\\frac{1}{2"]) == [
             0.0, 1.0, 0.0, 0.0]
         assert _unchecked(caplog) == [
-            "MathVerify: 2 gold answer(s) hold no expression math-verify reads, so only a "
-            "response ending on the same text can score: '\\\\frac{1}{2', '{12' (2 so far)"]
+            "MathVerify: 2 gold answer(s) hold no expression math-verify reads, so nearly every "
+            "response to them scores 0: '\\\\frac{1}{2', '{12' (2 so far)"]
         caplog.clear()
         assert mv(["\\boxed{12}", "x"], ["{12", "{13"]) == [0.0, 0.0]  # '{13': never parsed
         assert _unchecked(caplog) == []

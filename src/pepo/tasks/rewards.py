@@ -93,13 +93,14 @@ def final_answer_text(response: str, think_end: str = "</think>", max_chars: int
 # A space between groups of three digits (``10\,080``, SI's style; ``10\ 080``, ``10~080``, a
 # thin or plain space) is part of the number, but math-verify reads it as arithmetic (``10\,080``
 # is 90): it is dropped, gold and response alike. Only a whole number written so is joined: 1 to
-# 3 digits not after a letter, digit, ``.``, ``^`` or ``:`` (``2023 100``, ``x^2 100`` and
-# ``12:30 100`` stay apart), then groups of 3; after a decimal point, groups of 3 and a last of 1
-# to 3. The separators math-verify reads itself (``10,080``, ``10{,}080``, ``10,\!080``) are
+# 3 digits not after a letter, digit, ``.``, ``^``, ``/`` or a digit's ``:`` (``2023 100``, ``x^2
+# 100``, ``1/2 100`` and ``12:30 100`` stay apart), then groups of 3; after a decimal point,
+# groups of 3 and a last of 1 to 3 not followed by another decimal point (``1.250 2.500`` is two
+# numbers). The separators math-verify reads itself (``10,080``, ``10{,}080``, ``10,\!080``) are
 # left to it.
 _SPACE = r"(?:\\[,;: ]|~|[ \u2009\u202f\u00a0])"
-_GROUPED = re.compile(rf"(?<![\w.^:])\d{{1,3}}(?:{_SPACE}\d{{3}})+(?!\d)"
-                      rf"|(?<=\d\.)\d{{3}}(?:{_SPACE}\d{{3}})*{_SPACE}\d{{1,3}}(?!\d)")
+_GROUPED = re.compile(rf"(?<![\w.^/])(?<!\d:)\d{{1,3}}(?:{_SPACE}\d{{3}})+(?!\d)"
+                      rf"|(?<=\d\.)\d{{3}}(?:{_SPACE}\d{{3}})*{_SPACE}\d{{1,3}}(?!\d|\.\d)")
 _SPACES = re.compile(_SPACE)
 
 
@@ -149,9 +150,10 @@ def math_verify_score(
 class _Timeouts(logging.Filter):
     """Counts math-verify's own timeouts, which it logs and answers as "no match" (a score of
     0 that reads as a wrong answer), and keeps their lines (with up to 4,000 characters of the
-    response) off the console: :class:`MathVerify` reports the count. On a logger the user
-    silenced it is put at WARNING for the call, so that a timeout is still counted, and lets
-    nothing else through."""
+    response) off the console: :class:`MathVerify` reports the count. It is the loggers' first
+    filter; on a logger the user silenced by its level it puts the level at WARNING for the
+    call, so that a timeout is still counted, and lets nothing else through (``logging.disable``
+    and a disabled logger make no record: their timeouts go uncounted)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -168,7 +170,8 @@ class _Timeouts(logging.Filter):
 def _score(response: str, answer: str, timeout: int, think_end: str, max_chars: int,
            number_only: bool) -> tuple[float, bool, bool]:
     """The score; whether math-verify's timeout scored it 0; and whether the gold answer (where
-    it was parsed) held no expression math-verify reads (``{12``: only the same text matches)."""
+    it was parsed) held no expression math-verify reads (``{12``: nearly every response to it
+    scores 0)."""
     timeouts = _Timeouts()  # on math-verify's loggers for this call only
     loggers = [logging.getLogger(f"math_verify.{m}") for m in ("parser", "grader")]
     levels = [logger.level for logger in loggers]
@@ -176,7 +179,7 @@ def _score(response: str, answer: str, timeout: int, think_end: str, max_chars: 
         timeouts.shown[logger.name] = logger.isEnabledFor(logging.WARNING)
         if not timeouts.shown[logger.name]:
             logger.setLevel(logging.WARNING)
-        logger.addFilter(timeouts)
+        logger.filters.insert(0, timeouts)  # before a user's filter that might drop the record
     bad_gold = False
     try:
         from math_verify import parse, verify
@@ -307,8 +310,8 @@ class MathVerify:
     line it logs is kept off the console. A call that scored any response 0 unchecked (killed,
     died, or at math-verify's timeout) says so in one logged warning (a log line, not a Python
     warning: one made an error by ``-W error`` would crash the training step it reports on); a
-    gold answer that holds nothing math-verify reads (``{12``: only the same text can match it)
-    is warned of the first time it is met. A pathological
+    gold answer that holds nothing math-verify reads (``{12``: nearly every response to it scores
+    0) is warned of the first time it is met. A pathological
     response costs at most that time and never stalls or crashes training. ``workers=0`` checks
     in the calling thread instead (no hard kill; for debugging).
 
@@ -490,7 +493,7 @@ class MathVerify:
         if bad:
             self._bad_golds.update(bad)
             _log.warning(f"MathVerify: {len(bad)} gold answer(s) hold no expression math-verify "
-                         f"reads, so only a response ending on the same text can score: "
+                         f"reads, so nearly every response to them scores 0: "
                          f"{', '.join(repr(b) for b in bad[:3])}{', ...' if len(bad) > 3 else ''}"
                          f" ({len(self._bad_golds)} so far)")
         return [float(r[0]) for r in results]

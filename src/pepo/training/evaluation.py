@@ -152,7 +152,8 @@ def format_tables(rows: Sequence[tuple[str, Mapping[str, float]]],
     under the table names those left out."""
     present = {c for _, results in rows for c in results}
     cols = [c for c in PAPER_COLUMNS if c in present] + sorted(present - set(PAPER_COLUMNS))
-    done = [results for name, results in rows if name not in unfinished] or [{}]
+    done = [results for name, results in rows if name not in unfinished] or [
+        results for _, results in rows]  # all unfinished: their own benchmarks
     shared = [c for c in cols if all(c in results for results in done)]
     head = "| Model | " + " | ".join(cols) + " | Mean |"
     rule = "|---|" + "---:|" * (len(cols) + 1)

@@ -309,8 +309,11 @@ def prompt_differences(tokenizer: Any, model_dir: Union[str, Path]) -> Optional[
         for k in keys:
             setattr(trained, k, recorded[k])
         probe = "What is 1 + 1?"
-        if trained.encode_prompt(probe) == tokenizer.encode_prompt(probe):
-            return None
+        try:
+            if trained.encode_prompt(probe) == tokenizer.encode_prompt(probe):
+                return None
+        except Exception:  # a template that refuses the recorded settings: they differ
+            pass
     if not keys:
         return None
     here = ", ".join(f"{k}={getattr(tokenizer, k, None)!r}" for k in keys)
