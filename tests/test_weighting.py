@@ -1438,3 +1438,26 @@ def test_advantages_of_any_float_dtype_give_fp32_computed_in_fp32(name, dtype):
     got = s(adv.to(dtype), ent, mask, **kw)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, s(adv.to(dtype).float(), ent, mask, **kw), rtol=0, atol=0)
+
+
+def test_validated_rows_near_the_entropy_limits_match_a_float64_reference():
+    """Two rows the generated batches never reach, each against float64 (a cumulative sum of
+    shifted exponentials for the first, tests/reference.py for the second). Catches a window
+    sum without the row's maximum subtracted, or with its minimum (every e underflows to 0 and
+    the weights fall back to uniform in silence), and a wide-row guard that never fires (a
+    window 100 nats below the row's maximum held as fp32 subnormals, off by 1 %)."""
+    window, tau = 16385, 0.3
+    g = torch.Generator().manual_seed(0)
+    n = window + 200
+    ent = 23.5 + 0.5 * torch.rand(1, n + 50, generator=g)  # H <= 24 nats, 50 padded columns
+    mask = torch.zeros_like(ent, dtype=torch.bool)
+    mask[:, :n] = True
+    got = pw.proximal_entropy(ent, mask, window, tau)[0, :n].double().numpy()
+    h = ent[0, :n].double().numpy() / tau
+    x = np.pad(h, window // 2, mode="reflect")
+    c = np.concatenate([[0.0], np.cumsum(np.exp(x - x.max()))])
+    np.testing.assert_allclose(got, np.exp(h - x.max()) / (c[window:] - c[:-window]), rtol=1e-4)
+    wide = torch.tensor([[130.0, 30.0, 30.5, 30.2, 30.1, 30.4, 30.3, 30.0]])
+    full = torch.ones_like(wide, dtype=torch.bool)
+    np.testing.assert_allclose(pw.proximal_entropy(wide, full, 3, 1.0).double().numpy()[0, 2:],
+                               ref.proximal_entropy(wide, full, 3, 1.0)[0, 2:], rtol=1e-4)
