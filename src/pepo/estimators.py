@@ -615,7 +615,7 @@ def list_estimators() -> list[str]:
 def estimator_parameters(name: str) -> list[str]:
     """The keyword arguments of estimator ``name`` (what its config section may set)."""
     if name not in ESTIMATORS:
-        close = _checks.close_name(name, sorted(ESTIMATORS)) if name is not None else None
+        close = _checks.close_name(name, sorted(ESTIMATORS))
         hint = _checks.paper_name_hint("estimator", name) or (close and f"did you mean {close!r}?")
         raise ValueError(f"estimator name must be one of {sorted(ESTIMATORS)}, got {name!r}"
                          + (f" ({hint})" if hint else ""))

@@ -38,6 +38,7 @@ import torch
 
 from pepo import weighting
 from pepo.study.cli import DefaultsFormatter, percent_arg, positive_arg, window_arg
+from pepo.training import evaluation
 from pepo.training.checkpointing import atomic_write_text
 from pepo.training.evaluation import eval_generator
 from pepo.training.fast_decoder import FastPlan
@@ -151,10 +152,9 @@ def problem_se(success: torch.Tensor, k: int) -> float:
     of one problem are not independent, so the error is that of the ``N`` per-problem means
     (sample SD / sqrt(N)); NaN for one problem, or where every problem's mean is the same
     (no spread to estimate it from: both rankings scoring 0 everywhere is no exact 0). The
-    paired differences use it."""
-    per = success.double().reshape(-1, k).mean(-1)
-    se = float(per.std() / math.sqrt(per.numel())) if per.numel() > 1 else math.nan
-    return se if se > 0 else math.nan
+    paired differences use it; the formula is :func:`pepo.training.evaluation.problem_se`'s."""
+    se = evaluation.problem_se(success.double().tolist(), k)
+    return se if se is not None and se > 0 else math.nan
 
 
 def sampling_se(success: torch.Tensor, k: int) -> float:

@@ -304,8 +304,10 @@ def prompt_differences(tokenizer: Any, model_dir: Union[str, Path]) -> Optional[
     keys = [k for k in ("enable_thinking", "system_prompt", "date_string")
             if isinstance(recorded, dict) and k in recorded
             and recorded[k] != getattr(tokenizer, k, None)]
-    if keys and hasattr(tokenizer, "encode_prompt"):  # a setting the template ignores is no
-        trained = copy.copy(tokenizer)  # difference (Llama's enable_thinking, "" or None)
+    if not keys:
+        return None
+    if hasattr(tokenizer, "encode_prompt"):  # a setting the template ignores is no difference
+        trained = copy.copy(tokenizer)  # (Llama's enable_thinking, "" or None)
         for k in keys:
             setattr(trained, k, recorded[k])
         probe = "What is 1 + 1?"
@@ -314,8 +316,6 @@ def prompt_differences(tokenizer: Any, model_dir: Union[str, Path]) -> Optional[
                 return None
         except Exception:  # a template that refuses the recorded settings: they differ
             pass
-    if not keys:
-        return None
     here = ", ".join(f"{k}={getattr(tokenizer, k, None)!r}" for k in keys)
     fix = " ".join(f"tokenizer.{k}={json.dumps(recorded[k])}" for k in keys)
     return (f"{path} records that training rendered its prompts otherwise than this tokenizer "
