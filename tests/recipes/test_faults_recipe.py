@@ -150,6 +150,31 @@ def test_the_output_dir_check_survives_another_process_removing_the_directory(tm
     assert len(calls) == 2 and list(tmp_path.iterdir()) == []
 
 
+def test_the_output_dir_check_survives_the_directory_removed_as_its_mkdir_finds_it(tmp_path,
+                                                                                  monkeypatch):
+    """The other side of the same race (a two-process run failed on it): another process creates
+    the directory, this one's mkdir fails on it (EEXIST), and the other's clean-up removes it
+    before mkdir looks at what it found, so ``exist_ok`` does not help. The check must try again;
+    one that retries only a vanished directory at the probe reports "File exists" here."""
+    import errno
+
+    from pepo.training.config import check_output_dir
+
+    target, real, raced = tmp_path / "new" / "run", os.mkdir, []
+
+    def racing(path, *a, **k):
+        if Path(path) == target and target.parent.is_dir() and not raced:
+            raced.append(path)
+            real(path, *a, **k)  # the other process makes it ...
+            os.rmdir(path)  # ... and its clean-up removes it, after this mkdir failed on it
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path))
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(os, "mkdir", racing)
+    check_output_dir(target)
+    assert raced and list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize(
     "override, message",
     [

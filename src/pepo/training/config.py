@@ -24,6 +24,7 @@ import importlib.util
 import os
 import re
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -287,10 +288,8 @@ def check_device(device: Any) -> None:
                    f"visible and its driver supports that CUDA (nvidia-smi)")
         else:
             fix = "use device=cpu, or a CUDA build of torch on a machine with a GPU"
-        raise ValueError(
-            f"device={device!r} but CUDA is not available here (torch {torch.__version__}); "
-            f"{fix}"
-        )
+        raise ValueError(f"device={device!r} but CUDA is not available here "
+                         f"(torch {torch.__version__}); {fix}")
 
 
 def check_output_dir(path: Any, key: str = "output_dir") -> None:
@@ -318,16 +317,17 @@ def check_output_dir(path: Any, key: str = "output_dir") -> None:
         raise ValueError(f"{key}={str(path)!r} cannot be a directory: {existing} is a file")
     missing = [a for a in (p, *p.parents) if not a.exists()]
     try:
-        for attempt in range(3):
-            p.mkdir(parents=True, exist_ok=True)
+        for attempt in range(5):
             try:
+                p.mkdir(parents=True, exist_ok=True)
                 fd, probe = tempfile.mkstemp(prefix=".pepo_probe_", dir=p)
                 break
-            except FileNotFoundError:
-                # the processes of one torchrun launch check the same path at once, and one's
-                # clean-up below can remove the directory between another's mkdir and its probe
-                if attempt == 2 or p.exists():
+            except (FileNotFoundError, FileExistsError) as e:
+                # the processes of one torchrun launch check one path at once: one's clean-up below
+                # can remove the directory before another's probe, or as another's mkdir finds it
+                if attempt == 4 or (p.exists() and (type(e) is FileNotFoundError or p.is_file())):
                     raise
+                time.sleep(0.01 * (attempt + 1))
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
