@@ -26,6 +26,10 @@ that its ops take a few µs: what separates a launch-bound GPU call from its ker
 wrapper and with Python's, each in a fresh process with an empty inductor cache: what a
 training run pays once per strategy.
 
+``--radix-blocks`` times, on a CUDA GPU with Triton, ``global_topk``'s radix select at other
+histogram-pass settings (scores a program, warps), alternating over three rounds, each output
+checked equal to the default's: the passes' GPU µs (the profiler) and the calls' µs.
+
 ``--profile`` (``--profile-only``: nothing else) adds, for the strategies named, what
 ``torch.profiler`` sees in 20 unvalidated calls: kernel launches and GPU-busy µs per call
 against the call's time, and the kernels that take the GPU's time (the first rows of the
@@ -251,6 +255,56 @@ def host_costs(calls: int, rounds: int) -> list[dict]:
     return rows
 
 
+RADIX_SETTINGS = [(1024, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 8)]
+
+
+def radix_blocks(calls: int, shapes: list) -> list[dict]:
+    """``global_topk`` (entropy and proximal score) at each of ``RADIX_SETTINGS`` for the radix
+    select's histogram passes (``pepo._triton._HIST_BLOCK``, ``_HIST_WARPS``)."""
+    import pepo._triton as tr
+    from torch.profiler import ProfilerActivity, profile
+
+    default, rows = (tr._HIST_BLOCK, tr._HIST_WARPS), []
+    print("| score | shape | floor | " + " | ".join(
+        f"{b}/{w} pass / call µs" for b, w in RADIX_SETTINGS) + " |")
+    print("|---|---|---:|" + "---:|" * len(RADIX_SETTINGS))
+    try:
+        for b, t in shapes:
+            adv, ent, mask = ragged_batch(b, t, "cuda")
+            floor = time_calls(lambda: (ent * mask).sum(), calls)
+            for score in ("entropy", "proximal"):
+                s = pw.get_strategy("global_topk", score=score, window=101)
+                fn = lambda: s(adv, ent, mask, validate=False)  # noqa: E731
+                tr._HIST_BLOCK, tr._HIST_WARPS = default
+                want, times = fn(), {v: [] for v in RADIX_SETTINGS}
+                for _ in range(3):
+                    for v in RADIX_SETTINGS:
+                        tr._HIST_BLOCK, tr._HIST_WARPS = v
+                        assert torch.equal(fn(), want), f"{score} at {v} differs"
+                        times[v].append(time_calls(fn, calls))
+                cells = []
+                for v in RADIX_SETTINGS:
+                    tr._HIST_BLOCK, tr._HIST_WARPS = v
+                    fn()
+                    torch.cuda.synchronize()
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        for _ in range(20):
+                            fn()
+                        torch.cuda.synchronize()
+                    per_pass = [e.device_time_total / e.count for e in prof.key_averages()
+                                if e.key == "radix_hist_kernel"]
+                    call = sorted(times[v])[1]
+                    rows.append({"radix_blocks": list(v), "score": score, "shape": [b, t],
+                                 "floor_us": floor * 1e6, "pass_us": per_pass[0],
+                                 "call_us": call * 1e6})
+                    cells.append(f"{per_pass[0]:.1f} / {call * 1e6:,.0f}")
+                print(f"| {score} | [{b}, {t}] | {floor * 1e6:,.0f} | " + " | ".join(cells)
+                      + " |", flush=True)
+    finally:
+        tr._HIST_BLOCK, tr._HIST_WARPS = default
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
@@ -262,6 +316,8 @@ def main() -> None:
     p.add_argument("--first-call", nargs="*", default=None, metavar="STRATEGY",
                    help="only the first calls' compile times of these strategies")
     p.add_argument("--first-call-child", help=argparse.SUPPRESS)
+    p.add_argument("--radix-blocks", action="store_true",
+                   help="only global_topk's radix passes at other block sizes (a CUDA GPU)")
     p.add_argument("--profile", nargs="*", default=[], metavar="STRATEGY",
                    choices=list(PROFILED),
                    help="also profile these strategies' unvalidated calls")
@@ -287,6 +343,14 @@ def main() -> None:
         return
     if args.host:
         rows.extend(host_costs(200 if args.quick else 20_000, 3 if args.quick else 7))
+        save()
+        return
+    if args.radix_blocks:
+        from pepo import _triton
+
+        if device != "cuda" or not _triton.available():
+            raise SystemExit("--radix-blocks times Triton kernels: it needs a CUDA GPU")
+        rows.extend(radix_blocks(calls, shapes))
         save()
         return
     if args.overhead:

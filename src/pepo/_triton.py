@@ -30,9 +30,12 @@ except ImportError:  # pragma: no cover - exercised where Triton is missing
 __all__ = ["available", "entropy_bonus", "global_topk", "gtpo", "windowed"]
 
 _BLOCK = 1024
+# the radix select's three histogram passes: 8 us each on an H200 at 2^20 scores, 13 with
+# _BLOCK and 4 warps (1,024 programs adding into one histogram); docs/performance.md
+_HIST_BLOCK, _HIST_WARPS = 4096, 8
 _TILE = 256  # tokens per program of the window kernel: W loads each, from L1/L2
 # global_topk's threshold: "radix" (a select over the scores' bytes: four histogram passes, no
-# sort; 6 launches and 57 us of GPU time against the sort's 10 and 97 on an H200,
+# sort; 6 launches and 42 us of GPU time against the sort's 10 and 97 on an H200,
 # docs/performance.md) or "sort" (one torch.sort of the batch)
 _TOPK_SELECT = os.environ.get("PEPO_TOPK_SELECT", "radix")
 _CHUNK = 2048  # columns per program of the windowed compaction (a multiple of _BLOCK: no overlap)
@@ -487,8 +490,9 @@ def global_topk(adv: torch.Tensor, ent: torch.Tensor, mask: torch.Tensor, q: flo
     with _on(ent.device):
         if radix:
             for p in (1, 2, 3):
-                _radix_hist_kernel[(triton.cdiv(b * t, _BLOCK),)](flat, counts, b * t, _bits(q),
-                                                                   PASS=p, BLOCK=_BLOCK)
+                _radix_hist_kernel[(triton.cdiv(b * t, _HIST_BLOCK),)](
+                    flat, counts, b * t, _bits(q), PASS=p, BLOCK=_HIST_BLOCK,
+                    num_warps=_HIST_WARPS)
             _topk_radix_apply_kernel[(b, n_tiles)](flat, counts, adv, mask, out, t,
                                                    adv.stride(0), mask.stride(0),
                                                    mask.stride(1), _bits(q),

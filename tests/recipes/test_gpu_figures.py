@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_figures.sh"
@@ -88,3 +89,18 @@ def test_host_costs_cover_every_strategy(tmp_path):
     assert all(r["wrapper_us"] > 0 and r["wrapper_bare_us"] > 0
                for r in rows if "host_strategy" in r)
     assert len([r for r in rows if "host_uniform" in r and r["us"] > 0]) == 4
+
+
+def test_radix_blocks_says_it_needs_a_gpu_on_a_cpu(tmp_path):
+    """``--radix-blocks`` times Triton kernels on CUDA only: on a CPU it stops with one line
+    saying so and writes no figures (catches a mode that times the CPU's strategies and prints
+    them as the kernels' settings)."""
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the mode runs: gpu_figures.sh's machine")
+    out = tmp_path / "radix.json"
+    proc = subprocess.run([sys.executable, "bench_weighting_variants.py", "--radix-blocks",
+                           "--out", str(out)], cwd=ROOT / "benchmarks",
+                          env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "it needs a CUDA GPU" in proc.stderr
+    assert not out.exists()
