@@ -261,8 +261,9 @@ RADIX_SETTINGS = [(1024, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 8)]
 def radix_blocks(calls: int, shapes: list) -> list[dict]:
     """``global_topk`` (entropy and proximal score) at each of ``RADIX_SETTINGS`` for the radix
     select's histogram passes (``pepo._triton._HIST_BLOCK``, ``_HIST_WARPS``)."""
-    import pepo._triton as tr
     from torch.profiler import ProfilerActivity, profile
+
+    import pepo._triton as tr
 
     default, rows = (tr._HIST_BLOCK, tr._HIST_WARPS), []
     print("| score | shape | floor | " + " | ".join(

@@ -45,7 +45,7 @@ KERNELS = [
                              "count_ptr": "*i64"}, {"RADIX": radix, "BLOCK": 1024})
       for e in ENT for radix in (False, True)],
     *[("_radix_hist_kernel", {"flat_ptr": "*fp32", "count_ptr": "*i64", "q_bits": bits},
-       {"PASS": p, "BLOCK": 1024}) for p in (1, 2, 3) for bits in ("i64", "i32")],
+       {"PASS": p, "BLOCK": _triton._HIST_BLOCK}) for p in (1, 2, 3) for bits in ("i64", "i32")],
     *[("_topk_radix_apply_kernel", {"flat_ptr": "*fp32", "count_ptr": "*i64",
                                     "adv_ptr": "*fp32", "mask_ptr": "*i1", "out_ptr": "*fp32",
                                     "q_bits": bits}, {"SELECTED": selected, "BLOCK": 1024})
@@ -90,6 +90,8 @@ def test_kernel_compiles_for_the_gpu(arch, name, types, switches):
     assert set(types) | set(switches) <= set(fn.arg_names)  # no misspelt argument
     signature = {a: "constexpr" if a in switches else types.get(a, "i32") for a in fn.arg_names}
     constexprs = {(fn.arg_names.index(a),): v for a, v in switches.items()}
+    # the warps it launches with (the radix passes take 8; the others Triton's default 4)
+    warps = _triton._HIST_WARPS if name == "_radix_hist_kernel" else 4
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                              target=GPUTarget("cuda", arch, 32))
+                              target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
     assert compiled.asm["cubin"]  # ptxas accepted the kernel
