@@ -27,8 +27,9 @@ wrapper and with Python's, each in a fresh process with an empty inductor cache:
 training run pays once per strategy.
 
 ``--radix-blocks`` times, on a CUDA GPU with Triton, ``global_topk``'s radix select at other
-histogram-pass settings (scores a program, warps), alternating over three rounds, each output
-checked equal to the default's: the passes' GPU µs (the profiler) and the calls' µs.
+histogram-pass settings (``PEPO_TOPK_HIST``: scores and warps a program), one process per
+setting and round, alternating over three rounds, each output checked equal to the default's:
+the passes' GPU µs (the profiler) and the calls' µs.
 
 ``--profile`` (``--profile-only``: nothing else) adds, for the strategies named, what
 ``torch.profiler`` sees in 20 unvalidated calls: kernel launches and GPU-busy µs per call
@@ -39,6 +40,7 @@ profiler's table).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -255,54 +257,77 @@ def host_costs(calls: int, rounds: int) -> list[dict]:
     return rows
 
 
-RADIX_SETTINGS = [(1024, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 8)]
+RADIX_SETTINGS = ["1024x4", "4096x4", "4096x8", "8192x8", "16384x8"]  # PEPO_TOPK_HIST values
 
 
-def radix_blocks(calls: int, shapes: list) -> list[dict]:
-    """``global_topk`` (entropy and proximal score) at each of ``RADIX_SETTINGS`` for the radix
-    select's histogram passes (``pepo._triton._HIST_BLOCK``, ``_HIST_WARPS``)."""
+def radix_child(setting: str, out: str, calls: int, shapes: list) -> None:
+    """In a process of its own, under ``PEPO_TOPK_HIST=setting``: ``global_topk`` (entropy and
+    proximal score) timed and profiled at each shape; its outputs saved beside the figures."""
     from torch.profiler import ProfilerActivity, profile
 
-    import pepo._triton as tr
-
-    default, rows = (tr._HIST_BLOCK, tr._HIST_WARPS), []
-    print("| score | shape | floor | " + " | ".join(
-        f"{b}/{w} pass / call µs" for b, w in RADIX_SETTINGS) + " |")
-    print("|---|---|---:|" + "---:|" * len(RADIX_SETTINGS))
-    try:
-        for b, t in shapes:
-            adv, ent, mask = ragged_batch(b, t, "cuda")
-            floor = time_calls(lambda: (ent * mask).sum(), calls)
-            for score in ("entropy", "proximal"):
-                s = pw.get_strategy("global_topk", score=score, window=101)
-                fn = lambda: s(adv, ent, mask, validate=False)  # noqa: E731
-                tr._HIST_BLOCK, tr._HIST_WARPS = default
-                want, times = fn(), {v: [] for v in RADIX_SETTINGS}
-                for _ in range(3):
-                    for v in RADIX_SETTINGS:
-                        tr._HIST_BLOCK, tr._HIST_WARPS = v
-                        assert torch.equal(fn(), want), f"{score} at {v} differs"
-                        times[v].append(time_calls(fn, calls))
-                cells = []
-                for v in RADIX_SETTINGS:
-                    tr._HIST_BLOCK, tr._HIST_WARPS = v
+    assert os.environ.get("PEPO_TOPK_HIST") == setting
+    rows, outputs = [], {}
+    for b, t in shapes:
+        adv, ent, mask = ragged_batch(b, t, "cuda")
+        floor = time_calls(lambda: (ent * mask).sum(), calls)
+        for score in ("entropy", "proximal"):
+            s = pw.get_strategy("global_topk", score=score, window=101)
+            fn = lambda: s(adv, ent, mask, validate=False)  # noqa: E731
+            outputs[f"{score} {b}x{t}"] = fn().cpu()
+            call = time_calls(fn, calls)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(20):
                     fn()
-                    torch.cuda.synchronize()
-                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                        for _ in range(20):
-                            fn()
-                        torch.cuda.synchronize()
-                    per_pass = [e.device_time_total / e.count for e in prof.key_averages()
-                                if e.key == "radix_hist_kernel"]
-                    call = sorted(times[v])[1]
-                    rows.append({"radix_blocks": list(v), "score": score, "shape": [b, t],
-                                 "floor_us": floor * 1e6, "pass_us": per_pass[0],
-                                 "call_us": call * 1e6})
-                    cells.append(f"{per_pass[0]:.1f} / {call * 1e6:,.0f}")
-                print(f"| {score} | [{b}, {t}] | {floor * 1e6:,.0f} | " + " | ".join(cells)
-                      + " |", flush=True)
-    finally:
-        tr._HIST_BLOCK, tr._HIST_WARPS = default
+                torch.cuda.synchronize()
+            per_pass = [e.device_time_total / e.count for e in prof.key_averages()
+                        if e.key == "radix_hist_kernel"]
+            rows.append({"setting": setting, "score": score, "shape": [b, t],
+                         "floor_us": floor * 1e6, "pass_us": per_pass[0], "call_us": call * 1e6})
+    torch.save(outputs, out + ".pt")
+    with open(out, "w", encoding="utf-8") as f:
+        json.dump(rows, f)
+
+
+def radix_blocks(calls: int, rounds: int = 3) -> list[dict]:
+    """``global_topk``'s radix select at each of ``RADIX_SETTINGS``: one process per setting and
+    round, alternating; every output checked equal to the default setting's (4096x8)."""
+    import statistics
+    import subprocess
+    import sys
+    import tempfile
+
+    got: dict[tuple, list[dict]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(rounds):
+            for setting in RADIX_SETTINGS:
+                out = os.path.join(tmp, f"{setting}-{r}.json")
+                subprocess.run([sys.executable, __file__, "--radix-child", setting, "--out", out],
+                               env={**os.environ, "PEPO_TOPK_HIST": setting}, check=True)
+                with open(out, encoding="utf-8") as f:
+                    for row in json.load(f):
+                        got.setdefault((row["score"], tuple(row["shape"]), setting), []).append(row)
+        want = torch.load(os.path.join(tmp, "4096x8-0.json.pt"))
+        for r in range(rounds):
+            for setting in RADIX_SETTINGS:
+                for key, value in torch.load(os.path.join(tmp, f"{setting}-{r}.json.pt")).items():
+                    assert torch.equal(value, want[key]), f"{key} differs at {setting}"
+    print("| score | shape | floor µs | " + " | ".join(RADIX_SETTINGS) + " |")
+    print("|---|---|---:|" + "---:|" * len(RADIX_SETTINGS))
+    rows: list[dict] = []
+    for score, shape in dict.fromkeys((k[0], k[1]) for k in got):
+        cells, floors = [], []
+        for setting in RADIX_SETTINGS:
+            runs = got[(score, shape, setting)]
+            med = {k: statistics.median(x[k] for x in runs)
+                   for k in ("pass_us", "call_us", "floor_us")}
+            floors.append(med["floor_us"])
+            rows.append({"radix_blocks": setting, "score": score, "shape": list(shape), **med})
+            cells.append(f"{med['pass_us']:.1f} / {med['call_us']:,.0f}")
+        print(f"| {score} | {list(shape)} | {statistics.median(floors):,.0f} | "
+              + " | ".join(cells) + " |", flush=True)
+    print("\n(a histogram pass's GPU µs / the call's µs, medians over the rounds; every output "
+          "equal to 4096x8's)")
     return rows
 
 
@@ -319,6 +344,7 @@ def main() -> None:
     p.add_argument("--first-call-child", help=argparse.SUPPRESS)
     p.add_argument("--radix-blocks", action="store_true",
                    help="only global_topk's radix passes at other block sizes (a CUDA GPU)")
+    p.add_argument("--radix-child", help=argparse.SUPPRESS)
     p.add_argument("--profile", nargs="*", default=[], metavar="STRATEGY",
                    choices=list(PROFILED),
                    help="also profile these strategies' unvalidated calls")
@@ -346,12 +372,13 @@ def main() -> None:
         rows.extend(host_costs(200 if args.quick else 20_000, 3 if args.quick else 7))
         save()
         return
+    if args.radix_child:
+        radix_child(args.radix_child, args.out, calls, shapes)
+        return
     if args.radix_blocks:
-        from pepo import _triton
-
-        if device != "cuda" or not _triton.available():
+        if device != "cuda" or importlib.util.find_spec("triton") is None:
             raise SystemExit("--radix-blocks times Triton kernels: it needs a CUDA GPU")
-        rows.extend(radix_blocks(calls, shapes))
+        rows.extend(radix_blocks(calls, rounds=1 if args.quick else 3))
         save()
         return
     if args.overhead:

@@ -236,6 +236,32 @@ def test_global_topk_kernel_names_a_bad_select(monkeypatch):
         _triton.global_topk(torch.ones(2, device=DEVICE), ent, ent > 0.5, 0.8, False)
 
 
+@pytest.mark.parametrize("bad", ["4000x8", "4096x3", "128x4", "4096", "x8", "4096x8x2", "-1024x4"])
+def test_a_bad_histogram_setting_is_named(bad):
+    """``PEPO_TOPK_HIST``: a block that is no power of two (the passes' grid would not cover
+    the scores as the kernel assumes), a warp count Triton refuses, a block below one 256-count
+    histogram, or no ``x`` is one line naming the value, not a kernel failure later."""
+    with pytest.raises(ValueError, match=f"PEPO_TOPK_HIST={bad!r}"):
+        _triton._hist_setting(bad)
+
+
+def test_the_histogram_setting_is_read_from_the_environment():
+    """The variable reaches the launches (read at import, as ``PEPO_TOPK_SELECT``), spelt either
+    way; without it, 4,096 scores and 8 warps (catches the variable read and then ignored)."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import pepo._triton as t; print(t._HIST_BLOCK, t._HIST_WARPS)"
+    env = {k: v for k, v in os.environ.items() if k != "PEPO_TOPK_HIST"}
+    for value, want in ((None, "4096 8"), ("1024X4", "1024 4"), (" 16384x16 ", "16384 16")):
+        run_env = env if value is None else {**env, "PEPO_TOPK_HIST": value}
+        out = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True,
+                             text=True, check=True).stdout
+        assert out.split("\n")[-2] == want
+    assert _triton._hist_setting("4096x8") == (4096, 8)
+
+
 def test_global_topk_kernel_only_where_it_computes_the_same():
     """A bound process group bisects across ranks, and the proximal score below τ = 0.3 takes
     the exact log path: neither has the kernel; the default strategy does."""

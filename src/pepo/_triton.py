@@ -30,9 +30,23 @@ except ImportError:  # pragma: no cover - exercised where Triton is missing
 __all__ = ["available", "entropy_bonus", "global_topk", "gtpo", "windowed"]
 
 _BLOCK = 1024
-# the radix select's three histogram passes: 8 us each on an H200 at 2^20 scores, 13 with
-# _BLOCK and 4 warps (1,024 programs adding into one histogram); docs/performance.md
-_HIST_BLOCK, _HIST_WARPS = 4096, 8
+
+
+def _hist_setting(text: str) -> tuple[int, int]:
+    """``PEPO_TOPK_HIST`` ("BLOCKxWARPS": scores and warps a program of the radix select's
+    histogram passes) as two ints; ``ValueError`` naming the value where it is not one."""
+    block, _, warps = text.strip().lower().partition("x")
+    if not (block.isdigit() and warps.isdigit()) or int(warps) not in (1, 2, 4, 8, 16, 32) or \
+            int(block) < 256 or int(block) & (int(block) - 1):
+        raise ValueError(f"PEPO_TOPK_HIST={text!r}: expected BLOCKxWARPS, BLOCK a power of two "
+                         f">= 256 and WARPS one of 1, 2, 4, 8, 16, 32 (default 4096x8)")
+    return int(block), int(warps)
+
+
+# the radix select's three histogram passes: 8 us each on an H200 at 2^20 scores with 4,096
+# scores and 8 warps a program, 13 with 1,024 and 4 (1,024 programs adding into one histogram):
+# `bench_weighting_variants.py --radix-blocks`, docs/performance.md
+_HIST_BLOCK, _HIST_WARPS = _hist_setting(os.environ.get("PEPO_TOPK_HIST", "4096x8"))
 _TILE = 256  # tokens per program of the window kernel: W loads each, from L1/L2
 # global_topk's threshold: "radix" (a select over the scores' bytes: four histogram passes, no
 # sort; 6 launches and 42 us of GPU time against the sort's 10 and 97 on an H200,
