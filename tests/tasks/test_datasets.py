@@ -321,3 +321,47 @@ def test_parquet_files_are_read_for_the_layouts_columns_only(tmp_path, monkeypat
     assert [p.answer for p in load_math_dataset(path)] == ["1", "3"]
     assert asked and "r1_solution_1" not in asked[0] and {"question", "final_answer"} <= set(
         asked[0])
+
+
+def test_a_small_float_gold_is_written_as_a_number_math_verify_reads(tmp_path):
+    """A float gold answer below 1e-4 was written ``str(x)``, ``1e-05``, which math-verify reads
+    as 1·e - 5 (Euler's number), so the correct ``\\boxed{0.00001}`` scored 0 with no warning
+    (the gold parses to something). Positional notation keeps the value; integral floats lose
+    their ``.0`` as before, other floats keep their digits."""
+    from pepo.tasks.rewards import MathVerify
+
+    answers = [1e-05, 2.5e-07, 0.5, 142.0, -0.000325]
+    rows = [{**F.amc_rows()[0], "id": i, "problem": f"Find {i}.", "answer": a}
+            for i, a in enumerate(answers)]
+    probs = load_math_dataset(F.write_parquet(tmp_path / "amc.parquet", rows))
+    assert [p.answer for p in probs] == ["0.00001", "0.00000025", "0.5", "142", "-0.000325"]
+    verify = MathVerify(workers=0)
+    right = ["\\boxed{0.00001}", "\\boxed{2.5 \\times 10^{-7}}", "\\boxed{\\frac{1}{2}}",
+             "\\boxed{142}", "\\boxed{-0.000325}"]
+    assert verify(right, [p.answer for p in probs]) == [1.0] * 5
+    assert verify(["\\boxed{0.0001}"], [probs[0].answer]) == [0.0]
+
+
+def test_a_parquet_file_of_unknown_layout_names_all_its_columns(tmp_path):
+    """Only the columns a layout reads are read from Parquet (test above), so the layout error
+    named ``['Answer']`` for a file of ``Question`` / ``Answer`` / ``Solution``: the column to
+    rename was not in the message. It names the file's columns (as a JSONL file's error does)."""
+    rows = [{"Question": "Find $1 + 1$.", "Answer": 2, "Solution": "..."}]
+    path = F.write_parquet(tmp_path / "q.parquet", rows)
+    with pytest.raises(ValueError, match=r"columns \['Answer', 'Question', 'Solution'\] of row 0"):
+        load_math_dataset(path)
+
+
+def test_a_json_lines_file_named_json_says_so(tmp_path):
+    """``datasets.Dataset.to_json`` writes JSON lines by default; such a file named ``.json``
+    failed with "Extra data at line 2" alone. Its message now says what to rename; a JSON
+    document broken in another way does not get the hint."""
+    lines = _jsonl(tmp_path / "math500.json", [AIME, {**AIME, "id": 8, "problem": "Find 2."}])
+    with pytest.raises(ValueError, match=r"Extra data at line 2, column 1\) \(JSON lines, as "
+                                         r"datasets' to_json writes\? name the file .jsonl\)"):
+        load_math_dataset(lines)
+    broken = tmp_path / "broken.json"
+    broken.write_text('[{"problem": "x", "answer": }]')
+    with pytest.raises(ValueError, match=r"is not valid JSON \([^)]*\)$"):
+        load_math_dataset(broken)
+    assert len(load_math_dataset(lines.rename(tmp_path / "math500.jsonl"))) == 2

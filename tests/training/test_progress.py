@@ -150,7 +150,8 @@ def test_the_run_line_says_what_the_run_will_do():
         prompts_per_step=64, estimator=SimpleNamespace(name="single_stream",
                                                        rollouts_per_prompt=1),
         dist=SimpleNamespace(world_size=2), _device=torch.device("cpu"),
-        output_dir=Path("pepo_runs") / "tiny_spo")
+        output_dir=Path("pepo_runs") / "tiny_spo", train_data=[None] * 4096)
     assert run_line(recipe) == (
         f"tiny_spo: proximal_softmax, single_stream estimator, 60 steps of 64 prompts x 1 "
-        f"rollouts, on cpu (2 processes), outputs in {Path('pepo_runs') / 'tiny_spo'}")
+        f"rollouts from 4,096 training problems, on cpu (2 processes), outputs in "
+        f"{Path('pepo_runs') / 'tiny_spo'}")

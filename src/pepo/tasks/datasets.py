@@ -25,8 +25,9 @@ null (``None``, NaN) or empty is an error naming its file, row and field (``on_b
 drops such rows instead, with one warning that counts them): a ``"None"`` gold answer would
 score every response 0 without a word. Every prompt is then wrapped in
 ``template`` (default: the question followed by "Please reason step by step, and put your final
-answer within \\boxed{}."), the instruction the paper's evaluation and math-verify's boxed
-extraction expect; the model's chat template is applied later, by the tokenizer.
+answer within \\boxed{}.", pepo's choice: the paper gives no prompt; math-verify's boxed
+extraction reads what it asks for); the model's chat template is applied later, by the
+tokenizer.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import json
 import math
 import string
 import warnings
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
@@ -155,8 +157,10 @@ def _file_rows(f: Path, layout_columns: bool = False) -> Iterator[tuple[str, dic
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
+            lines = " (JSON lines, as datasets' to_json writes? name the file .jsonl)" if (
+                e.msg == "Extra data" and e.colno == 1) else ""
             raise ValueError(
-                f"{f} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})"
+                f"{f} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}){lines}"
             ) from None
         if isinstance(data, dict) and "data" not in data:
             raise ValueError(
@@ -208,8 +212,8 @@ def _detect(row: dict[str, Any]) -> Optional[str]:
 
 
 def _answer(x: Any, field: str) -> str:
-    """A gold answer as text: an integral float without its ``.0`` (``142.0`` → ``142``),
-    stripped.
+    """A gold answer as text: an integral float without its ``.0`` (``142.0`` → ``142``), any
+    other finite float in positional notation (``1e-05`` → ``0.00001``), stripped.
 
     Raises:
         _BadRow: a list, mapping or bool, which is no single answer (``str`` would make
@@ -219,6 +223,8 @@ def _answer(x: Any, field: str) -> str:
         raise _BadRow(field, f"not a single answer ({type(x).__name__})")
     if isinstance(x, float) and x.is_integer():
         return str(int(x))
+    if isinstance(x, float) and math.isfinite(x):  # 1e-05 as 0.00001: math-verify reads 1e-05
+        return format(Decimal(repr(x)), "f")  # as 1·e - 5 (Euler's number), so 0.00001 scored 0
     return str(x).strip()
 
 
@@ -378,6 +384,10 @@ def load_math_dataset(
     for f, kind in kinds.items():
         if kind is None:
             where, row = first[f]
+            if f.suffix.lower() == ".parquet":  # the file's columns, not the ones read
+                import pyarrow.parquet as pq
+
+                row = dict.fromkeys(pq.read_schema(f).names)
             raise ValueError(
                 f"{f}: cannot tell the dataset layout from the columns {sorted(row)} of {where} "
                 f"(nor of any other row); pass layout= one of {list(LAYOUTS[1:])}"

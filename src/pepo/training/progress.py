@@ -151,10 +151,13 @@ def rollout_counter(total: int, desc: str, stream: Optional[TextIO] = None,
 
 def run_line(recipe: Any) -> str:
     """One line saying what a run will do, after the config's dump: the config, strategy and
-    estimator, the steps and batch, the device and processes, where the outputs go."""
+    estimator, the steps and batch, the training problems they are drawn from (a shard of a
+    dataset pointed at instead of its directory shows here), the device and processes, where
+    the outputs go."""
     est, n = recipe.estimator, recipe.dist.world_size
     return (f"{recipe.config_name}: {recipe.strategy_name}, {est.name} estimator, "
             f"{recipe.num_steps} step{'s' * (recipe.num_steps != 1)} of "
             f"{recipe.prompts_per_step} prompts x "
-            f"{est.rollouts_per_prompt} rollouts, on {recipe._device.type} ({n} process"
-            f"{'es' * (n > 1)}), outputs in {recipe.output_dir}")
+            f"{est.rollouts_per_prompt} rollouts from {len(recipe.train_data):,} training "
+            f"problems, on {recipe._device.type} ({n} process{'es' * (n > 1)}), outputs in "
+            f"{recipe.output_dir}")
