@@ -289,21 +289,25 @@ def radix_child(setting: str, out: str, calls: int, shapes: list) -> None:
         json.dump(rows, f)
 
 
-def radix_blocks(calls: int, rounds: int = 3) -> list[dict]:
+def radix_blocks(quick: bool) -> list[dict]:
     """``global_topk``'s radix select at each of ``RADIX_SETTINGS``: one process per setting and
-    round, alternating; every output checked equal to the default setting's (4096x8)."""
+    round, alternating (three rounds; one with ``quick``, whose children run ``--quick``
+    too); every output checked equal to the default setting's (4096x8)."""
     import statistics
     import subprocess
     import sys
     import tempfile
 
     got: dict[tuple, list[dict]] = {}
+    rounds = 1 if quick else 3
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
             for setting in RADIX_SETTINGS:
                 out = os.path.join(tmp, f"{setting}-{r}.json")
-                subprocess.run([sys.executable, __file__, "--radix-child", setting, "--out", out],
-                               env={**os.environ, "PEPO_TOPK_HIST": setting}, check=True)
+                subprocess.run([sys.executable, __file__, "--radix-child", setting, "--out", out,
+                                *["--quick"] * quick], check=True, env={
+                                   **os.environ, "PEPO_TOPK_HIST": setting,
+                                   "PEPO_TOPK_SELECT": "radix"})
                 with open(out, encoding="utf-8") as f:
                     for row in json.load(f):
                         got.setdefault((row["score"], tuple(row["shape"]), setting), []).append(row)
@@ -377,8 +381,9 @@ def main() -> None:
         return
     if args.radix_blocks:
         if device != "cuda" or importlib.util.find_spec("triton") is None:
-            raise SystemExit("--radix-blocks times Triton kernels: it needs a CUDA GPU")
-        rows.extend(radix_blocks(calls, rounds=1 if args.quick else 3))
+            raise SystemExit("--radix-blocks times Triton kernels: it needs a CUDA GPU and "
+                             "Triton")
+        rows.extend(radix_blocks(args.quick))
         save()
         return
     if args.overhead:

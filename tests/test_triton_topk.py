@@ -236,30 +236,67 @@ def test_global_topk_kernel_names_a_bad_select(monkeypatch):
         _triton.global_topk(torch.ones(2, device=DEVICE), ent, ent > 0.5, 0.8, False)
 
 
-@pytest.mark.parametrize("bad", ["4000x8", "4096x3", "128x4", "4096", "x8", "4096x8x2", "-1024x4"])
+@pytest.mark.parametrize("bad", ["4000x8", "4096x3", "128x4", "131072x8", "4096", "x8",
+                                 "4096x8x2", "-1024x4", "\u00b2x8", "\uff14\uff10\uff19\uff16x8"])
 def test_a_bad_histogram_setting_is_named(bad):
-    """``PEPO_TOPK_HIST``: a block that is no power of two (the passes' grid would not cover
-    the scores as the kernel assumes), a warp count Triton refuses, a block below one 256-count
-    histogram, or no ``x`` is one line naming the value, not a kernel failure later."""
+    """``PEPO_TOPK_HIST``: a block that is no power of two (a ``tl.arange`` length), over 2^16
+    (Triton refuses it in the kernel) or under one 256-count histogram, a warp count Triton
+    refuses, no ``x``, or digits other than ASCII's (``int`` of a superscript two fails without
+    the variable's name) is one line naming the value, not a kernel failure later."""
     with pytest.raises(ValueError, match=f"PEPO_TOPK_HIST={bad!r}"):
         _triton._hist_setting(bad)
 
 
-def test_the_histogram_setting_is_read_from_the_environment():
-    """The variable reaches the launches (read at import, as ``PEPO_TOPK_SELECT``), spelt either
-    way; without it, 4,096 scores and 8 warps (catches the variable read and then ignored)."""
+def test_the_histogram_setting_is_read_from_the_environment(monkeypatch):
+    """The variable is read at import (as ``PEPO_TOPK_SELECT``), spelt either way; without it,
+    4,096 scores and 8 warps. A bad value does not fail the import (every other kernel strategy
+    imports the module too): ``global_topk``'s radix select names it, and the sort runs."""
     import os
     import subprocess
     import sys
 
     code = "import pepo._triton as t; print(t._HIST_BLOCK, t._HIST_WARPS)"
     env = {k: v for k, v in os.environ.items() if k != "PEPO_TOPK_HIST"}
-    for value, want in ((None, "4096 8"), ("1024X4", "1024 4"), (" 16384x16 ", "16384 16")):
+    for value, want in ((None, "4096 8"), ("1024X4", "1024 4"), (" 16384x16 ", "16384 16"),
+                        ("4096x6", "0 0")):
         run_env = env if value is None else {**env, "PEPO_TOPK_HIST": value}
         out = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True,
                              text=True, check=True).stdout
         assert out.split("\n")[-2] == want
-    assert _triton._hist_setting("4096x8") == (4096, 8)
+    monkeypatch.setattr(_triton, "_HIST", "4096x6")
+    monkeypatch.setattr(_triton, "_HIST_BLOCK", 0)
+    monkeypatch.setattr(_triton, "_TOPK_SELECT", "radix")
+    ent = torch.rand(2, 5, device=DEVICE)
+    with pytest.raises(ValueError, match="PEPO_TOPK_HIST='4096x6'"):
+        _triton.global_topk(torch.ones(2, device=DEVICE), ent, ent > 0.5, 0.8, False)
+    monkeypatch.setattr(_triton, "_TOPK_SELECT", "sort")
+    assert _triton.global_topk(torch.ones(2, device=DEVICE), ent, ent > 0.5, 0.8, False).shape \
+        == (2, 5)
+
+
+def test_the_histogram_passes_launch_with_the_setting(monkeypatch):
+    """The three passes' grid, block and warps come from the setting (catches the setting read
+    and then not passed to the launch: a grid of ``_BLOCK`` programs, Triton's default warps),
+    and the selection is the same as the default's."""
+    ent = torch.rand(2, 1000, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    adv = torch.ones(2, device=DEVICE)
+    monkeypatch.setattr(_triton, "_TOPK_SELECT", "radix")
+    want = _triton.global_topk(adv, ent, ent > 0.1, 0.8, False)
+    real, seen = _triton._radix_hist_kernel, []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append((tuple(grid), kw["BLOCK"], kw.get("num_warps")))
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(_triton, "_radix_hist_kernel", Spy())
+    monkeypatch.setattr(_triton, "_HIST_BLOCK", 256)
+    monkeypatch.setattr(_triton, "_HIST_WARPS", 2)
+    got = _triton.global_topk(adv, ent, ent > 0.1, 0.8, False)
+    assert seen == [((8,), 256, 2)] * 3  # 2,000 scores in programs of 256
+    assert torch.equal(got, want)
 
 
 def test_global_topk_kernel_only_where_it_computes_the_same():

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import struct
 from typing import Any, Optional
 
@@ -34,19 +35,25 @@ _BLOCK = 1024
 
 def _hist_setting(text: str) -> tuple[int, int]:
     """``PEPO_TOPK_HIST`` ("BLOCKxWARPS": scores and warps a program of the radix select's
-    histogram passes) as two ints; ``ValueError`` naming the value where it is not one."""
-    block, _, warps = text.strip().lower().partition("x")
-    if not (block.isdigit() and warps.isdigit()) or int(warps) not in (1, 2, 4, 8, 16, 32) or \
-            int(block) < 256 or int(block) & (int(block) - 1):
+    histogram passes) as two ints; ``ValueError`` naming the value where it is not one (a block
+    is a ``tl.arange`` length: a power of two, at least one 256-count histogram, at most 2^16)."""
+    m = re.fullmatch(r"(\d+)x(\d+)", text.strip(), re.IGNORECASE | re.ASCII)
+    block, warps = (int(m[1]), int(m[2])) if m else (0, 0)
+    if warps not in (1, 2, 4, 8, 16, 32) or not 256 <= block <= 2**16 or block & (block - 1):
         raise ValueError(f"PEPO_TOPK_HIST={text!r}: expected BLOCKxWARPS, BLOCK a power of two "
-                         f">= 256 and WARPS one of 1, 2, 4, 8, 16, 32 (default 4096x8)")
-    return int(block), int(warps)
+                         f"from 256 to 65536 and WARPS one of 1, 2, 4, 8, 16, 32 (default 4096x8)")
+    return block, warps
 
 
 # the radix select's three histogram passes: 8 us each on an H200 at 2^20 scores with 4,096
 # scores and 8 warps a program, 13 with 1,024 and 4 (1,024 programs adding into one histogram):
-# `bench_weighting_variants.py --radix-blocks`, docs/performance.md
-_HIST_BLOCK, _HIST_WARPS = _hist_setting(os.environ.get("PEPO_TOPK_HIST", "4096x8"))
+# `bench_weighting_variants.py --radix-blocks`, docs/performance.md. A bad value is global_topk's
+# error (as PEPO_TOPK_SELECT's), not every kernel's at import.
+_HIST = os.environ.get("PEPO_TOPK_HIST", "4096x8")
+try:
+    _HIST_BLOCK, _HIST_WARPS = _hist_setting(_HIST)
+except ValueError:
+    _HIST_BLOCK = _HIST_WARPS = 0
 _TILE = 256  # tokens per program of the window kernel: W loads each, from L1/L2
 # global_topk's threshold: "radix" (a select over the scores' bytes: four histogram passes, no
 # sort; 6 launches and 42 us of GPU time against the sort's 10 and 97 on an H200,
@@ -488,6 +495,8 @@ def global_topk(adv: torch.Tensor, ent: torch.Tensor, mask: torch.Tensor, q: flo
     if _TOPK_SELECT not in ("sort", "radix"):
         raise ValueError(f"PEPO_TOPK_SELECT={_TOPK_SELECT!r}: expected 'sort' or 'radix'")
     radix = _TOPK_SELECT == "radix"
+    if radix and not _HIST_BLOCK:
+        _hist_setting(_HIST)  # raises, naming the value
     # valid, non-finite valid; with radix, four byte histograms of the keys
     # int64: a batch of 2^31 valid tokens or more would wrap an int32 count
     n_counts = 2 + 4 * 256 * radix

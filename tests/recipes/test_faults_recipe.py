@@ -792,3 +792,28 @@ def test_a_metric_logger_whose_package_is_missing_is_one_config_error(
     )
     assert "Exception ignored" not in capsys.readouterr().err
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_the_output_dir_check_retries_where_a_third_process_made_the_directory_again(
+        tmp_path, monkeypatch):
+    """Three processes: one's clean-up removes the directory under this one's probe, and a third
+    makes it again before this one looks. A check that counts a probe's FileNotFoundError as
+    genuine wherever the directory exists gives up here ("No such file or directory")."""
+    import errno
+    import tempfile
+
+    from pepo.training.config import check_output_dir
+
+    real, calls = tempfile.mkstemp, []
+
+    def racing(*a, dir, **k):
+        calls.append(dir)
+        if len(calls) == 1:
+            Path(dir).rmdir()  # the second process's clean-up ...
+            Path(dir).mkdir()  # ... and the third's mkdir, before this one looks
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(dir))
+        return real(*a, dir=dir, **k)
+
+    monkeypatch.setattr(tempfile, "mkstemp", racing)
+    check_output_dir(tmp_path / "new" / "run")
+    assert len(calls) == 2 and list(tmp_path.iterdir()) == []

@@ -350,6 +350,10 @@ def test_a_parquet_file_of_unknown_layout_names_all_its_columns(tmp_path):
     path = F.write_parquet(tmp_path / "q.parquet", rows)
     with pytest.raises(ValueError, match=r"columns \['Answer', 'Question', 'Solution'\] of row 0"):
         load_math_dataset(path)
+    # the same for a bad row of a forced layout (DeepMath reads question / final_answer)
+    with pytest.raises(ValueError, match=r"'deepmath' layout \(columns: \['Answer', 'Question', "
+                                         r"'Solution'\]\)"):
+        load_math_dataset(path, layout="deepmath")
 
 
 def test_a_json_lines_file_named_json_says_so(tmp_path):

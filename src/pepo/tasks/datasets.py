@@ -177,6 +177,16 @@ def _file_rows(f: Path, layout_columns: bool = False) -> Iterator[tuple[str, dic
             yield f"row {j}", _object(f, f"row {j}", row)
 
 
+def _columns(f: Path, row: dict[str, Any]) -> list[str]:
+    """A row's columns for an error: a Parquet file's own (its rows hold only the columns a
+    layout reads), else the row's."""
+    if f.suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq
+
+        return sorted(pq.read_schema(f).names)
+    return sorted(row)
+
+
 def _located_rows(path: Union[str, Path], layout_columns: bool = False,
                   ) -> list[tuple[Path, str, dict[str, Any]]]:
     return [(f, where, row) for f in _files(Path(path))
@@ -384,13 +394,9 @@ def load_math_dataset(
     for f, kind in kinds.items():
         if kind is None:
             where, row = first[f]
-            if f.suffix.lower() == ".parquet":  # the file's columns, not the ones read
-                import pyarrow.parquet as pq
-
-                row = dict.fromkeys(pq.read_schema(f).names)
             raise ValueError(
-                f"{f}: cannot tell the dataset layout from the columns {sorted(row)} of {where} "
-                f"(nor of any other row); pass layout= one of {list(LAYOUTS[1:])}"
+                f"{f}: cannot tell the dataset layout from the columns {_columns(f, row)} of "
+                f"{where} (nor of any other row); pass layout= one of {list(LAYOUTS[1:])}"
             )
     name = name or Path(path).stem
     out: list[Problem] = []
@@ -403,7 +409,7 @@ def load_math_dataset(
         try:
             pid, question, answer = _convert(row, kind, i, name)
         except _BadRow as e:
-            what = f"{f}: {where}: {e} for the {kind!r} layout (columns: {sorted(row)})"
+            what = f"{f}: {where}: {e} for the {kind!r} layout (columns: {_columns(f, row)})"
             if on_bad_row == "error":
                 raise ValueError(f"{what}; on_bad_row='skip' drops such rows") from None
             skipped.append(what)

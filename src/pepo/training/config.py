@@ -325,7 +325,7 @@ def check_output_dir(path: Any, key: str = "output_dir") -> None:
             except (FileNotFoundError, FileExistsError) as e:
                 # the processes of one torchrun launch check one path at once: one's clean-up below
                 # can remove the directory before another's probe, or as another's mkdir finds it
-                if attempt == 4 or (p.exists() and (type(e) is FileNotFoundError or p.is_file())):
+                if attempt == 4 or (type(e) is FileExistsError and p.is_file()):
                     raise
                 time.sleep(0.01 * (attempt + 1))
         os.close(fd)
