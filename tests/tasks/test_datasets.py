@@ -369,3 +369,25 @@ def test_a_json_lines_file_named_json_says_so(tmp_path):
     with pytest.raises(ValueError, match=r"is not valid JSON \([^)]*\)$"):
         load_math_dataset(broken)
     assert len(load_math_dataset(lines.rename(tmp_path / "math500.jsonl"))) == 2
+
+
+def test_a_float32_gold_is_read_as_the_number_it_stores(tmp_path):
+    """A float32 answer column (a file written from numpy float32) gave the float64 of its bits:
+    ``1e-05`` became ``0.000009999999747378752`` and ``0.1`` ``0.10000000149011612``, so the
+    right ``\\boxed{0.00001}`` scored 0. The shortest decimal that rounds to the float32 is
+    read; float64 columns keep their value to the last digit (``0.1 + 0.2``)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pepo.tasks.rewards import MathVerify
+
+    answers = [1e-05, 0.1, 142.0, 3.3333333, None]
+    path = tmp_path / "amc.parquet"
+    pq.write_table(pa.table({"id": list(range(5)), "problem": [f"Find {i}." for i in range(5)],
+                             "answer": pa.array(answers, pa.float32())}), path)
+    probs = load_math_dataset(path, on_bad_row="skip")
+    assert [p.answer for p in probs] == ["0.00001", "0.1", "142", "3.3333333"]
+    assert MathVerify(workers=0)(["\\boxed{0.00001}"], [probs[0].answer]) == [1.0]
+    pq.write_table(pa.table({"id": [0], "problem": ["Find 0."],
+                             "answer": pa.array([0.1 + 0.2], pa.float64())}), path)
+    assert load_math_dataset(path)[0].answer == "0.30000000000000004"

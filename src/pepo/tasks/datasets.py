@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import math
 import string
+import struct
 import warnings
 from decimal import Decimal
 from pathlib import Path
@@ -111,6 +112,18 @@ _LAYOUT_COLUMNS = frozenset({
 })
 
 
+def _f32_digits(x: Optional[float]) -> Optional[float]:
+    """A float32 value as the shortest decimal that rounds to it (``1e-05``, not the float64 of
+    its bits, ``9.999999747378752e-06``, which is no gold answer anyone wrote)."""
+    if x is None or not math.isfinite(x):
+        return x
+    for digits in range(1, 10):  # 9 significant digits always round-trip a float32
+        y = float(f"{x:.{digits}g}")
+        if struct.unpack("f", struct.pack("f", y))[0] == x:
+            return y
+    return x
+
+
 def _file_rows(f: Path, layout_columns: bool = False) -> Iterator[tuple[str, dict[str, Any]]]:
     """``(where, row)`` for each row of file ``f``; ``where`` is "row j" (and its JSONL line).
     ``layout_columns``: of a Parquet file, only the columns a layout reads (all of them where
@@ -126,7 +139,10 @@ def _file_rows(f: Path, layout_columns: bool = False) -> Iterator[tuple[str, dic
             table = pq.read_table(f, columns=wanted)
         except (pyarrow.ArrowException, OSError) as e:
             raise ValueError(f"{f}: not a readable Parquet file ({e})") from None
+        f32 = [x.name for x in table.schema if pyarrow.types.is_float32(x.type)]
         for j, row in enumerate(table.to_pylist()):
+            for name in f32:  # a float32 1e-05 reads as 9.999999747378752e-06: its digits
+                row[name] = _f32_digits(row[name])
             yield f"row {j}", row
     elif f.suffix.lower() == ".jsonl":
         j = 0
