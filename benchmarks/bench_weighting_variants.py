@@ -27,9 +27,10 @@ wrapper and with Python's, each in a fresh process with an empty inductor cache:
 training run pays once per strategy.
 
 ``--radix-blocks`` times, on a CUDA GPU with Triton, ``global_topk``'s radix select at other
-histogram-pass settings (``PEPO_TOPK_HIST``: scores and warps a program), one process per
-setting and round, alternating over three rounds, each output checked equal to the default's:
-the passes' GPU µs (the profiler) and the calls' µs.
+histogram-pass settings (``PEPO_TOPK_HIST``: scores and warps a program) and with two passes
+of 12 bits (``PEPO_TOPK_SELECT=radix12``) for three of a byte, one process per setting and
+round, alternating over three rounds, each output checked equal to the default's: a pass's
+GPU µs and the passes' number, the call's GPU µs (the profiler) and the calls' µs.
 
 ``--profile`` (``--profile-only``: nothing else) adds, for the strategies named, what
 ``torch.profiler`` sees in 20 unvalidated calls: kernel launches and GPU-busy µs per call
@@ -44,6 +45,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 
 import torch
 from bench_weighting import ragged_batch, time_calls
@@ -257,15 +259,23 @@ def host_costs(calls: int, rounds: int) -> list[dict]:
     return rows
 
 
-RADIX_SETTINGS = ["1024x4", "4096x4", "4096x8", "8192x8", "16384x8"]  # PEPO_TOPK_HIST values
+# PEPO_TOPK_HIST values, with three passes of a byte ("radix", the default's, first) or two
+# of 12 bits ("radix12/..."); --radix-blocks names others (1024x4 was the default before)
+RADIX_SETTINGS = ["4096x8", "8192x8", "radix12/4096x8", "radix12/16384x8"]
+
+
+def radix_env(setting: str) -> dict:
+    """A ``RADIX_SETTINGS`` entry as the environment it runs under."""
+    select, _, hist = setting.rpartition("/")
+    return {"PEPO_TOPK_SELECT": select or "radix", "PEPO_TOPK_HIST": hist}
 
 
 def radix_child(setting: str, out: str, calls: int, shapes: list) -> None:
-    """In a process of its own, under ``PEPO_TOPK_HIST=setting``: ``global_topk`` (entropy and
+    """In a process of its own, under ``setting``'s environment: ``global_topk`` (entropy and
     proximal score) timed and profiled at each shape; its outputs saved beside the figures."""
     from torch.profiler import ProfilerActivity, profile
 
-    assert os.environ.get("PEPO_TOPK_HIST") == setting
+    assert all(os.environ.get(k) == v for k, v in radix_env(setting).items())
     rows, outputs = [], {}
     for b, t in shapes:
         adv, ent, mask = ragged_batch(b, t, "cuda")
@@ -280,19 +290,22 @@ def radix_child(setting: str, out: str, calls: int, shapes: list) -> None:
                 for _ in range(20):
                     fn()
                 torch.cuda.synchronize()
-            per_pass = [e.device_time_total / e.count for e in prof.key_averages()
-                        if e.key == "radix_hist_kernel"]
+            events = prof.key_averages()
+            (passes,) = [e for e in events if e.key == "radix_hist_kernel"]
             rows.append({"setting": setting, "score": score, "shape": [b, t],
-                         "floor_us": floor * 1e6, "pass_us": per_pass[0], "call_us": call * 1e6})
+                         "floor_us": floor * 1e6, "call_us": call * 1e6,
+                         "pass_us": passes.device_time_total / passes.count,
+                         "passes": passes.count / 20,
+                         "gpu_us": sum(e.device_time_total for e in events) / 20})
     torch.save(outputs, out + ".pt")
     with open(out, "w", encoding="utf-8") as f:
         json.dump(rows, f)
 
 
-def radix_blocks(quick: bool) -> list[dict]:
-    """``global_topk``'s radix select at each of ``RADIX_SETTINGS``: one process per setting and
-    round, alternating (three rounds; one with ``quick``, whose children run ``--quick``
-    too); every output checked equal to the default setting's (4096x8)."""
+def radix_blocks(quick: bool, settings: list[str]) -> list[dict]:
+    """``global_topk``'s radix select at each of ``settings`` (``RADIX_SETTINGS`` entries): one
+    process per setting and round, alternating (three rounds; one with ``quick``, whose
+    children run ``--quick`` too); every output checked equal to the first setting's."""
     import statistics
     import subprocess
     import sys
@@ -302,36 +315,38 @@ def radix_blocks(quick: bool) -> list[dict]:
     rounds = 1 if quick else 3
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
-            for setting in RADIX_SETTINGS:
-                out = os.path.join(tmp, f"{setting}-{r}.json")
+            for setting in settings:
+                out = os.path.join(tmp, f"{setting.replace('/', '-')}-{r}.json")
                 subprocess.run([sys.executable, __file__, "--radix-child", setting, "--out", out,
-                                *["--quick"] * quick], check=True, env={
-                                   **os.environ, "PEPO_TOPK_HIST": setting,
-                                   "PEPO_TOPK_SELECT": "radix"})
+                                *["--quick"] * quick], check=True,
+                               env={**os.environ, **radix_env(setting)})
                 with open(out, encoding="utf-8") as f:
                     for row in json.load(f):
                         got.setdefault((row["score"], tuple(row["shape"]), setting), []).append(row)
-        want = torch.load(os.path.join(tmp, "4096x8-0.json.pt"))
+        files = {s: s.replace("/", "-") for s in settings}
+        want = torch.load(os.path.join(tmp, f"{files[settings[0]]}-0.json.pt"))
         for r in range(rounds):
-            for setting in RADIX_SETTINGS:
-                for key, value in torch.load(os.path.join(tmp, f"{setting}-{r}.json.pt")).items():
+            for setting in settings:
+                for key, value in torch.load(os.path.join(
+                        tmp, f"{files[setting]}-{r}.json.pt")).items():
                     assert torch.equal(value, want[key]), f"{key} differs at {setting}"
-    print("| score | shape | floor µs | " + " | ".join(RADIX_SETTINGS) + " |")
-    print("|---|---|---:|" + "---:|" * len(RADIX_SETTINGS))
+    print("| score | shape | floor µs | " + " | ".join(settings) + " |")
+    print("|---|---|---:|" + "---:|" * len(settings))
     rows: list[dict] = []
     for score, shape in dict.fromkeys((k[0], k[1]) for k in got):
         cells, floors = [], []
-        for setting in RADIX_SETTINGS:
+        for setting in settings:
             runs = got[(score, shape, setting)]
             med = {k: statistics.median(x[k] for x in runs)
-                   for k in ("pass_us", "call_us", "floor_us")}
+                   for k in ("pass_us", "passes", "gpu_us", "call_us", "floor_us")}
             floors.append(med["floor_us"])
             rows.append({"radix_blocks": setting, "score": score, "shape": list(shape), **med})
-            cells.append(f"{med['pass_us']:.1f} / {med['call_us']:,.0f}")
+            cells.append(f"{med['pass_us']:.1f}×{med['passes']:g} / {med['gpu_us']:,.0f} / "
+                         f"{med['call_us']:,.0f}")
         print(f"| {score} | {list(shape)} | {statistics.median(floors):,.0f} | "
               + " | ".join(cells) + " |", flush=True)
-    print("\n(a histogram pass's GPU µs / the call's µs, medians over the rounds; every output "
-          "equal to 4096x8's)")
+    print("\n(a histogram pass's GPU µs × the passes / the call's GPU µs / the call's µs, "
+          f"medians over the rounds; every output equal to {settings[0]}'s)")
     return rows
 
 
@@ -346,8 +361,10 @@ def main() -> None:
     p.add_argument("--first-call", nargs="*", default=None, metavar="STRATEGY",
                    help="only the first calls' compile times of these strategies")
     p.add_argument("--first-call-child", help=argparse.SUPPRESS)
-    p.add_argument("--radix-blocks", action="store_true",
-                   help="only global_topk's radix passes at other block sizes (a CUDA GPU)")
+    p.add_argument("--radix-blocks", nargs="*", default=None, metavar="SETTING",
+                   help="only global_topk's radix passes at these settings (a CUDA GPU): "
+                        "PEPO_TOPK_HIST values, radix12/ before one for two 12-bit passes "
+                        f"(default: {' '.join(RADIX_SETTINGS)}; the first is the reference)")
     p.add_argument("--radix-child", help=argparse.SUPPRESS)
     p.add_argument("--profile", nargs="*", default=[], metavar="STRATEGY",
                    choices=list(PROFILED),
@@ -379,11 +396,16 @@ def main() -> None:
     if args.radix_child:
         radix_child(args.radix_child, args.out, calls, shapes)
         return
-    if args.radix_blocks:
+    if args.radix_blocks is not None:
+        for setting in args.radix_blocks:
+            select, _, hist = setting.rpartition("/")
+            if select not in ("", "radix", "radix12") or not re.fullmatch(r"\d+x\d+", hist):
+                raise SystemExit(f"--radix-blocks {setting}: expected BLOCKxWARPS, or "
+                                 f"radix12/BLOCKxWARPS for two 12-bit passes (e.g. 4096x8)")
         if device != "cuda" or importlib.util.find_spec("triton") is None:
             raise SystemExit("--radix-blocks times Triton kernels: it needs a CUDA GPU and "
                              "Triton")
-        rows.extend(radix_blocks(args.quick))
+        rows.extend(radix_blocks(args.quick, args.radix_blocks or RADIX_SETTINGS))
         save()
         return
     if args.overhead:

@@ -12,19 +12,20 @@
 # 1. the machine (torch, Triton, Python, the GPU, its driver and memory) and the Triton kernels'
 #    tests on the GPU (kernel_tests.txt);
 # 2. the strategies' table, three back-to-back rounds, with global_topk's threshold by a sort
-#    (PEPO_TOPK_SELECT=sort) and by a radix select (the default): weighting_sort.md/.json,
-#    weighting_radix.md/.json; the radix log ends with global_topk on 2^25 tokens, checked
+#    (PEPO_TOPK_SELECT=sort), by a radix select (the default) and, on a GPU, by one with two
+#    12-bit passes (radix12): weighting_sort.md/.json, weighting_radix.md/.json,
+#    weighting_radix12.md/.json; the radix log ends with global_topk on 2^25 tokens, checked
 #    against the exact count;
 # 3. where the windowed strategies', global_topk's and gtpo's GPU time goes (profile.md);
 # 4. with --with-paper-shape, Qwen3-1.7B's GRPO and PEPO steps (paper_shape.md/.json);
 # 5. with --with-recipe, the training layer's CUDA-only tests and `tiny` for 10 steps on CUDA
 #    (recipe_cuda.log; recipes/ on PYTHONPATH, or pepo installed with its recipe extra): what
 #    a test suite on CPUs cannot see.
-# A step that fails, or runs past its time limit, is reported and the next one runs. Seven
-# files in all (two more with the paper's shape, one with the recipe); without the paper's
-# shape or the recipe every step together ends inside 10 minutes. A strategy whose output
-# differs from its direct formulation, or whose kernel fails, is a row saying so (not a timing
-# of a fallback).
+# A step that fails, or runs past its time limit, is reported and the next one runs. Nine
+# files in all on a GPU, seven with --quick (two more with the paper's shape, one with the
+# recipe); without the paper's shape or the recipe every step together ends inside 10
+# minutes. A strategy whose output differs from its direct formulation, or whose kernel fails,
+# is a row saying so (not a timing of a fallback).
 set -uo pipefail
 
 out=gpu_figures
@@ -90,7 +91,9 @@ else
   profile=(--profile-only --profile proximal_softmax window_average global_topk \
     "global_topk(proximal)" gtpo)
 fi
-for select in sort radix; do
+selects=(sort radix)
+[ "$quick" -eq 0 ] && selects+=(radix12)  # on a CPU the table has no kernels: the same run
+for select in "${selects[@]}"; do
   step "strategies, global_topk by $select" 150 "$out/weighting_$select.md" \
     env PEPO_TOPK_SELECT=$select PEPO_BENCH_JSON="$out/weighting_$select.json" \
     $PY benchmarks/bench_weighting.py "${weighting[@]}"

@@ -25,12 +25,14 @@ KERNELS = [
     *[("_entropy_bonus_kernel", {"adv_ptr": "*fp32", "ent_ptr": e, "mask_ptr": "*i1",
                                  "out_ptr": "*fp32", "alpha": "fp32", "inv_kappa": "fp32"},
        {"BLOCK": 1024}) for e in ENT],
-    # ZERO: global_topk's counts zeroed (2 for the sort's, 2,048 for the radix select's 1,026)
+    # ZERO: global_topk's counts zeroed (2 for the sort's, 2,048 for the radix select's 1,026,
+    # 16,384 for radix12's 8,450)
     *[("_compact_kernel", {"ent_ptr": e, "mask_ptr": "*i1", "x_ptr": "*fp32", "pos_ptr": "*i32",
                            "len_ptr": "*i32", "stat_ptr": "*fp32",
                            "count_ptr": "*i32" if zero == 0 else "*i64", "scale": "fp32"},
        {"PROXIMAL": proximal, "ZERO": zero, "BLOCK": 1024, "CHUNK": 2048})
-      for e in ENT for proximal, zero in ((True, 0), (False, 0), (True, 2), (True, 2048))],
+      for e in ENT for proximal, zero in ((True, 0), (False, 0), (True, 2), (True, 2048),
+                                          (True, 16384))],
     *[("_window_kernel", {"x_ptr": "*fp32", "pos_ptr": "*i32", "len_ptr": "*i32",
                           "stat_ptr": "*fp32", "mask_ptr": "*i1", "e_ptr": "*fp32",
                           "part_ptr": "*fp32", "count_ptr": "*i32" if topk == 0 else "*i64",
@@ -45,11 +47,13 @@ KERNELS = [
                              "count_ptr": "*i64"}, {"RADIX": radix, "BLOCK": 1024})
       for e in ENT for radix in (False, True)],
     *[("_radix_hist_kernel", {"flat_ptr": "*fp32", "count_ptr": "*i64", "q_bits": bits},
-       {"PASS": p, "BLOCK": _triton._HIST_BLOCK}) for p in (1, 2, 3) for bits in ("i64", "i32")],
+       {"PASS": p, "DIGIT": digit, "BLOCK": _triton._HIST_BLOCK})
+      for digit, p in ((8, 1), (8, 2), (8, 3), (12, 1), (12, 2)) for bits in ("i64", "i32")],
     *[("_topk_radix_apply_kernel", {"flat_ptr": "*fp32", "count_ptr": "*i64",
                                     "adv_ptr": "*fp32", "mask_ptr": "*i1", "out_ptr": "*fp32",
-                                    "q_bits": bits}, {"SELECTED": selected, "BLOCK": 1024})
-      for selected in (True, False) for bits in ("i64", "i32")],
+                                    "q_bits": bits},
+       {"SELECTED": selected, "DIGIT": digit, "BLOCK": 1024})
+      for selected in (True, False) for bits in ("i64", "i32") for digit in (8, 12)],
     # a float64 argument travels as its bits: an i64, or an i32 where they fit (q = 0.0)
     *[("_topk_apply_kernel", {"flat_ptr": "*fp32", "ordered_ptr": "*fp32", "count_ptr": "*i64",
                               "adv_ptr": "*fp32", "mask_ptr": "*i1", "out_ptr": "*fp32",

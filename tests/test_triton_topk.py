@@ -21,10 +21,11 @@ from tests.conftest import ragged_batch  # noqa: E402
 # ---------------------------------------------------------------------------------- global_topk
 
 
-@pytest.fixture(params=["sort", "radix"])
+@pytest.fixture(params=["sort", "radix", "radix12"])
 def topk_select(request, monkeypatch):
-    """Both ways to the threshold: one ``torch.sort`` of the batch, and the radix select (four
-    byte-histogram passes over the scores' order keys)."""
+    """Every way to the threshold: one ``torch.sort`` of the batch, and the radix select over
+    the scores' order keys (the top byte's histogram, then three passes of a byte, or two of 12
+    bits)."""
     monkeypatch.setattr(_triton, "_TOPK_SELECT", request.param)
     return request.param
 
@@ -191,13 +192,14 @@ def test_global_topk_radix_select_orders_every_float(monkeypatch, fraction):
     mask = torch.ones_like(scores, dtype=torch.bool)
     adv = torch.ones(1, device=DEVICE)
     got = {}
-    for way in ("sort", "radix"):
+    for way in ("sort", "radix", "radix12"):
         monkeypatch.setattr(_triton, "_TOPK_SELECT", way)
         s = pw.get_strategy("global_topk", fraction=fraction, normalize="selected_tokens")
         got[way] = s._triton(adv, scores, mask).cpu()
     kept = torch.from_numpy(ref.global_topk(adv.cpu(), scores.cpu(), mask.cpu(), fraction)) != 0
     assert torch.equal(got["radix"] != 0, kept)
     assert torch.equal(got["radix"], got["sort"])
+    assert torch.equal(got["radix12"], got["sort"])
     torch.testing.assert_close(got["radix"][kept].double(),
                                torch.full((int(kept.sum()),), scores.numel() / kept.sum().item(),
                                           dtype=torch.float64), rtol=1e-6, atol=0)
@@ -274,20 +276,25 @@ def test_the_histogram_setting_is_read_from_the_environment(monkeypatch):
         == (2, 5)
 
 
-def test_the_histogram_passes_launch_with_the_setting(monkeypatch):
-    """The three passes' grid, block and warps come from the setting (catches the setting read
-    and then not passed to the launch: a grid of ``_BLOCK`` programs, Triton's default warps),
-    and the selection is the same as the default's."""
+@pytest.mark.parametrize(("select", "passes"), [("radix", [(1, 8), (2, 8), (3, 8)]),
+                                               ("radix12", [(1, 12), (2, 12)])])
+def test_the_histogram_passes_launch_with_the_setting(monkeypatch, select, passes):
+    """The passes' grid, block and warps come from the setting (catches the setting read and
+    then not passed to the launch: a grid of ``_BLOCK`` programs, Triton's default warps), one
+    launch a digit below the top byte (three of 8 bits, or two of 12), and the selection is the
+    sort's."""
     ent = torch.rand(2, 1000, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     adv = torch.ones(2, device=DEVICE)
-    monkeypatch.setattr(_triton, "_TOPK_SELECT", "radix")
+    monkeypatch.setattr(_triton, "_TOPK_SELECT", "sort")
     want = _triton.global_topk(adv, ent, ent > 0.1, 0.8, False)
+    monkeypatch.setattr(_triton, "_TOPK_SELECT", select)
     real, seen = _triton._radix_hist_kernel, []
 
     class Spy:
         def __getitem__(self, grid):
             def launch(*args, **kw):
-                seen.append((tuple(grid), kw["BLOCK"], kw.get("num_warps")))
+                seen.append((tuple(grid), kw["BLOCK"], kw.get("num_warps"), kw["PASS"],
+                             kw["DIGIT"]))
                 return real[grid](*args, **kw)
             return launch
 
@@ -295,7 +302,7 @@ def test_the_histogram_passes_launch_with_the_setting(monkeypatch):
     monkeypatch.setattr(_triton, "_HIST_BLOCK", 256)
     monkeypatch.setattr(_triton, "_HIST_WARPS", 2)
     got = _triton.global_topk(adv, ent, ent > 0.1, 0.8, False)
-    assert seen == [((8,), 256, 2)] * 3  # 2,000 scores in programs of 256
+    assert seen == [((8,), 256, 2, *p) for p in passes]  # 2,000 scores in programs of 256
     assert torch.equal(got, want)
 
 

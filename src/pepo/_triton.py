@@ -55,10 +55,12 @@ try:
 except ValueError:
     _HIST_BLOCK = _HIST_WARPS = 0
 _TILE = 256  # tokens per program of the window kernel: W loads each, from L1/L2
-# global_topk's threshold: "radix" (a select over the scores' bytes: four histogram passes, no
-# sort; 6 launches and 42 us of GPU time against the sort's 10 and 97 on an H200,
-# docs/performance.md) or "sort" (one torch.sort of the batch)
+# global_topk's threshold: "radix" (a select over the scores' bytes: the top byte's histogram
+# with the scores, three passes more, no sort; 6 launches and 42 us of GPU time against the
+# sort's 10 and 97 on an H200, docs/performance.md), "radix12" (the top byte, then two passes
+# of 12 bits: one launch fewer, 4,096-count histograms) or "sort" (one torch.sort of the batch)
 _TOPK_SELECT = os.environ.get("PEPO_TOPK_SELECT", "radix")
+_TOPK_DIGITS = {"radix": 8, "radix12": 12, "sort": 0}  # bits a histogram pass after the top
 _CHUNK = 2048  # columns per program of the windowed compaction (a multiple of _BLOCK: no overlap)
 
 
@@ -483,23 +485,25 @@ def global_topk(adv: torch.Tensor, ent: torch.Tensor, mask: torch.Tensor, q: flo
     No value is read on the host. The scores are written as one fp32 row with their counts (by
     a launch of their own after the counts' zeroing, or for the proximal score by the window
     kernels, which zero the counts too); the threshold is found by a radix select (the order
-    keys histogrammed a byte at a time: the top byte with the scores, three passes more), or
-    with ``PEPO_TOPK_SELECT=sort`` read off one ``torch.sort`` of that row; one launch applies
-    it. With ``selected_tokens`` the selected advantages are scaled by ``N_valid /
-    N_selected``. ``[B, T]`` fp32."""
+    keys histogrammed a byte at a time: the top byte with the scores, three passes more; with
+    ``PEPO_TOPK_SELECT=radix12`` two passes of 12 bits), or with ``PEPO_TOPK_SELECT=sort`` read
+    off one ``torch.sort`` of that row; one launch applies it. With ``selected_tokens`` the
+    selected advantages are scaled by ``N_valid / N_selected``. ``[B, T]`` fp32."""
     b, t = ent.shape
     out = torch.empty((b, t), dtype=torch.float32, device=ent.device)  # all of it written
     if not (b and t):
         return out
     n_tiles = triton.cdiv(t, _BLOCK)
-    if _TOPK_SELECT not in ("sort", "radix"):
-        raise ValueError(f"PEPO_TOPK_SELECT={_TOPK_SELECT!r}: expected 'sort' or 'radix'")
-    radix = _TOPK_SELECT == "radix"
+    digit = _TOPK_DIGITS.get(_TOPK_SELECT)
+    if digit is None:
+        raise ValueError(f"PEPO_TOPK_SELECT={_TOPK_SELECT!r}: expected 'radix' (the default), "
+                         f"'radix12' or 'sort'")
+    radix = digit > 0
     if radix and not _HIST_BLOCK:
         _hist_setting(_HIST)  # raises, naming the value
-    # valid, non-finite valid; with radix, four byte histograms of the keys
+    # valid, non-finite valid; with radix, the keys' top byte's histogram and each pass's
     # int64: a batch of 2^31 valid tokens or more would wrap an int32 count
-    n_counts = 2 + 4 * 256 * radix
+    n_counts = 2 + (256 + 24 // digit * 2**digit if radix else 0)
     if temperature is None:
         counts = torch.zeros(n_counts, dtype=torch.int64, device=ent.device)
         flat = torch.empty((b, t), dtype=torch.float32, device=ent.device)
@@ -512,14 +516,15 @@ def global_topk(adv: torch.Tensor, ent: torch.Tensor, mask: torch.Tensor, q: flo
         flat = _window_stats(ent, mask, window, temperature, wide_range, counts, radix)[0]
     with _on(ent.device):
         if radix:
-            for p in (1, 2, 3):
+            for p in range(1, 1 + 24 // digit):
                 _radix_hist_kernel[(triton.cdiv(b * t, _HIST_BLOCK),)](
-                    flat, counts, b * t, _bits(q), PASS=p, BLOCK=_HIST_BLOCK,
+                    flat, counts, b * t, _bits(q), PASS=p, DIGIT=digit, BLOCK=_HIST_BLOCK,
                     num_warps=_HIST_WARPS)
             _topk_radix_apply_kernel[(b, n_tiles)](flat, counts, adv, mask, out, t,
                                                    adv.stride(0), mask.stride(0),
                                                    mask.stride(1), _bits(q),
-                                                   SELECTED=bool(selected_tokens), BLOCK=_BLOCK)
+                                                   SELECTED=bool(selected_tokens), DIGIT=digit,
+                                                   BLOCK=_BLOCK)
             return out
         ordered = torch.sort(flat.view(-1), descending=True).values
         _topk_apply_kernel[(b, n_tiles)](flat, ordered, counts, adv, mask, out, t,

@@ -1,8 +1,9 @@
 """``global_topk``'s Triton kernels (:func:`pepo._triton.global_topk` launches them): the
 scores written as one fp32 row with their counts, the threshold by a radix select over the
-scores' order keys (a byte's histogram a pass) or read off a sort of that row, and the
-selection applied; and :func:`f64`, the float64-by-its-bits argument every kernel of
-:mod:`pepo._triton` reads. Imported by :mod:`pepo._triton` alone, where Triton is installed.
+scores' order keys (the top byte's histogram, then a byte's or 12 bits' a pass) or read off
+a sort of that row, and the selection applied; and :func:`f64`, the float64-by-its-bits
+argument every kernel of :mod:`pepo._triton` reads. Imported by :mod:`pepo._triton` alone,
+where Triton is installed.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ if triton is not None:
         tl.atomic_add(count_ptr, tl.sum(valid.to(tl.int32), axis=0).to(tl.int64))
         tl.atomic_add(count_ptr + 1, tl.sum(bad.to(tl.int32), axis=0).to(tl.int64))
         if RADIX:
-            _add_histogram(count_ptr + 2, (_order_key(v) >> 24).to(tl.int32), inside)
+            _add_histogram(count_ptr + 2, (_order_key(v) >> 24).to(tl.int32), inside, 256)
 
     @triton.jit
     def _order_key(v):
@@ -57,59 +58,75 @@ if triton is not None:
         return tl.where((b >> 31) != 0, b ^ 0xFFFFFFFF, b | 0x80000000)
 
     @triton.jit
-    def _add_histogram(hist_ptr, digit, keep):  # noqa: N803
-        h = tl.histogram(digit, 256, mask=keep)
-        tl.atomic_add(hist_ptr + tl.arange(0, 256), h.to(tl.int64), mask=h > 0)
+    def _add_histogram(hist_ptr, digit, keep, BINS: tl.constexpr):  # noqa: N803
+        h = tl.histogram(digit, BINS, mask=keep)
+        tl.atomic_add(hist_ptr + tl.arange(0, BINS), h.to(tl.int64), mask=h > 0)
 
     @triton.jit
-    def _radix_state(hist_ptr, count_ptr, q_bits, PASSES: tl.constexpr):  # noqa: N803
-        """After ``PASSES`` byte histograms (``hist_ptr``, 256 counts each, the keys from the
-        top byte down, each counting the keys whose higher bytes are the chosen ones): the
-        top ``8 · PASSES`` bits of the ``k``-th largest key (``k`` as ``keep_count`` counts
-        it), the keys above it among those and the valid count ``n``."""
+    def _radix_level(hist_ptr, k, above, prefix, BITS: tl.constexpr):  # noqa: N803
+        """The next ``BITS`` bits of the ``k``-th largest key, from their histogram (``2^BITS``
+        counts at ``hist_ptr``), appended to ``prefix``; ``above`` plus the keys above it."""
+        d = tl.arange(0, 1 << BITS)
+        h = tl.load(hist_ptr + d).to(tl.int64)
+        at_least = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # keys of this digit or more
+        digit = tl.max(tl.where(at_least >= k - above, d, 0), axis=0)
+        above += tl.sum(tl.where(d > digit, h, 0), axis=0)
+        return (prefix << BITS) | digit.to(tl.uint32), above
+
+    @triton.jit
+    def _radix_state(hist_ptr, count_ptr, q_bits, PASSES: tl.constexpr,  # noqa: N803
+                     DIGIT: tl.constexpr):  # noqa: N803
+        """After ``PASSES`` histograms (at ``hist_ptr``: the keys' top byte, 256 counts, then
+        ``DIGIT`` bits a pass, ``2^DIGIT`` counts, each counting the keys whose higher bits are
+        the chosen ones): the top ``8 + DIGIT · (PASSES - 1)`` bits of the ``k``-th largest key
+        (``k`` as ``keep_count`` counts it), the keys above it among those and the valid
+        count ``n``."""
         n = tl.load(count_ptr).to(tl.int64)
         k = n - tl.ceil((n - 1).to(tl.float64) * f64(q_bits)).to(tl.int64)
-        d = tl.arange(0, 256)
-        prefix = tl.zeros((), dtype=tl.uint32)
-        above = tl.zeros((), dtype=tl.int64)
-        for p in tl.static_range(PASSES):
-            h = tl.load(hist_ptr + p * 256 + d).to(tl.int64)
-            at_least = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # keys of this byte or more
-            digit = tl.max(tl.where(at_least >= k - above, d, 0), axis=0)
-            above += tl.sum(tl.where(d > digit, h, 0), axis=0)
-            prefix = (prefix << 8) | digit.to(tl.uint32)
+        prefix, above = _radix_level(hist_ptr, k, tl.zeros((), dtype=tl.int64),
+                                     tl.zeros((), dtype=tl.uint32), 8)
+        for p in tl.static_range(1, PASSES):
+            prefix, above = _radix_level(hist_ptr + 256 + (p - 1) * (1 << DIGIT), k, above,
+                                         prefix, DIGIT)
         return prefix, above, n
 
     @triton.jit
     def radix_hist_kernel(flat_ptr, count_ptr, N, q_bits,  # noqa: N803
-                          PASS: tl.constexpr, BLOCK: tl.constexpr):  # noqa: N803
-        """The histogram of byte ``PASS`` (from the top) of the keys whose higher bytes are
-        the ``k``-th largest key's, as the earlier passes chose them."""
+                          PASS: tl.constexpr, DIGIT: tl.constexpr,  # noqa: N803
+                          BLOCK: tl.constexpr):  # noqa: N803
+        """The histogram of the keys' ``DIGIT`` bits after the top ``8 + DIGIT · (PASS - 1)``,
+        over the keys whose higher bits are the ``k``-th largest key's, as the earlier passes
+        chose them."""
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = i < N
         key = _order_key(tl.load(flat_ptr + i, mask=inside, other=float("-inf")))
-        prefix, _, _ = _radix_state(count_ptr + 2, count_ptr, q_bits, PASS)
-        match = inside & ((key >> (32 - 8 * PASS)) == prefix)
-        _add_histogram(count_ptr + 2 + PASS * 256, ((key >> (24 - 8 * PASS)) & 255).to(tl.int32),
-                       match)
+        prefix, _, _ = _radix_state(count_ptr + 2, count_ptr, q_bits, PASS, DIGIT)
+        done: tl.constexpr = 8 + DIGIT * (PASS - 1)  # the bits chosen before this pass
+        match = inside & ((key >> (32 - done)) == prefix)
+        digit = ((key >> (32 - done - DIGIT)) & ((1 << DIGIT) - 1)).to(tl.int32)
+        _add_histogram(count_ptr + 2 + 256 + (PASS - 1) * (1 << DIGIT), digit, match,
+                       1 << DIGIT)
 
     @triton.jit
     def topk_radix_apply_kernel(flat_ptr, count_ptr, adv_ptr, mask_ptr, out_ptr, T,  # noqa: N803
-                                s_a, s_mb, s_mt, q_bits,
-                                SELECTED: tl.constexpr, BLOCK: tl.constexpr):  # noqa: N803
-        """:func:`topk_apply_kernel` with the threshold from the four byte histograms: the
-        ``k``-th largest key itself, and ``N_selected`` the keys above it plus its ties."""
+                                s_a, s_mb, s_mt, q_bits, SELECTED: tl.constexpr,  # noqa: N803
+                                DIGIT: tl.constexpr, BLOCK: tl.constexpr):  # noqa: N803
+        """:func:`topk_apply_kernel` with the threshold from the histograms (the top byte's,
+        then ``24 / DIGIT`` passes'): the ``k``-th largest key itself, and ``N_selected`` the
+        keys above it plus its ties."""
         row = tl.program_id(0).to(tl.int64)
         col = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = col < T
-        threshold, above, n = _radix_state(count_ptr + 2, count_ptr, q_bits, 4)
+        passes: tl.constexpr = 24 // DIGIT
+        threshold, above, n = _radix_state(count_ptr + 2, count_ptr, q_bits, 1 + passes, DIGIT)
         finite = tl.load(count_ptr + 1) == 0
         valid = tl.load(mask_ptr + row * s_mb + col * s_mt, mask=inside, other=0) != 0
         key = _order_key(tl.load(flat_ptr + row * T + col, mask=inside, other=float("-inf")))
         a = tl.load(adv_ptr + row * s_a).to(tl.float32)
         out = tl.where((key >= threshold) & (n > 0), a, a - a)  # a NaN/inf A stays NaN
         if SELECTED:
-            ties = tl.load(count_ptr + 2 + 3 * 256 + (threshold & 255).to(tl.int32))
+            last = count_ptr + 2 + 256 + (passes - 1) * (1 << DIGIT)  # the last histogram
+            ties = tl.load(last + (threshold & ((1 << DIGIT) - 1)).to(tl.int32))
             scale = (n.to(tl.float64) / (above + ties).to(tl.float64)).to(tl.float32)
             out = out * tl.where(n > 0, scale, 1.0)
         out = tl.where(finite | (n == 0), out, float("nan"))

@@ -104,3 +104,31 @@ def test_radix_blocks_says_it_needs_a_gpu_on_a_cpu(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "it needs a CUDA GPU" in proc.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("bad", ["radix16/4096x8", "sort/4096x8", "4096", "radix12/"])
+def test_radix_blocks_names_a_bad_setting(tmp_path, bad):
+    """A setting ``--radix-blocks`` cannot run (a select other than the radix ones, no
+    ``BLOCKxWARPS``) is one line naming it before any child starts, on any machine (catches a
+    name passed to a child that fails with a traceback after minutes of the others)."""
+    proc = subprocess.run([sys.executable, "bench_weighting_variants.py", "--radix-blocks",
+                           "4096x8", bad, "--out", str(tmp_path / "r.json")],
+                          cwd=ROOT / "benchmarks", env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and f"--radix-blocks {bad}: expected" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_radix_settings_run_under_their_environment():
+    """Each ``--radix-blocks`` setting's child runs under the select and histogram it names
+    (catches ``radix12/...`` run as the default three byte passes, the comparison then a
+    setting against itself)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_weighting_variants as bwv
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert bwv.radix_env("radix12/16384x8") == {"PEPO_TOPK_SELECT": "radix12",
+                                                "PEPO_TOPK_HIST": "16384x8"}
+    assert bwv.radix_env("4096x8") == {"PEPO_TOPK_SELECT": "radix", "PEPO_TOPK_HIST": "4096x8"}
+    assert bwv.RADIX_SETTINGS[0] == "4096x8"  # the reference: the default's setting
