@@ -5,7 +5,8 @@
 
 Runs the recipe for ``--steps`` steps with each engine (same seed, no validation, no
 checkpoints) in this process, one after the other, and prints per engine: rollouts per step,
-generated tokens per second of generation (``gen_time``), median step time, the median
+generated tokens per second of the step's generation part (``gen_time``: decoding and the
+rewards, the same reward function for every engine), median step time, the median
 engine/trainer log-prob gap, and the engine's start-up time (set-up). The first step is left out
 of the medians (warm-up). Measured in one invocation on one machine: compare the ratios, not
 the absolute numbers, across machines. Extra ``key=value`` arguments override the config
@@ -68,8 +69,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         results = [run(args.config, e, args.steps, Path(tmp), overrides) for e in args.engines]
     base = results[0]
-    print("| engine | rollouts/step | generated tokens/s | generation s/step | step s | "
-          "log-prob gap | set-up s |")
+    print("| engine | rollouts/step | generated tokens/s (of generation + rewards) | "
+          "generation s/step | step s | log-prob gap | set-up s |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in results:
         print(f"| {r['engine']} | {r['rollouts_per_step']} | {r['gen_tokens_per_s']:.0f} "

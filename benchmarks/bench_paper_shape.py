@@ -38,7 +38,10 @@ recipe objects; the recipe's code is untouched):
 * the old log-probs, the strategy call and each part's peak memory are read with a
   ``torch.cuda.synchronize()`` at the end of each part, so that the recipe's host-side timers
   (``gen_time``, ``logprob_time``, ``update_time``) hold the GPU work they launched, and the
-  strategy's own time (``strategy_time``) is measured.
+  strategy's own time (``strategy_time``, between a synchronize before and one after each
+  call, summed over the step's calls: one, or one a micro-batch where ``--mini-batches 1``
+  leaves the old log-probs to the update; a part's peak is the largest of its calls') is
+  measured.
 
 Prints a markdown table at the end and writes every number to ``--out`` (JSON). Extra
 ``key=value`` arguments override the recipe config of every run (``generation.compile=true``).
@@ -314,8 +317,9 @@ def _instrument(recipe: Any, cuda: bool) -> dict[str, float]:
                 torch.cuda.reset_peak_memory_stats()
             out = fn(*args, **kwargs)
             sync()
-            if cuda:
-                part[f"peak_mem_{name}_gib"] = torch.cuda.max_memory_allocated() / GIB
+            if cuda:  # the largest of the part's calls (one a step, or one a micro-batch)
+                key = f"peak_mem_{name}_gib"
+                part[key] = max(part.get(key, 0.0), torch.cuda.max_memory_allocated() / GIB)
             return out
         return wrapped
 
@@ -325,13 +329,16 @@ def _instrument(recipe: Any, cuda: bool) -> dict[str, float]:
     strategy = recipe.strategy
 
     def timed_strategy(advantages, entropies, mask, **kwargs):
-        t0 = time.perf_counter()
+        sync()  # the forward's queued work is not the strategy's (one call a micro-batch where
+        t0 = time.perf_counter()  # the update makes the old log-probs)
         out = strategy(advantages, entropies, mask, **kwargs)
         sync()
-        part["strategy_time"] = time.perf_counter() - t0
+        part["strategy_time"] = part.get("strategy_time", 0.0) + time.perf_counter() - t0
+        part["strategy_calls"] = part.get("strategy_calls", 0) + 1
         # how far the token advantages are from uniform ones (0 for GRPO), outside the timer
         uniform = torch.where(mask, advantages[:, None].to(out.dtype), 0.0)
-        part["token_adv_vs_uniform"] = float((torch.where(mask, out, 0.0) - uniform).abs().max())
+        gap = float((torch.where(mask, out, 0.0) - uniform).abs().max())
+        part["token_adv_vs_uniform"] = max(part.get("token_adv_vs_uniform", 0.0), gap)
         return out
 
     recipe.strategy = timed_strategy
@@ -457,7 +464,8 @@ def summarize_run(run: dict[str, Any], cuda: bool) -> dict[str, Any]:
         "step": len(run["steps"]),
         "step_time": s["step_time"],
         **{p: s[p] for p in parts},
-        "strategy_time": s["strategy_time"],
+        "strategy_time": s["strategy_time"],  # summed over its calls in the step
+        "strategy_calls": s["strategy_calls"],
         "reward_time": s["reward_time"],
         "other_time": s["step_time"] - sum(s[p] for p in parts),
         "response_tokens": tokens,
@@ -587,8 +595,9 @@ def table(res: dict[str, Any]) -> str:
     row("generation s (decode + rewards)", "gen_time")
     row("of which rewards s", "reward_time")
     row("old log-probs s", "logprob_time")
-    row("strategy ms (within old log-probs, or update when that pass is skipped)",
-        "strategy_time", 1e3, ".1f")
+    row("strategy ms (within old log-probs, or update when that pass is skipped: its calls "
+        "summed)", "strategy_time", 1e3, ".1f")
+    row("strategy calls (1, or one a micro-batch in the update)", "strategy_calls", 1.0, ".0f")
     row("update s", "update_time")
     row("other s (estimator, metrics)", "other_time", 1.0, ".3f")
     row("strategy's first call s (compiles on CUDA; once per run, before step 1)",

@@ -122,7 +122,7 @@ def run_once(label: str, tree: Path, config: str, out: Path, steps: int,
                  + "\n".join(tail))
     # ru_maxrss: kilobytes on Linux, bytes on macOS; the largest of the process and the
     # descendants it waited for (the reward workers), as /usr/bin/time reports it
-    rss_gb = usage.ru_maxrss / (1e9 if sys.platform == "darwin" else 1e6)
+    rss_gb = usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024) / 1e9
     found = read_steps(out)
     if sorted(found) != list(range(1, steps + 1)):
         sys.exit(f"the {label} run logged steps {sorted(found)}, expected 1..{steps} "

@@ -4,10 +4,13 @@
         [--seq 140] [--repeats 5] [--precisions fp32 bf16 bf16w] [--save-logits-mib 512]
 
 First the CPU's (or GPU's) measured matmul rate at each GEMM shape of one micro-batch of the
-update (``--rows`` sequences of ``--seq`` tokens: the projections of every layer and the output
-head, forward shapes; the backward runs the same products transposed), in each precision. Then
-the bound: the time those GEMMs would take at the measured rates, three times over (forward,
-and the two products of the backward), i.e. about 6 x parameters x tokens FLOPs. Then the
+update (``--rows`` sequences of ``--seq`` tokens: the projections of every layer on every
+token, and the output head on the response tokens alone, ``--seq - --prompt`` a row, in the
+shape it runs: up to 1,024 rows, on a CPU 4,096 vocabulary columns at a time; forward shapes,
+the backward runs the same products transposed), in each precision. Then the bound: the time
+those GEMMs would take at the measured rates, three times over (forward, and the two products
+of the backward), i.e. about 6 x (the layers' parameters x tokens + the head's x response
+tokens) FLOPs. Then the
 update of one micro-batch, timed, and its achieved rate against the bound, two ways: as the
 recipe runs it (``pepo.training.step.policy_logprobs``: the ``[b, S, S]`` attention mask and
 positions of the rows, the log-probs taken from the hidden states in chunks as
@@ -16,10 +19,10 @@ positions of the rows, the log-probs taken from the hidden states in chunks as
 loss and the backward), and the same with the
 model's plain causal attention (no mask passed), which shows what the explicit mask costs.
 Precisions: ``fp32``; ``bf16``, the recipe's ``compute_dtype: bf16`` (``torch.autocast`` over
-fp32 master weights, the output head kept in fp32, so its bound counts the head at the fp32
-rate); ``bf16w``, bf16 parameters without autocast (what ``dtype: bf16`` trains, with a
-stochastic-rounding optimizer). Every figure is the median of ``--repeats`` after one warm-up,
-measured in this run.
+fp32 master weights; the output head's logits in fp32, so its bound counts the head's forward
+at the fp32 rate and its two gradient products at the bf16 one); ``bf16w``, bf16 parameters
+without autocast (what ``dtype: bf16`` trains, with a stochastic-rounding optimizer). Every
+figure is the median of ``--repeats`` after one warm-up, measured in this run.
 """
 
 from __future__ import annotations
@@ -47,18 +50,27 @@ def _median_time(fn, repeats: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
-def gemm_shapes(cfg: dict, tokens: int) -> list[tuple[str, int, int, int, int]]:
-    """``(name, M, K, N, count)`` of one forward's matrix products, ``count`` per forward."""
+HEAD_ROWS = 1024  # the rows of one head product (the recipe's chunk_size, passed below)
+CPU_VOCAB_BLOCK = 4096  # the vocabulary columns of one on a CPU (pepo.entropy's, its docstring)
+
+
+def gemm_shapes(cfg: dict, tokens: int, response_tokens: int, device_type: str
+                ) -> list[tuple[str, int, int, int, float]]:
+    """``(name, M, K, N, count)`` of one forward's matrix products, ``count`` per forward: the
+    layers' on every token, the head's on the response tokens (the log-probs' positions) in the
+    blocks it runs, the count fractional where the last block is smaller."""
     d, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = cfg.get("head_dim") or d // heads
     layers = cfg["num_hidden_layers"]
+    rows = min(response_tokens, HEAD_ROWS)
+    cols = min(v, CPU_VOCAB_BLOCK) if device_type == "cpu" else v
     return [
         ("q, o", tokens, d, heads * hd, 2 * layers),
         ("k, v", tokens, d, kv * hd, 2 * layers),
         ("gate, up", tokens, d, f, 2 * layers),
         ("down", tokens, f, d, layers),
-        ("head", tokens, d, v, 1),
+        ("head", rows, d, cols, response_tokens / rows * v / cols),
     ]
 
 
@@ -96,7 +108,7 @@ def main() -> None:
     model_dir = args.model_dir or pretrained_dir(args.model)
     cfg = load_hf_config(model_dir)
     tokens = args.rows * args.seq
-    shapes = gemm_shapes(cfg, tokens)
+    shapes = gemm_shapes(cfg, tokens, args.rows * (args.seq - args.prompt), device.type)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "bf16w": torch.bfloat16}
     units = cpu_bf16_units() if device.type == "cpu" else ()
     print(f"machine: {cpu_name() if device.type == 'cpu' else torch.cuda.get_device_name()}, "
@@ -117,7 +129,7 @@ def main() -> None:
             t = _median_time(lambda: a @ b, args.repeats, device)
             rates[p][name] = 2 * m * k * n / t / 1e9
             row.append(f"{rates[p][name]:.0f}")
-        print(f"| {name}: [{m}, {k}] x [{k}, {n}] | {count} | " + " | ".join(row) + " |")
+        print(f"| {name}: [{m}, {k}] x [{k}, {n}] | {count:.4g} | " + " | ".join(row) + " |")
 
     model = architecture_from_hf(model_dir, max_seq_len=args.seq).to(device)
     if device.type == "cpu":  # as the recipe does
@@ -163,21 +175,26 @@ def main() -> None:
             loss = clipped_policy_loss(lp.float(), old_lp, adv, mask, num_tokens=mask.sum())
         loss.backward()
 
-    def head_rate(p: str, name: str) -> str:  # the recipe's bf16 keeps the head in fp32
-        return "fp32" if p == "bf16" and name == "head" and "fp32" in rates else p
+    def seconds(p: str, name: str, m: int, k: int, n: int, count: float) -> float:
+        """The forward's and the backward's two products of one shape at ``p``'s rates; the
+        recipe's bf16 makes the head's logits in fp32 (its two gradient products in bf16)."""
+        one = count * 2 * m * k * n / 1e9
+        if p == "bf16" and name == "head" and "fp32" in rates:
+            return one / rates["fp32"][name] + 2 * one / rates[p][name]
+        return 3 * one / rates[p][name]
 
-    flops = 6 * params * tokens
-    print(f"\n{params / 1e6:.1f}M parameters: 6 x parameters x tokens = {flops / 1e9:.0f} GFLOP "
-          f"per micro-batch update (forward + backward)\n")
+    flops = sum(6 * count * m * k * n for _, m, k, n, count in shapes)
+    print(f"\n{params / 1e6:.1f}M parameters: {flops / 1e9:.4g} GFLOP per micro-batch update "
+          f"(the products above, forward + backward: 6 x the layers' parameters x {tokens} "
+          f"tokens + 6 x the head's x {args.rows * (args.seq - args.prompt)} response tokens)\n")
     print("| precision | attention | update s | achieved GFLOP/s | GEMM bound s | of the bound |")
     print("|---|---|---:|---:|---:|---:|")
     for p in args.precisions:
-        bound = sum(3 * count * 2 * m * k * n / (rates[head_rate(p, name)][name] * 1e9)
-                    for name, m, k, n, count in shapes)
+        bound = sum(seconds(p, *shape) for shape in shapes)
         for recipe in (True, False):
             t = _median_time(lambda: update(p, recipe), args.repeats, device)
             how = "the recipe's mask" if recipe else "causal, no mask"
-            print(f"| {p} | {how} | {t:.3f} | {flops / t / 1e9:.0f} | {bound:.3f} | "
+            print(f"| {p} | {how} | {t:.3g} | {flops / t / 1e9:.4g} | {bound:.3g} | "
                   f"{100 * bound / t:.0f} % |")
 
 

@@ -214,14 +214,14 @@ def memory_child(spec: dict) -> None:
     if spec["what"] == "strategy":
         adv, ent, mask = ragged_batch(spec["b"], spec["t"], device)
         fn = STRATEGIES[spec["name"]][0 if spec["impl"] == "ours" else 1]
-        pw.set_compile(False)  # the memory of the strategies as written (compiled: less or equal)
-        run = lambda: fn(adv, ent, mask)  # noqa: E731
+        run = lambda: fn(adv, ent, mask)  # noqa: E731  # as the library runs it (on CUDA: Triton)
     else:
         inputs, targets = _entropy_workload(spec["kind"], device, spec["b"], spec["t"], spec["v"],
                                             spec["d"])
         ours, naive = _entropy_fns(spec["kind"], inputs, targets, spec["chunk"])
         run = ours if spec["impl"] == "ours" else naive
     if device.startswith("cuda"):
+        run()  # a first call's compiling or autotuning is not the call's memory
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -406,9 +406,10 @@ def bench_weighting_gpu(device: str, shapes: list[tuple[int, int]], calls: int) 
                 rows.append({"strategy": name, "shape": [b, t], "failed": note})
                 continue
             t_false = time_calls(unchecked, calls)
+            was = pw.compile_enabled()
             pw.set_compile(False)
             t_eager = time_calls(unchecked, calls)
-            pw.set_compile(True)
+            pw.set_compile(was)
             t_true = time_calls(checked, calls)
             t_direct = time_calls(d_fn, calls) if d_fn else math.nan
             alone = (time_synced(unchecked), time_synced(d_fn) if d_fn else math.nan)
@@ -485,7 +486,9 @@ def bench_topk_large(device: str) -> None:
 
 def bench_entropy(device: str, repeats: int, b: int, t: int, v: int, d: int, chunk: int,
                   memory: bool) -> None:
-    print(f"\n## logprobs_and_entropy, forward + backward ({device}, chunk_size={chunk})\n")
+    print(f"\n## logprobs_and_entropy, forward + backward ({device}, chunk_size={chunk}; "
+          f"{'the median of ' if repeats > 1 else ''}{repeats} timed run{'s' * (repeats > 1)} "
+          f"each after a warm-up)\n")
     print("| function | work | pepo | naive | speed-up | peak extra mem pepo | naive |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for kind in ("logits", "hidden"):
@@ -515,6 +518,9 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--only", choices=["weighting", "topk", "entropy"], default=None)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--entropy-repeats", type=int, default=None,
+                   help="logprobs_and_entropy's timed runs (default: a third of --repeats, at "
+                        "least 1: each takes seconds on a CPU)")
     p.add_argument("--rounds", type=int, default=1,
                    help="GPU table: this many back-to-back rounds, then their medians")
     p.add_argument("--no-memory", action="store_true", help="skip the subprocess memory runs")
@@ -531,8 +537,10 @@ def main() -> None:
     p.add_argument("--memory-child", help=argparse.SUPPRESS)
     p.add_argument("--sync-table", action="store_true", help=argparse.SUPPRESS)  # CPU rehearsal
     args = p.parse_args()
-    if args.repeats < 1 or args.rounds < 1:
-        p.error(f"--repeats and --rounds must be at least 1 (got {args.repeats}, {args.rounds})")
+    entropy_repeats = 1 if args.entropy_repeats is None else args.entropy_repeats
+    if min(args.repeats, args.rounds, entropy_repeats) < 1:
+        p.error(f"--repeats, --entropy-repeats and --rounds must be at least 1 (got "
+                f"{args.repeats}, {args.entropy_repeats}, {args.rounds})")
     try:
         torch.empty(0, device=args.device)
     except (RuntimeError, AssertionError) as e:  # an unknown device, or CUDA not there
@@ -540,6 +548,8 @@ def main() -> None:
     if args.quick:
         args.repeats, args.no_memory = 1, True
         args.vocab, args.entropy_tokens = 4096, 512
+    if args.entropy_repeats is None:
+        args.entropy_repeats = max(1, args.repeats // 3)
     if args.memory_child:
         memory_child(json.loads(args.memory_child))
         return
@@ -572,7 +582,7 @@ def main() -> None:
         bench_topk_large(args.device)
     if args.only in (None, "entropy"):
         bench_entropy(
-            args.device, max(1, args.repeats // 3), args.entropy_batch, args.entropy_tokens,
+            args.device, args.entropy_repeats, args.entropy_batch, args.entropy_tokens,
             args.vocab, args.hidden_dim, args.chunk_size, memory,
         )
 

@@ -135,16 +135,29 @@ COMPILE_OPTIONS = {
 }
 
 
-def compiled_with(fn, option: dict):
-    """``torch.compile(fn, dynamic=True)`` with one of :data:`COMPILE_OPTIONS`."""
-    opts = {k: getattr(torch.compiler, v) if k == "guard_filter_fn" else v
-            for k, v in option.items()}
+def compiled_with(fn, option: dict, filtered: list):
+    """``torch.compile(fn, dynamic=True)`` with one of :data:`COMPILE_OPTIONS`; a guard filter
+    appends to ``filtered`` each time Dynamo consults it (it does only while compiling a frame
+    anew: after :func:`torch._dynamo.reset`, not where a frame compiled under another setting
+    is cached)."""
+    opts = {}
+    for k, v in option.items():
+        if k == "guard_filter_fn":
+            def counted(entries, f=getattr(torch.compiler, v)):
+                filtered.append(len(entries))
+                return f(entries)
+            opts[k] = counted
+        else:
+            opts[k] = v
     return torch.compile(fn, dynamic=True, options=opts or None)
 
 
 def overhead(device: str, calls: int, shapes: list) -> list[dict]:
     """One compiled kernel's call, and the launch-bound strategies' compiled bodies, under each
-    of :data:`COMPILE_OPTIONS`; each checked against the library's output."""
+    of :data:`COMPILE_OPTIONS`, each compiled afresh (Dynamo reset before each: a frame
+    compiled under an earlier setting would be reused, its guards with it, and without guards
+    one strategy's compiled ``_body`` runs for the next); each checked against the library's
+    output, and a guard filter checked to have been consulted."""
     rows = []
     x = torch.randn(256, 4096, device=device)
     print("\n| compile setting | one kernel | " + " | ".join(
@@ -153,21 +166,27 @@ def overhead(device: str, calls: int, shapes: list) -> list[dict]:
     batches = [flagged_batch(b, t, device) for b, t in shapes]
     for label, option in COMPILE_OPTIONS.items():
         try:
-            one = compiled_with(lambda t: t + 3, option)
+            torch._dynamo.reset()
+            filtered: list = []
+            one = compiled_with(lambda t: t + 3, option, filtered)
             cells = [time_calls(lambda: one(x), calls)]
             for adv, ent, mask, kw in batches:
                 for name in ("gtpo", "global_topk", "proximal_softmax"):
                     s = pw.get_strategy(name, **STRATEGIES[name])
                     k = {key: kw[key] for key, wanted in (("positive", s.reads_positive),
                                                           ("groups", s.needs_groups)) if wanted}
-                    body = compiled_with(s._body, option)
                     want = s(adv, ent, mask, validate=False, **kw)
+                    torch._dynamo.reset()  # without guards one strategy's frame runs another's
+                    body = compiled_with(s._body, option, filtered)
                     torch.testing.assert_close(body(adv, ent, mask, **k), want)
                     cells.append(time_calls(lambda: body(adv, ent, mask, **k), calls))
+            if "guard_filter_fn" in option and not filtered:
+                raise RuntimeError("the guard filter was never consulted: not this setting")
         except Exception as err:  # report, go on
             print(f"({label}: {type(err).__name__}: {str(err)[:160]})")
             continue
-        rows.append({"compile_setting": label, "us": [c * 1e6 for c in cells]})
+        rows.append({"compile_setting": label, "us": [c * 1e6 for c in cells],
+                     "guard_filter_calls": len(filtered)})
         print(f"| {label} | " + " | ".join(f"{c * 1e6:,.0f}" for c in cells) + " |", flush=True)
     return rows
 
@@ -439,6 +458,7 @@ def main() -> None:
             for name, params in STRATEGIES.items():
                 s = pw.get_strategy(name, **params)
                 lib = time_calls(lambda: s(adv, ent, mask, validate=False, **kw), calls)
+                was = pw.compile_enabled()
                 pw.set_compile(False)
                 eager = time_calls(lambda: s(adv, ent, mask, validate=False, **kw), calls)
                 try:
@@ -449,8 +469,8 @@ def main() -> None:
                 except Exception as err:  # report, go on
                     print(f"({name}: CUDA graphs failed: {type(err).__name__}: {str(err)[:120]})")
                     cg = math.nan
-                pw.set_compile(True)
-                sort_txt, sorts = "", (math.nan, math.nan)
+                pw.set_compile(was)
+                sort_txt, sorts, extra = "", (math.nan, math.nan), {}
                 if name == "entropy_bonus":  # the lean eager formula against the library's
                     want = s(adv, ent, mask, validate=False)
                     torch.testing.assert_close(bonus_eager_lean(adv, ent, mask), want)
@@ -460,6 +480,7 @@ def main() -> None:
                         0.0),
                         calls)
                     sort_txt = f"lean eager {lean * 1e6:,.0f}, direct {direct * 1e6:,.0f}"
+                    extra.update(lean_eager_us=lean * 1e6, direct_us=direct * 1e6)
                 if s._triton is not None and device == "cuda":  # its kernel against what
                     body = torch.compile(s._body, dynamic=True)  # PEPO_TRITON=0 runs instead
                     kb = {k: v for k, v in kw.items()  # the keywords its body takes
@@ -471,17 +492,19 @@ def main() -> None:
                     compiled = time_calls(lambda: body(adv, ent, mask, **kb), calls)
                     sort_txt += (", " if sort_txt else "") + (
                         f"torch.compile {compiled * 1e6:,.0f} (library: Triton)")
+                    extra["torch_compile_us"] = compiled * 1e6
                 if name == "global_topk":
                     want = s(adv, ent, mask, validate=False)
                     assert torch.equal(topk_by_sort(adv, ent, mask), want)
                     compiled_sort = torch.compile(topk_by_sort, dynamic=True)
                     sorts = (time_calls(lambda: topk_by_sort(adv, ent, mask), calls),
                              time_calls(lambda: compiled_sort(adv, ent, mask), calls))
-                    sort_txt = f"{sorts[0] * 1e6:,.0f} / {sorts[1] * 1e6:,.0f}"
+                    sort_txt = (f"{sorts[0] * 1e6:,.0f} / {sorts[1] * 1e6:,.0f}"
+                                + (", " if sort_txt else "") + sort_txt)
                 rows.append({"strategy": name, "shape": [b, t], "floor_us": floor * 1e6,
                              "library_us": lib * 1e6, "cuda_graphs_us": cg * 1e6,
                              "as_written_us": eager * 1e6, "sort_eager_us": sorts[0] * 1e6,
-                             "sort_compiled_us": sorts[1] * 1e6})
+                             "sort_compiled_us": sorts[1] * 1e6, **extra})
                 save()
                 print(f"| {name} | [{b}, {t}] | {floor * 1e6:,.0f} | {lib * 1e6:,.0f} | "
                       f"{cg * 1e6:,.0f} | {eager * 1e6:,.0f} | {sort_txt} |", flush=True)

@@ -71,6 +71,7 @@ def test_tiny_split_sums_within_the_step(tiny):
         assert sum(parts) <= r["step_time"]
         # the strategy runs inside the old log-probs' part or the update's: never beside them
         assert r["strategy_time"] <= r["logprob_time"] + r["update_time"]
+        assert r["strategy_calls"] == 1  # the old log-probs' pass (4 mini-batches)
         assert r["other_time"] == pytest.approx(r["step_time"] - sum(parts), abs=1e-9)
         assert 0 < r["reward_time"] < r["gen_time"]
         assert r["strategy_first_call_s"] > 0  # called (compiled on CUDA) before step 1
@@ -138,3 +139,22 @@ def test_qwen3_1_7b_directory_matches_the_published_model(tmp_path):
     assert ids[0] == 151644 and tok.decode(ids, skip_special_tokens=False).endswith(
         "<|im_start|>assistant\n")
     assert tok.decode([7000, 151935]) == " w7000 w151935"
+
+
+@pytest.mark.slow
+def test_tiny_without_the_old_logprob_pass_counts_every_strategy_call(tmp_path):
+    """``--mini-batches 1``: the update makes the old log-probs, and the strategy runs once a
+    micro-batch (8 rows in micro-batches of 2: 4 calls). Catches the step's strategy time and
+    part peaks taken from its last call alone (the count shows how many the figure sums)."""
+    out = tmp_path / "one.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--tiny", "--steps", "1", "--mini-batches", "1", "--out",
+         str(out)], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+        text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text(encoding="utf-8"))
+    for key in ("grpo", "pepo"):
+        r = res[key]
+        assert r["strategy_calls"] == res["settings"]["rollouts_per_step"] // 2 == 4
+        assert 0 < r["strategy_time"] <= r["update_time"]
+    assert "| strategy calls (1, or one a micro-batch in the update) | 4 | 4 |" in proc.stdout

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -132,3 +133,28 @@ def test_radix_settings_run_under_their_environment():
                                                 "PEPO_TOPK_HIST": "16384x8"}
     assert bwv.radix_env("4096x8") == {"PEPO_TOPK_SELECT": "radix", "PEPO_TOPK_HIST": "4096x8"}
     assert bwv.RADIX_SETTINGS[0] == "4096x8"  # the reference: the default's setting
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not any(shutil.which(c) for c in (os.environ.get("CXX", "c++"), "g++",
+                                                      "clang++")),
+                    reason="inductor on a CPU needs a C++ compiler")
+def test_overhead_compiles_each_setting_afresh(tmp_path):
+    """``--overhead`` (a CPU's inductor at the quick shape): every compile setting has its row,
+    and each guard setting's filter was consulted. Catches the settings compiled over frames
+    Dynamo had cached under the default one (the filter then never runs, and the "tensor guards
+    only" and "no guards" rows time the default again), and without a reset before each
+    strategy, one strategy's unguarded frame run for the next (an output check fails)."""
+    out = tmp_path / "overhead.json"
+    proc = subprocess.run([sys.executable, "bench_weighting_variants.py", "--overhead", "--quick",
+                           "--out", str(out)], cwd=ROOT / "benchmarks",
+                          env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = {r["compile_setting"]: r for r in json.loads(out.read_text(encoding="utf-8"))}
+    assert list(rows) == ["default (the library's)", "tensor guards only", "no guards",
+                          "C++ wrapper"], proc.stdout[-2000:]
+    assert all(len(r["us"]) == 4 and min(r["us"]) > 0 for r in rows.values())
+    assert rows["tensor guards only"]["guard_filter_calls"] > 0
+    assert rows["no guards"]["guard_filter_calls"] > 0
+    assert rows["default (the library's)"]["guard_filter_calls"] == 0
