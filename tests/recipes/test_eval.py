@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 import pepo_eval
@@ -506,3 +507,23 @@ def test_avg_at_k_counts_the_truncated_responses(tmp_path):
     assert 0 < want < len(rows), want  # both kinds, so a flipped flag fails
     assert counts == {"rollouts": 12, "correct": int((rewards > 0).sum()), "truncated": want}
     assert avg == pytest.approx(counts["correct"] / 12)
+
+
+def test_the_seed_chooses_the_evaluations_samples(tmp_path, monkeypatch):
+    """``seed=0`` and ``seed=1`` sample with different generators (seeds averaged over are
+    independent samples). Catches the config's seed not passed
+    on (every seed the same responses: N copies of one number averaged as N) and
+    ``eval_generator`` ignoring its seed."""
+    seen = {}
+
+    def spy(*args, **kwargs):
+        g = kwargs["generator"]
+        seen.setdefault(run, []).append((g.initial_seed(), torch.rand(4, generator=g)))
+        return 0.5
+
+    monkeypatch.setattr(pepo_eval, "avg_at_k", spy)
+    for run in (0, 1):
+        pepo_eval.eval_main(_tiny_eval_cfg(tmp_path, seed=run,
+                                           output_dir=str(tmp_path / f"o{run}")))
+    (s0, d0), (s1, d1) = seen[0][0], seen[1][0]
+    assert s0 != s1 and not torch.equal(d0, d1)

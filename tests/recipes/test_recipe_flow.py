@@ -452,3 +452,59 @@ def test_the_drift_forward_is_timed_and_a_nan_row_leaves_the_others_drift(tmp_pa
     assert len(calls) == 2 and m["nonfinite_skipped"] == 1  # one of the two mini-batches
     assert m["policy_drift"] > 0 and math.isfinite(m["policy_drift"])
     assert m["logprob_time"] >= 2.0  # the old-policy pass alone: well under 0.5 s
+
+
+def test_the_trainer_takes_log_probs_at_the_sampling_temperature(tmp_path):
+    """At a sampling temperature other than 1 the trainer's log-probs (the old ones, the
+    update's and the entropies PEPO weights by) are the engine's sampling distribution's: the
+    logged gap between the engine's and the trainer's log-probs is float noise. Catches the
+    trainer's forward at temperature 1 (every other test runs at 1 or compares the trainer with
+    itself: a gap of about 0.13 here)."""
+    recipe = run(tiny_cfg(tmp_path, num_steps=1, generation={"temperature": 0.5,
+                                                             "max_new_tokens": 12}))
+    gap = recipe.history[-1]["rollout_logprob_gap"]
+    assert 0 <= gap < 1e-5, gap
+
+
+def test_every_epoch_makes_its_optimizer_steps(tmp_path, monkeypatch):
+    """``ppo_epochs=2`` with 2 mini-batches: 4 optimizer steps a step, and the second epoch
+    starts from the first's update (its ratios differ from 1: a clip fraction or a KL above 0
+    over the step). Catches ``ppo_epochs`` read and then ignored (one epoch: 2 steps a step,
+    which no other test would see: every config tested runs one epoch)."""
+    calls = []
+    real = pepo_recipe.PEPORecipe._optimizer_step
+
+    def spy(self, loss, grad_norm):
+        calls.append(self.step)
+        return real(self, loss, grad_norm)
+
+    monkeypatch.setattr(pepo_recipe.PEPORecipe, "_optimizer_step", spy)
+    recipe = run(tiny_cfg(tmp_path, num_steps=2, ppo_epochs=2, ppo_mini_batches=2,
+                          micro_batch_size=2))
+    assert len(calls) == 2 * 2 * 2 and len(set(calls)) == 2
+    assert all(h["approx_kl"] > 0 for h in recipe.history if "loss" in h)
+
+
+def test_every_validation_samples_with_the_evaluation_generator(tmp_path, monkeypatch):
+    """Each validation (before training, every step here, at the end) samples with a fresh
+    ``eval_generator(seed)``, as ``pepo_eval`` does with the same seed, so that two validations
+    differ only by the policy. Catches the generator left out (the validations then draw from
+    the global stream: the change from before to after training holds sampling noise, and the
+    recipe's avg@k is not pepo_eval's on the same checkpoint)."""
+    from pepo.training.evaluation import eval_generator
+
+    seeds = []
+    real = pepo_recipe.avg_at_k
+
+    def spy(*args, **kwargs):
+        g = kwargs.get("generator")  # its seed, and its state (a fresh one's: unused yet)
+        seeds.append(None if g is None else (g.initial_seed(), g.get_state()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pepo_recipe, "avg_at_k", spy)
+    cfg = tiny_cfg(tmp_path, num_steps=2, seed=3, validation={"every": 1})
+    run(cfg)
+    want = eval_generator(3)
+    assert len(seeds) == 3 and all(s is not None for s in seeds)
+    assert all(s[0] == want.initial_seed() and torch.equal(s[1], want.get_state())
+               for s in seeds)

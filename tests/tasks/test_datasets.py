@@ -391,3 +391,20 @@ def test_a_float32_gold_is_read_as_the_number_it_stores(tmp_path):
     pq.write_table(pa.table({"id": [0], "problem": ["Find 0."],
                              "answer": pa.array([0.1 + 0.2], pa.float64())}), path)
     assert load_math_dataset(path)[0].answer == "0.30000000000000004"
+
+
+def test_amc_ids_are_the_files_own_and_dapo_reads_the_first_user_turn(tmp_path):
+    """AMC rows named by their ``id`` column (100, 101), not by their row (0, 1): catches the
+    column ignored (results and dumps that no longer join with the published ids, and ids that
+    move when the file is reordered). A DAPO chat prompt with a later user turn (a follow-up)
+    is the first user turn's problem, as the loader documents: catches the last one read."""
+    rows = [{**F.amc_rows()[0], "id": 100 + i, "problem": f"Find {i} + 1."} for i in range(2)]
+    probs = load_math_dataset(F.write_parquet(tmp_path / "amc.parquet", rows), name="amc")
+    assert [p.id for p in probs] == ["amc-100", "amc-101"]
+    dapo = F.dapo_rows(1)
+    first = dapo[0]["prompt"][0]["content"]
+    dapo[0]["prompt"] = [*dapo[0]["prompt"], {"role": "assistant", "content": "Let me see."},
+                         {"role": "user", "content": "Now compute $9 \\times 9$."}]
+    (prob,) = load_math_dataset(_jsonl(tmp_path / "d.jsonl", dapo), template=None)
+    assert prob.prompt == "Compute $0 \\times 3$." and "9 \\times 9" not in prob.prompt
+    assert "Compute $0 \\times 3$." in first

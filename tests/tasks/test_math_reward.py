@@ -519,3 +519,15 @@ def test_a_gold_answer_math_verify_cannot_read_is_warned_of_once(workers, caplog
         caplog.clear()
         assert mv(["\\boxed{12}", "x"], ["{12", "{13"]) == [0.0, 0.0]  # '{13': never parsed
         assert _unchecked(caplog) == []
+
+
+def test_the_answer_is_read_after_the_last_think_end():
+    """A response that closes its thinking twice (a second ``<think>`` block after a first
+    answer) is scored on what follows the last ``</think>``: catches the text after the first
+    one read, where both boxes are found and math-verify reads them as a set ({3, 4}), so the
+    right final answer 4 scored 0."""
+    text = "<think>a</think> so \\boxed{3} <think>wait, no</think> so \\boxed{4}"
+    assert R.final_answer_text(text) == " so \\boxed{4}"
+    assert R.final_answer_text("a</think>b</think>c") == "c"
+    mv = R.MathVerify(workers=0)
+    assert mv([text, text], ["4", "3"]) == [1.0, 0.0]

@@ -163,6 +163,13 @@ def test_batched_generation_merges_into_one_padded_batch(model):
     assert ro.tokens.shape[0] == 9 and ro.prompt_tokens.shape[1] == max(map(len, prompts))
     assert torch.equal(ro.prompt_mask.sum(-1), torch.tensor([len(p) for p in prompts]))
     assert_rows_match_unpadded(model, ro, prompts)  # the merged batch is still exact
+    # a piece of shorter prompts is re-left-padded to the batch's width (right-padding it
+    # counts the same tokens, but puts padding between a prompt and its response)
+    prompts = [[5, 9, 17, 4, 3], [8, 2], [8], [20, 21]]
+    ro = G.generate(model, prompts, max_new_tokens=4, pad_id=0, stop_tokens=[1, 2],
+                    generator=torch.Generator().manual_seed(0), batch_size=2)
+    ids, mask = G.pad_prompts(prompts, 0)
+    assert torch.equal(ro.prompt_tokens, ids) and torch.equal(ro.prompt_mask, mask)
 
 
 @pytest.mark.parametrize("top_k, top_p", [(1, 1.0), (None, 1e-6), (1, 1e-6)])

@@ -20,6 +20,7 @@ from pepo.training.step import (
     policy_logprobs,
     row_extent,
     step_metrics,
+    weigh_from_update,
 )
 
 
@@ -96,6 +97,56 @@ def test_step_metrics_against_hand_sums():
     stats.drift = None
     assert "policy_drift" not in step_metrics(traj, stats, _OneRank(), lr=0.01,
                                               nonfinite_skipped=0, step_time=1.0)
+
+
+def test_token_means_and_row_means_have_their_own_denominators():
+    """The fixture above has as many valid tokens as rows (4 and 4), so a mean taken over the
+    wrong one passes there. Here 5 valid tokens over the batch's 4 rows: the entropy is the
+    mean over the tokens, 3.0 (catches it divided by the rows: 3.75, the mean entropy times the
+    mean length), and the response length the mean over the rows, 5/4 (catches it divided by
+    the tokens: 1.0)."""
+    traj = _trajectory()
+    ro = traj.rollouts
+    ro.mask = torch.tensor([[True, True, True], [True, True, False]])
+    ro.tokens = torch.tensor([[5, 6, 7], [8, 9, 0]])
+    ro.logprobs = torch.tensor([[-1.0, -2.0, -0.5], [-0.25, -1.0, 9.0]])
+    traj.old_logprobs = torch.tensor([[-1.5, -2.0, -0.25], [-0.25, -1.0, 7.0]])
+    traj.entropies = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 50.0]])
+    traj.token_advantages = torch.tensor([[0.25, 0.5, 0.75], [-0.5, -0.5, 0.0]])
+    stats = StepStats(losses=[torch.tensor(1.0)], grad_norms=[torch.tensor(1.0)],
+                      clip_fraction=0.0, approx_kl=0.0, tokens=5.0, drift=None,
+                      times={"gen_time": 1.0, "logprob_time": 1.0, "update_time": 1.0})
+    m = step_metrics(traj, stats, _OneRank(), lr=0.01, nonfinite_skipped=0, step_time=4.0)
+    assert m["entropy"] == (1 + 2 + 3 + 4 + 5) / 5
+    assert m["response_len"] == 5 / 4
+    assert m["rollout_logprob_gap"] == (0.5 + 0 + 0.25 + 0 + 0) / 5
+
+
+def test_the_updates_own_forward_fills_the_old_policy_values_and_is_weights():
+    """``weigh_from_update`` (one epoch, one mini-batch: the update's first forward is the old
+    policy's) for this rank's row 1 alone: its old log-probs and entropies are the forward's,
+    its token advantages the strategy's, and with ``tis_cap`` its weights ``min(π_old / μ,
+    cap)`` at valid tokens, ``μ`` the engine's probability. Catches the ratio taken the other
+    way (``μ / π_old``: at the engine's -0.25 and the forward's -1.0, 0.47 against 2.1), the cap
+    not applied, and another row's values filled."""
+    import pepo.weighting as pw
+
+    traj = _trajectory()
+    traj.old_logprobs = traj.entropies = traj.token_advantages = None
+    traj.groups = torch.tensor([1, 1])  # the second prompt's group
+    rows = torch.tensor([1])
+    lp = torch.tensor([[-1.0, 5.0, 5.0]])  # the forward's; -0.25 the engine's at the token
+    ent = torch.tensor([[0.5, 0.0, 0.0]])
+    weigh_from_update(traj, rows, lp, ent, pw.get_strategy("uniform"), tis_cap=1.5)
+    assert torch.equal(traj.old_logprobs[1], lp[0]) and torch.equal(traj.entropies[1], ent[0])
+    assert float(traj.token_advantages[1, 0]) == -0.5  # this rank's row 1: A = -0.5
+    assert float(traj.is_weights[1, 0]) == pytest.approx(min(math.exp(-1.0 + 0.25), 1.5))
+    assert not traj.old_logprobs[0].any() and not traj.is_weights[0].any()  # row 0 untouched
+    weigh_from_update(traj, torch.tensor([0]), torch.tensor([[-0.5, -2.0, -2.0]]),
+                      torch.zeros(1, 3), pw.get_strategy("uniform"), tis_cap=1.5)
+    # the engine's -1.0, -2.0, -0.5: ratios e^0.5 (capped at 1.5), 1, e^-1.5
+    torch.testing.assert_close(traj.is_weights[0], torch.tensor(
+        [1.5, 1.0, math.exp(-1.5)]), rtol=1e-6, atol=0)
 
 
 class _TwoRanks:
