@@ -147,12 +147,16 @@ def main() -> None:
                   tokens=targets, mask=mask, finished=torch.ones(args.rows, dtype=torch.bool))
     rows = torch.arange(args.rows)
 
-    def head_of(model):  # the output head in the autocast dtype (bf16), unlike the recipe
+    # the responses' fp32 logits kept for the backward as the recipe keeps them (policy_logprobs)
+    save = targets.numel() * cfg["vocab_size"] * 4 <= args.save_logits_mib * 2**20
+
+    def head_of(model):  # the output head as the recipe's, over the model's own causal mask
         def head(h: torch.Tensor):
             out = model.output
             weight = getattr(out, "tied_module", out).weight  # [V, D]
             return logprobs_and_entropy_from_hidden(model.norm(h)[:, plen - 1 : -1], weight,
-                                                    targets, chunk_size=1024, temperature=1.0)
+                                                    targets, chunk_size=1024, temperature=1.0,
+                                                    save_logits=save)
         return head
 
     models = {"fp32": model, "bf16": model}

@@ -540,7 +540,7 @@ def main() -> None:
     entropy_repeats = 1 if args.entropy_repeats is None else args.entropy_repeats
     if min(args.repeats, args.rounds, entropy_repeats) < 1:
         p.error(f"--repeats, --entropy-repeats and --rounds must be at least 1 (got "
-                f"{args.repeats}, {args.entropy_repeats}, {args.rounds})")
+                f"{args.repeats}, {entropy_repeats}, {args.rounds})")
     try:
         torch.empty(0, device=args.device)
     except (RuntimeError, AssertionError) as e:  # an unknown device, or CUDA not there

@@ -402,9 +402,7 @@ def test_amc_ids_are_the_files_own_and_dapo_reads_the_first_user_turn(tmp_path):
     probs = load_math_dataset(F.write_parquet(tmp_path / "amc.parquet", rows), name="amc")
     assert [p.id for p in probs] == ["amc-100", "amc-101"]
     dapo = F.dapo_rows(1)
-    first = dapo[0]["prompt"][0]["content"]
     dapo[0]["prompt"] = [*dapo[0]["prompt"], {"role": "assistant", "content": "Let me see."},
                          {"role": "user", "content": "Now compute $9 \\times 9$."}]
     (prob,) = load_math_dataset(_jsonl(tmp_path / "d.jsonl", dapo), template=None)
     assert prob.prompt == "Compute $0 \\times 3$." and "9 \\times 9" not in prob.prompt
-    assert "Compute $0 \\times 3$." in first

@@ -127,8 +127,8 @@ def test_the_updates_own_forward_fills_the_old_policy_values_and_is_weights():
     policy's) for this rank's row 1 alone: its old log-probs and entropies are the forward's,
     its token advantages the strategy's, and with ``tis_cap`` its weights ``min(π_old / μ,
     cap)`` at valid tokens, ``μ`` the engine's probability. Catches the ratio taken the other
-    way (``μ / π_old``: at the engine's -0.25 and the forward's -1.0, 0.47 against 2.1), the cap
-    not applied, and another row's values filled."""
+    way (``μ / π_old``: at the engine's -0.25 and the forward's -1.0, 1.5 (2.1 capped) against
+    0.47), the cap not applied, and another row's values filled."""
     import pepo.weighting as pw
 
     traj = _trajectory()
