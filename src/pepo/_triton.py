@@ -58,8 +58,8 @@ _TILE = 256  # tokens per program of the window kernel: W loads each, from L1/L2
 # global_topk's threshold: "radix" (a select over the scores' bytes: the top byte's histogram
 # with the scores, three passes more, no sort; 6 launches and 42 us of GPU time against the
 # sort's 10 and 97 on an H200, docs/performance.md), "radix12" (the top byte, then two passes
-# of 12 bits: one launch fewer, but 4,096-count histograms, 255 registers and spills on sm_90;
-# untimed) or "sort" (one torch.sort of the batch)
+# of 12 bits, an atomic add a key: one launch fewer; untimed) or "sort" (one torch.sort of the
+# batch)
 _TOPK_SELECT = os.environ.get("PEPO_TOPK_SELECT", "radix")
 _TOPK_DIGITS = {"radix": 8, "radix12": 12, "sort": 0}  # bits a histogram pass after the top
 _CHUNK = 2048  # columns per program of the windowed compaction (a multiple of _BLOCK: no overlap)

@@ -59,18 +59,37 @@ if triton is not None:
 
     @triton.jit
     def _add_histogram(hist_ptr, digit, keep, BINS: tl.constexpr):  # noqa: N803
-        h = tl.histogram(digit, BINS, mask=keep)
-        tl.atomic_add(hist_ptr + tl.arange(0, BINS), h.to(tl.int64), mask=h > 0)
+        """``digit``'s counts where ``keep``, added to ``BINS`` counts at ``hist_ptr``: a
+        histogram of the program's block, then one atomic add a bin; over 256 bins one atomic
+        add a key instead (a 4,096-bin ``tl.histogram`` takes every register a thread has)."""
+        if BINS <= 256:
+            h = tl.histogram(digit, BINS, mask=keep)
+            tl.atomic_add(hist_ptr + tl.arange(0, BINS), h.to(tl.int64), mask=h > 0)
+        else:
+            tl.atomic_add(hist_ptr + digit, tl.full(digit.shape, 1, tl.int64), mask=keep)
 
     @triton.jit
     def _radix_level(hist_ptr, k, above, prefix, BITS: tl.constexpr):  # noqa: N803
         """The next ``BITS`` bits of the ``k``-th largest key, from their histogram (``2^BITS``
-        counts at ``hist_ptr``), appended to ``prefix``; ``above`` plus the keys above it."""
-        d = tl.arange(0, 1 << BITS)
-        h = tl.load(hist_ptr + d).to(tl.int64)
-        at_least = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # keys of this digit or more
-        digit = tl.max(tl.where(at_least >= k - above, d, 0), axis=0)
-        above += tl.sum(tl.where(d > digit, h, 0), axis=0)
+        counts at ``hist_ptr``), appended to ``prefix``; ``above`` plus the keys above it. The
+        counts are read in slices of 256 from the top (a 4,096-count histogram held whole, with
+        its cumulative sums, took every register a thread has)."""
+        SLICE: tl.constexpr = min(256, 1 << BITS)  # noqa: N806
+        N: tl.constexpr = (1 << BITS) // SLICE  # noqa: N806
+        need = k - above
+        higher = tl.zeros((), dtype=tl.int64)  # the keys of the slices above this one
+        digit = tl.zeros((), dtype=tl.int32)
+        for i in tl.static_range(N):  # the largest digit with at least `need` keys at or above
+            d = (N - 1 - i) * SLICE + tl.arange(0, SLICE)
+            h = tl.load(hist_ptr + d).to(tl.int64)
+            total = tl.sum(h, axis=0)
+            at_least = higher + total - tl.cumsum(h, axis=0) + h  # keys of this digit or more
+            digit = tl.maximum(digit, tl.max(tl.where(at_least >= need, d, 0), axis=0))
+            higher += total
+        for i in tl.static_range(N):
+            d = i * SLICE + tl.arange(0, SLICE)
+            h = tl.load(hist_ptr + d).to(tl.int64)
+            above += tl.sum(tl.where(d > digit, h, 0), axis=0)
         return (prefix << BITS) | digit.to(tl.uint32), above
 
     @triton.jit
