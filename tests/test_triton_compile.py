@@ -4,8 +4,11 @@ Triton compiles ahead of time for a named target (its own LLVM and the ``ptxas``
 ships): every kernel, at every compile-time switch and every entropy dtype it reads, down to
 a cubin for the H100/H200 (sm_90) and the A100 (sm_80). This catches what Triton's interpreter
 (``tests/test_triton_kernels.py`` on a CPU) lets through: a type that changes across a loop, a
-construct the compiler rejects, an op without a lowering for a dtype. Collected where Triton is
-installed and ``TRITON_INTERPRET`` is not set (the interpreter replaces the compiled kernels).
+construct the compiler rejects, an op without a lowering for a dtype; and, from ``ptxas -v``,
+a kernel that spills registers to local memory on sm_90 at the warps it launches with (a
+4,096-bin ``tl.histogram`` took 255 registers and spilled 1 KB a thread). Collected where Triton
+is installed and ``TRITON_INTERPRET`` is not set (the interpreter replaces the compiled
+kernels).
 """
 
 from __future__ import annotations
@@ -99,3 +102,22 @@ def test_kernel_compiles_for_the_gpu(arch, name, types, switches):
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                               target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
     assert compiled.asm["cubin"]  # ptxas accepted the kernel
+    if arch == 90:  # and fits a thread's registers there (radix12's 4,096-bin histogram did not)
+        assert "0 bytes spill stores" in _ptxas_report(compiled.asm["ptx"], "sm_90a")
+
+
+def _ptxas_report(ptx: str, arch: str) -> str:
+    """``ptxas -v``'s lines on a kernel's registers and spills (the ptxas Triton compiles with)."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from triton import knobs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx, encoding="utf-8")
+        out = subprocess.run([knobs.nvidia.ptxas.path, "-v", f"-arch={arch}", str(src), "-o",
+                              str(Path(tmp) / "k.cubin")], capture_output=True, text=True,
+                             check=True)
+    return out.stderr
