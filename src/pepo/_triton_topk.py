@@ -72,8 +72,8 @@ if triton is not None:
     def _radix_level(hist_ptr, k, above, prefix, BITS: tl.constexpr):  # noqa: N803
         """The next ``BITS`` bits of the ``k``-th largest key, from their histogram (``2^BITS``
         counts at ``hist_ptr``), appended to ``prefix``; ``above`` plus the keys above it. The
-        counts are read in slices of 256 from the top (a 4,096-count histogram held whole, with
-        its cumulative sums, took every register a thread has)."""
+        counts are read in slices of 256 from the top (radix12's apply kernel held two 4,096-count
+        levels whole, with their cumulative sums: 226 registers a thread on sm_90, 158 so)."""
         SLICE: tl.constexpr = min(256, 1 << BITS)  # noqa: N806
         N: tl.constexpr = (1 << BITS) // SLICE  # noqa: N806
         need = k - above
