@@ -377,6 +377,7 @@ GTPO_ROWS = [30, 0, 12, 7, 300, 1, 40, 1100, 5, 33, 2, 64, 9, 250]
 
 
 @pytest.mark.parametrize("normalize,alpha1,alpha2,eps", [("group", 1.0, 0.1, 1e-8),
+                                                         ("group", 2.0, 0.1, 1e-8),
                                                          ("side", 0.5, 0.3, 1e-3)])
 @pytest.mark.parametrize("holes", [False, True])
 def test_gtpo_kernel_is_the_formula(normalize, alpha1, alpha2, eps, holes):
@@ -491,3 +492,100 @@ def test_strategy_runs_the_gtpo_kernel_on_cuda(monkeypatch):
                                   groups=GROUPS.cuda(), validate=False)
     torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-5)
     assert len(calls) == 1
+
+
+# ------------------------------------------- edges a mutation sample found no test of (CPU or GPU)
+
+
+def test_entropy_bonus_kernel_counts_a_negative_entropy_as_zero():
+    """A valid entropy below 0 (fp32 rounding of an entropy that is 0 lets -1e-6 through
+    validation) gives ``A`` exactly, as the body does. Catches the kernel without the clamp
+    (``A + α H < A``, a negative bonus); the loop reference has no clamp, so compare the body."""
+    adv = torch.tensor([1.0, -2.0], device=DEVICE)
+    ent = torch.tensor([[-0.5, -1e-6, 0.3], [-3.0, 0.0, 1.0]], device=DEVICE)
+    mask = torch.ones(2, 3, dtype=torch.bool, device=DEVICE)
+    s = pw.get_strategy("entropy_bonus", alpha=0.4, kappa=2.0)
+    got = s._triton(adv, ent, mask)
+    assert torch.equal(got, s._body(adv, ent, mask))
+    assert got[0, 0] == 1.0 and got[0, 1] == 1.0 and got[1, 0] == -2.0
+
+
+def _huge_row_stride(b, t, dtype):
+    """A ``[b, t]`` view with a row stride of 2^30 + 64: row 2 starts past 2^31 elements, where
+    an int32 offset wraps; the storage is virtual memory, nearly all of it never touched."""
+    s_row = 2**30 + 64
+    try:
+        base = torch.empty((b - 1) * s_row + t, dtype=dtype, device=DEVICE)
+    except (RuntimeError, MemoryError):  # no overcommit here
+        pytest.skip("needs a few GiB of (untouched) memory for a strided view")
+    return base.as_strided((b, t), (s_row, 1))
+
+
+def test_kernels_take_row_offsets_past_2_to_the_31():
+    """Row offsets in int64: a bf16 entropy view (``entropy_bonus``) and a bool mask view (the
+    windowed strategies) whose third row starts past 2^31 elements give the contiguous copy's
+    result. Catches a row index left int32 (``row * stride`` wraps: other tokens read, or an
+    illegal address; the interpreter crashes)."""
+    g = torch.Generator().manual_seed(0)
+    ent = _huge_row_stride(3, 64, torch.bfloat16)
+    ent.copy_((torch.rand(3, 64, generator=g) * 3).to(DEVICE))
+    ones = torch.ones(3, 64, dtype=torch.bool, device=DEVICE)
+    adv = torch.tensor([1.0, -1.0, 2.0], device=DEVICE)
+    s = pw.get_strategy("entropy_bonus", alpha=0.4, kappa=2.0)
+    assert torch.equal(s._triton(adv, ent, ones), s._body(adv, ent.contiguous(), ones))
+    del ent
+    ent = (torch.rand(3, 64, generator=g) * 3).to(DEVICE)
+    mask = _huge_row_stride(3, 64, torch.bool)
+    mask.copy_((torch.rand(3, 64, generator=g) > 0.3).to(DEVICE))
+    for name in ("proximal_softmax", "window_average"):
+        s = pw.get_strategy(name, window=5, apply_to="all")
+        torch.testing.assert_close(s._triton(adv, ent, mask, None),
+                                   s._body(adv, ent, mask.contiguous(), positive=None),
+                                   rtol=2e-5, atol=1e-6)
+
+
+def test_window_average_kernel_edges_of_its_window_sum():
+    """Eq. 7's window average where a window sums to 0 beside others that do not: ``1/W``
+    there (``e = [1/3, 1/3, 1/3, 0, 1/2, 1/3]`` for W = 3), not 1 (an all-zero row, the only
+    one tested before, normalises any constant to ``c = 1``); and a window whose finite
+    entropies overflow fp32 (``3e38 + 3e38``) makes the row NaN, as the body's does (catches
+    the kernel's inf-window rule dropped: a finite row, 0 at the huge tokens)."""
+    ent = torch.tensor([[0.0, 0.0, 0.0, 0.0, 2.0, 2.0]], device=DEVICE)
+    mask = torch.ones(1, 6, dtype=torch.bool, device=DEVICE)
+    one = torch.ones(1, device=DEVICE)
+    s = pw.get_strategy("window_average", window=3, apply_to="all")
+    got = s._triton(one, ent, mask, None)
+    torch.testing.assert_close(got, s._body(one, ent, mask, positive=None), rtol=1e-6, atol=1e-6)
+    e = torch.tensor([1 / 3, 1 / 3, 1 / 3, 0.0, 0.5, 1 / 3], dtype=torch.float64)
+    torch.testing.assert_close(got.cpu().double()[0], e / e.sum() * 6, rtol=1e-6, atol=1e-6)
+    huge = torch.tensor([[3e38, 3e38, 1.0, 2.0]], device=DEVICE)
+    mask = torch.ones(1, 4, dtype=torch.bool, device=DEVICE)
+    assert s._body(one, huge, mask, positive=None).isnan().all()
+    assert s._triton(one, huge, mask, None).isnan().all()
+
+
+@pytest.mark.parametrize("name", ["proximal_softmax", "window_average"])
+def test_windowed_kernels_rows_of_zero_advantage_and_lone_tokens(name):
+    """With ``apply_to="all"`` a row of ``A = 0`` whose entropies hold a NaN is NaN (``c · 0``),
+    as the body gives: catches the kernel reading the advantages as the positive flags where
+    none are given (``A = 0`` then leaves the row unweighted, hiding the NaN; zero-advantage
+    rows are every all-same-reward group). And a tile of 256 columns holding one valid token
+    (a row's last, or one past a gap) is weighted: catches the padding-tile skip taken for a
+    tile with fewer than two."""
+    adv = torch.tensor([0.0, 1.0], device=DEVICE)
+    ent = torch.tensor([[0.5, math.nan, 1.0, 0.7], [0.5, 0.2, 1.0, 0.7]], device=DEVICE)
+    mask = torch.ones(2, 4, dtype=torch.bool, device=DEVICE)
+    s = pw.get_strategy(name, window=3, apply_to="all")
+    got, want = s._triton(adv, ent, mask, None), s._body(adv, ent, mask, positive=None)
+    assert want[0].isnan().all() and got[0].isnan().all()
+    torch.testing.assert_close(got[1], want[1])
+    g = torch.Generator().manual_seed(1)
+    ent = (torch.rand(2, 300, generator=g) * 3).to(DEVICE)
+    mask = torch.zeros(2, 300, dtype=torch.bool, device=DEVICE)
+    mask[0, :257] = True  # columns 256-299, the second tile, hold one valid token
+    mask[1, :200] = True
+    mask[1, 280] = True  # and here one past a gap
+    adv = torch.tensor([1.0, 2.0], device=DEVICE)
+    s = pw.get_strategy(name, window=5, apply_to="all")
+    torch.testing.assert_close(s._triton(adv, ent, mask, None),
+                               s._body(adv, ent, mask, positive=None), rtol=2e-5, atol=1e-6)
