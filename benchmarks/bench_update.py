@@ -103,7 +103,7 @@ def main() -> None:
     from pepo.training.hf import architecture_from_hf, load_hf_config
     from pepo.training.precision import cpu_attention_in_fp32, cpu_bf16_units
     from pepo.training.pretrained import pretrained_dir
-    from pepo.training.step import policy_logprobs
+    from pepo.training.step import policy_logprobs, saves_logits
 
     model_dir = args.model_dir or pretrained_dir(args.model)
     cfg = load_hf_config(model_dir)
@@ -147,8 +147,8 @@ def main() -> None:
                   tokens=targets, mask=mask, finished=torch.ones(args.rows, dtype=torch.bool))
     rows = torch.arange(args.rows)
 
-    # the responses' fp32 logits kept for the backward as the recipe keeps them (policy_logprobs)
-    save = targets.numel() * cfg["vocab_size"] * 4 <= args.save_logits_mib * 2**20
+    # the responses' fp32 logits kept for the backward as the recipe keeps them
+    save = saves_logits(targets.numel(), cfg["vocab_size"], args.save_logits_mib)
 
     def head_of(model):  # the output head as the recipe's, over the model's own causal mask
         def head(h: torch.Tensor):

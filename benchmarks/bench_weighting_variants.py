@@ -284,8 +284,12 @@ RADIX_SETTINGS = ["4096x8", "8192x8", "radix12/4096x8", "radix12/2048x8"]
 
 
 def radix_env(setting: str) -> dict:
-    """A ``RADIX_SETTINGS`` entry as the environment it runs under."""
+    """A ``RADIX_SETTINGS`` entry as the environment it runs under; ``ValueError`` naming a
+    setting that is none."""
     select, _, hist = setting.rpartition("/")
+    if select not in ("", "radix", "radix12") or not re.fullmatch(r"\d+x\d+", hist):
+        raise ValueError(f"--radix-blocks {setting}: expected BLOCKxWARPS, or "
+                         f"radix12/BLOCKxWARPS for two 12-bit passes (e.g. 4096x8)")
     return {"PEPO_TOPK_SELECT": select or "radix", "PEPO_TOPK_HIST": hist}
 
 
@@ -333,17 +337,17 @@ def radix_blocks(quick: bool, settings: list[str]) -> list[dict]:
 
     got: dict[tuple, list[dict]] = {}
     rounds = 1 if quick else 3
+    files = {s: s.replace("/", "-") for s in settings}  # a setting's files' name
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
             for setting in settings:
-                out = os.path.join(tmp, f"{setting.replace('/', '-')}-{r}.json")
+                out = os.path.join(tmp, f"{files[setting]}-{r}.json")
                 subprocess.run([sys.executable, __file__, "--radix-child", setting, "--out", out,
                                 *["--quick"] * quick], check=True,
                                env={**os.environ, **radix_env(setting)})
                 with open(out, encoding="utf-8") as f:
                     for row in json.load(f):
                         got.setdefault((row["score"], tuple(row["shape"]), setting), []).append(row)
-        files = {s: s.replace("/", "-") for s in settings}
         want = torch.load(os.path.join(tmp, f"{files[settings[0]]}-0.json.pt"))
         for r in range(rounds):
             for setting in settings:
@@ -418,10 +422,10 @@ def main() -> None:
         return
     if args.radix_blocks is not None:
         for setting in args.radix_blocks:
-            select, _, hist = setting.rpartition("/")
-            if select not in ("", "radix", "radix12") or not re.fullmatch(r"\d+x\d+", hist):
-                raise SystemExit(f"--radix-blocks {setting}: expected BLOCKxWARPS, or "
-                                 f"radix12/BLOCKxWARPS for two 12-bit passes (e.g. 4096x8)")
+            try:
+                radix_env(setting)
+            except ValueError as e:
+                raise SystemExit(str(e)) from None
         if device != "cuda" or importlib.util.find_spec("triton") is None:
             raise SystemExit("--radix-blocks times Triton kernels: it needs a CUDA GPU and "
                              "Triton")

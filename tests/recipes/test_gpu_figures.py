@@ -133,6 +133,9 @@ def test_radix_settings_run_under_their_environment():
                                                 "PEPO_TOPK_HIST": "16384x8"}
     assert bwv.radix_env("4096x8") == {"PEPO_TOPK_SELECT": "radix", "PEPO_TOPK_HIST": "4096x8"}
     assert bwv.RADIX_SETTINGS[0] == "4096x8"  # the reference: the default's setting
+    for bad in ("radix16/4096x8", "4096", "radix12/"):
+        with pytest.raises(ValueError, match=f"--radix-blocks {bad}: expected"):
+            bwv.radix_env(bad)
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from pepo.training.step import (
     mean_abs_change,
     policy_logprobs,
     row_extent,
+    saves_logits,
     step_metrics,
     weigh_from_update,
 )
@@ -426,3 +427,12 @@ def test_a_registered_strategys_own_nan_stops_the_run_naming_it(monkeypatch):
         weigh(pw.get_strategy("uniform"), adv, ent, mask)  # a built-in: never checked here
     finally:
         pw._REGISTRY.pop("test_signed", None)
+
+
+def test_logits_are_kept_while_they_fit_the_budget():
+    """fp32 logits of ``targets x vocab`` within ``save_logits_mib`` MiB are kept, one token
+    more is not, and a budget of 0 keeps none. Catches a bf16 size (2 bytes) taken for the fp32
+    logits, a budget read in MB, and a strict comparison at the limit."""
+    assert saves_logits(8 * 41, 49152, 512)  # SmolLM2's micro-batch: 61.5 MiB
+    assert saves_logits(1024, 256, 1) and not saves_logits(1025, 256, 1)  # 1 MiB exactly
+    assert not saves_logits(1, 1, 0)

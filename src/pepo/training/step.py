@@ -31,6 +31,7 @@ __all__ = [
     "dump_records",
     "mean_abs_change",
     "policy_logprobs",
+    "saves_logits",
     "step_metrics",
     "validation_summary",
 ]
@@ -118,6 +119,12 @@ class StepStats:
     times: dict = field(default_factory=dict)
 
 
+def saves_logits(targets: int, vocab: int, save_logits_mib: float) -> bool:
+    """Whether :func:`policy_logprobs` keeps the head's logits for the backward: where the fp32
+    logits of ``targets`` tokens over ``vocab`` entries take at most ``save_logits_mib`` MiB."""
+    return targets * vocab * 4 <= save_logits_mib * 2**20
+
+
 def policy_logprobs(model: Any, ro: Rollouts, rows: torch.Tensor, *, chunk_size: int,
                     temperature: float, from_hidden: bool = False, save_logits_mib: float = 0
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,7 +166,7 @@ def policy_logprobs(model: Any, ro: Rollouts, rows: torch.Tensor, *, chunk_size:
         weight = head_weight(model.output)  # [V, D]
         # keeps the logits in the weight's dtype itself; under autocast the gradient's products
         # run in bf16
-        save = targets.numel() * weight.shape[0] * 4 <= save_logits_mib * 2**20
+        save = saves_logits(targets.numel(), weight.shape[0], save_logits_mib)
         return logprobs_and_entropy_from_hidden(model.norm(h)[:, plen - 1 : -1], weight,
                                                 targets, save_logits=save, **kw)
 
