@@ -501,3 +501,60 @@ def test_a_registered_estimators_type_errors_name_it():
         assert est.build_estimator("test_decaying", decay=0.5).keep == 0.5
     finally:
         est.ESTIMATORS.pop("test_decaying", None)
+
+
+def test_group_estimator_names_the_rewards_shape_before_the_ids():
+    """A reward count that differs from the prompt ids' count, or 2-D rewards, is named as
+    such. Catches the old message, which blamed the prompt ids' grouping for both."""
+    e = est.GroupEstimator(group_size=2)
+    ids = [0, 0, 1, 1]
+    with pytest.raises(ValueError, match=r"rewards must be \[N\]=\[4\] \(one per prompt id\), "
+                                         r"got \[6\]"):
+        e.advantages(ids, torch.ones(6))
+    with pytest.raises(ValueError, match=r"rewards must be \[N\]=\[4\] .*got \[4, 1\]"):
+        e.advantages(ids, torch.ones(4, 1))
+    with pytest.raises(ValueError, match="contiguous groups of 2"):
+        e.advantages([0, 1, 0, 1], torch.ones(4))
+    want = est.group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), 2)
+    assert torch.equal(e.advantages(ids, [1.0, 0.0, 0.0, 0.0]), want)  # a list, as SPO's
+
+
+def test_load_state_dict_refuses_a_broken_state_in_one_line():
+    """A state missing its ``config`` and one holding a Beta parameter that is not a finite
+    number > 0 are refused naming what is wrong. Catches the ``KeyError: 'config'`` of the group
+    estimator, and a NaN or negative ``alpha`` loaded silently (NaN values, then a
+    ``ZeroDivisionError`` in ``values``)."""
+    with pytest.raises(ValueError, match=r"state_dict is missing key\(s\) \['config'\]"):
+        est.GroupEstimator(group_size=2).load_state_dict({"name": "group"})
+    with pytest.raises(ValueError, match=r"state_dict is of estimator 'single_stream', not "
+                                         r"'group'"):
+        est.GroupEstimator(group_size=2).load_state_dict(est.SingleStreamEstimator().state_dict())
+    e = est.SingleStreamEstimator()
+    e.set_prior({"a": 0.5, "b": 0.25})
+    good = e.state_dict()
+    for key, value in (("alpha", math.nan), ("beta", -1.0), ("alpha", 0.0),
+                       ("beta", math.inf)):
+        bad = {**good, key: {**good[key], "b": value}}
+        with pytest.raises(ValueError, match=r"state_dict holds a Beta parameter that is not a "
+                                             r"finite number > 0 \(prompt 'b': "):
+            est.SingleStreamEstimator().load_state_dict(bad)
+    with pytest.raises(ValueError, match="drift_total is nan"):
+        est.SingleStreamEstimator().load_state_dict({**good, "drift_total": math.nan})
+    restored = est.SingleStreamEstimator()
+    restored.load_state_dict(good)
+    assert torch.equal(restored.values(["a", "b"]), e.values(["a", "b"]))
+
+
+def test_numpy_integers_configure_the_estimators():
+    """``group_size=np.int64(4)`` and ``prior_samples=np.int64(8)`` are the ints they hold (and
+    stored as ints, which a checkpoint's config comparison reads). Catches ``isinstance(v,
+    int)`` checks, which refused them."""
+    import numpy as np
+
+    g = est.GroupEstimator(group_size=np.int64(4))
+    assert g.group_size == 4 and type(g.group_size) is int
+    s = est.SingleStreamEstimator(prior_samples=np.int64(8), candidate_pool=np.int64(2),
+                                  rho=np.float32(0.5))
+    assert (s.prior_samples, s.candidate_pool) == (8, 2) and type(s.prior_samples) is int
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    assert torch.equal(est.group_advantages(r, np.int64(2)), est.group_advantages(r, 2))

@@ -450,3 +450,51 @@ def test_the_loss_components_default_clip_range_is_the_papers():
     loss = ClippedPolicyLoss()(torch.tensor([[0.25]]), torch.zeros(1, 1), torch.ones(1, 1),
                                torch.ones(1, 1, dtype=torch.bool))
     assert loss.item() == pytest.approx(-1.28, rel=1e-6)
+
+
+def test_importance_weights_must_be_float_tensors_of_one_layout():
+    """``is_weights`` and ``truncated_is_weights``' inputs get the checks the other tensors
+    get. Catches bool / int weights accepted (a bool weight is a mask, an int one truncates
+    the capped ratios to 0 or 1), a ``[B]`` ``old_logprobs`` broadcast by
+    ``truncated_is_weights``, and a device mix reported by torch naming no argument."""
+    from pepo.loss import truncated_is_weights
+
+    lp, old, adv, mask = batch()
+    adv = adv.detach()
+    for dtype in (torch.bool, torch.long):
+        w = torch.ones(4, 9, dtype=dtype)
+        with pytest.raises(ValueError, match=f"is_weights must be a floating-point tensor, got "
+                                             f"dtype {dtype}"):
+            clipped_policy_loss(lp, old, adv, mask, is_weights=w)
+        with pytest.raises(ValueError, match="is_weights must be a floating-point tensor"):
+            clipped_policy_loss(lp, old, adv, mask, is_weights=w, validate=False)
+    with pytest.raises(ValueError, match=r"old_logprobs must be \[B, T\], got \[4\]"):
+        truncated_is_weights(old[:, 0], old[:, 0], mask[:, 0], cap=2.0)
+    with pytest.raises(ValueError, match="rollout_logprobs must be a floating-point tensor"):
+        truncated_is_weights(old, old.long(), mask, cap=2.0)
+    with pytest.raises(ValueError, match=r"old_logprobs \(cpu\), rollout_logprobs \(meta\), "
+                                         r"mask \(cpu\) must be on the same device"):
+        truncated_is_weights(old, old.to("meta"), mask, cap=2.0)
+
+
+@pytest.mark.parametrize("flag", [None, "false", 0])
+def test_validate_must_be_a_bool(flag):
+    """Catches ``if not validate``: ``validate=None`` silently skipped the checks."""
+    from pepo.estimators import group_advantages
+
+    lp, old, adv, mask = batch()
+    with pytest.raises(ValueError, match=r"validate must be True or False, got "):
+        clipped_policy_loss(lp, old, adv.detach(), mask, validate=flag)
+    with pytest.raises(ValueError, match=r"validate must be True or False, got "):
+        group_advantages(torch.tensor([1.0, math.nan]), 2, validate=flag)
+
+
+def test_numpy_token_count():
+    """``num_tokens=np.int64(n)`` (a count summed with NumPy) is the int it holds. Catches an
+    ``isinstance(num_tokens, int)`` check, which refused it."""
+    import numpy as np
+
+    lp, old, adv, mask = batch()
+    n = int(mask.sum()) + 3
+    assert torch.equal(clipped_policy_loss(lp, old, adv.detach(), mask, num_tokens=np.int64(n)),
+                       clipped_policy_loss(lp, old, adv.detach(), mask, num_tokens=n))

@@ -380,3 +380,19 @@ def test_a_constant_row_of_large_entropies_is_uniform_unvalidated():
     h = torch.full((1, 5), 100.0)
     got = pw.proximal_entropy(h, torch.ones_like(h, dtype=torch.bool), window=3, validate=False)
     torch.testing.assert_close(got, torch.full((1, 5), 1 / 3))
+
+
+def test_gtpo_rewards_and_the_building_blocks_read_nothing_unvalidated(monkeypatch):
+    """``gtpo_rewards(validate=False)`` and the public building blocks read no value on the
+    host (a user strategy calls them on the sync-free path), and ``gtpo_rewards`` validated
+    reads once. Catches a value check added to ``normalize_to_length`` (a sync in every user
+    strategy) and a ``validate`` flag of ``gtpo_rewards`` that is ignored."""
+    adv, ent, mask, positive, groups = _cpu_batch()
+    with _HostReads(monkeypatch) as reads:
+        pw.gtpo_rewards(ent, mask, positive, groups, validate=False)
+        c = pw.normalize_to_length(torch.where(mask, ent, 0.0), mask)
+        pw.weight_rows(adv, c, positive)
+    assert reads.count == 0
+    with _HostReads(monkeypatch) as reads:
+        pw.gtpo_rewards(ent, mask, positive, groups)
+    assert reads.count == 1

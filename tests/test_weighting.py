@@ -1461,3 +1461,93 @@ def test_validated_rows_near_the_entropy_limits_match_a_float64_reference():
     full = torch.ones_like(wide, dtype=torch.bool)
     np.testing.assert_allclose(pw.proximal_entropy(wide, full, 3, 1.0).double().numpy()[0, 2:],
                                ref.proximal_entropy(wide, full, 3, 1.0)[0, 2:], rtol=1e-4)
+
+
+# ------------------------------------------------------------- arguments as users pass them
+
+
+def test_numpy_numbers_are_numbers():
+    """A NumPy integer or float (a sweep's ``np.linspace``, a value read from an array) is the
+    number it holds: the same output as the Python number. Catches ``isinstance(v, int)`` /
+    ``(int, float)`` checks, which refused ``np.int64(5)`` and ``np.float32(0.5)`` with an
+    error calling them not numbers."""
+    adv, ent, mask = ragged_batch([6, 4, 9], 10, seed=5)
+    for name, np_params, py_params in [
+        ("proximal_softmax", {"window": np.int64(5), "temperature": np.float32(0.5)},
+         {"window": 5, "temperature": 0.5}),
+        ("global_topk", {"fraction": np.float32(0.25)}, {"fraction": float(np.float32(0.25))}),
+        ("entropy_bonus", {"alpha": np.float32(0.5), "kappa": np.int64(2)},
+         {"alpha": 0.5, "kappa": 2}),
+    ]:
+        got = pw.get_strategy(name, **np_params)(adv, ent, mask)
+        assert torch.equal(got, pw.get_strategy(name, **py_params)(adv, ent, mask)), name
+    assert torch.equal(pw.proximal_entropy(ent, mask, window=np.int64(3)),
+                       pw.proximal_entropy(ent, mask, window=3))
+    with pytest.raises(ValueError, match=r"window must be an odd int >= 1, got 4"):
+        pw.get_strategy("window_average", window=np.int64(4))
+    with pytest.raises(ValueError, match="window must be an odd int"):
+        pw.get_strategy("window_average", window=np.float64(5.0))  # a float is no int
+
+
+@pytest.mark.parametrize("flag", [None, "false", 0, 1])
+def test_validate_must_be_a_bool(flag):
+    """``validate=None`` (or a quoted ``"false"``) is refused, not read as a truth value.
+    Catches ``bool(validate)``: ``None`` silently skipped every check and a NaN went through."""
+    adv, ent, mask = ragged_batch([3, 2], 3)
+    ent[0, 0] = math.nan
+    with pytest.raises(ValueError, match=r"validate must be True or False, got "):
+        pw.get_strategy("entropy_bonus")(adv, ent, mask, validate=flag)
+    with pytest.raises(ValueError, match=r"validate must be True or False"):
+        pw.proximal_entropy(ent, mask, window=3, validate=flag)
+    with pytest.raises(ValueError, match=r"validate must be True or False"):
+        pw.gtpo_rewards(ent, mask, torch.tensor([True, False]), torch.tensor([0, 0]),
+                        validate=flag)
+
+
+def test_gtpo_rewards_refuses_what_its_siblings_refuse():
+    """Log-probabilities passed as entropies (negative values) and NaN entropies are refused as
+    :func:`proximal_entropy` refuses them; ``validate=False`` lets a NaN through to its side's
+    rewards at its position. Catches ``gtpo_rewards`` without the check: the ``-5`` was read as
+    an entropy of 0 and the rewards came back finite and wrong."""
+    ent = torch.tensor([[-5.0, 1.0], [1.0, 1.0]])
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    pos, groups = torch.tensor([True, True]), torch.tensor([0, 0])
+    with pytest.raises(ValueError, match=r"entropies must be >= 0 .*-5"):
+        pw.gtpo_rewards(ent, mask, pos, groups)
+    with pytest.raises(ValueError, match=r"entropies must be >= 0"):
+        pw.proximal_entropy(ent, mask, window=1)  # the sibling's message
+    ent[0, 0] = math.nan
+    with pytest.raises(ValueError, match=r"entropies holds 1 NaN/inf value\(s\) at valid "
+                                         r"\(mask=True\) positions, the first \[0, 0\]"):
+        pw.gtpo_rewards(ent, mask, pos, groups)
+    unchecked = pw.gtpo_rewards(ent, mask, pos, groups, validate=False)
+    assert torch.isnan(unchecked[:, 0]).all() and torch.isfinite(unchecked[:, 1]).all()
+    masked = mask.clone()
+    masked[0, 0] = False  # the NaN at a masked position: not an input
+    assert torch.isfinite(pw.gtpo_rewards(ent, masked, pos, groups)).all()
+
+
+def test_building_blocks_refuse_what_the_strategies_refuse():
+    """``normalize_to_length`` and ``weight_rows`` check their tensors as the strategies do, in
+    one line naming the argument. Catches the old checks, which let a list fail with
+    ``AttributeError``, a device mix with torch's error naming no argument, and int weights
+    through (``c * A`` then truncated nothing but broke the float contract)."""
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    w = torch.rand(2, 3)
+    with pytest.raises(ValueError, match="weights must be a torch.Tensor, got list"):
+        pw.normalize_to_length(w.tolist(), mask)
+    with pytest.raises(ValueError, match="weights must be a floating-point tensor, got dtype "
+                                         "torch.int64"):
+        pw.normalize_to_length(torch.ones(2, 3, dtype=torch.long), mask)
+    with pytest.raises(ValueError, match=r"weights \(cpu\), mask \(meta\) must be on the same"):
+        pw.normalize_to_length(w, mask.to("meta"))
+    adv = torch.tensor([1.0, -1.0])
+    with pytest.raises(ValueError, match="advantages must be a torch.Tensor, got list"):
+        pw.weight_rows([1.0, -1.0], w)
+    with pytest.raises(ValueError, match="c must be a floating-point tensor"):
+        pw.weight_rows(adv, torch.ones(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"advantages \(cpu\), c \(meta\) must be on the same"):
+        pw.weight_rows(adv, w.to("meta"))
+    with pytest.raises(ValueError, match=r"advantages must be \[B\] and c \[B, T\], got \[2\] "
+                                         r"and \[3\]"):
+        pw.weight_rows(adv, w[0])

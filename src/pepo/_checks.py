@@ -8,6 +8,7 @@ broadcasting silently (``[B] * [B, 1]`` gives ``[B, B]``) or producing NaN later
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Optional
 
 import torch
@@ -20,6 +21,16 @@ __all__: list[str] = []
 def format_shape(t: torch.Tensor) -> str:
     """``t``'s shape as the messages write it: ``[4, 1]``."""
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def is_int(value: Any) -> bool:
+    """An integer (a NumPy one too: ``numbers.Integral``), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_real(value: Any) -> bool:
+    """A real number (a NumPy one too: ``numbers.Real``), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def check_tensor(name: str, value: Any) -> torch.Tensor:
@@ -101,8 +112,9 @@ MAX_WINDOW = 65_537
 
 
 def check_window(window: Any) -> int:
-    if isinstance(window, bool) or not isinstance(window, int):
+    if not is_int(window):
         raise ValueError(f"window must be an odd int >= 1, got {window!r}")
+    window = int(window)
     if window < 1 or window % 2 == 0:
         raise ValueError(f"window must be an odd int >= 1, got {window}")
     if window > MAX_WINDOW:
@@ -123,14 +135,13 @@ def check_flag(name: str, value: Any) -> bool:
 
 def check_nonnegative(name: str, value: Any) -> float:
     """``value`` as a float, if it is a finite number >= 0 (a bool is refused)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            0 <= value < math.inf):
+    if not is_real(value) or not 0 <= value < math.inf:
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     return float(value)
 
 
 def check_positive(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_real(value):
         raise ValueError(f"{name} must be a positive number, got {value!r}")
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a finite number > 0, got {value}")

@@ -41,14 +41,15 @@ def group_advantages(
             advantages that overflow the output dtype (only without ``normalize_std``).
     """
     rewards = _checks.check_tensor("rewards", rewards)
+    validate = _checks.check_flag("validate", validate)
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be [N], got {_checks.format_shape(rewards)}")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
+    if not _checks.is_int(group_size) or group_size < 2:
         raise ValueError(
             f"group_size must be an int >= 2 (GRPO needs several rollouts per prompt; use "
             f"SingleStreamEstimator for one), got {group_size!r}"
         )
-    n = rewards.shape[0]
+    group_size, n = int(group_size), rewards.shape[0]
     if n % group_size != 0:
         raise ValueError(
             f"rewards has {n} entries, not a multiple of group_size={group_size}"

@@ -27,6 +27,8 @@ def gtpo_rewards(
     alpha1: float = 1.0,
     alpha2: float = 0.1,
     eps: float = 1e-8,
+    *,
+    validate: bool = True,
 ) -> torch.Tensor:
     """GTPO's entropy-shaped token rewards (Tan et al. 2025, arXiv 2508.04349, Eqs. 3 and 5).
 
@@ -55,12 +57,17 @@ def gtpo_rewards(
         alpha1: the outcome reward's share ``α1`` (>= 0; GTPO's default 1.0).
         alpha2: the entropy term's share ``α2`` (>= 0, not both 0; GTPO's default 0.1).
         eps: ``ε`` of ``1/(H + ε)`` (> 0).
+        validate: raise if the valid entropies hold NaN/inf or a value below ``-1e-4`` (log
+            probabilities passed as entropies), in one host sync, as the other strategies'
+            entropy functions do; ``False`` reads no value on the host (a NaN or inf entropy
+            then turns its group's rewards NaN).
 
     Returns:
         ``[B, T]`` fp32, 0 where ``mask`` is False.
 
     Raises:
-        ValueError: bad shapes or dtypes, or a bad ``alpha1``, ``alpha2`` or ``eps``.
+        ValueError: bad shapes or dtypes, a bad ``alpha1``, ``alpha2`` or ``eps``, or (with
+            ``validate``) bad entropies.
     """
     entropies, mask = _checks.check_entropies_mask(entropies, mask)
     b = torch.empty(mask.shape[0], device=mask.device)
@@ -68,6 +75,8 @@ def gtpo_rewards(
     groups = _checks.check_row_ids("groups", groups, b)
     alpha1, alpha2, eps = check_params(alpha1, alpha2, eps)
     ent = _w.clean(entropies.detach(), mask)
+    if _checks.check_flag("validate", validate):
+        _checks.check_finite_clean(entropies=ent)
     with torch.no_grad():
         return shaped(ent, mask, positive, groups, alpha1, alpha2, eps).float()
 

@@ -55,11 +55,11 @@ through ``**kwargs``."""
 
 def validate_flag(validate: bool, check_finite: Optional[bool]) -> bool:
     """``validate``, or the deprecated ``check_finite`` when given (with a FutureWarning)."""
-    if check_finite is None:
-        return bool(validate)
+    if check_finite is None:  # a bool: None or "false" would pass a truth test as a setting
+        return _checks.check_flag("validate", validate)
     warnings.warn("check_finite= is deprecated: use validate= (the same switch)", FutureWarning,
                   stacklevel=3)
-    return bool(check_finite)
+    return _checks.check_flag("check_finite", check_finite)
 
 
 def declares(fn: Callable[..., Any], name: str) -> tuple[bool, bool]:
@@ -162,7 +162,7 @@ class Strategy:
             advantages: ``[B]``; entropies, mask: ``[B, T]``; positive: ``[B]`` bool; groups:
             ``[B]`` integer; returns ``[B, T]`` fp32.
         """
-        if check_finite is not None:
+        if check_finite is not None or validate.__class__ is not bool:
             validate = validate_flag(validate, check_finite)
         if validate or not _same_layout(advantages, entropies, mask):
             advantages, entropies, mask = _checks.check_batch(advantages, entropies, mask)

@@ -342,9 +342,9 @@ def _check_targets(targets: Any, lead: torch.Size, vocab: int) -> torch.Tensor:
 
 
 def _check_chunk(chunk_size: Any, temperature: Any) -> tuple[int, float]:
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+    if not _checks.is_int(chunk_size) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
-    return chunk_size, _checks.check_positive("temperature", temperature)
+    return int(chunk_size), _checks.check_positive("temperature", temperature)
 
 
 def logprobs_and_entropy(

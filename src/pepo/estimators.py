@@ -47,18 +47,8 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import (
-    Any,
-    Callable,
-    Hashable,
-    Iterable,
-    Mapping,
-    Optional,
-    Protocol,
-    Sequence,
-    Union,
-    runtime_checkable,
-)
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any, Optional, Protocol, Union, runtime_checkable
 
 import torch
 
@@ -147,21 +137,33 @@ def _ids(prompt_ids: PromptIds) -> list[Hashable]:
     return list(prompt_ids)
 
 
-def _rewards(rewards: Any, n: int) -> torch.Tensor:
+def _per_id(rewards: Any, n: int) -> torch.Tensor:
     rewards = torch.as_tensor(rewards)
     if rewards.dim() != 1 or rewards.shape[0] != n:
         raise ValueError(f"rewards must be [N]=[{n}] (one per prompt id), got "
                          f"{_checks.format_shape(rewards)}")
-    r = rewards.detach().double().cpu()
+    return rewards
+
+
+def _rewards(rewards: Any, n: int) -> torch.Tensor:
+    r = _per_id(rewards, n).detach().double().cpu()
     if not torch.isfinite(r).all() or (r < 0).any() or (r > 1).any():
         raise ValueError(f"rewards must lie in [0, 1] for the Beta tracker, got values in "
                          f"[{r.min().item()}, {r.max().item()}]")
     return r
 
 
-def _check_config(own: Mapping[str, Any], saved: Mapping[str, Any], what: str) -> None:
-    """Refuses a state whose hyper-parameters differ from the configured ones (a resume that
+def _check_config(own: Mapping[str, Any], state: Mapping[str, Any], what: str, name: str,
+                  keys: tuple[str, ...] = ()) -> None:
+    """Refuses a state of another estimator than ``name``, one missing one of ``keys`` or its
+    ``config``, and one whose hyper-parameters differ from the configured ones (a resume that
     silently switched them would mix two experiments)."""
+    if state.get("name", name) != name:
+        raise ValueError(f"state_dict is of estimator {state.get('name')!r}, not {name!r}")
+    missing = {"config", *keys} - set(state)
+    if missing:
+        raise ValueError(f"state_dict is missing key(s) {sorted(missing)}")
+    saved = state["config"]
     diff = {k: (saved.get(k), v) for k, v in own.items() if saved.get(k) != v}
     diff.update({k: (v, None) for k, v in saved.items() if k not in own})
     if diff:
@@ -190,12 +192,12 @@ class GroupEstimator:
         self, group_size: int = 8, *, normalize_std: bool = True, unbiased: bool = True,
         eps: float = 1e-6,
     ) -> None:
-        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
+        if not _checks.is_int(group_size) or group_size < 2:
             raise ValueError(
                 f"group_size must be an int >= 2 (advantages are relative to the group; use "
                 f"SingleStreamEstimator for one rollout per prompt), got {group_size!r}"
             )
-        self.group_size = group_size
+        self.group_size = int(group_size)
         self.normalize_std = _checks.check_flag("normalize_std", normalize_std)
         self.unbiased = _checks.check_flag("unbiased", unbiased)
         self.eps = _checks.check_nonnegative("eps", eps)
@@ -223,8 +225,8 @@ class GroupEstimator:
     def advantages(self, prompt_ids: PromptIds, rewards: torch.Tensor) -> torch.Tensor:
         """Group advantages of rollouts in contiguous groups. Shape: ``[N]`` -> ``[N]``."""
         ids = _ids(prompt_ids)
-        g = self.group_size
-        if len(ids) != rewards.shape[0] or any(len(set(ids[i : i + g])) != 1
+        g, rewards = self.group_size, _per_id(rewards, len(ids))
+        if any(len(set(ids[i : i + g])) != 1
                                                for i in range(0, len(ids), g)):
             raise ValueError(
                 f"group mode needs rollouts in contiguous groups of {g} with one prompt id each, "
@@ -248,9 +250,7 @@ class GroupEstimator:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Checks that ``state`` is this estimator's, with this configuration."""
-        if state.get("name") != self.name:
-            raise ValueError(f"state_dict is of estimator {state.get('name')!r}, not {self.name!r}")
-        _check_config(self._config(), state["config"], "GroupEstimator")
+        _check_config(self._config(), {"name": None, **state}, "GroupEstimator", self.name)
 
 
 class SingleStreamEstimator:
@@ -314,8 +314,7 @@ class SingleStreamEstimator:
     ):
         for key, value in (("rho_min", rho_min), ("rho_max", rho_max), ("rho", rho),
                            ("d_half", d_half), ("sampling_eps", sampling_eps), ("eps", eps)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not math.isfinite(value):
+            if not _checks.is_real(value) or not math.isfinite(value):
                 raise ValueError(f"{key} must be a finite number, got {value!r}")
         if not (0.0 < rho_min <= rho_max <= 1.0):
             raise ValueError(
@@ -325,14 +324,14 @@ class SingleStreamEstimator:
             raise ValueError(f"rho must be in (0, 1], got {rho}")
         for key, value in (("prior_samples", prior_samples), ("candidate_pool", candidate_pool)):
             low = 0 if key == "prior_samples" else 1
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if not _checks.is_int(value) or value < low:
                 raise ValueError(f"{key} must be an int >= {low}, got {value!r}")
         _checks.check_positive("d_half", d_half)
         if sampling_eps < 0:
             raise ValueError(f"sampling_eps must be >= 0, got {sampling_eps}")
         if eps < 0:
             raise ValueError(f"eps must be >= 0, got {eps}")
-        self.prior_samples = prior_samples
+        self.prior_samples = int(prior_samples)
         self.rho_min = float(rho_min)
         self.rho_max = float(rho_max)
         self.d_half = float(d_half)
@@ -340,7 +339,7 @@ class SingleStreamEstimator:
         self.sampling_eps = float(sampling_eps)
         self.normalize = _checks.check_flag("normalize", normalize)
         self.eps = float(eps)
-        self.candidate_pool = candidate_pool
+        self.candidate_pool = int(candidate_pool)
         self.adaptive_forgetting = _checks.check_flag("adaptive_forgetting", adaptive_forgetting)
         self._alpha: dict[Hashable, float] = {}
         self._beta: dict[Hashable, float] = {}
@@ -555,16 +554,17 @@ class SingleStreamEstimator:
             ValueError: missing keys, or hyper-parameters other than this estimator's (the
                 configured ones are never silently replaced).
         """
-        if state.get("name", self.name) != self.name:
-            raise ValueError(f"state_dict is of estimator {state.get('name')!r}, not {self.name!r}")
-        missing = {"alpha", "beta", "config", "drift_total", "last_visit"} - set(state)
-        if missing:
-            raise ValueError(f"state_dict is missing key(s) {sorted(missing)}")
+        _check_config(self._config(), state, "SingleStreamEstimator", self.name,
+                      ("alpha", "beta", "drift_total", "last_visit"))
         if set(state["alpha"]) != set(state["beta"]):
             raise ValueError("state_dict alpha and beta track different prompt ids")
-        _check_config(self._config(), state["config"], "SingleStreamEstimator")
-        self._alpha = {k: float(v) for k, v in state["alpha"].items()}
-        self._beta = {k: float(v) for k, v in state["beta"].items()}
+        alpha, beta = ({k: float(v) for k, v in state[s].items()} for s in ("alpha", "beta"))
+        bad = [(k, v) for k, v in (*alpha.items(), *beta.items()) if not 0 < v < math.inf]
+        if bad or not math.isfinite(float(state["drift_total"])):
+            raise ValueError(f"state_dict holds a Beta parameter that is not a finite number > 0 "
+                             f"(prompt {bad[0][0]!r}: {bad[0][1]})" if bad else
+                             f"state_dict's drift_total is {state['drift_total']}")
+        self._alpha, self._beta = alpha, beta
         self.drift_total = float(state["drift_total"])
         self._last_visit = {k: float(v) for k, v in state["last_visit"].items()}
 

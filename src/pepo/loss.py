@@ -74,6 +74,7 @@ def _same_layout(logprobs: Any, old_logprobs: Any, advantages: Any, mask: Any,
             and old_logprobs.is_floating_point() and advantages.is_floating_point()
             and (is_weights is None or (isinstance(is_weights, torch.Tensor)
                                         and is_weights.shape == logprobs.shape
+                                        and is_weights.is_floating_point()
                                         and is_weights.device == logprobs.device)))
 
 
@@ -144,7 +145,8 @@ def clipped_policy_loss(
         is_weights: optional per-token importance weights (constants, e.g.
             :func:`truncated_is_weights`) multiplying each token's clipped term: the
             correction for rollouts sampled by an engine whose probabilities differ from the
-            trainer's.
+            trainer's. A float tensor of values >= 0 (its values are not read on the host: a
+            negative weight would flip its token's term).
         validate: also check the clip range and that ``advantages`` and ``is_weights`` carry
             no grad. Shapes, dtypes and the mask's dtype are checked either way (a ``[B]``
             ``advantages`` would otherwise broadcast silently); no value is read on the host
@@ -156,6 +158,7 @@ def clipped_policy_loss(
     Raises:
         ValueError: mismatched shapes, non-bool mask, advantages that require grad, bad eps.
     """
+    validate = _checks.check_flag("validate", validate)
     checked = validate or not _same_layout(logprobs, old_logprobs, advantages, mask, is_weights)
     if checked:
         _check(logprobs, old_logprobs, advantages, mask, eps_low, eps_high)
@@ -170,6 +173,7 @@ def clipped_policy_loss(
     per_token = torch.maximum(unclipped, clipped)  # [B, T]
     if is_weights is not None and checked:
         _checks.check_tensor("is_weights", is_weights)
+        _checks.check_float("is_weights", is_weights)  # a bool or int weight truncates
         if is_weights.shape != logprobs.shape:
             raise ValueError(f"is_weights must be [B, T]={_checks.format_shape(logprobs)} like "
                              f"logprobs, "
@@ -193,7 +197,7 @@ def clipped_policy_loss(
         # that a host sync would be needed to raise on, so it makes the loss NaN instead
         denom = torch.where(n < 0, math.nan, n.clamp_min(1))
     else:
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        if not _checks.is_int(num_tokens) or num_tokens < 0:
             raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
         denom = float(max(num_tokens, 1))  # 0 (an empty batch): loss 0, as a 0-dim tensor gives
     return per_token.sum() / denom
@@ -308,13 +312,17 @@ def truncated_is_weights(
         old_logprobs, rollout_logprobs, mask: ``[B, T]``; returns ``[B, T]`` fp32, detached,
         0 where mask is False.
     """
-    _checks.check_tensor("old_logprobs", old_logprobs)
-    _checks.check_tensor("rollout_logprobs", rollout_logprobs)
+    for name, t in (("old_logprobs", old_logprobs), ("rollout_logprobs", rollout_logprobs)):
+        _checks.check_float(name, _checks.check_tensor(name, t))
+    if old_logprobs.dim() != 2:
+        raise ValueError(f"old_logprobs must be [B, T], got {_checks.format_shape(old_logprobs)}")
     if rollout_logprobs.shape != old_logprobs.shape:
         raise ValueError(f"rollout_logprobs must be [B, T]={_checks.format_shape(old_logprobs)} "
                          f"like "
                          f"old_logprobs, got {_checks.format_shape(rollout_logprobs)}")
     _checks.check_bool_mask("mask", mask, old_logprobs.shape)
+    _checks.check_same_device(old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs,
+                              mask=mask)
     cap = _checks.check_positive("cap", cap)
     log_ratio = torch.where(mask, old_logprobs.float() - rollout_logprobs.float(), 0.0)
     return torch.where(mask, torch.exp(log_ratio).clamp(max=cap), 0.0)

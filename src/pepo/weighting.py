@@ -338,7 +338,7 @@ def proximal_softmax(
 
     def fn(advantages, entropies, mask, positive):
         e = _w.proximal(entropies, mask, window, temperature)  # [B, T]
-        return _apply(advantages, normalize_to_length(e, mask), apply_to, positive)
+        return _apply(advantages, _normalize(e, mask), apply_to, positive)
 
     if _w.EXP_SAFE_RANGE * temperature >= _w.ENTROPY_SPAN:  # the body's shifted-exp path
         def kernel(advantages, entropies, mask, positive):  # the same in three launches (CUDA)
@@ -374,7 +374,7 @@ def window_average(window: int = 101, apply_to: str = "positive") -> StrategyFn:
 
     def fn(advantages, entropies, mask, positive):
         r = _w.window_average(entropies, mask, window)  # [B, T]
-        return _apply(advantages, normalize_to_length(r, mask), apply_to, positive)
+        return _apply(advantages, _normalize(r, mask), apply_to, positive)
 
     def kernel(advantages, entropies, mask, positive):  # the same in three launches (CUDA)
         import pepo._triton as _triton
@@ -449,7 +449,7 @@ def global_topk(
     by ``N_valid / N_selected`` so that a token-mean over all tokens equals a token-mean over
     the selected tokens only, the normalisation of the official 80/20 code.
     """
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+    if not _checks.is_real(fraction):
         raise ValueError(f"fraction must be a number in (0, 1], got {fraction!r}")
     if not (0.0 < fraction <= 1.0):
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
@@ -570,11 +570,21 @@ def normalize_to_length(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tens
         ``[B, T]`` float: ``c``, on valid tokens (masked positions get 0 where the row has mass).
 
     Raises:
-        ValueError: shapes that differ, or a mask that is not bool.
+        ValueError: shapes that differ, weights that are not a float tensor, a mask that is not
+            bool, tensors on two devices. The values are not read on the host (a strategy calls
+            this on its sync-free path): a negative weight is not refused.
     """
+    weights = _checks.check_tensor("weights", weights)
     if weights.dim() != 2:
-        raise ValueError(f"weights must be [B, T], got {list(weights.shape)}")
+        raise ValueError(f"weights must be [B, T], got {_checks.format_shape(weights)}")
+    _checks.check_float("weights", weights)
     _checks.check_bool_mask("mask", mask, weights.shape)
+    _checks.check_same_device(weights=weights, mask=mask)
+    return _normalize(weights, mask)
+
+
+def _normalize(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """:func:`normalize_to_length` without its checks (the strategies' inputs are checked)."""
     lengths = mask.sum(dim=1, keepdim=True).float()  # [B, 1]
     total = weights.sum(dim=1, keepdim=True)  # [B, 1]
     ok = total > 0
@@ -596,11 +606,21 @@ def weight_rows(advantages: torch.Tensor, c: torch.Tensor,
         positive: ``[B]`` bool, or None.
 
     Raises:
-        ValueError: shapes that do not fit together, or ``positive`` that is not bool.
+        ValueError: shapes that do not fit together, tensors that are not float, on two
+            devices, or ``positive`` that is not bool.
     """
+    for name, t in (("advantages", advantages), ("c", c)):
+        _checks.check_float(name, _checks.check_tensor(name, t))
     if advantages.dim() != 1 or c.dim() != 2 or c.shape[0] != advantages.shape[0]:
-        raise ValueError(f"advantages must be [B] and c [B, T], got {list(advantages.shape)} and "
-                         f"{list(c.shape)}")
+        raise ValueError(f"advantages must be [B] and c [B, T], got "
+                         f"{_checks.format_shape(advantages)} and {_checks.format_shape(c)}")
+    _checks.check_same_device(advantages=advantages, c=c)
+    return _weight(advantages, c, positive)
+
+
+def _weight(advantages: torch.Tensor, c: torch.Tensor,
+            positive: Optional[torch.Tensor]) -> torch.Tensor:
+    """:func:`weight_rows` without the checks of ``advantages`` and ``c``."""
     a = advantages[:, None]  # [B, 1]
     weighted = c * a
     if positive is None:
@@ -612,7 +632,7 @@ def weight_rows(advantages: torch.Tensor, c: torch.Tensor,
 def _apply(advantages: torch.Tensor, c: torch.Tensor, apply_to: str,
            positive: torch.Tensor) -> torch.Tensor:
     """``c A`` on the weighted rows (all, or those flagged ``positive``), ``A`` on the rest."""
-    return weight_rows(advantages, c, positive if apply_to == "positive" else None)
+    return _weight(advantages, c, positive if apply_to == "positive" else None)
 
 
 _BUILTIN = dict(_REGISTRY)  # the strategies registered above: the ones compiled on CUDA
