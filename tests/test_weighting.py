@@ -1551,3 +1551,11 @@ def test_building_blocks_refuse_what_the_strategies_refuse():
     with pytest.raises(ValueError, match=r"advantages must be \[B\] and c \[B, T\], got \[2\] "
                                          r"and \[3\]"):
         pw.weight_rows(adv, w[0])
+
+
+def test_global_topk_refuses_a_process_group_that_is_no_group():
+    """Catches a string (what a config can give) accepted and failing deep in
+    ``torch.distributed`` with "'str' object has no attribute 'allreduce'"."""
+    with pytest.raises(ValueError, match="process_group must be a torch.distributed "
+                                         "ProcessGroup or None, got 'world'"):
+        pw.get_strategy("global_topk", process_group="world")

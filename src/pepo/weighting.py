@@ -457,6 +457,9 @@ def global_topk(
     window = _checks.check_window(window)
     temperature = _checks.check_temperature(temperature)
     normalize = _checks.check_choice("normalize", normalize, ("all_tokens", "selected_tokens"))
+    if process_group is not None and not callable(getattr(process_group, "size", None)):
+        raise ValueError(f"process_group must be a torch.distributed ProcessGroup or None, got "
+                         f"{process_group!r}")
     q = 1.0 - float(fraction)
 
     def fn(advantages: torch.Tensor, entropies: torch.Tensor, mask: torch.Tensor,

@@ -182,6 +182,10 @@ def test_config_errors_name_the_fix():
                                                       "success_threshold": bad}))
     with pytest.raises(ValueError, match=r"pepo.params must be a mapping .*got 5"):
         pv.strategy_from_config(OmegaConf.create({"strategy": "gtpo", "params": 5}))
+    # a config can only give a process group as a string, which failed in torch.distributed
+    with pytest.raises(ValueError, match="pepo.params must not set process_group"):
+        pv.strategy_from_config(OmegaConf.create({"strategy": "global_topk",
+                                                  "params": {"process_group": "world"}}))
     strategy, threshold = pv.strategy_from_config(OmegaConf.create(
         {"strategy": "proximal_softmax", "params": {"window": 5}, "success_threshold": "0.5"}))
     assert (strategy.params["window"], threshold) == (5, 0.5)
@@ -498,6 +502,26 @@ def test_tokens_rollout_correction_rejected_stay_in_the_windows_with_no_weight(m
     uniform = pv.token_advantages(pw.get_strategy("uniform"), verl_adv, entropy, kept.float(),
                                   scores, generated_mask=mask.float())
     assert torch.equal(uniform, torch.where(kept, verl_adv, 0.0))
+
+
+def test_a_mask_of_other_values_and_integer_advantages_are_refused():
+    """``response_mask`` holding 0.5 or 2 (a weight, not verl's 0/1 mask) is refused, not read
+    as True; integer advantages are refused, not weighted and cast back (1.3 A -> A). Catches
+    ``response_mask.bool()`` unchecked and the final ``.to(advantages.dtype)`` truncating."""
+    rewards, scores, mask, entropy = batch(seed=3)
+    adv = verl_advantages("grpo", rewards, scores, mask, blocks(len(rewards)))
+    s = pw.get_strategy("proximal_softmax", window=5)
+    for value in (0.5, 2.0):
+        odd = mask.float()
+        odd[1, 0] = value
+        with pytest.raises(ValueError, match=f"response_mask must hold 0 and 1 only, got "
+                                             f"{value}"):
+            pv.token_advantages(s, adv, entropy, odd, scores)
+    with pytest.raises(ValueError, match="advantages must be a floating-point tensor, got dtype "
+                                         "torch.int64"):
+        pv.token_advantages(s, adv.round().long(), entropy, mask.float(), scores)
+    ok = pv.token_advantages(s, adv, entropy, mask.long(), scores)  # an int 0/1 mask is fine
+    assert torch.equal(ok, pv.token_advantages(s, adv, entropy, mask.float(), scores))
 
 
 def test_token_level_scores_are_caught_at_run_time():

@@ -260,6 +260,12 @@ def test_answers_that_are_not_one_value_are_bad_rows(tmp_path):
         with pytest.raises(ValueError, match=f"field 'final_answer' is not a single answer "
                                              f"\\({kind}\\) for the 'deepmath' layout"):
             load_math_dataset(_jsonl(tmp_path / f"{kind}.jsonl", [row]))
+    for bad in ("Infinity", "-Infinity", "1e400"):  # JSON numbers Python reads as +-inf
+        f = tmp_path / "inf.jsonl"
+        f.write_text('{"question": "Q?", "final_answer": %s}\n' % bad, encoding="utf-8")
+        with pytest.raises(ValueError, match=r"field 'final_answer' is not a finite number "
+                                             r"\(-?inf\)"):
+            load_math_dataset(f)  # "inf" as text: an answer no response can match
     ok = load_math_dataset(_jsonl(tmp_path / "f.jsonl", [{"question": "Q?", "final_answer": 3.0},
                                                          {"question": "R?", "final_answer": 2.5}]))
     assert [p.answer for p in ok] == ["3", "2.5"]

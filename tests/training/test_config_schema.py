@@ -815,3 +815,115 @@ def test_a_required_key_left_out_says_how_to_give_it():
     with pytest.raises(ValueError, match=r"^config key 'checkpoint_dir' is required \(on the "
                                          r"command line: checkpoint_dir=\.\.\.\)$"):
         validate_config(OmegaConf.load(find_config("qwen3_1_7b_pepo")))
+
+
+# ------------------------------------------------ paths and values that failed after the work
+
+
+def test_a_cache_path_that_cannot_be_written_is_refused_before_any_work(tmp_path):
+    """``prior_cache`` or ``validation.before_cache`` naming a directory, or a place nothing can
+    be created, is one line from the machine phase. Catches the old order: SPO's offline prior
+    (or the validation before training) computed, then ``IsADirectoryError`` from its write."""
+    d = tmp_path / "a_dir"
+    d.mkdir()
+    spo = {"estimator": {"name": "single_stream", "prior_samples": 2}}
+    with pytest.raises(ValueError, match=r"^prior_cache=.*a_dir' is a directory; prior_cache "
+                                         r"names a file \(e.g. .*prior_cache.json'\)$"):
+        validate_config(tiny_cfg(tmp_path, "tiny_spo", prior_cache=str(d), **spo))
+    with pytest.raises(ValueError, match=r"^validation.before_cache=.*a_dir' is a directory"):
+        validate_config(tiny_cfg(tmp_path, validation={"every": 1, "before_cache": str(d)}))
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"^validation.before_cache=.*a_file/v.json' cannot be "
+                                         r"written: validation.before_cache=.* cannot be a "
+                                         r"directory: .*a_file is a file$"):
+        validate_config(tiny_cfg(tmp_path, validation={"every": 1, "before_cache":
+                                                       str(blocker / "v.json")}))
+    ok = tiny_cfg(tmp_path, validation={"every": 1, "before_cache": str(tmp_path / "n/v.json")})
+    validate_config(ok)
+    assert not (tmp_path / "n").exists()  # the check leaves nothing behind
+
+
+def test_an_unwritable_metric_logger_dir_is_one_config_error(tmp_path):
+    """Catches ``metric_logger.log_dir`` left to the logger: a ``FileNotFoundError`` traceback
+    after the model was built, then a second from the logger's ``__del__``."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x", encoding="utf-8")
+    cfg = tiny_cfg(tmp_path)
+    cfg.metric_logger = OmegaConf.create({
+        "_component_": "torchtune.training.metric_logging.DiskLogger",
+        "log_dir": str(blocker / "logs")})
+    with pytest.raises(ValueError, match=r"^metric_logger.log_dir=.*a_file/logs' cannot be a "
+                                         r"directory: .*a_file is a file$"):
+        validate_config(cfg)
+
+
+COSINE = "torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup"
+
+
+def test_an_lr_schedule_that_fails_after_its_warm_up_is_refused_before_training(tmp_path):
+    """The schedule is stepped through the run's optimizer steps before anything is built.
+    Catches ``num_cycles: abc`` accepted (step 1 trained and checkpointed, step 2 a
+    ``TypeError``, and a resume with the value corrected refused as another experiment), and a
+    schedule checked at step 0 only (the warm-up never reads ``num_cycles``)."""
+    bad = {"_component_": COSINE, "num_warmup_steps": 3, "num_cycles": "abc"}
+    with pytest.raises(ValueError, match=r"^lr_scheduler: .*get_cosine_schedule_with_warmup "
+                                         r"fails: TypeError: .* at optimizer step 3 of 8 "
+                                         r"\(num_steps x ppo_epochs x ppo_mini_batches\); check "
+                                         r"its arguments$"):
+        validate_config(tiny_cfg(tmp_path, lr_scheduler=bad, num_steps=4, ppo_mini_batches=2))
+    # within its warm-up for the whole run, the scheduler's step after the last optimizer step
+    # included (step 2 of 2): never reads num_cycles; one step more does
+    validate_config(tiny_cfg(tmp_path, lr_scheduler=bad, num_steps=1, ppo_mini_batches=2))
+    with pytest.raises(ValueError, match="at optimizer step 3 of 3"):
+        validate_config(tiny_cfg(tmp_path, lr_scheduler=bad, num_steps=3, ppo_mini_batches=1))
+    good = {"_component_": COSINE, "num_warmup_steps": 3}
+    validate_config(tiny_cfg(tmp_path, lr_scheduler=good, num_steps=4, ppo_mini_batches=2))
+
+
+def test_a_key_the_recipe_passes_itself_is_refused(tmp_path):
+    """Catches ``lr_scheduler.num_training_steps`` accepted and silently replaced by the
+    recipe's count (a schedule meant to decay by step 5 decayed over the whole run)."""
+    cfg = {"_component_": COSINE, "num_warmup_steps": 1, "num_training_steps": 5}
+    with pytest.raises(ValueError, match=r"^lr_scheduler.num_training_steps=5 would be ignored: "
+                                         r"the recipe passes num_training_steps \(num_steps x "
+                                         r"ppo_epochs x ppo_mini_batches\); remove it$"):
+        validate_config(tiny_cfg(tmp_path, lr_scheduler=cfg))
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"loss": {"tis_cap": float("inf")}}, "loss.tis_cap must be a finite number > 0.0, got inf"),
+    ({"seed": -1}, "seed must be an int in [0, 4294967295] (exact resume"),
+    ({"seed": 2**32}, "seed must be an int in [0, 4294967295]"),
+])
+def test_values_that_failed_after_the_start_fail_in_the_schema(tmp_path, override, message):
+    """Catches ``tis_cap: .inf`` passing the schema (a traceback at step 1, after the
+    validation before training), a seed outside what torchtune's ``set_seed`` takes (its error
+    named no key)."""
+    with pytest.raises(ValueError) as e:
+        validate_config(tiny_cfg(tmp_path, **override))
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_a_misspelt_required_argument_is_named_not_the_one_it_leaves_missing():
+    """Catches ``dataset.pth`` reported as "missing a required argument: 'path'"."""
+    from pepo.training.config_rules import bind_component
+
+    node = OmegaConf.create({"_component_": "pepo.tasks.datasets.load_math_dataset",
+                             "pth": "x.jsonl"})
+    with pytest.raises(ValueError, match=r"^dataset: pepo.tasks.datasets.load_math_dataset got "
+                                         r"an unexpected keyword argument 'pth'; did you mean "
+                                         r"'dataset.path'\?$"):
+        bind_component("dataset", node)
+    del node["pth"]
+    with pytest.raises(ValueError, match="missing a required argument: 'path'"):
+        bind_component("dataset", node)
+
+
+def test_an_eval_seed_outside_the_seed_range_is_refused(tmp_path):
+    """``pepo_eval`` accepted ``seed=-1`` where training refuses it."""
+    register_resolvers()
+    cfg = OmegaConf.load(find_config("eval_tiny"))
+    cfg.output_dir, cfg.seed = str(tmp_path / "out"), -1
+    with pytest.raises(ValueError, match=re.escape("seed must be an int in [0, 4294967295]")):
+        validate_eval_config(cfg)

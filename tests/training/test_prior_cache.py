@@ -444,3 +444,30 @@ def test_a_cache_an_earlier_pepo_wrote_without_input_digests_is_still_read(tmp_p
                                 "fingerprint": {**fp, "inputs.weights": "ab"}}), encoding="utf-8")
     with pytest.raises(ValueError, match=r"inputs\.val_dataset \('<unset>' -> 'cd'\)"):
         prior_cache.cached_value(str(path), with_inputs, lambda: 0.0)
+
+
+def test_a_cache_that_cannot_be_written_warns_and_keeps_the_computed_value(
+        tmp_path, monkeypatch, caplog):
+    """A write that fails after the work (a full disk, a directory gone) is a warning and the
+    run goes on with what it computed. Catches the write's ``OSError`` raised out of the
+    prior's minutes of rollouts (or the validation before training), losing them."""
+    import logging
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(prior_cache, "atomic_write_text", full)
+    path = tmp_path / "v.json"
+    with caplog.at_level(logging.WARNING):
+        value, read = prior_cache.cached_value(str(path), {"seed": 0}, lambda: 0.25)
+    assert (value, read) == (0.25, False) and not path.exists()
+    assert "validation.before_cache=" in caplog.text and "No space left" in caplog.text
+    monkeypatch.setattr(prior_cache, "write_prior", full)
+    est = _Counting(2)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        outcome = prior_cache.prepare_estimator(
+            est, ["a", "b"], lambda idx: torch.ones(len(idx)), path=str(tmp_path / "p.json"),
+            fingerprint={"seed": 0})
+    assert outcome is None and est.prior == {"a": 1.0, "b": 1.0}
+    assert "prior_cache=" in caplog.text and "the run goes on" in caplog.text

@@ -185,6 +185,9 @@ def strategy_from_config(cfg: Optional[Mapping[str, Any]]) -> tuple[pw.Strategy,
     if not isinstance(params, Mapping):
         raise ValueError(f"pepo.params must be a mapping of the strategy's parameters "
                          f"(+pepo.params.KEY=VALUE), got {params!r}")
+    if "process_group" in params:  # a run's object, which no config value can be
+        raise ValueError("pepo.params must not set process_group: the driver weighs the whole "
+                         "batch in one process")
     strategy = pw.get_strategy(str(cfg["strategy"]), **dict(params))
     given = cfg.get("success_threshold", 0.0)
     try:
@@ -239,9 +242,14 @@ def token_advantages(
             verl's loss drops them. None: ``response_mask``.
 
     Raises:
-        ValueError: shapes that differ, or a row whose advantages differ along its response
-            tokens (they would be flattened to one value).
+        ValueError: shapes that differ, advantages that are not floating point (the weights
+            would be truncated), a ``response_mask`` with values other than 0 and 1, or a row
+            whose advantages differ along its response tokens (they would be flattened to one
+            value).
     """
+    if not advantages.is_floating_point():
+        raise ValueError(f"advantages must be a floating-point tensor, got dtype "
+                         f"{advantages.dtype}")
     if not (advantages.shape == entropy.shape == response_mask.shape == token_scores.shape):
         raise ValueError(
             f"advantages {list(advantages.shape)}, entropy {list(entropy.shape)}, response_mask "
@@ -254,7 +262,12 @@ def token_advantages(
     sequence = torch.where(mask.any(dim=1), advantages[rows, first], 0.0)
     same = (advantages == sequence[:, None]) | (advantages.isnan() & sequence.isnan()[:, None])
     varying = (mask & ~same).any(dim=1)
-    if bool(varying.any()):
+    odd = (response_mask != 0) & (response_mask != 1)
+    any_varying, any_odd = torch.stack([varying.any(), odd.any()]).tolist()  # one sync
+    if any_odd:
+        raise ValueError(f"response_mask must hold 0 and 1 only, got "
+                         f"{response_mask[odd][0].item()!r}")
+    if any_varying:
         i = int(varying.nonzero()[0])
         row = advantages[i][mask[i]]
         named = f" (algorithm.adv_estimator={adv_estimator})" if adv_estimator else ""

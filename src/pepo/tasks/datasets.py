@@ -243,10 +243,12 @@ def _answer(x: Any, field: str) -> str:
 
     Raises:
         _BadRow: a list, mapping or bool, which is no single answer (``str`` would make
-            ``"[1, 2]"`` or ``"True"`` of it).
+            ``"[1, 2]"`` or ``"True"`` of it), or an infinite float.
     """
     if isinstance(x, (bool, list, tuple, dict)):
         raise _BadRow(field, f"not a single answer ({type(x).__name__})")
+    if isinstance(x, float) and math.isinf(x):  # JSON's Infinity, 1e400: no answer a verifier
+        raise _BadRow(field, f"not a finite number ({x})")  # can match ("inf" as text)
     if isinstance(x, float) and x.is_integer():
         return str(int(x))
     if isinstance(x, float) and math.isfinite(x):  # 1e-05 as 0.00001: math-verify reads 1e-05

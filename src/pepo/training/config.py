@@ -18,13 +18,10 @@
 
 from __future__ import annotations
 
-import errno
 import importlib.resources
 import importlib.util
 import os
 import re
-import tempfile
-import time
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -33,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from pepo import weighting
 from pepo.tasks.datasets import missing_path_hint
 from pepo.training import schema
+from pepo.training.paths import check_file_target, check_output_dir
 from pepo.training.schema import PRIOR_IGNORES, RESUME_MAY_CHANGE, EvalConfig, RecipeConfig
 
 __all__ = [
@@ -292,56 +290,6 @@ def check_device(device: Any) -> None:
                          f"(torch {torch.__version__}); {fix}")
 
 
-def check_output_dir(path: Any, key: str = "output_dir") -> None:
-    """Raises ``ValueError`` unless ``path`` is, or can be created as, a writable directory.
-
-    The check creates what is missing and writes a probe file (then removes both), so that what
-    only the attempt reveals, such as a symbolic link to a scratch mount that is not mounted, a
-    link loop, a read-only file system or a place nothing can be created (``/proc``), is one line
-    here instead of a traceback once the run has started."""
-    if path is None:
-        raise ValueError(f"config key {key!r} is required")
-    p = Path(os.path.abspath(str(path)))
-    for a in (p, *p.parents):
-        if a.is_symlink():
-            try:
-                a.resolve(strict=True)
-            except (OSError, RuntimeError) as e:  # 3.11 raises RuntimeError for a loop
-                loop = isinstance(e, RuntimeError) or getattr(e, "errno", None) == errno.ELOOP
-                raise ValueError(
-                    f"{key}={str(path)!r}: {a} is a symbolic link to {os.readlink(a)}, which "
-                    + ("loops back on itself" if loop else "does not exist (not mounted yet?)")
-                ) from None
-    existing = next(a for a in (p, *p.parents) if a.exists())
-    if not existing.is_dir():
-        raise ValueError(f"{key}={str(path)!r} cannot be a directory: {existing} is a file")
-    missing = [a for a in (p, *p.parents) if not a.exists()]
-    try:
-        for attempt in range(5):
-            try:
-                p.mkdir(parents=True, exist_ok=True)
-                fd, probe = tempfile.mkstemp(prefix=".pepo_probe_", dir=p)
-                break
-            except (FileNotFoundError, FileExistsError) as e:
-                # the processes of one torchrun launch check one path at once: one's clean-up below
-                # can remove the directory before another's probe, or as another's mkdir finds it
-                if attempt == 4 or (type(e) is FileExistsError and p.is_file()):
-                    raise
-                time.sleep(0.01 * (attempt + 1))
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        where = e.filename or existing
-        raise ValueError(f"{key}={str(path)!r} is not a writable directory: {where}: "
-                         f"{e.strerror or e}") from None
-    finally:
-        for a in missing:  # deepest first: leave nothing behind (the run creates it later)
-            try:
-                a.rmdir()
-            except OSError:
-                break
-
-
 def _under(key: str, prefixes: tuple[str, ...]) -> bool:
     """Whether flattened ``key`` is one of ``prefixes`` or inside one of their sections."""
     return any(key == m or key.startswith(m + ".") for m in prefixes)
@@ -584,12 +532,58 @@ def check_machine(rc: RecipeConfig, cfg: DictConfig) -> None:
     packages."""
     check_checkpoint_dir(rc.checkpoint_dir)
     check_output_dir(rc.output_dir)
+    log_dir = (rc.metric_logger or {}).get("log_dir")
+    if log_dir is not None:  # its logger would fail after the model is built, with two tracebacks
+        check_output_dir(log_dir, "metric_logger.log_dir")
+    for key, cache in (("prior_cache", rc.prior_cache),
+                       ("validation.before_cache", rc.validation.before_cache)):
+        check_file_target(cache, key)  # written after minutes of rollouts
+    if rc.lr_scheduler is not None:
+        check_lr_schedule(cfg, rc.num_steps * rc.ppo_epochs * rc.ppo_mini_batches)
     check_device(rc.device)
     check_tokenizer_dir(cfg)
     check_metric_logger(rc.metric_logger)
     from pepo.training.engines import check_engine_available
 
     check_engine_available(rc.generation.engine)
+
+
+def check_lr_schedule(cfg: DictConfig, steps: int) -> None:
+    """Raises ``ValueError`` unless ``lr_scheduler`` builds and gives a finite learning rate
+    >= 0 at each of the run's ``steps`` optimizer steps, stepped here on a throwaway parameter
+    (a bad argument, ``num_cycles: abc``, fails once the warm-up is over: after a checkpoint,
+    which a resume with the value corrected refuses as another experiment). An optimizer that
+    does not build here is left to the recipe, which reports it."""
+    import math
+    import warnings
+
+    import torch
+
+    try:
+        optimizer = build(cfg, "optimizer", [torch.nn.Parameter(torch.zeros(1))])
+    except Exception:  # e.g. one for CUDA parameters only
+        return
+    component, step, lr, scheduler = cfg.lr_scheduler.get("_component_"), 0, None, None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            scheduler = build(cfg, "lr_scheduler", optimizer, num_training_steps=steps)
+            for step in range(steps + 1):  # the learning rate of optimizer step `step`
+                if step:
+                    optimizer.step()  # no gradient: changes nothing
+                    scheduler.step()
+                lr = optimizer.param_groups[0]["lr"]
+                if not isinstance(lr, (int, float)) or not 0 <= lr < math.inf:
+                    break
+            else:
+                return
+            what = f"gives the learning rate {lr!r}"
+        except Exception as e:
+            if scheduler is None and isinstance(e, ValueError):  # build's line, naming the key
+                raise ValueError(str(e)) from None
+            what = f"fails: {type(e).__name__}: {e}"
+    raise ValueError(f"lr_scheduler: {component} {what} at optimizer step {step} of {steps} "
+                     f"(num_steps x ppo_epochs x ppo_mini_batches); check its arguments")
 
 
 def validate_config(cfg: DictConfig) -> RecipeConfig:

@@ -104,13 +104,16 @@ class Text:
 
 @dataclass(frozen=True)
 class StrictInt:
-    """Any int (``note`` says why it must be one)."""
+    """An int (``note`` says why it must be one), within ``bounds`` (inclusive) when given."""
 
     note: str = ""
+    bounds: Optional[tuple[int, int]] = None
 
     def check(self, key: str, v: Any) -> Any:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ValueError(f"{key} must be an int{self.note}, got {v!r}")
+        b = self.bounds
+        if isinstance(v, bool) or not isinstance(v, int) or (b and not b[0] <= v <= b[1]):
+            within = f" in [{b[0]}, {b[1]}]" if b else ""
+            raise ValueError(f"{key} must be an int{within}{self.note}, got {v!r}")
         return v
 
 
@@ -169,12 +172,15 @@ class Component:
     """A ``_component_`` section (or null when ``nullable``). ``positional`` and ``given`` are
     the arguments the recipe passes itself when it builds the section (the optimizer gets the
     model's parameters), so that binding the section's keys to the callable's signature
-    finds both unknown and missing arguments. ``args`` gives rules to some arguments, ``roles``
+    finds both unknown and missing arguments; a key of ``given`` in the section is refused
+    (the recipe's value would replace it), ``given_note`` saying what the recipe passes.
+    ``args`` gives rules to some arguments, ``roles``
     their roles (the rest have the field's)."""
 
     nullable: bool = False
     positional: int = 0
     given: tuple[str, ...] = ()
+    given_note: str = ""
     args: tuple[tuple[str, Any], ...] = ()
     roles: tuple[tuple[str, str], ...] = ()
 
@@ -188,6 +194,10 @@ class Component:
             raise ValueError(f"config key {key!r} is required")
         if not isinstance(v, DictConfig) or v.get("_component_") is None:
             raise ValueError(f"{key} must be a section with a _component_, got {v!r}")
+        for name in self.given:
+            if name in v:
+                raise ValueError(f"{key}.{name}={v.get(name)!r} would be ignored: the recipe "
+                                 f"passes {name}{self.given_note}; remove it")
         bind_component(key, v, self.positional, self.given)
         for arg, rule in self.args:
             value = v.get(arg)
@@ -222,7 +232,8 @@ def bind_names(key: str, path: str, target: Callable, names: Any, positional: in
         sig = inspect.signature(target)
     except (TypeError, ValueError):  # a builtin without a signature: its call checks
         return
-    try:
+    try:  # an unknown key first (bind_partial), then a missing one: `pth` is named, not `path`
+        sig.bind_partial(*([None] * positional), **{k: None for k in (*given, *names)})
         sig.bind(*([None] * positional), **{k: None for k in (*given, *names)})
     except TypeError as e:
         hint = ""

@@ -195,12 +195,20 @@ def cached_value(path: Optional[str], fingerprint: Mapping[str, Any],
         return found[1], True
     value = float(compute())
     if write and main:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_temps(p)
-        atomic_write_text(p, json.dumps({"version": VERSION, "fingerprint": dict(fingerprint),
-                                         "value": value}),
-                          tmp=p.with_name(p.name + f".tmp{os.getpid()}"))
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            _remove_stale_temps(p)
+            atomic_write_text(p, json.dumps({"version": VERSION, "fingerprint": dict(fingerprint),
+                                             "value": value}),
+                              tmp=p.with_name(p.name + f".tmp{os.getpid()}"))
+        except OSError as e:  # the value is computed: the run goes on with it
+            _unwritten(what, p, e)
     return value, False
+
+
+def _unwritten(key: str, path: Path, error: OSError) -> None:
+    _log.warning(f"{key}={str(path)!r} could not be written ({error}): the run goes on with the "
+                 f"value it computed, and a later run computes it again")
 
 
 class _Progress:
@@ -281,8 +289,13 @@ def prepare_estimator(estimator: Any, prompt_ids: Sequence[Hashable],
                 rates = estimator.prepare(prompt_ids, score)
                 outcome = "written"
                 if main:
-                    write_prior(path, fingerprint or {}, rates)
-                    if log is not None:
-                        log.info(f"Estimator prior written to {path}")
+                    try:
+                        write_prior(path, fingerprint or {}, rates)
+                    except OSError as e:  # the prior is computed: the run goes on with it
+                        _unwritten("prior_cache", Path(path), e)
+                        outcome = None
+                    else:
+                        if log is not None:
+                            log.info(f"Estimator prior written to {path}")
     progress.done()
     return outcome

@@ -72,6 +72,7 @@ EXPERIMENT, RUN, INITIAL = "experiment", "run", "initial"
 ENGINE_NAMES = ("inprocess", "vllm")  # pepo.training.engines.ENGINES (a test holds them equal)
 # old names of config values, still accepted with a one-line notice: (key, old) -> new
 ALIASES = {("generation.engine", "torchtune"): "inprocess"}
+SEEDS = (0, 2**32 - 1)  # what torchtune's set_seed (NumPy's seeding) takes
 # the vLLM engine's options that set its memory and speed, not its numbers: a resume may
 # change them (a run that ran out of memory resumes with a smaller KV cache)
 VLLM_MEMORY_OPTIONS = ("gpu_memory_utilization", "kv_cache_memory_bytes", "max_num_seqs",
@@ -154,7 +155,7 @@ class LossConfig:
     tis_cap: Optional[float] = key(None, "cap `C` of truncated importance sampling: each "
                                    "token's loss is weighted by `min(π_old / μ, C)`, the "
                                    "trainer's over the engine's probability (null: off)",
-                                   rule=Number(0.0, nullable=True))
+                                   rule=Number(0.0, nullable=True, finite=True))
 
 
 @dataclass
@@ -226,7 +227,7 @@ class RecipeConfig:
     name: str = key("pepo", "run name (plot title)", role=RUN)
     output_dir: str = key(help="everything the run writes goes here", role=RUN)
     seed: int = key(help="seeds the model init, the prompt shuffle and the sampler",
-                    rule=StrictInt(" (exact resume replays the seeded shuffle)"))
+                    rule=StrictInt(" (exact resume replays the seeded shuffle)", SEEDS))
     device: str = key("cpu", "`cpu`, `cuda`", rule=Device())
     dtype: str = key("fp32", "`fp32`, or `bf16` on GPUs", rule=OneOf(("fp32", "bf16"),
                                                                   "'fp32' or 'bf16'"))
@@ -285,11 +286,11 @@ class RecipeConfig:
                                                 "backward", rule=Bool(), role=RUN)
     loss: LossConfig = section(LossConfig)
     optimizer: Any = key(help="any `torch.optim` component", rule=_OPTIMIZER)
-    lr_scheduler: Any = key(None, "e.g. `torchtune.training.lr_schedulers."
-                            "get_cosine_schedule_with_warmup`; the recipe passes "
-                            "`num_training_steps`",
+    lr_scheduler: Any = key(None, "e.g. `torchtune.training.lr_schedulers.get_cosine_schedule_"
+                            "with_warmup`; the recipe passes `num_training_steps`",
                             rule=Component(nullable=True, positional=1,
-                                           given=("num_training_steps",),
+                                           given=("num_training_steps",), given_note=(
+                                               " (num_steps x ppo_epochs x ppo_mini_batches)"),
                                            args=(("num_warmup_steps", Int(0)),)))
     clip_grad_norm: Optional[float] = key(None, "null = no clipping (the norm is still computed "
                                           "and logged)", rule=Number(0.0, nullable=True))
@@ -324,7 +325,7 @@ class EvalConfig:
     output_dir: str = key(help="results go to `output_dir/<label>/`")
     model_name: Optional[str] = key(None, "the label of the evaluated model (null: from "
                                     "`checkpoint_dir`)", rule=Text("a string"))
-    seed: int = key(help="the sampling seed", rule=StrictInt())
+    seed: int = key(help="the sampling seed", rule=StrictInt("", SEEDS))
     device: str = key("cpu", "`cpu`, `cuda`", rule=Device())
     dtype: str = key("fp32", "`fp32`, or `bf16` on GPUs", rule=OneOf(("fp32", "bf16"),
                                                                   "'fp32' or 'bf16'"))
