@@ -60,7 +60,7 @@ def gtpo_rewards(
         validate: raise if the valid entropies hold NaN/inf or a value below ``-1e-4`` (log
             probabilities passed as entropies), in one host sync, as the other strategies'
             entropy functions do; ``False`` reads no value on the host (a NaN or inf entropy
-            then turns its group's rewards NaN).
+            then turns its side's rewards at its position NaN, in its group).
 
     Returns:
         ``[B, T]`` fp32, 0 where ``mask`` is False.

@@ -226,8 +226,7 @@ class GroupEstimator:
         """Group advantages of rollouts in contiguous groups. Shape: ``[N]`` -> ``[N]``."""
         ids = _ids(prompt_ids)
         g, rewards = self.group_size, _per_id(rewards, len(ids))
-        if any(len(set(ids[i : i + g])) != 1
-                                               for i in range(0, len(ids), g)):
+        if any(len(set(ids[i : i + g])) != 1 for i in range(0, len(ids), g)):
             raise ValueError(
                 f"group mode needs rollouts in contiguous groups of {g} with one prompt id each, "
                 f"got prompt ids {ids[: 2 * g]}{' ...' if len(ids) > 2 * g else ''}"

@@ -573,6 +573,7 @@ def check_lr_schedule(cfg: DictConfig, steps: int) -> None:
                     optimizer.step()  # no gradient: changes nothing
                     scheduler.step()
                 lr = optimizer.param_groups[0]["lr"]
+                lr = float(lr) if isinstance(lr, torch.Tensor) and lr.numel() == 1 else lr
                 if not isinstance(lr, (int, float)) or not 0 <= lr < math.inf:
                     break
             else:

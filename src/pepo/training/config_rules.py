@@ -174,8 +174,7 @@ class Component:
     model's parameters), so that binding the section's keys to the callable's signature
     finds both unknown and missing arguments; a key of ``given`` in the section is refused
     (the recipe's value would replace it), ``given_note`` saying what the recipe passes.
-    ``args`` gives rules to some arguments, ``roles``
-    their roles (the rest have the field's)."""
+    ``args`` gives rules to some arguments, ``roles`` their roles (the rest have the field's)."""
 
     nullable: bool = False
     positional: int = 0
