@@ -44,6 +44,12 @@ def dataset(n=8):
     return Dataset.from_list([{"prompt": f"Say a number near {i}:"} for i in range(n)])
 
 
+def ragged_dataset(n=8):
+    """Prompts of four lengths: TRL left-pads the shorter ones in a batch."""
+    return Dataset.from_list([{"prompt": "Say " + "a number " * (i % 4) + f"near {i}:"}
+                              for i in range(n)])
+
+
 def config(tmp_path, **overrides):
     kw = dict(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=16, num_generations=4,
@@ -111,18 +117,20 @@ class VllmPepo(VllmStandIn, RecordingPepo):
     pass
 
 
-def train(cls, model_dir, args, reward=reward_has_seven, **kwargs):
+def train(cls, model_dir, args, reward=reward_has_seven, data=None, run=True, **kwargs):
     transformers.set_seed(0)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     trainer = cls(model=model, reward_funcs=reward, args=args,
-                  train_dataset=dataset(), processing_class=tok, **kwargs)
+                  train_dataset=dataset() if data is None else data, processing_class=tok,
+                  **kwargs)
     trainer.generations, trainer.sequence_advantages = [], []
     trainer.losses, trainer.loss_inputs = [], []
     forwards = []
     trainer.model.register_forward_hook(lambda *a: forwards.append(1))
     trainer.forwards = forwards
-    trainer.train()
+    if run:
+        trainer.train()
     return trainer
 
 
@@ -235,6 +243,7 @@ VLLM_IS = {"vllm_importance_sampling_mode": "token_truncate", "vllm_stand_in": T
     # TRL's default: weighted inside _compute_loss from the loss's own forward
     ("proximal_softmax", {"window": 5, "temperature": 0.5}, {}, "loss"),
     ("entropy_bonus", {"alpha": 0.6, "kappa": 1.5}, {}, "loss"),
+    ("window_average", {"window": 5}, {}, "loss"),
     # TRL computes old log-probs during generation, and the entropies come from that forward
     ("proximal_softmax", {"window": 5, "temperature": 0.5}, MISALIGNED, "generation"),
     # a batch-wide threshold: every entropy before the first loss, recorded while generate()
@@ -884,6 +893,90 @@ def test_a_loss_without_an_entropy_forward_is_an_error_not_unweighted_training(m
     assert trainer._compute_loss(None, {"advantages": torch.ones(2)}) == 0
 
 
+def test_the_adapters_forward_masks_the_left_padding_of_shorter_prompts(model_dir, tmp_path):
+    """Prompts of several lengths (TRL left-pads the shorter ones) under a repetition penalty,
+    where the adapter runs its own no-grad forward for gtpo's entropies. Catches that forward
+    given an all-ones attention mask: the padded rows' entropies attend to padding, and gtpo's
+    weights come out wrong without an error (every other test's prompts have one length)."""
+    args = config(tmp_path, max_steps=1, repetition_penalty=1.5)
+    params = {"alpha1": 1.0, "alpha2": 0.3}
+    ours = train(RecordingPepo, model_dir, args, data=ragged_dataset(), pepo_strategy="gtpo",
+                 pepo_params=params)
+    gen = ours.generations[0]
+    assert (gen["prompt_mask"] == 0).any()  # some rows are left-padded
+    texts = ours.processing_class.batch_decode(gen["completion_ids"], skip_special_tokens=True)
+    seq_adv = ours.sequence_advantages[0]
+    expected = pw.get_strategy("gtpo", **params)(
+        seq_adv, rollout_entropies(model_dir, gen).float(), gen["completion_mask"].bool(),
+        positive=torch.tensor(reward_has_seven(texts)) > 0,
+        groups=torch.arange(len(seq_adv)) // args.num_generations)
+    torch.testing.assert_close(gen["advantages"], expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["gtpo", "proximal_softmax"])
+def test_eval_batches_are_not_weighted(model_dir, tmp_path, strategy):
+    """docs/integrations.md: eval batches are not weighted. Catches the adapter weighting them
+    too (the mode check dropped): the eval loss would change for a row-wise strategy, and eval
+    would append pepo/ entries to the train metrics."""
+    trainer = train(RecordingPepo, model_dir, config(tmp_path, per_device_eval_batch_size=16),
+                    run=False, eval_dataset=dataset(), pepo_strategy=strategy)
+    trainer.evaluate()
+    assert trainer.loss_inputs and all(i["advantages"].dim() == 1 for i in trainer.loss_inputs)
+    assert not any(v for k, v in trainer._metrics["train"].items() if k.startswith("pepo/"))
+
+
+def none_for_a_third(completions, **kwargs):
+    """A second reward function that abstains (None) on a third of the completions."""
+    return [None if unscorable(c) else 0.0 for c in completions]
+
+
+def test_a_completion_one_reward_function_of_two_scored_is_weighted(model_dir, tmp_path):
+    """Two reward functions, the second abstaining on some completions the first scored. TRL
+    sums the scores it has (nansum): those completions are scored, and succeed or fail by the
+    first function. Catches a completion called unscorable when any function abstained (weight
+    0), and a plain sum (NaN: every such success read as a failure)."""
+    args = config(tmp_path, max_steps=1)
+    params = {"alpha1": 1.0, "alpha2": 0.3}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # several reward functions without pepo_success
+        ours = train(RecordingPepo, model_dir, args, reward=[reward_has_seven, none_for_a_third],
+                     pepo_strategy="gtpo", pepo_params=params)
+    gen = ours.generations[0]
+    texts = ours.processing_class.batch_decode(gen["completion_ids"], skip_special_tokens=True)
+    abstained = torch.tensor([unscorable(t) for t in texts])
+    success = torch.tensor(reward_has_seven(texts)) > 0
+    assert (abstained & success).any() and (abstained & ~success).any()
+    seq_adv = ours.sequence_advantages[0]
+    expected = pw.get_strategy("gtpo", **params)(
+        seq_adv, rollout_entropies(model_dir, gen).float(), gen["completion_mask"].bool(),
+        positive=success, groups=torch.arange(len(seq_adv)) // args.num_generations)
+    assert expected[abstained].abs().sum() > 0
+    torch.testing.assert_close(gen["advantages"], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_entropies_are_captured_from_the_policys_first_forward_of_a_generation(monkeypatch):
+    """With PEFT and ``beta > 0``, TRL's reference forward runs through ``self.model`` too
+    (adapters off), after the old-log-prob forward. Catches the adapter keeping the second
+    capture (the reference model's entropies) instead of the first (the rollout policy's)."""
+    calls = []
+
+    def trls_forward(self, model, *args, compute_entropy=False, **kwargs):
+        calls.append(compute_entropy)
+        ent = torch.full((2, 3), float(len(calls)))
+        return torch.zeros(2, 3), (ent if compute_entropy else None), None
+
+    monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", trls_forward)
+    trainer = object.__new__(PepoGRPOTrainer)
+    policy = torch.nn.Linear(1, 1)
+    trainer.model = policy
+    trainer._pepo_loss_inputs, trainer._pepo_capture, trainer._pepo_captured = None, True, None
+    _, ent, _ = trainer._get_per_token_logps_and_entropies(policy, None, None, 3)
+    assert ent is None  # TRL did not ask for them: it gets none back
+    trainer._get_per_token_logps_and_entropies(policy, None, None, 3)  # the reference forward
+    assert torch.equal(trainer._pepo_captured, torch.full((2, 3), 1.0))
+    assert calls == [True, False]
+
+
 @pytest.fixture(scope="module")
 def two_processes(model_dir, tmp_path_factory):
     """Two CPU processes (gloo) under torch.distributed.run train one step of each scenario of
@@ -983,3 +1076,52 @@ def test_gtpo_groups_span_processes(two_processes):
         fn(p["advantages"], p["entropies"], p["mask"], positive=p["positive"],
            groups=torch.arange(6) // 4), (0, width - p["mask"].size(1))) for p in parts])
     assert not torch.equal(local[4:8], expected[4:8])
+
+
+def _own_scored(rank, weighed):
+    """Which of a rank's weighed rows its own reward function scored (matched by tokens)."""
+    verdict = {tuple(ids): r for ids, r in rank["rewarded"]}
+    return torch.tensor([verdict[tuple(ids[m].tolist())] is not None
+                         for ids, m in zip(weighed["completion_ids"], weighed["mask"])])
+
+
+@pytest.mark.parametrize("name", ["unscored_row_wise", "unscored_topk"])
+def test_each_process_masks_its_own_unscorable_completions(two_processes, name):
+    """Rank 0 has unscorable completions, rank 1 none. Catches a rank reading rank 0's slice of
+    the generation's scored flags (both in the loss-time path, row-wise, and the generation-time
+    one, global_topk): rank 1 would zero scored rows, and rank 0's unscorable rows would enter
+    the threshold. Each rank's weights equal the strategy on its own scored rows (global_topk's
+    threshold over both ranks' scored tokens)."""
+    ranks = two_processes(name)
+    parts = [r["weighed"][0] for r in ranks]
+    scored = [_own_scored(r, p) for r, p in zip(ranks, parts)]
+    assert not scored[0].all() and scored[1].all()
+    if name == "unscored_row_wise":
+        fn = pw.get_strategy("proximal_softmax", window=5, temperature=0.5)
+        for p, s in zip(parts, scored):
+            assert torch.equal(p["token_advantages"], fn(p["advantages"], p["entropies"],
+                                                         p["mask"] & s[:, None],
+                                                         positive=p["positive"]))
+        return
+    kept = [{**p, "mask": p["mask"] & s[:, None]} for p, s in zip(parts, scored)]
+    want = pw.get_strategy("global_topk", fraction=0.2)(
+        _cat(kept, "advantages", 0.0), _cat(kept, "entropies", 0.0), _cat(kept, "mask", False))
+    assert torch.equal(_cat(parts, "token_advantages", 0.0), want)
+
+
+def test_the_logged_metric_covers_every_process(two_processes):
+    """Catches pepo/token_advantage_abs_mean over rank 0's tokens alone (the reduction across
+    processes dropped): the logged value is the mean over both ranks' scored valid tokens."""
+    ranks = two_processes("unscored_topk")
+    total = count = 0.0
+    for r in ranks:
+        p = r["weighed"][0]
+        m = p["mask"] & _own_scored(r, p)[:, None]
+        total += float(p["token_advantages"].abs()[m].sum())
+        count += int(m.sum())
+    one = ranks[0]["weighed"][0]
+    m0 = one["mask"] & _own_scored(ranks[0], one)[:, None]
+    assert float(one["token_advantages"].abs()[m0].mean()) != pytest.approx(total / count,
+                                                                             rel=1e-3)
+    logged = next(h for h in ranks[0]["log_history"] if "pepo/token_advantage_abs_mean" in h)
+    assert logged["pepo/token_advantage_abs_mean"] == pytest.approx(total / count, rel=1e-5)

@@ -459,21 +459,27 @@ def test_estimators_verls_v1_trainer_cannot_run_are_refused_when_built(name):
             gamma=1.0, lam=0.95, num_repeat=G, norm_adv_by_std_in_grpo=True, config=cfg)
 
 
-def test_tokens_rollout_correction_rejected_stay_in_the_windows_with_no_weight(monkeypatch):
+@pytest.mark.parametrize("offset", [2, 0])
+def test_tokens_rollout_correction_rejected_stay_in_the_windows_with_no_weight(monkeypatch,
+                                                                               offset):
     """verl's rollout correction (rejection sampling, decoupled mode) zeroes rejected tokens in
     the response mask its advantage step writes back. They were generated and stay in the
     context: the strategy weighs each row over the generated tokens (its windows, T_i, the
     batch's threshold), and the rejected ones get 0, as verl's loss drops them. The adapter read
     the mask after verl's step and weighed the rows as if the rejected tokens were a gap (a
     rejected high-entropy fork's neighbours got about 4 times their weight). Catches that, and
-    weight left on a rejected token; uniform still equals verl's advantages bit for bit."""
+    weight left on a rejected token; uniform still equals verl's advantages bit for bit. With
+    a row's first token rejected (offset 0), catches the row's advantage read at position 0
+    (where verl wrote 0: a false "advantages vary" error), and the logged
+    pepo/token_advantage_abs_mean taken over the generated tokens instead of those verl
+    trains (the kept ones)."""
     rewards, scores, mask, entropy = batch(seed=9)
     uids = blocks(len(rewards))
     rows = torch.arange(len(rewards))
     first = mask.int().argmax(1)
     long_rows = mask.sum(1) >= 6
     rejected = torch.zeros_like(mask)
-    rejected[rows[long_rows], first[long_rows] + 2] = True  # one token in each longer row
+    rejected[rows[long_rows], first[long_rows] + offset] = True  # one in each longer row
     entropy[rejected] = 2.5  # a fork: what shapes its neighbours' weights most
     kept = mask & ~rejected
     verl_adv, _ = core_algos.compute_grpo_outcome_advantage(
@@ -492,16 +498,58 @@ def test_tokens_rollout_correction_rejected_stay_in_the_windows_with_no_weight(m
     trainer = object.__new__(pv.PepoPPOTrainer)
     trainer.pepo_strategy, trainer.pepo_success_threshold = strategy, 0.0
     trainer.pepo_adv_estimator = "grpo"
-    trainer._compute_advantage(Meta([f"{u}_{i}_0" for i, u in enumerate(uids)]), {})
+    metrics: dict = {}
+    trainer._compute_advantage(Meta([f"{u}_{i}_0" for i, u in enumerate(uids)]), metrics)
     got = store.puts[-1]["advantages"].to_padded_tensor(0.0)
-    seq = verl_adv[rows, first]
+    narrow = kept[:, :got.size(1)]
+    assert metrics["pepo/token_advantage_abs_mean"] == pytest.approx(
+        float(got.abs()[narrow].mean()), rel=1e-6)
+    seq = verl_adv[rows, kept.int().argmax(1)]
     want = torch.where(kept, strategy(seq, entropy, mask, positive=rewards > 0), 0.0)
     torch.testing.assert_close(got, want[:, :got.size(1)], rtol=1e-6, atol=1e-7)
     gap = torch.where(kept, strategy(seq, entropy, kept, positive=rewards > 0), 0.0)
     assert (gap - want).abs().max() > 0.05  # the old reading differs on these rows
+    assert float(got.abs()[narrow].mean()) != pytest.approx(
+        float(got.abs().sum() / mask.sum()), rel=1e-3)  # so the metric's tokens matter
     uniform = pv.token_advantages(pw.get_strategy("uniform"), verl_adv, entropy, kept.float(),
                                   scores, generated_mask=mask.float())
     assert torch.equal(uniform, torch.where(kept, verl_adv, 0.0))
+
+
+def test_by_default_a_positive_score_is_a_success():
+    """Partial-credit scores (0.3) with no ``success_threshold`` in the config: a row with a
+    positive score succeeded. Catches another default threshold (0.5 would read every row as a
+    failure and weight none)."""
+    strategy, threshold = pv.strategy_from_config(OmegaConf.create(
+        {"strategy": "proximal_softmax", "params": {"window": 5}}))
+    assert threshold == 0.0
+    rewards, scores, mask, entropy = batch(seed=3)
+    scores = 0.3 * scores
+    adv = verl_advantages("grpo", rewards, scores, mask, blocks(len(rewards)))
+    seq = adv[torch.arange(len(adv)), mask.int().argmax(1)]
+    torch.testing.assert_close(
+        pv.token_advantages(strategy, adv, entropy, mask.float(), scores, threshold),
+        strategy(seq, entropy, mask, positive=rewards > 0), rtol=1e-6, atol=1e-7)
+
+
+def test_success_is_the_sum_of_a_rows_token_scores():
+    """A row scored +1 on its last token and -1.5 on its first (a penalty verl's GRPO sums into
+    one outcome of -0.5, so its advantages stay one value a row) failed. Catches the flags read
+    from the largest token score (the +1: a success) instead of the sum the docs name."""
+    rewards, scores, mask, entropy = batch(seed=11)
+    rows, lengths = torch.arange(len(rewards)), mask.sum(1)
+    scores = torch.zeros_like(scores)
+    scores[rows, lengths - 1] = 1.0
+    penalised = (rows % 2 == 0) & (lengths >= 2)
+    scores[rows[penalised], 0] = -1.5
+    adv = verl_advantages("grpo", rewards, scores, mask, blocks(len(rewards)))
+    strategy = pw.get_strategy("proximal_softmax", window=5)
+    seq = adv[rows, mask.int().argmax(1)]
+    want = strategy(seq, entropy, mask, positive=scores.sum(1) > 0)
+    torch.testing.assert_close(pv.token_advantages(strategy, adv, entropy, mask.float(), scores),
+                               want, rtol=1e-6, atol=1e-7)
+    by_max = strategy(seq, entropy, mask, positive=scores.amax(1) > 0)
+    assert (by_max - want).abs().max() > 1e-3  # the two readings differ on this batch
 
 
 def test_a_mask_of_other_values_and_integer_advantages_are_refused():

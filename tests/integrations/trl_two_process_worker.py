@@ -9,7 +9,10 @@ Scenarios:
 - ``row_wise``: ``proximal_softmax`` (weighted inside TRL's loss) with a reward that depends on
   the rank, so each rank's success flags differ from the other's by construction;
 - ``gtpo``: 6 completions per rank in groups of 4, so the middle group spans both ranks (with
-  the rank-dependent reward, which gives that group both outcomes here).
+  the rank-dependent reward, which gives that group both outcomes here);
+- ``unscored_row_wise`` / ``unscored_topk``: ``proximal_softmax`` / ``global_topk`` with a
+  reward that abstains (None) on a third of rank 0's completions and on none of rank 1's, so
+  each rank's unscorable rows differ from the other's by construction.
 
 Usage: python -m torch.distributed.run --standalone --nproc_per_node 2 \
            trl_two_process_worker.py MODEL_DIR OUT_DIR
@@ -43,10 +46,19 @@ def by_rank(completions, **kwargs):
     return [float(len(c) > 0 and (ord(c[0]) % 2 == 0) != odd) for c in completions]
 
 
+def none_on_rank0(completions, **kwargs):
+    """even_first_char, but None (unscorable) for a third of rank 0's completions."""
+    rank0 = int(os.environ["RANK"]) == 0
+    return [None if rank0 and len(c) > 0 and ord(c[0]) % 3 == 0 else r
+            for c, r in zip(completions, even_first_char(completions))]
+
+
 SCENARIOS = {  # name: (strategy, params, reward, per_device_train_batch_size)
     "global_topk": ("global_topk", {"fraction": FRACTION}, even_first_char, 16),
     "row_wise": ("proximal_softmax", ROW_WISE_PARAMS, by_rank, 16),
     "gtpo": ("gtpo", {}, by_rank, 6),
+    "unscored_row_wise": ("proximal_softmax", ROW_WISE_PARAMS, none_on_rank0, 16),
+    "unscored_topk": ("global_topk", {"fraction": FRACTION}, none_on_rank0, 16),
 }
 
 
@@ -81,7 +93,7 @@ def run(name: str, model_dir: str, out_dir: str) -> None:
         output_dir=str(Path(out_dir) / f"trl_{name}"), per_device_train_batch_size=batch,
         num_generations=4, max_completion_length=16, max_steps=1, learning_rate=5e-2,
         report_to="none", use_cpu=True, seed=0, save_strategy="no", temperature=0.7, beta=0.0,
-        disable_tqdm=True, bf16=False,
+        disable_tqdm=True, bf16=False, logging_steps=1,
     )
     data = Dataset.from_list([{"prompt": f"Say a number near {i}:"} for i in range(8)])
     trainer = Recorder(model=model, reward_funcs=recording_reward, args=args, train_dataset=data,
@@ -90,7 +102,8 @@ def run(name: str, model_dir: str, out_dir: str) -> None:
     trainer.train()
     rank = trainer.accelerator.process_index
     torch.save({"world_size": trainer.accelerator.num_processes, "weighed": trainer.weighed,
-                "rewarded": rewarded}, Path(out_dir) / f"{name}_rank{rank}.pt")
+                "rewarded": rewarded, "log_history": trainer.state.log_history},
+               Path(out_dir) / f"{name}_rank{rank}.pt")
     dist.barrier()
 
 
