@@ -532,7 +532,7 @@ def check_machine(rc: RecipeConfig, cfg: DictConfig) -> None:
     packages."""
     check_checkpoint_dir(rc.checkpoint_dir)
     check_output_dir(rc.output_dir)
-    log_dir = (rc.metric_logger or {}).get("log_dir")
+    log_dir = rc.metric_logger.get("log_dir")  # a required section
     if log_dir is not None:  # its logger would fail after the model is built, with two tracebacks
         check_output_dir(log_dir, "metric_logger.log_dir")
     for key, cache in (("prior_cache", rc.prior_cache),
