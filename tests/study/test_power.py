@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import re
@@ -13,6 +14,7 @@ from pepo.study import power
 
 # Student's t quantiles, 9 degrees of freedom (printed tables)
 T9_975, T9_995, T9_80 = 2.262157, 3.249836, 0.883404
+T9_95, T9_90 = 1.833113, 1.383029  # 9 df: the 0.95 and 0.90 quantiles
 D = [0.05, -0.01, 0.03, 0.08, 0.00, 0.02, 0.06, -0.02, 0.04, 0.01]  # ten paired differences
 
 
@@ -192,6 +194,10 @@ def test_differences_without_spread_are_not_testable(tmp_path):
 @pytest.mark.parametrize("change, message", [
     ({"num_steps": 8}, "run 'PEPO' seed 2 has num_steps=8 where run 'GRPO' seed 0 has 40"),
     ({"mode": "single_stream"}, "has mode='single_stream' where"),
+    # scored on another validation set: avg@4 instead of avg@2, 40 prompts instead of 43
+    ({"val_k": 4}, "run 'PEPO' seed 2 has val_k=4 where run 'GRPO' seed 0 has 2"),
+    ({"val_problems": 40}, "run 'PEPO' seed 2 has val_problems=40 where run 'GRPO' seed 0 has 43"),
+    ({"task": "tiny"}, "run 'PEPO' seed 2 has task='tiny' where run 'GRPO' seed 0 has 't'"),
     ({"val_after": float("nan")}, "run 'PEPO' seed 2: val_after is nan, not a finite accuracy"),
     # a second copy of PEPO's seed 1 (a copied result file): counted as a fifth pair before
     ({"seed": 1}, "run 'PEPO' seed 1 has two results"),
@@ -201,8 +207,9 @@ def test_differences_without_spread_are_not_testable(tmp_path):
      "{}"),
 ])
 def test_runs_of_other_settings_or_without_an_accuracy_are_refused(change, message):
-    """Catches each refusal missing: a run of 8 steps read into a 40-step study, a
-    single-stream run beside group runs, a NaN accuracy (statistics.stdev failed on it with an
+    """Catches each refusal missing: a run of 8 steps read into a 40-step study, a single-stream
+    run beside group runs, one scored on another validation set or of another task (a settings
+    key dropped from the comparison), a NaN accuracy (statistics.stdev failed on it with an
     AttributeError), one method's seed twice, a run of other ``--set`` overrides than the first
     run that records them (a result without the key, of an older pepo or restored from
     docs/images, is not compared on them: published results continued with ``--set`` compare)."""
@@ -388,3 +395,80 @@ def test_cli_bad_input_is_one_line(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(SystemExit, match=r"--out=.*file' cannot be a directory"):
         power.main([str(runs), "--task", "tiny", "--out", str(tmp_path / "file")])
+
+
+def test_paired_uses_the_alpha_and_power_it_is_given():
+    """Catches ``alpha`` or ``power`` ignored for the defaults (every other test gives 0.05 and
+    0.8): at alpha 0.10 the interval is the textbook one of t_0.95, the resolvable difference
+    at power 0.9 adds t_0.90; alpha 0.10 over 2 comparisons is alpha 0.05 over 1."""
+    se = statistics.stdev(D) / math.sqrt(len(D))
+    got = power.paired(D, alpha=0.10, power=0.9)
+    assert got["lo"] == pytest.approx(statistics.fmean(D) - T9_95 * se, abs=1e-6)
+    assert got["hi"] == pytest.approx(statistics.fmean(D) + T9_95 * se, abs=1e-6)
+    assert got["resolvable"] == pytest.approx((T9_95 + T9_90) * se, abs=1e-6)
+    two, one = power.paired(D, m=2, alpha=0.10), power.paired(D)
+    assert (two["lo"], two["hi"]) == (pytest.approx(one["lo"]), pytest.approx(one["hi"]))
+
+
+def test_exact_power_uses_the_alpha_and_power_it_is_given():
+    """Catches ``alpha`` or ``power`` ignored in :func:`power.exact_power`: the level is
+    ``alpha / m`` (alpha 0.10 over 2 comparisons is 0.05 over 1), and a nominal power of 0.9
+    is about 0.9 in fact at 10 seeds, well above the 0.8 one."""
+    assert power.exact_power(10, 2, alpha=0.10) == pytest.approx(power.exact_power(10, 1))
+    assert power.exact_power(10, 1, power=0.9) == pytest.approx(0.899, abs=2e-3)
+    assert power.exact_power(10, 1, power=0.9) > power.exact_power(10, 1) + 0.05
+
+
+def test_the_reports_power_paragraph_gives_medians_and_the_familys_exact_power(tmp_path):
+    """Catches the paragraph under the table giving the mean SD or the mean resolvable
+    difference for the median (three comparisons of SD 1.3, 2.6 and 7.7 points: median 2.6,
+    mean 3.9), or the exact power at one comparison's level (78 % at 4 seeds) rather than the
+    family's corrected level (75 % for 3 comparisons)."""
+    seeds = range(4)
+    pattern = [-0.015, -0.005, 0.005, 0.015]
+    results = _runs("GRPO", seeds, [0.4] * 4)
+    for label, scale in (("PEPO", 1), ("80/20", 2), ("GTPO", 6)):
+        results += _runs(label, seeds, [0.5 + scale * x for x in pattern])
+    labels = ["PEPO", "80/20", "GTPO"]
+    text = power.report(results, "GRPO", labels, tmp_path, "img", "t")
+    comps = power.comparisons(results, "GRPO", labels)
+    sds = sorted(v["sd"] for v in comps.values())
+    res = sorted(v["resolvable"] for v in comps.values())
+    assert statistics.mean(sds) > 1.4 * sds[1]  # the case itself: mean and median apart
+    assert f"(median {100 * sds[1]:.1f})" in text
+    assert f"difference of about {100 * res[1]:.1f} points" in text
+    assert power.exact_power(4, 3) < power.exact_power(4, 1) - 0.02
+    assert f"noncentral t is {power.exact_power(4, 3):.0%})" in text
+
+
+def test_a_raw_p_below_alpha_under_a_holm_p_above_it_is_not_named(tmp_path):
+    """Catches the row naming Holm's p as below 0.05 where only the raw p is: raw p about
+    0.03 and 0.04, Holm's p both about 0.07, each interval holding 0."""
+    seeds = list(range(10))
+    base = [x - statistics.fmean(D) for x in D]
+    se = statistics.stdev(base) / math.sqrt(len(base))
+    results = (_runs("GRPO", seeds, [0.4] * 10)
+               + _runs("PEPO", seeds, [0.4 + x + 2.5 * se for x in base])
+               + _runs("80/20", seeds, [0.4 + x + 2.4 * se for x in base]))
+    comps = power.comparisons(results, "GRPO", ["PEPO", "80/20"])
+    assert all(v["p"] < 0.05 <= v["p_holm"] and v["lo"] <= 0 for v in comps.values())
+    text = power.report(results, "GRPO", ["PEPO", "80/20"], tmp_path, "img", "t")
+    assert "Holm's p is below" not in text
+
+
+def test_cli_on_a_folder_of_both_modes_reads_the_mode_asked(tmp_path):
+    """Catches the folder of published result JSONs (not a study directory) read without
+    filtering by ``--mode``: group runs in a single-stream report."""
+    folder = tmp_path / "results"
+    folder.mkdir()
+    rows = [{**r, "task": "smollm2_steps", "mode": "group"}
+            for r in _runs("GRPO", range(4), [0.4] * 4)
+            + _runs("PEPO", range(4), [0.4 + x for x in D[:4]])]
+    rows += [{**r, "task": "smollm2_steps", "mode": "single_stream"}
+             for r in _runs("SPO", range(4), [0.3] * 4)
+             + _runs("PESPO", range(4), [0.3 + x for x in D[4:8]])]
+    for r in rows:
+        (folder / f"{r['mode']}_{r['method']}_seed_{r['seed']}.json").write_text(
+            json.dumps(r), encoding="utf-8")
+    text = power.main([str(folder), "--mode", "single_stream", "--out", str(tmp_path / "o")])
+    assert "| PESPO | 4 |" in text and "GRPO" not in text and "PEPO |" not in text
