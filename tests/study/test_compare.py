@@ -931,3 +931,78 @@ def test_each_method_keeps_its_look_and_the_figure_shows_the_spread(study, tmp_p
     assert looks[0]["PEPO"] == looks[1]["PEPO"] and looks[0]["GRPO"] == looks[1]["GRPO"]
     assert len({look[1:] for look in looks[1].values()}) == 3  # dash and marker differ too
     assert len({look[0] for look in looks[1].values()}) == 3
+
+
+def test_paired_pairs_by_seed_not_by_position(study):
+    """Catches compare's ``paired`` zipping the runs with the baseline by position: runs listed
+    in another order than the baseline's, then a baseline seed missing."""
+    base = [{"seed": 1, "val_after": 0.60}, {"seed": 0, "val_after": 0.50},
+            {"seed": 2, "val_after": 0.70}]
+    runs_ = [{"seed": 0, "val_after": 0.55}, {"seed": 2, "val_after": 0.72},
+             {"seed": 1, "val_after": 0.61}]
+    p = study.paired(runs_, base)
+    d = [0.05, 0.02, 0.01]
+    assert p["n"] == 3 and p["mean"] == pytest.approx(statistics.mean(d))
+    assert p["sd"] == pytest.approx(statistics.stdev(d))
+    p = study.paired(sorted(runs_, key=lambda r: r["seed"]), [base[1], base[2]])
+    assert p["n"] == 2 and p["mean"] == pytest.approx((0.05 + 0.02) / 2)
+
+
+def test_the_table_gives_mean_and_sample_sd_and_the_mean_step_time(study):
+    """Catches the table's 'mean ± sample SD over seeds' given as a median or with the
+    population SD, and s/step 'averaged over the seeds' given as their median: accuracies 10,
+    20, 60 (mean 30, median 20, sample SD 26.5, population SD 21.6), step times 1, 2, 6 s."""
+    def r(seed, after, step_time):
+        return {"task": "tiny", "mode": "group", "method": "GRPO", "seed": seed, "val_k": 4,
+                "val_problems": 40, "num_steps": 2, "val_before": 0.1, "val_after": after,
+                "step_time_median": step_time}
+
+    text = study.report([r(0, 0.1, 1.0), r(1, 0.2, 2.0), r(2, 0.6, 6.0)], ["tiny"], "cmd", {})
+    row = next(x for x in text.splitlines() if x.startswith("| GRPO |"))
+    assert row == "| GRPO | 3 | 10.0 ± 0.0 | 30.0 ± 26.5 | (baseline) | 3.00 |"
+
+
+def test_the_window_ablation_pairs_on_the_ablations_seeds(study, tmp_path):
+    """Catches the window ablation's tables reading every seed of GRPO and PEPO where their
+    heading names the ablation's seeds (0 and 1 of 0-3): its PEPO row is the comparison over
+    those two seeds, not the main table's four."""
+    from pepo.study import power
+
+    def r(method, seed, after):
+        return {"task": "smollm2_steps", "mode": "group", "method": method, "seed": seed,
+                "val_before": 0.23, "val_after": after}
+
+    rows = [r("GRPO", s, 0.40 + 0.01 * s) for s in range(4)]
+    rows += [r("PEPO", s, 0.42 + 0.03 * s * s) for s in range(4)]
+    rows += [r("PEPO, W = 101", s, 0.45 - 0.01 * s) for s in range(2)]
+    text = study.powered_sections("smollm2_steps", rows, tmp_path)
+    abl = text.split("PEPO's window against GRPO")[1].split("PEPO's window against PEPO")[0]
+    assert "(seeds [0, 1])" in abl and "| GRPO | 2 |" in abl and "| PEPO | 2 |" in abl
+    v = power.comparisons([x for x in rows if x["seed"] < 2], "GRPO",
+                          ["PEPO", "PEPO, W = 101"])["PEPO"]
+    line = next(x for x in abl.splitlines() if x.startswith("| PEPO |"))
+    assert f"{100 * v['mean']:+.1f} [{100 * v['lo']:+.1f}, {100 * v['hi']:+.1f}]" in line
+
+
+def test_the_intervention_replaces_with_the_lowest_seeds_grpo(study, tmp_path, monkeypatch):
+    """Catches the intervention's replacement taken from the first GRPO result listed (or the
+    highest seed) rather than the lowest seed's checkpoint, the one ``--prune`` keeps."""
+    seen = []
+
+    def fake(argv):
+        seen.append(argv)
+        dest = Path(argv[argv.index("--out") + 1])
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / "intervention.md").write_text("| table |\n", encoding="utf-8")
+        return {}
+
+    monkeypatch.setattr(study.intervention, "main", fake)
+    results = []
+    for seed in (3, 1, 2):
+        (tmp_path / f"ck{seed}").mkdir()
+        results.append({"task": "tiny", "mode": "group", "method": "GRPO", "seed": seed,
+                        "checkpoint": str(tmp_path / f"ck{seed}")})
+    (tmp_path / "tiny").mkdir()
+    text = study.run_intervention("tiny", results, tmp_path, tmp_path / "docs", [0.0, 0.1], 2)
+    assert seen[0][seen[0].index("--replacement") + 1] == str(tmp_path / "ck1")
+    assert "the final GRPO checkpoint of seed 1" in text
