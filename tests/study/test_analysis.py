@@ -446,3 +446,50 @@ def test_short_and_empty_responses_leave_bins_missing_not_zero(tmp_path):
     empty = write_dump(tmp_path / "none" / "d.jsonl", [[]] * 4)
     with pytest.raises(ValueError, match="its 4 rollouts hold no response token"):
         A.run(empty, tmp_path / "out2", windows=(5,))
+
+
+def test_difficulty_means_pool_the_groups_tokens_not_the_padding(tmp_path):
+    """Catches Table 1's means taken over the padded rows (padding read as entropy 0) or as a
+    mean of per-rollout means: an easy group of responses of 6 and 2 tokens (mean entropy 1
+    and 2), whose pooled global mean is 40 / 32 = 1.25 (1.5 as a mean of means, 0.83 over the
+    padding); the proximal mean against Eq. (6) written out per token."""
+    long, short = [1.0, 0.0, 2.0, 1.0, 0.5, 1.5], [4.0, 0.0]
+    rows = [long, short] * 4 + [[0.5] * 6] * 8
+    success = [True] * 8 + [False] * 8  # p0 easy (rows 0-7), p1 hard
+    prompts = ["p0"] * 8 + ["p1"] * 8
+    r = A.load_dump(write_dump(tmp_path / "d.jsonl", rows, [float(s) for s in success],
+                               prompts, success=success))
+    table = A.difficulty_bias(r, window=3)
+    assert table["easy"]["global"] == pytest.approx((4 * 6 * 1.0 + 4 * 2 * 2.0) / 32)
+    assert table["easy"]["tokens"] == 32
+
+    def proximal(h, t):  # the window of 3 around t, reflect-padded at the row's ends
+        idx = [-k if k < 0 else 2 * (len(h) - 1) - k if k >= len(h) else k
+               for k in (t - 1, t, t + 1)]
+        return math.exp(h[t]) / sum(math.exp(h[k]) for k in idx)
+
+    ref = [proximal(h, t) for h in rows[:8] for t in range(len(h))]
+    per_row = [sum(proximal(h, t) for t in range(len(h))) / len(h) for h in (long, short)]
+    assert abs(sum(ref) / len(ref) - sum(per_row) / 2) > 0.01  # the case itself
+    assert table["easy"]["proximal"] == pytest.approx(sum(ref) / len(ref), rel=1e-5)
+
+
+def test_a_token_at_the_threshold_is_not_near_deterministic(tmp_path):
+    """Catches ``H <= 0.01`` for the documented ``H < 0.01``: of 0.01, 0.5, 0.0 and 1.0 nats
+    one token is near-deterministic, not two."""
+    r = A.load_dump(write_dump(tmp_path / "d.jsonl", [[0.01, 0.5, 0.0, 1.0]]))
+    assert A.entropy_profile(r, windows=(3,))["near_deterministic_share"] == 0.25
+
+
+def test_one_dump_of_several_steps_keeps_each_steps_groups_apart(tmp_path):
+    """Catches the step left out of the group key: one prompt drawn at two steps of one dump
+    (all right at one, all wrong at the other) is an easy and a hard group, not one moderate
+    group of 16."""
+    h = trend_and_shift(n=16, T=20, seed=2)
+    path = write_dump(tmp_path / "d.jsonl", h.tolist(), [1.0] * 8 + [0.0] * 8, ["p"] * 16)
+    recs = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    for rec in recs[8:]:
+        rec["step"] = 2
+    path.write_text("".join(json.dumps(rec) + "\n" for rec in recs), encoding="utf-8")
+    table = A.difficulty_bias(A.load_dump(path), window=5)
+    assert {g: v["rollouts"] for g, v in table.items()} == {"hard": 8, "easy": 8}
