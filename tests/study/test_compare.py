@@ -1006,3 +1006,27 @@ def test_the_intervention_replaces_with_the_lowest_seeds_grpo(study, tmp_path, m
     text = study.run_intervention("tiny", results, tmp_path, tmp_path / "docs", [0.0, 0.1], 2)
     assert seen[0][seen[0].index("--replacement") + 1] == str(tmp_path / "ck1")
     assert "the final GRPO checkpoint of seed 1" in text
+
+
+def test_a_runs_result_is_its_first_and_last_validation_and_median_step(tmp_path):
+    """Catches a run's result taking the best validation (0.60 at step 2) as ``val_after``
+    rather than the last (0.50), another than step 0's as ``val_before``, or the mean step time
+    (3.75 s, pulled by one slow step) for the median (2.5 s)."""
+    from omegaconf import OmegaConf
+
+    from pepo.study.methods import run_dir
+    from pepo.training.reporting import write_summary
+
+    d = run_dir(tmp_path, "tiny", "group", "PEPO", 0)
+    d.mkdir(parents=True)
+    write_summary(d, [{"step": 0, "val_accuracy": 0.30},
+                      {"step": 1, "step_time": 1.0},
+                      {"step": 2, "step_time": 2.0, "val_accuracy": 0.60},
+                      {"step": 3, "step_time": 9.0, "val_accuracy": 0.20},
+                      {"step": 4, "step_time": 3.0, "val_accuracy": 0.50}], val_problems=9)
+    cfg = OmegaConf.create({"output_dir": str(d), "num_steps": 4, "validation": {"samples": 2}})
+    r = runs._run("tiny", "group", "PEPO", 0, tmp_path, {}, cfg, how="closed")
+    assert (r["val_before"], r["val_after"]) == (0.30, 0.50)
+    assert r["val_curve"] == [[0, 0.30], [2, 0.60], [3, 0.20], [4, 0.50]]
+    assert r["step_time_median"] == 2.5 and (r["val_k"], r["val_problems"]) == (2, 9)
+    assert json.loads((d / "result.json").read_text(encoding="utf-8")) == r  # saved whole

@@ -506,3 +506,24 @@ def test_the_models_run_at_the_given_compute_dtype(models, monkeypatch):
     seen.clear()
     iv.intervene(base, repl, _Tok(), problems, _digit_share, **kw)
     assert len(seen) == 4 and not any(on for on, _ in seen)
+
+
+def test_the_paired_difference_is_proximal_minus_global(models, tmp_path):
+    """Catches the paired difference's sign flipped (global - proximal): the cells at 30 % set
+    apart through the cache (proximal all right, global all wrong) give +1, not -1. The
+    generated data of the test above gives a mean difference of 0, where a flip cannot show."""
+    import json
+
+    base, repl = models
+    problems = modsum_dataset(4, split="val")
+    kw = dict(budgets=[0.0, 0.3], k=2, window=5, seed=4, max_new_tokens=10, temperature=1.0,
+              stop_tokens=STOP, cache=tmp_path / "cells.json")
+    intervene(base, repl, _Tok(), problems, _digit_share, **kw)
+    saved = json.loads((tmp_path / "cells.json").read_text(encoding="utf-8"))
+    n = len(saved["cells"]["base"])
+    saved["cells"]["proximal@0.3"] = [1.0] * n
+    saved["cells"]["global@0.3"] = [0.0] * n
+    (tmp_path / "cells.json").write_text(json.dumps(saved), encoding="utf-8")
+    res = intervene(base, repl, _Tok(), problems, _digit_share, **kw)
+    assert (res["proximal"][0.3], res["global"][0.3]) == (1.0, 0.0)
+    assert res["paired"][0.3][0] == pytest.approx(1.0)

@@ -154,3 +154,19 @@ def test_a_dump_that_cannot_be_read_is_named_in_one_line(tmp_path):
     (run / "val_rollouts" / "step_000000.jsonl.gz").write_bytes(whole[:100])
     with pytest.raises(SystemExit, match=r"^error: .*step_000000.jsonl.gz: cannot be read"):
         main([str(run)])
+
+
+def test_no_section_without_a_method_of_two_paired_seeds(tmp_path):
+    """Catches the section written for a method with one seed paired with GRPO (its docstring:
+    None when no method has 2): GRPO on seeds 0 and 1, PEPO on seed 0 alone."""
+    from pepo.study import rescore
+
+    def r(method, seed, after, stated):
+        return {"task": "smollm2_steps", "mode": "group", "method": method, "seed": seed,
+                "val_before": 0.2, "val_after": after, "val_curve": [[0, 0.2], [16, after]],
+                "stated_curve": [[0, 0.2, 0.25, 418], [16, after, stated, 418]]}
+
+    rows = [r("GRPO", 0, 0.4, 0.45), r("GRPO", 1, 0.41, 0.47), r("PEPO", 0, 0.5, 0.48)]
+    assert rescore.stated_section("smollm2_steps", rows, ["GRPO", "PEPO"], tmp_path) is None
+    rows.append(r("PEPO", 1, 0.52, 0.5))  # a second paired seed: the section
+    assert rescore.stated_section("smollm2_steps", rows, ["GRPO", "PEPO"], tmp_path) is not None
