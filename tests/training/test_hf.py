@@ -17,12 +17,13 @@ def randomise(model):
             p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
 
 
-def qwen3_dir(tmp_path, tied=True):
+def qwen3_dir(tmp_path, tied=True, eps=1e-6):
     torch.manual_seed(0)
     cfg = transformers.Qwen3Config(
         vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16,  # 4 x 16 != 48
         max_position_embeddings=256, rope_theta=1_000_000.0, tie_word_embeddings=tied,
+        rms_norm_eps=eps,
     )
     m = transformers.Qwen3ForCausalLM(cfg).eval()
     randomise(m)
@@ -48,9 +49,12 @@ def llama_dir(tmp_path):
 TOKENS = torch.randint(0, 96, (2, 37), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("build", [qwen3_dir, lambda p: qwen3_dir(p, tied=False), llama_dir],
-                         ids=["qwen3-tied", "qwen3-untied", "llama3.2"])
+@pytest.mark.parametrize("build", [qwen3_dir, lambda p: qwen3_dir(p, tied=False),
+                                   lambda p: qwen3_dir(p, eps=1e-3), llama_dir],
+                         ids=["qwen3-tied", "qwen3-untied", "qwen3-eps", "llama3.2"])
 def test_logits_match_transformers(tmp_path, build):
+    """The models of both architectures give transformers' logits (qwen3-eps: catches the
+    config's ``rms_norm_eps`` not passed to the Qwen3 builder, whose default is Qwen3's)."""
     hf = build(tmp_path)
     ours = from_hf(tmp_path)
     with torch.no_grad():
@@ -258,3 +262,103 @@ def test_a_field_the_config_leaves_out_takes_transformers_default(tmp_path, buil
     ours = from_hf(tmp_path)
     with torch.no_grad():
         torch.testing.assert_close(ours(TOKENS), ref(TOKENS).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_the_config_read_off_a_model_builds_the_same_model_in_transformers(tmp_path, tied):
+    """``hf_config_of`` is the config a vLLM engine is built from for a model not loaded from a
+    checkpoint: transformers built from it, with the model's weights, gives the model's logits.
+    Built with no setting at its default (heads of 20, not 64 / 4 = 16; GQA; eps 1e-5; RoPE base
+    10,000), so each field read off the wrong module, or written as a constant, shows: catches
+    the head size as embed_dim / num_heads, the kv heads as the query heads, the norm's eps or
+    the RoPE base as a default, the tie lost."""
+    from safetensors.torch import save_file
+
+    from pepo.training.hf import hf_config_of, tune_to_hf_state
+    from pepo.training.models import qwen3
+
+    torch.manual_seed(0)
+    model = qwen3(vocab_size=96, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=64,
+                  intermediate_dim=72, max_seq_len=64, head_dim=20, norm_eps=1e-5,
+                  rope_base=10_000.0, tie_word_embeddings=tied).eval()
+    randomise(model)
+    cfg = hf_config_of(model)
+    assert (cfg["head_dim"], cfg["num_key_value_heads"], cfg["intermediate_size"]) == (20, 2, 72)
+    assert (cfg["rms_norm_eps"], cfg["rope_theta"], cfg["tie_word_embeddings"]) == (
+        1e-5, 10_000.0, tied)
+    (tmp_path / "config.json").write_text(json.dumps(cfg), encoding="utf-8")
+    state = tune_to_hf_state({k: v.contiguous() for k, v in model.state_dict().items()}, cfg)
+    if tied:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    tokens = TOKENS[:, :30]
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="reads pepo.training.models.qwen3 decoders only"):
+        hf_config_of(_torchtune_llama())
+
+
+def _torchtune_llama():
+    from torchtune.models.llama3_2 import llama3_2
+
+    return llama3_2(vocab_size=96, num_layers=1, num_heads=4, num_kv_heads=2, embed_dim=64,
+                    max_seq_len=64, intermediate_dim=72)
+
+
+def test_a_tied_checkpoint_that_stores_its_head_loads(tmp_path):
+    """Some tied checkpoints store ``lm_head.weight`` beside the embedding (a copy of it):
+    catches it kept as a key the tied model has no place for (a state mismatch)."""
+    from safetensors.torch import load_file, save_file
+
+    hf = qwen3_dir(tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    assert "lm_head.weight" not in state  # transformers leaves it out: added here
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with torch.no_grad():
+        torch.testing.assert_close(from_hf(tmp_path)(TOKENS), hf(TOKENS).logits, rtol=1e-4,
+                                   atol=1e-4)
+
+
+def test_max_seq_len_sets_the_rope_cache_over_the_configs_length(tmp_path):
+    """Catches ``max_seq_len`` ignored for the config's ``max_position_embeddings`` (256): a
+    model asked for 320 positions runs a sequence of 300 tokens, and one asked for 64 is built
+    for 64 (the RoPE cache the trainer sizes to its prompt and response lengths)."""
+    qwen3_dir(tmp_path)
+    long = torch.randint(0, 96, (1, 300), generator=torch.Generator().manual_seed(1))
+    model = from_hf(tmp_path, max_seq_len=320)
+    assert model.max_seq_len == 320
+    with torch.no_grad():
+        assert model(long).shape == (1, 300, 96)
+    assert from_hf(tmp_path, max_seq_len=64).max_seq_len == 64
+    assert from_hf(tmp_path).max_seq_len == 256
+
+
+@pytest.mark.parametrize("eos, stops, want", [(7, [5], [7, 5]), ([2, 7], [7, 5, 5], [2, 7, 5]),
+                                              (None, [5], [5])])
+def test_the_exports_stop_tokens_keep_the_sources_eos_first(tmp_path, eos, stops, want):
+    """``eos_token_id`` of the export: the source's own stop tokens, then each of training's
+    not among them, once. Catches the source's eos replaced by training's stop tokens (a model
+    that stopped on ``<|endoftext|>`` would no longer), or a stop token listed twice."""
+    qwen3_dir(tmp_path / "src")
+    (tmp_path / "src" / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": eos, "temperature": 0.6}), encoding="utf-8")
+    save_hf(from_hf(tmp_path / "src"), tmp_path / "out", source_dir=tmp_path / "src",
+            stop_tokens=stops)
+    gen = json.loads((tmp_path / "out" / "generation_config.json").read_text(encoding="utf-8"))
+    assert gen == {"eos_token_id": want, "temperature": 0.6}
+
+
+def test_an_older_configs_torch_dtype_is_the_exports_dtype_too(tmp_path):
+    """A config.json written by transformers 4.x says ``torch_dtype`` (which older readers of
+    the export go by): catches only ``dtype`` set, ``torch_dtype`` left at the source's bf16
+    over fp32 tensors."""
+    qwen3_dir(tmp_path / "src")
+    cfg = json.loads((tmp_path / "src" / "config.json").read_text(encoding="utf-8"))
+    cfg["torch_dtype"] = cfg["dtype"] = "bfloat16"
+    (tmp_path / "src" / "config.json").write_text(json.dumps(cfg), encoding="utf-8")
+    save_hf(from_hf(tmp_path / "src", dtype="fp32"), tmp_path / "out",
+            source_dir=tmp_path / "src")
+    out = json.loads((tmp_path / "out" / "config.json").read_text(encoding="utf-8"))
+    assert (out["dtype"], out["torch_dtype"]) == ("float32", "float32")
