@@ -527,3 +527,111 @@ def test_the_seed_chooses_the_evaluations_samples(tmp_path, monkeypatch):
                                            output_dir=str(tmp_path / f"o{run}")))
     (s0, d0), (s1, d1) = seen[0][0], seen[1][0]
     assert s0 != s1 and not torch.equal(d0, d1)
+
+
+def test_long_labels_keep_their_ends_in_the_results_folder(tmp_path):
+    """Labels are checkpoint paths as given, and two runs' paths share their start: catches the
+    folder cut to the label's first 100 characters (two runs' results in one folder, the second
+    refused as another checkpoint's) instead of its last 100."""
+    cfg = OmegaConf.create({"output_dir": str(tmp_path)})
+    root = "/data/experiments/" + "qwen3_1_7b_deepmath_" * 6
+    a = pepo_eval._results_dir(cfg, root + "run_a/hf_model")
+    b = pepo_eval._results_dir(cfg, root + "run_b/hf_model")
+    assert a != b and a.name.endswith("run_a_hf_model") and len(a.name) <= 100
+    assert pepo_eval._results_dir(cfg, "tiny (base)").name == "tiny_base"
+
+
+def test_the_settings_record_the_devices_type_not_its_index(tmp_path):
+    """``cuda:1`` samples as ``cuda`` does: catches the index recorded (an evaluation resumed
+    on another GPU refused as other settings)."""
+    cfg = _tiny_eval_cfg(tmp_path)
+    typed = pepo_eval.validate_eval_config(cfg)
+    assert pepo_eval._settings(cfg, typed)["device"] == "cpu"
+    cfg.device = "cuda:1"
+    assert pepo_eval._settings(cfg, typed)["device"] == "cuda"
+
+
+def test_every_weight_file_is_recorded_and_nothing_else(tmp_path):
+    """Catches the weights of a checkpoint saved as ``.bin``, ``.pt`` or ``.pth`` (and pepo's
+    ``training_state.pt``) left out of the record that tells a rewritten checkpoint apart, and
+    other files (a README, a folder) counted in."""
+    for name, size in (("model.safetensors", 3), ("pytorch_model.bin", 5), ("training_state.pt",
+                       7), ("w.pth", 2), ("README.md", 4), ("config.json", 6)):
+        (tmp_path / name).write_bytes(b"x" * size)
+    (tmp_path / "sub.pt").mkdir()
+    got = pepo_eval._weights(tmp_path)
+    assert [(n, s) for n, s, _ in got] == [("model.safetensors", 3), ("pytorch_model.bin", 5),
+                                            ("training_state.pt", 7), ("w.pth", 2)]
+    assert all(t == (tmp_path / n).stat().st_mtime_ns for n, _, t in got)
+
+
+def test_a_benchmarks_digest_covers_its_answers(tmp_path):
+    """A data file whose answers were corrected under the same prompts is another benchmark:
+    catches the digest over the encoded prompts alone (the old avg@k kept)."""
+    from pepo.tasks.problems import modsum_dataset
+    from pepo.training.config import asset_dir
+    from pepo.training.tokenizers import load_tokenizer
+
+    tok = load_tokenizer(asset_dir("tiny"))
+    problems = list(modsum_dataset(size=3, split="val", seed=0))
+    fixed = [type(p)(**{**vars(p), "answer": str(p.answer) + "0"}) if i == 1 else p
+             for i, p in enumerate(problems)]
+    one = pepo_eval._check_benchmarks({"b": problems}, tok, 512, 8)
+    assert one == pepo_eval._check_benchmarks({"b": list(problems)}, tok, 512, 8)
+    assert one != pepo_eval._check_benchmarks({"b": fixed}, tok, 512, 8)
+
+
+def test_the_saved_truncation_share_and_standard_error_are_over_rollouts_and_successes(
+        tmp_path, monkeypatch):
+    """k = 2 over 4 problems: 2 of 8 responses truncated is 25 % (catches a share over the 4
+    problems, 50 %); the standard error is over the success flags, not the rewards (a format
+    reward of 0.1 for a wrong answer: catches the rewards read)."""
+    from pepo.training.evaluation import problem_se
+
+    success = [True, True, True, False, False, False, True, False]
+
+    def spy(*a, counts, records, **k):
+        counts.update(rollouts=8, correct=4, truncated=2)
+        records += [{"success": s, "reward": 1.0 if s else 0.1} for s in success]
+        return 0.5
+
+    monkeypatch.setattr(pepo_eval, "avg_at_k", spy)
+    pepo_eval.eval_main(_tiny_eval_cfg(tmp_path, benchmarks={"modsum_val": {"k": 2}}))
+    saved = json.loads((tmp_path / "out" / "tiny_base" / "eval_results.json").read_text(
+        encoding="utf-8"))["benchmarks"]["modsum_val"]
+    assert saved["truncated"] == 0.25 and saved["problems"] == 4
+    assert saved["se"] == pytest.approx(problem_se(success, 2))
+    assert saved["se"] != pytest.approx(problem_se([1.0 if s else 0.1 for s in success], 2))
+
+
+def test_a_stop_says_how_many_benchmarks_the_file_keeps_earlier_ones_included(tmp_path,
+                                                                             monkeypatch,
+                                                                             capsys):
+    """A second evaluation stopped in its first new benchmark: the file still keeps the one the
+    first evaluation finished. Catches the count of this run's benchmarks alone ("none is
+    kept", where one is)."""
+    monkeypatch.setattr(pepo_eval, "avg_at_k", lambda *a, **k: 0.5)
+    pepo_eval.eval_main(_tiny_eval_cfg(tmp_path))
+
+    def stop(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pepo_eval, "avg_at_k", stop)
+    with pytest.raises(SystemExit):
+        pepo_eval._main.__wrapped__(_two_benchmarks(tmp_path))
+    err = capsys.readouterr().err
+    assert err.startswith("interrupted: 0 benchmark(s) finished in this run; ")
+    assert err.rstrip().endswith("eval_results.json keeps 1, and the same command evaluates "
+                                 "the rest")
+
+
+def test_the_evaluated_models_attention_runs_in_fp32_on_a_cpu(tmp_path, monkeypatch):
+    """As in training (docs/recipe.md, compute_dtype): catches the evaluation's model left
+    without it, so a bf16 evaluation on a CPU samples otherwise than training validated."""
+    seen = []
+    real = pepo_eval.cpu_attention_in_fp32
+    monkeypatch.setattr(pepo_eval, "cpu_attention_in_fp32",
+                        lambda model: seen.append(real(model)) or seen[-1])
+    monkeypatch.setattr(pepo_eval, "avg_at_k", lambda *a, **k: 0.5)
+    pepo_eval.eval_main(_tiny_eval_cfg(tmp_path))
+    assert seen == [3]  # the tiny model's three attention layers
