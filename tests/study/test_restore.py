@@ -167,3 +167,38 @@ def test_a_truncated_dump_is_named_and_leaves_no_temporary(tmp_path):
                                          r"decompressed \(EOFError"):
         restore_dumps(tmp_path / "mechanism", tmp_path / "out", "smollm2_steps")
     assert not list((tmp_path / "out").rglob("*.tmp"))
+
+
+def test_a_dump_there_already_gzipped_or_not_is_kept(tmp_path):
+    """A run that dumped its rollouts compressed (``step_N.jsonl.gz``, as the recipe may) has
+    them: catches the published dump written beside it as ``step_N.jsonl`` (two dumps of one
+    step, pooled twice by the mechanism tables)."""
+    import gzip
+
+    from pepo.study.compare import run_dir
+    from pepo.study.restore import restore_dumps
+
+    d = tmp_path / "mechanism" / "before" / "rollouts"
+    d.mkdir(parents=True)
+    for seed in (0, 1):
+        with gzip.open(d / f"grpo_seed_{seed}_step_000001.jsonl.gz", "wt", encoding="utf-8") as f:
+            f.write('{"step": 1}\n')
+    run = run_dir(tmp_path / "out", "smollm2_steps", "group", "GRPO", 0) / "rollouts"
+    run.mkdir(parents=True)
+    (run / "step_000001.jsonl.gz").write_bytes(gzip.compress(b'{"step": 1, "mine": 1}\n'))
+    assert restore_dumps(tmp_path / "mechanism", tmp_path / "out", "smollm2_steps") == (1, 1)
+    assert sorted(p.name for p in run.iterdir()) == ["step_000001.jsonl.gz"]
+
+
+def test_results_of_two_tasks_beside_one_mechanism_folder_are_refused(tmp_path, capsys):
+    """A mechanism folder's dumps carry no task: catches them restored under whichever task
+    came first when the results folder holds two tasks' runs."""
+    from pepo.study.restore import main
+
+    study = tmp_path / "study"
+    _publish(study / "results", [_result("GRPO", 0, 0.4),
+                                 {**_result("PEPO", 0, 0.5), "task": "smollm2_other"}])
+    (study / "mechanism" / "before" / "rollouts").mkdir(parents=True)
+    with pytest.raises(SystemExit, match="results of several tasks \\(smollm2_other, "
+                                         "smollm2_steps\\) beside one mechanism/ folder"):
+        main([str(study), "--out", str(tmp_path / "out")])
