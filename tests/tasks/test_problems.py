@@ -245,3 +245,78 @@ def test_repeated_ids_are_refused_only_where_the_estimator_reads_them(tmp_path):
                           ) as caught:
             assert len(build(cfg, key)) == 70
         assert len(caught) == 1
+
+
+def test_a_chain_needs_two_operands():
+    """Catches ``modsum_problem(rng, 1)`` accepted: a "problem" with no step whose
+    solution is a bare box (and whose prompt is its own answer)."""
+    with pytest.raises(ValueError, match="num_operands must be >= 2, got 1"):
+        modsum_problem(random.Random(0), 1)
+    p = modsum_problem(random.Random(0), 2)
+    assert len(p.solution.splitlines()) == 2  # one step and the box
+
+
+def test_the_split_of_a_prompt_is_the_same_in_every_process():
+    """The split is a hash of the prompt that does not change between processes:
+    catches Python's ``hash`` (salted per process), under which a validation set built by
+    ``pepo_eval`` or a resumed run is another set of problems, overlapping the training set the
+    first process drew."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json; from pepo.tasks.problems import modsum_dataset; "
+            "print(json.dumps([p.id for p in modsum_dataset(30, seed=0, split='val')]))")
+    here = [p.id for p in modsum_dataset(30, seed=0, split="val")]
+    for salt in ("1", "2"):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True, env={**os.environ, "PYTHONHASHSEED": salt}).stdout
+        assert json.loads(out) == here, salt
+
+
+def test_an_operand_range_of_one_value_is_a_fixed_length():
+    """Catches ``min_operands == max_operands`` refused (the range is inclusive:
+    a task of chains of exactly 7 digits)."""
+    probs = modsum_dataset(20, seed=0, min_operands=7, max_operands=7)
+    assert {len(p.id) for p in probs} == {13}  # 7 digits, 6 operators
+    assert len(drift_dataset(3, seed=0, min_operands=30, max_operands=30)[0].id) == 59
+
+
+def test_problems_are_distinct_where_draws_repeat_often():
+    """Chains of 2 or 3 digits, where one draw in two comes from about 175
+    training problems of 2 digits: catches the ids seen not recorded (repeats kept)."""
+    probs = modsum_dataset(150, seed=0, min_operands=2, max_operands=3)
+    assert len({p.id for p in probs}) == 150
+
+
+def test_small_sums_splits_hold_every_pair_once_and_a_quarter_for_validation():
+    """Train and validation together hold every ordered pair of
+    ``0..max_operand`` once (catches an operand's last value left out), with the numbers the
+    docstring gives for the defaults: 43 held out, 32 of them with their commuted twin in
+    training (catches another quarter of the pairs held out: the published validation set
+    changed); every gold is the pair's sum."""
+    from pepo.tasks.problems import small_sums_dataset
+
+    train, val = small_sums_dataset(split="train"), small_sums_dataset(split="val")
+    ids = [p.id for p in train + val]
+    assert sorted(ids) == sorted(f"{a}+{b}" for a in range(13) for b in range(13))
+    assert len(val) == 43
+    twins = {p.id for p in train}
+    assert sum("+".join(reversed(p.id.split("+"))) in twins for p in val) == 32
+    for p in train + val:
+        a, b = map(int, p.id.split("+"))
+        assert p.answer == str(a + b) and p.prompt.startswith(f"What is {a} + {b}?")
+
+
+def test_a_draw_of_the_whole_split_is_allowed():
+    """Catches ``size`` equal to the split's size refused (only more is an
+    error): the whole validation split in the seed's order."""
+    from pepo.tasks.problems import small_sums_dataset
+
+    whole = small_sums_dataset(43, seed=2, split="val")
+    assert [p.id for p in whole] == [p.id for p in small_sums_dataset(seed=2, split="val")]
+    with pytest.raises(ValueError, match="has 43 problems, fewer than size=44"):
+        small_sums_dataset(44, seed=2, split="val")
+    n = len(step_arithmetic_dataset(split="val"))
+    assert len(step_arithmetic_dataset(n, split="val")) == n

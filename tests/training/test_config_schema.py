@@ -927,3 +927,72 @@ def test_an_eval_seed_outside_the_seed_range_is_refused(tmp_path):
     cfg.output_dir, cfg.seed = str(tmp_path / "out"), -1
     with pytest.raises(ValueError, match=re.escape("seed must be an int in [0, 4294967295]")):
         validate_eval_config(cfg)
+
+
+@pytest.mark.parametrize("override, message", [
+    # CR2: True is an int to isinstance: num_steps: true trained one step
+    ({"logprob_chunk_size": True}, "logprob_chunk_size must be an int >= 1, got True"),
+    # CR8: an empty stop token ("" is in every response)
+    ({"generation": {"stop_tokens": ["<|im_end|>", ""]}},
+     "generation.stop_tokens must be a list of tokens (strings in the vocabulary), got "
+     "['<|im_end|>', '']"),
+    # CR9: beta 1 (torch's own check refuses it once the model is built)
+    ({"optimizer": {"betas": [0.9, 1.0]}},
+     "optimizer.betas must be two numbers in [0, 1), got [0.9, 1.0]"),
+    # CR10: three betas
+    ({"optimizer": {"betas": [0.9, 0.95, 0.99]}},
+     "optimizer.betas must be two numbers in [0, 1), got [0.9, 0.95, 0.99]"),
+    # CR11: a device string with a valid start
+    ({"device": "cuda:0x"}, "device must be 'cpu', 'cuda' or 'cuda:N', got 'cuda:0x'"),
+    ({"device": "cpus"}, "device must be 'cpu', 'cuda' or 'cuda:N', got 'cpus'"),
+    # CR18: an empty path (a cache never read nor written, in silence)
+    ({"validation": {"before_cache": ""}},
+     "validation.before_cache must be a file path or null, got ''"),
+])
+def test_the_rules_edges_are_refused_naming_the_value(tmp_path, override, message):
+    """Catches a bool taken for an int, an empty
+    string in a list of strings, a beta of 1 or a third beta let through, a device matched on
+    its start only, and an empty file path taken for one."""
+    cfg = tiny_cfg(tmp_path)
+    for k, v in override.items():
+        if isinstance(v, dict) and k in cfg and OmegaConf.is_dict(cfg[k]):
+            cfg[k] = OmegaConf.merge(cfg[k], v)
+        else:
+            cfg[k] = v
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        validate_config(cfg)
+
+
+def test_the_seed_ranges_ends_are_seeds(tmp_path):
+    """``StrictInt``'s bounds are inclusive: catches the largest seed NumPy takes
+    (2**32 - 1) refused, and the rule's ends checked directly."""
+    from pepo.training.config_rules import StrictInt
+
+    validate_config(tiny_cfg(tmp_path, seed=2**32 - 1))
+    validate_config(tiny_cfg(tmp_path, seed=0))
+    rule = StrictInt("", (0, 3))
+    assert [rule.check("k", v) for v in (0, 3)] == [0, 3]
+    for bad in (-1, 4, True):
+        with pytest.raises(ValueError, match=r"^k must be an int in \[0, 3\], got "):
+            rule.check("k", bad)
+
+
+def test_a_component_whose_module_fails_on_a_missing_dependency_names_the_dependency(
+        tmp_path, monkeypatch):
+    """A user's reward module that exists but imports a package not installed
+    was reported as "no module 'myrewards'" (or "mypkg has no 'rewards'"): the shorter prefix
+    was tried as if the module itself were missing. Catches the missing dependency not named."""
+    from pepo.training.config_rules import resolve_component
+
+    (tmp_path / "myrewards_cr17.py").write_text("import no_such_dependency_cr17\n")
+    pkg = tmp_path / "mypkg_cr17"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "rewards.py").write_text("import no_such_dependency_cr17\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for path in ("myrewards_cr17.Reward", "mypkg_cr17.rewards.Reward"):
+        with pytest.raises(ValueError, match=rf"^reward: cannot import '{re.escape(path)}': No "
+                                             rf"module named 'no_such_dependency_cr17'$"):
+            resolve_component("reward", path)
+    with pytest.raises(ValueError, match=r"no module 'nowhere_cr17'"):  # itself missing
+        resolve_component("reward", "nowhere_cr17.Reward")

@@ -3,6 +3,7 @@ what counts as a success."""
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -117,3 +118,77 @@ def test_a_process_with_no_rollouts_of_its_own_samples_none_and_scores_none():
 
     assert avg_at_k(RecordingEngine(), RowTokenizer(), PROBLEMS[:1], 1, PartialCredit(),
                     dist=SecondOfTwo(), max_new_tokens=2) == 1.0
+
+
+def test_a_success_rule_of_the_wrong_shape_is_refused():
+    """Catches a custom ``success`` returning one flag for the whole batch, or a
+    column (``[B, 1]``), taken: avg@k would count it broadcast or as one rollout."""
+    class OneFlag:
+        def __init__(self, shape_of):
+            self.shape_of = shape_of
+
+        def success(self, rewards):
+            return self.shape_of(rewards)
+
+    rewards = torch.tensor([1.0, 0.25, 1.0])
+    for bad, shape in ((lambda r: torch.tensor(True), []), (lambda r: (r >= 0.5)[:, None], [3, 1]),
+                       (lambda r: (r >= 0.5)[:2], [2])):
+        with pytest.raises(ValueError, match=rf"success must return a bool tensor of shape \[3\], "
+                                             rf"got dtype torch.bool and shape "
+                                             rf"{re.escape(str(shape))}"):
+            is_success(OneFlag(bad), rewards)
+    assert is_success(OneFlag(lambda r: r >= 0.5), rewards).tolist() == [True, False, True]
+
+
+def test_given_seeds_are_the_ones_sampled_with_and_the_generator_is_left_alone():
+    """``seeds`` seed each rollout; only without them are they drawn from
+    ``generator``. Catches seeds given by the caller (the recipe's, drawn for the whole batch
+    before it is split among ranks) replaced by new draws from the generator, which would also
+    move the generator's stream."""
+    from pepo.training.rollouts import sample_and_score
+
+    engine = RecordingEngine()
+    g = torch.Generator().manual_seed(5)
+    before = g.get_state()
+    seeds = torch.tensor([11, 12, 13])
+    sample_and_score(engine, RowTokenizer(), PROBLEMS, PartialCredit(), stop_tokens=[7],
+                     generator=g, seeds=seeds, max_new_tokens=2)
+    assert torch.equal(engine.calls[-1]["seeds"], seeds)
+    assert torch.equal(g.get_state(), before)
+    sample_and_score(engine, RowTokenizer(), PROBLEMS, PartialCredit(), stop_tokens=[7],
+                     generator=g, max_new_tokens=2)  # none given: drawn from the generator
+    from pepo.training.generation import draw_seeds
+
+    assert torch.equal(engine.calls[-1]["seeds"],
+                       draw_seeds(torch.Generator().manual_seed(5), 3))
+
+
+def test_only_the_masked_tokens_of_a_response_are_decoded():
+    """(Pepo's tokenizers drop the special pad and stop tokens when decoding, so this is
+    latent with them.) Catches the right-padding after a response decoded with it: with a tokenizer
+    whose pad id is an ordinary token, a reward would score ``"5 6 0 0"`` for ``"5 6"``."""
+    from pepo.training.rollouts import sample_and_score
+
+    class Padded(RecordingEngine):
+        def generate(self, prompts, **kwargs):
+            b = len(prompts)
+            tokens = torch.tensor([[5, 6, 0, 0], [8, 0, 0, 0], [4, 3, 2, 9]])[:b]
+            return Rollouts(prompt_tokens=torch.ones(b, 1, dtype=torch.long),
+                            prompt_mask=torch.ones(b, 1, dtype=torch.bool), tokens=tokens,
+                            mask=tokens != 0, finished=torch.ones(b, dtype=torch.bool),
+                            logprobs=torch.zeros(b, 4))
+
+    class Joining(RowTokenizer):
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+
+    _, _, texts = sample_and_score(Padded(), Joining(), PROBLEMS, AlwaysRight(),
+                                   stop_tokens=[7], max_new_tokens=4)
+    assert texts == ["5 6", "8", "4 3 2 9"]
+
+
+class AlwaysRight:
+    """A reward of 1.0 for every response (it reads none)."""
+
+    def __call__(self, responses, answers):
+        return [1.0] * len(responses)

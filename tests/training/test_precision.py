@@ -318,3 +318,69 @@ def test_fast_plan_holds_its_fused_weights_in_autocasts_dtype(model):
     (_, _, tok32, lp32, valid32, _, _), (_, _, tok16, lp16, valid16, _, _) = outs
     assert torch.equal(tok32, tok16) and torch.equal(valid32, valid16)
     assert torch.equal(lp32, lp16)
+
+
+def test_an_evaluation_without_parameters_to_train_gets_no_bf16_parameter_warning(monkeypatch):
+    """``dtype`` is None where nothing is trained (``pepo_eval``): catches the
+    bf16-parameters warning given for anything but fp32 (an evaluation told its parameters
+    and optimizer state round away updates it never makes)."""
+    monkeypatch.setattr(precision, "cpu_bf16_units", lambda: ("amx_bf16",))
+    assert precision.cpu_warnings(None, None, CPU) == []
+    assert precision.cpu_warnings(torch.bfloat16, None, CPU) == []
+    (weights,) = precision.cpu_warnings(None, "bf16", CPU)
+    assert weights.startswith("dtype=bf16 on a CPU")
+
+
+def test_the_head_runs_outside_autocast_on_a_gpu_too():
+    """``no_autocast`` turns autocast off for CUDA as for a CPU: catches a GPU run
+    under ``compute_dtype: bf16`` whose output head makes bf16 logits (the rounding of its
+    log-probs this module's docstring measures). Checked on the context itself, so that it runs
+    without a GPU; with one, also by the logits' dtype."""
+    ctx = precision.no_autocast(torch.device("cuda"))
+    assert isinstance(ctx, torch.autocast) and ctx.device == "cuda" and not ctx._enabled
+    cpu_ctx = precision.no_autocast(CPU)
+    assert isinstance(cpu_ctx, torch.autocast) and cpu_ctx.device == "cpu"
+    if torch.cuda.is_available():
+        x = torch.randn(4, 8, device="cuda")
+        w = torch.randn(8, 8, device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            assert (x @ w).dtype == torch.bfloat16
+            with precision.no_autocast(torch.device("cuda")):
+                assert (x @ w).dtype == torch.float32
+
+
+def test_cpu_attention_runs_fp16_inputs_in_fp32_and_returns_fp16(monkeypatch):
+    """The wrapper takes fp16 as it takes bf16 (a model loaded with ``dtype:
+    fp16`` on a CPU): catches fp16 queries, keys and values passed to the CPU's attention as
+    they are."""
+    from pepo.training.models import tiny_qwen3
+
+    model = tiny_qwen3(embed_dim=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                       intermediate_dim=64, head_dim=16)
+    assert cpu_attention_in_fp32(model) == 1
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: seen.append(q.dtype) or sdpa(q, k, v, **kw))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 16, generator=g).to(torch.float16) for _ in range(3))
+    out = model.layers[0].attn._attention_call(q, k, v, mask=None, dropout_p=0.0,
+                                                is_causal=True)
+    assert seen == [torch.float32] and out.dtype == torch.float16
+    torch.testing.assert_close(out.double(), _attention_ref(q, k, v), rtol=2e-3, atol=2e-3)
+
+
+def test_the_precision_line_names_the_setting_when_it_was_not_auto(monkeypatch):
+    """Only ``auto`` is explained by the CPU's units; a forced choice names the
+    setting. Catches ``compute_dtype=fp32`` logged as "this CPU has amx_bf16" (as if auto had
+    chosen), and ``bf16`` on a CPU without units logged as "no bf16 matrix units"."""
+    monkeypatch.setattr(precision, "cpu_bf16_units", lambda: ("amx_bf16",))
+    assert precision.describe("fp32", None, CPU) == (
+        "matmuls in the parameters' dtype: compute_dtype=fp32")
+    assert precision.describe("auto", torch.bfloat16, CPU) == (
+        "matmuls in bf16 (autocast): this CPU has amx_bf16")
+    monkeypatch.setattr(precision, "cpu_bf16_units", lambda: ())
+    assert precision.describe("bf16", torch.bfloat16, CPU) == (
+        "matmuls in bf16 (autocast): compute_dtype=bf16")
+    assert precision.describe("auto", None, torch.device("cuda")) == (
+        "matmuls in the parameters' dtype: compute_dtype=auto")

@@ -471,3 +471,127 @@ def test_a_cache_that_cannot_be_written_warns_and_keeps_the_computed_value(
             fingerprint={"seed": 0})
     assert outcome is None and est.prior == {"a": 1.0, "b": 1.0}
     assert "prior_cache=" in caplog.text and "the run goes on" in caplog.text
+
+
+def test_a_digest_of_problems_that_are_not_dataclasses_covers_their_answers():
+    """Catches a digest of a custom dataset's problems (objects with ``id``,
+    ``prompt`` and ``answer`` that are not :class:`pepo.tasks.problems.Problem`) that leaves
+    the answers out: a data file whose answers were corrected in place would then read back the
+    prior and validation made under the old answers."""
+    import hashlib
+    import json
+    from types import SimpleNamespace
+
+    from pepo.training.prior_cache import problems_digest
+
+    rows = [SimpleNamespace(id="q0", prompt="What is 1 + 1?", answer="2"),
+            SimpleNamespace(id="q1", prompt="What is 2 + 2?", answer="4")]
+    edited = [rows[0], SimpleNamespace(id="q1", prompt="What is 2 + 2?", answer="5")]
+    assert problems_digest(rows) != problems_digest(edited)
+    h = hashlib.sha256()
+    for r in rows:  # one JSON object a line, the three fields by name
+        h.update((json.dumps({"answer": r.answer, "id": r.id, "prompt": r.prompt})
+                  + "\n").encode("utf-8"))
+    assert problems_digest(rows) == h.hexdigest()[:16]
+
+
+def test_a_prior_file_that_names_a_prompt_twice_is_refused(tmp_path):
+    """Catches a prior cache whose pass rates name one prompt twice (a file
+    edited or merged by hand) read as the last of the two: it does not cover the dataset's
+    prompts one for one."""
+    path = tmp_path / "p.json"
+    prior_cache.write_prior(path, {"seed": 0}, {"a": 0.5, "b": 1.0})
+    data = json.loads(path.read_text())
+    data["pass_rates"].append(["a", 0.0])
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="holds 2 prompts but the dataset has 2"):
+        prior_cache.read_prior(path, {"seed": 0}, ["a", "b"])
+
+
+def test_a_cache_file_of_another_format_version_is_refused(tmp_path):
+    """Catches the version of a cache file left unchecked: a file of another
+    format (or none) read as if it were this one's."""
+    for version in (prior_cache.VERSION + 1, None):
+        path = tmp_path / f"p{version}.json"
+        prior_cache.write_prior(path, {"seed": 0}, {"a": 0.5})
+        data = json.loads(path.read_text())
+        data["version"] = version
+        path.write_text(json.dumps(data))
+        with pytest.raises(ValueError, match=r"is not a prior cache file \('version'\)"):
+            prior_cache.read_prior(path, {"seed": 0}, ["a"])
+        v = tmp_path / f"v{version}.json"
+        prior_cache.cached_value(str(v), {"seed": 0}, lambda: 0.5)
+        data = json.loads(v.read_text())
+        data["version"] = version
+        v.write_text(json.dumps(data))
+        with pytest.raises(ValueError, match=r"is not a cached value file \('version'\)"):
+            prior_cache.cached_value(str(v), {"seed": 0}, lambda: 0.5)
+
+
+def test_an_earlier_pepos_cache_is_warned_of_once_per_file(tmp_path, caplog):
+    """Setup checks a validation cache and then reads it: catches the warning
+    about an unchecked earlier file given at every look (twice a run, and again each
+    validation)."""
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps({"version": prior_cache.VERSION, "fingerprint": {"seed": 3},
+                                "value": 0.5}), encoding="utf-8")
+    fp = {"seed": 3, "inputs.weights": "ab"}
+    with caplog.at_level("WARNING"):
+        for _ in range(3):
+            assert prior_cache.cached_value(str(path), fp, lambda: 0.0) == (0.5, True)
+    assert sum("written by an earlier pepo" in m for m in caplog.messages) == 1
+
+
+def test_the_priors_progress_is_logged_each_tenth_with_the_true_count(tmp_path, caplog):
+    """The offline prior's rollouts scored 2 at a time, 40 in all: catches
+    a progress line at every call (not each tenth), and a count of calls for a count of
+    rollouts (lines and the closing line's numbers wrong)."""
+    import logging
+
+    ids = [f"p{j}" for j in range(10)]
+
+    class Chunked(_Counting):
+        def prepare(self, ids, score):
+            idx = [i for i in range(len(ids)) for _ in range(self.prior_samples)]
+            rewards = torch.cat([score(idx[s:s + 2]) for s in range(0, len(idx), 2)])
+            self.prior = {pid: float(rewards[j * 4:(j + 1) * 4].mean())
+                          for j, pid in enumerate(ids)}
+            return self.prior
+
+    log = logging.getLogger("test_prior_progress")
+    with caplog.at_level(logging.INFO, logger="test_prior_progress"):
+        prior_cache.prepare_estimator(Chunked(4), ids, lambda idx: torch.tensor(
+            [float(i % 2) for i in idx]), path=str(tmp_path / "p.json"), log=log)
+    lines = [m for m in caplog.messages if m.startswith("  prior: ")]
+    # a line each tenth (every second call): 4, 8, ..., 36 of 40; 40 is the closing line's
+    assert [m.split(" rollouts")[0] for m in lines] == [
+        f"  prior: {n}/40" for n in range(4, 40, 4)]
+    done = [m for m in caplog.messages if "prepared on" in m]
+    # rewards: index i's 4 rollouts each score i % 2, so half the prompts score 1
+    assert len(done) == 1 and "prepared on 40 rollouts of 10 prompts, mean reward 0.500" in done[0]
+
+
+def test_every_rank_takes_rank_0s_prior(tmp_path):
+    """Rank 1 never looks at the file (rank 0 holds the lock and reads it): it
+    must take rank 0's answer from the gather. Catches a rank taking its own (None) and
+    computing the prior alone while rank 0 reads it (its collective rollouts then wait for
+    ranks that never join), or the reverse."""
+    import types
+
+    rates = {"a": 0.25, "b": 0.75}
+    rank1 = types.SimpleNamespace(is_main=False, enabled=True, timeout_s=60,
+                                  gather_objects=lambda mine: [rates, mine])
+    est = _Counting(2)
+    assert prior_cache.prepare_estimator(
+        est, ["a", "b"], lambda idx: pytest.fail("rank 1 computed the prior"),
+        path=str(tmp_path / "nowhere.json"), fingerprint={"seed": 0}, dist=rank1) == "read"
+    assert est.prior == rates and est.prepared == 0
+    assert not (tmp_path / "nowhere.json").exists()  # only rank 0 writes or reads
+
+
+def test_bool_prompt_ids_are_refused_by_write_prior(tmp_path):
+    """``True`` is an int to ``isinstance`` but not a prompt id (it is the id
+    ``1`` to a dict, and ``true`` in the file): catches it written."""
+    with pytest.raises(ValueError, match="str or int prompt ids only, got True"):
+        prior_cache.write_prior(tmp_path / "p.json", {}, {True: 0.5})
+    assert not (tmp_path / "p.json").exists()

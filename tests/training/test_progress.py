@@ -155,3 +155,64 @@ def test_the_run_line_says_what_the_run_will_do():
         f"tiny_spo: proximal_softmax, single_stream estimator, 60 steps of 64 prompts x 1 "
         f"rollouts from 4,096 training problems, on cpu (2 processes), outputs in "
         f"{Path('pepo_runs') / 'tiny_spo'}")
+
+
+def test_off_a_terminal_the_last_step_has_its_line_when_the_period_misses_it():
+    """45 steps: a line every second step (45 // 20), which step 45 is not: catches
+    the run's last step left without a line (the log then ends at step 44 as if the run had
+    stopped one short)."""
+    out = io.StringIO()
+    with Progress(45, 0, "pepo[x]", stream=out) as p:
+        for step in range(1, 46):
+            p.step(step, METRICS)
+    steps = [int(line.split()[2].split("/")[0]) for line in out.getvalue().splitlines()]
+    assert steps == list(range(2, 45, 2)) + [45]
+
+
+def test_only_a_console_handler_is_redirected_and_the_redirect_ends_with_the_bar(
+        monkeypatch, tmp_path):
+    """Catches a logger that writes to a file only (a FileHandler is a
+    StreamHandler too) given the bar's console handler, so its lines also reach the terminal;
+    and the redirect of a console logger left in place after the bar closed while the
+    Progress is still referenced (the loop's frame, kept by an error's traceback): the error's
+    own log lines would then go through a closed bar."""
+    import logging
+    import sys
+
+    monkeypatch.delenv("TERM", raising=False)
+    to_file = logging.getLogger("pepo.test.progress.file")
+    to_file.addHandler(logging.FileHandler(tmp_path / "run.log"))
+    own = logging.getLogger("pepo.test.progress.own2")
+    own.addHandler(logging.StreamHandler(sys.stderr))
+    try:
+        before = list(to_file.handlers)
+        with Progress(10, 0, "pepo[x]", stream=Terminal(), logger=to_file):
+            assert to_file.handlers == before
+        before = list(own.handlers)
+        with Progress(10, 0, "pepo[x]", stream=Terminal(), logger=own) as p:
+            assert own.handlers != before
+        assert own.handlers == before and p.bar is None  # p still referenced here
+    finally:
+        for h in to_file.handlers:
+            h.close()
+        to_file.handlers.clear()
+        own.handlers.clear()
+
+
+def test_the_run_line_of_one_step_on_one_process_is_singular():
+    """Catches "1 steps" (and "1 processes")."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import torch
+
+    from pepo.training.progress import run_line
+
+    recipe = SimpleNamespace(
+        config_name="tiny", strategy_name="uniform", num_steps=1, prompts_per_step=8,
+        estimator=SimpleNamespace(name="group", rollouts_per_prompt=4),
+        dist=SimpleNamespace(world_size=1), _device=torch.device("cpu"),
+        output_dir=Path("out"), train_data=[None] * 12)
+    assert run_line(recipe) == (
+        f"tiny: uniform, group estimator, 1 step of 8 prompts x 4 rollouts from 12 training "
+        f"problems, on cpu (1 process), outputs in {Path('out')}")

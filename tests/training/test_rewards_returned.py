@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -117,3 +119,33 @@ def test_a_registered_estimators_choice_is_k_distinct_indices_into_the_pool(pick
                                              r"distinct indices into the pool of 4 candidates"):
         choice_of(_Est(picked=picked), list("abcd"), 3, None)
     assert choice_of(_Est(picked=torch.tensor([3, 0, 1])), list("abcd"), 3, None) == [3, 0, 1]
+
+
+def test_more_values_than_responses_and_a_huge_negative_reward_are_named():
+    """Catches a reward that returns more values than responses taken (the
+    rewards no longer line up with the rollouts; the extra ones would be given to nothing),
+    and -1e300, which float32 makes -inf, let through because only the upper end was
+    checked."""
+    from pepo.training.rollouts import reward_tensor
+
+    fn = BadReward(None)
+    with pytest.raises(RewardError, match="returned 4 values for 3 responses"):
+        reward_tensor([1.0, 0.0, 1.0, 0.0], 3, fn)
+    with pytest.raises(RewardError, match=r"returned -1e\+300 for response 1; rewards must be "
+                                          r"finite numbers within float32's range"):
+        reward_tensor([0.0, -1e300, 0.0], 3, fn)
+    out = reward_tensor([-3.0e38, 0.0, 3.0e38], 3, fn)  # within float32 either way: kept
+    assert out.tolist() == torch.tensor([-3.0e38, 0.0, 3.0e38], dtype=torch.float32).tolist()
+
+
+def test_advantages_of_another_shape_with_as_many_values_are_refused():
+    """Catches advantages of shape ``[N, 1]`` (or ``[1, N]``) taken because they
+    hold N values: broadcast against ``[N, T]`` token losses, a column is right by luck but a
+    row ``[1, N]`` weights every rollout by every other's advantage."""
+    from pepo.training.rollouts import ComponentError, advantages_of
+
+    for bad, shape in ((torch.zeros(3, 1), "[3, 1]"), (torch.zeros(1, 3), "[1, 3]")):
+        with pytest.raises(ComponentError, match=rf"returned a torch.float32 tensor of shape "
+                                                 rf"{re.escape(shape)}, not a float tensor of "
+                                                 rf"shape \[3\]"):
+            advantages_of(_Est(adv=bad), ["a", "a", "b"], torch.ones(3))

@@ -191,3 +191,49 @@ def test_the_prior_gives_up_on_a_held_lock_before_the_other_ranks_time_out(tmp_p
     prior_cache.prepare_estimator(est, ["a"], lambda idx: torch.ones(len(idx)), path=path,
                                   dist=one)
     assert asked[-1] is None  # one process: no bound
+
+
+def test_a_wait_with_a_timeout_gives_up_on_time_whatever_the_poll(tmp_path):
+    """Catches the last sleep of a bounded wait taken whole (``poll_s``) instead of
+    what is left of ``timeout_s``: rank 0 then gives up after the other ranks' collective timed
+    out (the bound is 0.9 of ``distributed.timeout_s``), the very failure the bound prevents."""
+    path = tmp_path / "prior.json"
+    with locked(path):
+        start = time.monotonic()
+        with pytest.raises(ValueError, match="gives up"):
+            with locked(path, timeout_s=0.2, poll_s=30.0):
+                pass
+        assert time.monotonic() - start < 5.0
+
+
+def test_the_shared_lock_names_its_holder_alone(tmp_path):
+    """The lock file of a shared cache is opened for appending: catches the holder
+    line added after the last holder's instead of replacing it, so that a waiting run named a
+    holder long gone (the file's first line)."""
+    path = tmp_path / "prior.json"
+    lock = tmp_path / "prior.json.lock"
+    lock.write_text("pid 1 on elsewhere\n", encoding="utf-8")
+    with locked(path):
+        assert lock.read_text(encoding="utf-8") == (
+            f"pid {os.getpid()} on {run_lock.socket.gethostname()}\n")
+    with locked(path):  # and again, by the next holder
+        assert lock.read_text(encoding="utf-8").count("\n") == 1
+
+
+def test_abandon_removes_only_a_directory_it_created_and_left_empty(tmp_path):
+    """A run refused before writing anything leaves no directory behind,
+    but only one its lock created and holding nothing else: catches a directory the user made
+    beforehand removed, and the lock file of a directory another process wrote into removed
+    (a run waiting on that file and a third one locking a new file would both go on)."""
+    new = tmp_path / "new"
+    RunLock(new).abandon()
+    assert not new.exists()
+    made = tmp_path / "made"
+    made.mkdir()
+    RunLock(made).abandon()
+    assert made.is_dir() and [p.name for p in made.iterdir()] == [LOCK_FILE]
+    shared = tmp_path / "shared"
+    lock = RunLock(shared)
+    (shared / "metrics.jsonl").write_text("{}\n", encoding="utf-8")
+    lock.abandon()
+    assert sorted(p.name for p in shared.iterdir()) == sorted([LOCK_FILE, "metrics.jsonl"])

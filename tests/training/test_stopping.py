@@ -171,3 +171,37 @@ def test_a_stop_is_not_taken_for_the_interrupted_codes_own_failure(monkeypatch):
     with pytest.raises(TrainingStopped, match="a second Ctrl-C"):
         math_verify_score("the answer is 4", "4")
     assert not issubclass(TrainingStopped, Exception)
+
+
+def test_a_full_quota_and_a_full_disk_named_in_another_errors_message_are_a_full_disk(
+        tmp_path):
+    """Catches EDQUOT (a full quota: the usual full disk on a cluster's
+    shared file system) reported as a traceback, and a full disk that safetensors reports as
+    its own error whose message names it (``No space left on device``) taken for a bug; the
+    directory written to has room (``nearly_full`` says no), so only the error tells."""
+    from pepo.training.files import nearly_full
+
+    assert not nearly_full(tmp_path)
+    quota = OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+    assert isinstance(checkpoint_failure(quota, 3, tmp_path, None), CheckpointFailed)
+    wrapped = RuntimeError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                           f'message: "{os.strerror(errno.ENOSPC)}" }})')
+    assert isinstance(checkpoint_failure(wrapped, 3, tmp_path, None), CheckpointFailed)
+    quota_text = RuntimeError(f"write failed: {os.strerror(errno.EDQUOT)}")
+    assert isinstance(checkpoint_failure(quota_text, 3, tmp_path, None), CheckpointFailed)
+    assert checkpoint_failure(OSError(errno.EACCES, "Permission denied"), 3, tmp_path,
+                              None) is None
+
+
+def test_ctrl_c_is_handled_for_the_run_and_restored_after():
+    """Catches the protocol installed for SIGTERM only: a Ctrl-C during a step
+    then raised KeyboardInterrupt mid-step (losing the step and its checkpoint) instead of
+    asking for a stop after it."""
+    before = signal.getsignal(signal.SIGINT)
+    s, _ = _signals()
+    s.stepping = True
+    with s:
+        assert signal.getsignal(signal.SIGINT) == s.handle
+        os.kill(os.getpid(), signal.SIGINT)
+    assert s.requested and s.received == [signal.SIGINT]
+    assert signal.getsignal(signal.SIGINT) == before
