@@ -263,9 +263,30 @@ def test_every_key_is_typed(tmp_path, override, message):
                                       "get_cosine_schedule_with_warmup",
                        "num_warmup_steps": -5}},  # it started already decayed
      "lr_scheduler.num_warmup_steps must be an int >= 0, got -5"),
+    # True is an int to isinstance: num_steps: true trained one step
+    ({"logprob_chunk_size": True}, "logprob_chunk_size must be an int >= 1, got True"),
+    # an empty stop token ("" is in every response)
+    ({"generation": {"stop_tokens": ["<|im_end|>", ""]}},
+     "generation.stop_tokens must be a list of tokens (strings in the vocabulary), got "
+     "['<|im_end|>', '']"),
+    # beta 1 (torch's own check refuses it once the model is built)
+    ({"optimizer": {"betas": [0.9, 1.0]}},
+     "optimizer.betas must be two numbers in [0, 1), got [0.9, 1.0]"),
+    # three betas
+    ({"optimizer": {"betas": [0.9, 0.95, 0.99]}},
+     "optimizer.betas must be two numbers in [0, 1), got [0.9, 0.95, 0.99]"),
+    # a device string with a valid start
+    ({"device": "cuda:0x"}, "device must be 'cpu', 'cuda' or 'cuda:N', got 'cuda:0x'"),
+    ({"device": "cpus"}, "device must be 'cpu', 'cuda' or 'cuda:N', got 'cpus'"),
+    # an empty path (a cache never read nor written, in silence)
+    ({"validation": {"before_cache": ""}},
+     "validation.before_cache must be a file path or null, got ''"),
 ])
 def test_a_value_of_the_wrong_shape_is_refused_naming_it(tmp_path, override, message):
-    """Each was accepted (and trained something else), or failed far from its cause."""
+    """Each was accepted (and trained something else), or failed far from its cause. Among
+    them the rules' edges: catches a bool taken for an int, an empty string in a list of
+    strings, a beta of 1 or a third beta let through, a device matched on its start only, and
+    an empty file path taken for one."""
     cfg = tiny_cfg(tmp_path)
     for k, v in override.items():  # a whole section replaced, as a command line override does
         if isinstance(v, dict) and k in cfg and OmegaConf.is_dict(cfg[k]):
@@ -927,40 +948,6 @@ def test_an_eval_seed_outside_the_seed_range_is_refused(tmp_path):
     cfg.output_dir, cfg.seed = str(tmp_path / "out"), -1
     with pytest.raises(ValueError, match=re.escape("seed must be an int in [0, 4294967295]")):
         validate_eval_config(cfg)
-
-
-@pytest.mark.parametrize("override, message", [
-    # CR2: True is an int to isinstance: num_steps: true trained one step
-    ({"logprob_chunk_size": True}, "logprob_chunk_size must be an int >= 1, got True"),
-    # CR8: an empty stop token ("" is in every response)
-    ({"generation": {"stop_tokens": ["<|im_end|>", ""]}},
-     "generation.stop_tokens must be a list of tokens (strings in the vocabulary), got "
-     "['<|im_end|>', '']"),
-    # CR9: beta 1 (torch's own check refuses it once the model is built)
-    ({"optimizer": {"betas": [0.9, 1.0]}},
-     "optimizer.betas must be two numbers in [0, 1), got [0.9, 1.0]"),
-    # CR10: three betas
-    ({"optimizer": {"betas": [0.9, 0.95, 0.99]}},
-     "optimizer.betas must be two numbers in [0, 1), got [0.9, 0.95, 0.99]"),
-    # CR11: a device string with a valid start
-    ({"device": "cuda:0x"}, "device must be 'cpu', 'cuda' or 'cuda:N', got 'cuda:0x'"),
-    ({"device": "cpus"}, "device must be 'cpu', 'cuda' or 'cuda:N', got 'cpus'"),
-    # CR18: an empty path (a cache never read nor written, in silence)
-    ({"validation": {"before_cache": ""}},
-     "validation.before_cache must be a file path or null, got ''"),
-])
-def test_the_rules_edges_are_refused_naming_the_value(tmp_path, override, message):
-    """Catches a bool taken for an int, an empty
-    string in a list of strings, a beta of 1 or a third beta let through, a device matched on
-    its start only, and an empty file path taken for one."""
-    cfg = tiny_cfg(tmp_path)
-    for k, v in override.items():
-        if isinstance(v, dict) and k in cfg and OmegaConf.is_dict(cfg[k]):
-            cfg[k] = OmegaConf.merge(cfg[k], v)
-        else:
-            cfg[k] = v
-    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
-        validate_config(cfg)
 
 
 def test_the_seed_ranges_ends_are_seeds(tmp_path):

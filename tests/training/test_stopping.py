@@ -100,17 +100,20 @@ def test_a_signal_during_the_vote_is_kept_for_the_next_one():
     assert one.stopping
 
 
-def test_the_handlers_are_installed_for_the_run_and_restored_after():
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_the_handlers_are_installed_for_the_run_and_restored_after(signum):
     """Catches handlers left installed after the run (a later Ctrl-C in the same process would
-    raise TrainingStopped) and a real signal that does not reach the protocol."""
-    before = signal.getsignal(signal.SIGTERM)
+    raise TrainingStopped), a real signal that does not reach the protocol, and the protocol
+    installed for SIGTERM only (a Ctrl-C during a step then raised KeyboardInterrupt mid-step,
+    losing the step and its checkpoint, instead of asking for a stop after it)."""
+    before = signal.getsignal(signum)
     s, _ = _signals()
     s.stepping = True
     with s:
-        assert signal.getsignal(signal.SIGTERM) == s.handle
-        os.kill(os.getpid(), signal.SIGTERM)
-    assert s.requested and s.received == [signal.SIGTERM]
-    assert signal.getsignal(signal.SIGTERM) == before
+        assert signal.getsignal(signum) == s.handle
+        os.kill(os.getpid(), signum)
+    assert s.requested and s.received == [signum]
+    assert signal.getsignal(signum) == before
 
 
 def test_non_finite_guard_counts_and_stops_after_too_many_in_a_row():
@@ -191,17 +194,3 @@ def test_a_full_quota_and_a_full_disk_named_in_another_errors_message_are_a_full
     assert isinstance(checkpoint_failure(quota_text, 3, tmp_path, None), CheckpointFailed)
     assert checkpoint_failure(OSError(errno.EACCES, "Permission denied"), 3, tmp_path,
                               None) is None
-
-
-def test_ctrl_c_is_handled_for_the_run_and_restored_after():
-    """Catches the protocol installed for SIGTERM only: a Ctrl-C during a step
-    then raised KeyboardInterrupt mid-step (losing the step and its checkpoint) instead of
-    asking for a stop after it."""
-    before = signal.getsignal(signal.SIGINT)
-    s, _ = _signals()
-    s.stepping = True
-    with s:
-        assert signal.getsignal(signal.SIGINT) == s.handle
-        os.kill(os.getpid(), signal.SIGINT)
-    assert s.requested and s.received == [signal.SIGINT]
-    assert signal.getsignal(signal.SIGINT) == before
