@@ -971,15 +971,15 @@ def test_a_component_whose_module_fails_on_a_missing_dependency_names_the_depend
     was tried as if the module itself were missing. Catches the missing dependency not named."""
     from pepo.training.config_rules import resolve_component
 
-    (tmp_path / "myrewards_cr17.py").write_text("import no_such_dependency_cr17\n")
-    pkg = tmp_path / "mypkg_cr17"
+    (tmp_path / "myrewards_xyz.py").write_text("import no_such_dep_xyz\n", encoding="utf-8")
+    pkg = tmp_path / "mypkg_xyz"
     pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "rewards.py").write_text("import no_such_dependency_cr17\n")
+    (pkg / "__init__.py").write_text("", encoding="utf-8")
+    (pkg / "rewards.py").write_text("import no_such_dep_xyz\n", encoding="utf-8")
     monkeypatch.syspath_prepend(str(tmp_path))
-    for path in ("myrewards_cr17.Reward", "mypkg_cr17.rewards.Reward"):
+    for path in ("myrewards_xyz.Reward", "mypkg_xyz.rewards.Reward"):
         with pytest.raises(ValueError, match=rf"^reward: cannot import '{re.escape(path)}': No "
-                                             rf"module named 'no_such_dependency_cr17'$"):
+                                             rf"module named 'no_such_dep_xyz'$"):
             resolve_component("reward", path)
-    with pytest.raises(ValueError, match=r"no module 'nowhere_cr17'"):  # itself missing
-        resolve_component("reward", "nowhere_cr17.Reward")
+    with pytest.raises(ValueError, match=r"no module 'nowhere_xyz'"):  # itself missing
+        resolve_component("reward", "nowhere_xyz.Reward")

@@ -182,7 +182,7 @@ def test_only_a_console_handler_is_redirected_and_the_redirect_ends_with_the_bar
     monkeypatch.delenv("TERM", raising=False)
     to_file = logging.getLogger("pepo.test.progress.file")
     to_file.addHandler(logging.FileHandler(tmp_path / "run.log"))
-    own = logging.getLogger("pepo.test.progress.own2")
+    own = logging.getLogger("pepo.test.progress.console")
     own.addHandler(logging.StreamHandler(sys.stderr))
     try:
         before = list(to_file.handlers)
