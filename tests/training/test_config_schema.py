@@ -709,6 +709,8 @@ def test_pepo_eval_refuses_vllm_on_a_gpu_it_would_not_run_on(monkeypatch):
     ({"estimator": {"num_generations": 4}},
      r"unknown estimator key\(s\) \['num_generations'\] .*; pepo calls it estimator.group_size"),
     ({"beta": 0.04}, r"unknown config key 'beta'; pepo has no such key: .* no KL penalty$"),
+    ({"loss": {"kl_coef": 0.1}},
+     r"unknown config key 'loss.kl_coef'; pepo has no such key: .* no KL penalty$"),
     ({"optimizer": {"learning_rate": 1e-6}},
      r"got an unexpected keyword argument 'learning_rate'; pepo calls it optimizer.lr$"),
     # not another trainer's name, or one that means nothing pepo has there: the closest spelling
@@ -717,6 +719,7 @@ def test_pepo_eval_refuses_vllm_on_a_gpu_it_would_not_run_on(monkeypatch):
     # another trainer's name, but not for a key of the section it stands in
     ({"estimator": {"epsilon": 1e-3}}, r"\['epsilon'\] .*; did you mean 'estimator.eps'\?$"),
     ({"validation": {"n": 4}}, r"unknown config key 'validation.n'; valid keys: "),
+    ({"generation": {"beta": 0.1}}, r"unknown config key 'generation.beta'; (did you|valid)"),
     ({"strategy": {"window_average": {"temperature": 1.0}}},
      r"'strategy.window_average.temperature'; valid keys: "),
 ])
@@ -748,6 +751,21 @@ def test_an_eval_config_gets_no_training_keys_for_other_trainers_names(tmp_path)
     with pytest.raises(ValueError, match=r"^unknown config key 'learning_rate'; (did you mean|"
                                          r"valid keys)"):
         validate_eval_config(cfg)
+
+
+def test_an_alias_answers_only_for_an_unknown_key_of_its_own_section():
+    """``foreign_key_hint``'s contract beyond the shipped schema's sections: catches a key that
+    ``known`` holds getting the hint (it is no foreign name there), a section's hint given when
+    the section lacks the aliased key, and one given in a section whose name is another's of
+    the same length (``validation.`` for ``generation.``: the section read off by its length)."""
+    from pepo.training.key_aliases import foreign_key_hint
+
+    assert foreign_key_hint("temperature", "generation.", {"temperature", "top_p"}) is None
+    assert foreign_key_hint("temperature", "", {"temperature", "generation"}) is None
+    assert foreign_key_hint("max_tokens", "generation.", {"top_p"}) is None
+    assert foreign_key_hint("max_tokens", "validation.", {"max_new_tokens"}) is None
+    assert (foreign_key_hint("max_tokens", "generation.", {"max_new_tokens"})
+            == "pepo calls it generation.max_new_tokens")
 
 
 def test_every_key_alias_names_a_key_pepo_has():

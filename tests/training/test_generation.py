@@ -50,6 +50,16 @@ def test_filter_logits_matches_reference(temperature, top_k, top_p):
     assert bool(torch.isfinite(got).any(-1).all())  # the most likely token always survives
 
 
+def test_top_p_stops_where_the_mass_before_a_token_reaches_it_exactly():
+    """Two equally likely tokens and ``top_p=0.5``: the first already holds 0.5, so the nucleus
+    is one token (Hugging Face's ``TopPLogitsWarper`` keeps one too). Catches the mass before a
+    token compared with ``>`` (both kept: the boundary case, which random logits never hit)."""
+    got = G.filter_logits(torch.tensor([[0.0, 0.0], [0.0, 0.0]]), top_p=0.5)
+    assert torch.isfinite(got).sum(-1).tolist() == [1, 1]
+    quarters = torch.tensor([[0.0, 0.0, 0.0, 0.0]])  # 0.25 each: 0.5 is reached after two
+    assert torch.isfinite(G.filter_logits(quarters, top_p=0.5)).sum().item() == 2
+
+
 @pytest.mark.parametrize("kw, msg", [({"temperature": 0.0}, "temperature"),
                                      ({"top_p": 0.0}, "top_p"), ({"top_k": 0}, "top_k")])
 def test_filter_logits_rejects_bad_values(kw, msg):

@@ -73,3 +73,26 @@ def test_qwen3_rejects_bad_shapes():
     with pytest.raises(ValueError, match="head_dim must be an even int"):
         qwen3(vocab_size=8, num_layers=1, num_heads=2, num_kv_heads=1, embed_dim=16,
               intermediate_dim=8, max_seq_len=8, head_dim=5)
+
+
+@pytest.mark.parametrize("name, value", [("num_layers", 2.0), ("embed_dim", "32"),
+                                         ("vocab_size", True), ("max_seq_len", 0)])
+def test_qwen3_refuses_a_size_that_is_not_a_positive_int(name, value):
+    """A YAML ``2.0`` or a quoted ``"32"`` reached torchtune's modules, which failed deep inside
+    with a TypeError naming none of them (or built a model of one layer from ``True``):
+    catches only ``< 1`` checked."""
+    sizes = dict(vocab_size=8, num_layers=1, num_heads=2, num_kv_heads=1, embed_dim=16,
+                 intermediate_dim=8, max_seq_len=8)
+    with pytest.raises(ValueError, match=rf"^{name} must be a positive int, got {value!r}$"):
+        qwen3(**{**sizes, name: value})
+
+
+def test_a_head_norm_over_a_width_that_is_no_whole_number_of_heads_is_refused():
+    """Catches the check left out: ``unflatten`` would fail at the first forward with a view
+    error, far from the config that set the sizes."""
+    from pepo.training.models import HeadNormProjection
+
+    with pytest.raises(ValueError, match=r"^projection width 40 is not a multiple of head_dim=16"):
+        HeadNormProjection(torch.nn.Linear(8, 40, bias=False), 16)
+    assert HeadNormProjection(torch.nn.Linear(8, 48, bias=False), 16)(torch.ones(1, 2, 8)).shape \
+        == (1, 2, 48)

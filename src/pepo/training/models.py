@@ -96,7 +96,7 @@ def qwen3(
         ("intermediate_dim", intermediate_dim),
         ("max_seq_len", max_seq_len),
     ):
-        if not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}")
