@@ -180,3 +180,80 @@ def test_run_facts_name_the_precision_and_processes_a_run_had():
     facts = run_facts(SimpleNamespace(compute_dtype=torch.bfloat16,
                                       dist=SimpleNamespace(world_size=2)))
     assert (facts["compute_dtype"], facts["world_size"]) == ("bfloat16", 2)
+
+
+class _Recipe:
+    """What keep_unvalidated_step and settle_validation read and call on a recipe, recorded."""
+
+    def __init__(self, *, enabled=False, val_every=1, step=2):
+        from types import SimpleNamespace
+
+        self.step, self.val_every, self.val_samples = step, val_every, 4
+        self.history = [{"step": step - 1, "loss": 0.5}]
+        self.validation_pending = None
+        self.calls = []
+        self.dist = SimpleNamespace(enabled=enabled, is_main=True)
+        self.metric_logger = SimpleNamespace(
+            log_dict=lambda metrics, step: self.calls.append(("log", dict(metrics), step)))
+        self.checkpointer = SimpleNamespace(root="ckpts", latest=lambda: "ckpts/step_1")
+
+    def save_checkpoint(self, step, metrics=None):
+        self.calls.append(("save", step, metrics))
+
+    def validate(self):
+        self.calls.append(("validate",))
+        return 0.75
+
+
+def test_a_step_whose_validation_failed_is_logged_and_checkpointed_owing_it(caplog):
+    """Catches the step's metrics kept out of the metrics log (its line missing from
+    ``log.txt``: the resume does not log it again), and the step marked as not owing its
+    validation (the resume would skip it)."""
+    import logging
+
+    from pepo.training.closing import keep_unvalidated_step
+
+    r = _Recipe()
+    with caplog.at_level(logging.ERROR):
+        keep_unvalidated_step(r, {"loss": 0.25}, RuntimeError("oom"), logging.getLogger("t"))
+    assert r.history[-1] == {"step": 2, "loss": 0.25} and r.validation_pending is True
+    assert r.calls == [("log", {"loss": 0.25}, 2), ("save", 2, None)]
+    assert "step 2 is trained and its checkpoint written in ckpts" in caplog.text
+
+
+def test_with_several_processes_a_failed_validation_keeps_nothing(caplog):
+    """The other processes may wait in the failed validation's collectives, where a
+    checkpoint's gather would hang: catches the step kept (and checkpointed) anyway."""
+    import logging
+
+    from pepo.training.closing import keep_unvalidated_step
+
+    r = _Recipe(enabled=True)
+    with caplog.at_level(logging.ERROR):
+        keep_unvalidated_step(r, {"loss": 0.25}, RuntimeError("oom"), logging.getLogger("t"))
+    assert r.calls == [] and r.history == [{"step": 1, "loss": 0.5}]
+    assert r.validation_pending is None
+    assert "the validation at step 2 failed: RuntimeError: oom" in caplog.text
+
+
+@pytest.mark.parametrize("val_every", [0, 3])
+def test_the_validation_a_resumed_step_owes_is_run_only_with_validation_on(val_every):
+    """A resume that turned validation off (``validation.every=0``) owes nothing: catches the
+    owed validation run all the same, and the flag left set (every later checkpoint would
+    owe it again). With validation on: validated, recorded in the history, the metrics log and
+    the step's checkpoint."""
+    import logging
+
+    from pepo.training.closing import settle_validation
+
+    r = _Recipe(val_every=val_every)
+    r.history.append({"step": 2, "loss": 0.25})  # the resumed step, as its checkpoint kept it
+    r.validation_pending = True
+    settle_validation(r, logging.getLogger("t"))
+    assert r.validation_pending is False
+    if not val_every:
+        assert r.calls == [] and r.history[-1] == {"step": 2, "loss": 0.25}
+        return
+    assert r.calls == [("validate",), ("log", {"val_accuracy": 0.75}, 2),
+                       ("save", 2, {"val_accuracy": 0.75})]
+    assert r.history[-1] == {"step": 2, "loss": 0.25, "val_accuracy": 0.75, "val_samples": 4}

@@ -319,6 +319,15 @@ def test_the_head_runs_as_one_product_of_its_weight_on_a_cpu():
     assert head_weight(lin) is lin.weight
     assert head_weight(torch.nn.Linear(96, 50)) is None
     assert head_weight(torch.nn.Sequential(lin)) is None
+    from torchtune.modules import TiedLinear
+
+    class ScaledHead(TiedLinear):  # a subclass does more than the product: not read through
+        def __call__(self, x):
+            return 2 * super().__call__(x)
+
+    emb = torch.nn.Embedding(50, 96)
+    assert head_weight(TiedLinear(emb)) is emb.weight
+    assert head_weight(ScaledHead(emb)) is None
 
 
 def test_a_row_samples_the_same_alone_and_in_any_batch():

@@ -37,7 +37,7 @@ def ref_filter(logits, temperature, top_k, top_p):
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [
     (1.0, None, 1.0), (0.6, None, 0.6), (1.0, 3, 1.0), (0.7, 5, 0.9), (2.0, None, 0.05),
-    (1.0, None, 0.999999),
+    (1.0, None, 0.999999), (1.0, 16, 1.0), (1.0, 17, 0.9),  # top-k of all but one, and of all
 ])
 def test_filter_logits_matches_reference(temperature, top_k, top_p):
     torch.manual_seed(0)
@@ -58,6 +58,20 @@ def test_top_p_stops_where_the_mass_before_a_token_reaches_it_exactly():
     assert torch.isfinite(got).sum(-1).tolist() == [1, 1]
     quarters = torch.tensor([[0.0, 0.0, 0.0, 0.0]])  # 0.25 each: 0.5 is reached after two
     assert torch.isfinite(G.filter_logits(quarters, top_p=0.5)).sum().item() == 2
+
+
+def test_the_inverse_cdf_draw_scales_the_uniform_by_the_rows_mass():
+    """fp32 softmax rows sum to 1 within an ulp or so, not exactly: a uniform above a row's sum
+    fell past its last token of non-zero probability, onto padding of probability 0. Catches
+    the uniform compared with the cumulative sum unscaled (each row drawn as if of mass 1)."""
+    probs = torch.tensor([[0.5, 0.4999, 0.0], [1.0, 3.0, 0.0], [0.0, 0.25, 0.25]])
+    u = torch.tensor([0.99995, 0.5, 0.0])
+    # row 0: 0.99995 of 0.9999 is in the second token's share; row 1: 2 of 4 in the second's;
+    # row 2: 0 lies before the first token of non-zero probability
+    assert D.inverse_cdf_sample(probs, u).tolist() == [1, 1, 1]
+    draws = D.inverse_cdf_sample(probs[[1]].expand(4000, 3), torch.rand(4000, dtype=torch.float64,
+                                 generator=torch.Generator().manual_seed(0)))
+    assert abs(draws.float().mean().item() - 0.75) < 0.03  # 3 of 4: binomial sd 0.007
 
 
 @pytest.mark.parametrize("kw, msg", [({"temperature": 0.0}, "temperature"),
