@@ -257,3 +257,36 @@ def test_the_validation_a_resumed_step_owes_is_run_only_with_validation_on(val_e
     assert r.calls == [("validate",), ("log", {"val_accuracy": 0.75}, 2),
                        ("save", 2, {"val_accuracy": 0.75})]
     assert r.history[-1] == {"step": 2, "loss": 0.25, "val_accuracy": 0.75, "val_samples": 4}
+
+
+@pytest.mark.parametrize("thinking, system, keep_best, said", [
+    (False, None, False, True), (True, "Be brief.", True, True), (True, None, True, False)])
+def test_the_closing_lines_say_what_the_export_needs_and_the_best_checkpoint_when_kept(
+        tmp_path, monkeypatch, caplog, thinking, system, keep_best, said):
+    """The export's prompts differ from ``apply_chat_template``'s defaults when training
+    switched thinking off or added a system turn: the closing lines say where those settings
+    are. Catches the line left out for ``enable_thinking=False`` alone, and a best checkpoint
+    named by a run that does not keep one (``keep_best=false`` on a resume of a run that
+    did: its marker is stale)."""
+    import logging
+    from types import SimpleNamespace
+
+    import pepo.training.closing as closing
+
+    monkeypatch.setattr(closing.resume, "model_state_dict", lambda *a, **k: {})
+    monkeypatch.setattr(closing, "save_hf", lambda w, path, **k: path)
+    history = [{"step": 0, "val_accuracy": 0.25}, {"step": 1, "val_accuracy": 0.5}]
+    checkpointer = SimpleNamespace(best=lambda: tmp_path / "checkpoints" / "step_1", keep=2,
+                                   metadata=lambda p: {"step": 1, "val_accuracy": 0.5})
+    recipe = SimpleNamespace(
+        dist=SimpleNamespace(is_main=True, barrier=lambda: None, world_size=1), history=history,
+        val_samples=1, checkpointer=checkpointer, keep_best=keep_best, hf_source=tmp_path,
+        model=None, output_dir=tmp_path, stop_tokens=[0], val_data=[0], train_data=[0, 1],
+        tokenizer=SimpleNamespace(enable_thinking=thinking, system_prompt=system),
+        num_steps=1, prompts_dropped={}, compute_dtype=None, plot=False)
+    with caplog.at_level(logging.INFO):
+        closing.close_run(recipe, logging.getLogger("t"))
+    assert ("its prompts as in training: apply_chat_template with the settings in "
+            in caplog.text) is said
+    assert ("Best validation checkpoint (kept with the newest 2)" in caplog.text) is keep_best
+    assert read_summary(tmp_path)["history"] == history
