@@ -202,3 +202,26 @@ def test_results_of_two_tasks_beside_one_mechanism_folder_are_refused(tmp_path, 
     with pytest.raises(SystemExit, match="results of several tasks \\(smollm2_other, "
                                          "smollm2_steps\\) beside one mechanism/ folder"):
         main([str(study), "--out", str(tmp_path / "out")])
+
+
+def test_every_published_result_is_named_by_its_methods_slug():
+    """The published studies' files (``docs/images/*/results``) and every run directory of
+    theirs are named ``slug(method)``: a change to ``slug`` makes ``restore`` and ``compare``
+    look for other names, and a published study is run again from scratch. Catches ``τ``
+    written as ``_`` (the τ-sweep's two methods then differ by their value alone), and two
+    methods of one mode sharing a directory."""
+    import json
+    from pathlib import Path
+
+    from pepo.study.methods import MODES, methods, slug
+
+    root = Path(__file__).resolve().parents[2] / "docs" / "images"
+    published = sorted(root.glob("*/results/*_seed_*.json"))
+    assert len(published) >= 100
+    for path in published:
+        r = json.loads(path.read_text(encoding="utf-8"))
+        assert path.name == f"{slug(r['method'])}_seed_{r['seed']}.json", path
+    assert slug("PEPO, τ = 0.5") == "pepo__tau___0_5" and slug("80/20") == "80_20"
+    for mode in MODES:
+        names = [slug(label) for label, _ in methods(mode)]
+        assert len(set(names)) == len(names), mode
