@@ -34,10 +34,39 @@ def peaky_hf_qwen3(path, tied: bool):
                          max_positions=256)
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
+def peaky_hf_llama(path):
+    """A Llama (SmolLM2's and Llama 3.2's architecture: a tied head; Llama 3.2's scaled RoPE)
+    at the size of :func:`peaky_hf_qwen3`: its q/k projections reach vLLM permuted back to
+    Hugging Face's layout, and its config is read from the checkpoint (the model alone
+    describes Qwen3s only)."""
+    import transformers
+
+    from tests.hf_fixtures import build_tokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(path)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+        tie_word_embeddings=True, rope_theta=500_000.0,  # Llama 3.2's RoPE, scaled
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    )
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.3)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module", params=["tied", "untied", "llama"])
 def pair(request, tmp_path_factory):
     """A trainer model and a vLLM engine fed its weights (fp32, eager)."""
-    path = peaky_hf_qwen3(tmp_path_factory.mktemp("qwen3"), tied=request.param)
+    path = (peaky_hf_llama(tmp_path_factory.mktemp("llama")) if request.param == "llama" else
+            peaky_hf_qwen3(tmp_path_factory.mktemp("qwen3"), tied=request.param == "tied"))
     model = from_hf(path, max_seq_len=256)
     engine = build_engine("vllm", model, hf_dir=path, dtype="float32",
                           kv_cache_memory_bytes=32 * 2**20, max_num_seqs=64)
@@ -335,3 +364,17 @@ def test_the_recipe_drops_prompts_beyond_max_model_len_or_refuses_in_one_line(
     assert str(e.value.code).startswith(
         "config error: generation.vllm.max_model_len=100000 exceeds the model's max_seq_len="
     )
+
+
+def test_an_unknown_sleep_level_is_refused_before_the_engine_starts(pair):
+    """vLLM knows sleep levels 1 and 2: catches another value passed on (vLLM would take 3 as
+    level 2 or fail at the first sleep, after a rollout phase's work)."""
+    from pepo.training.engines import VLLMEngine, check_engine_available
+
+    model, _ = pair
+    with pytest.raises(ValueError, match=r"^sleep_level must be 0, 1 or 2, got 3$"):
+        VLLMEngine(model, sleep_level=3)
+    check_engine_available("torchtune")  # the in-process engine's old name is still one
+    with pytest.raises(ValueError, match=r"^generation.engine must be one of \['inprocess', "
+                                         r"'vllm'\], got 'torchtun'$"):
+        check_engine_available("torchtun")
