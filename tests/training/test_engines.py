@@ -154,6 +154,19 @@ def test_seeded_sampling_is_reproducible(pair):
     assert not torch.equal(a.tokens, c.tokens)
 
 
+def test_a_tiny_top_p_samples_the_argmax(pair):
+    """``top_p=1e-6`` leaves the most likely token alone: sampling must give the greedy
+    rollouts, log-probabilities 0 (the nucleus renormalised) included. Catches ``top_p`` not
+    passed to vLLM (every engine test but this one samples with its default of 1, or 0.95
+    where a sample's tokens are compared with another sample's only)."""
+    _, engine = pair
+    nucleus = engine.generate(PROMPTS, max_new_tokens=12, pad_id=0, stop_tokens=[3],
+                              temperature=1.0, top_p=1e-6,
+                              generator=torch.Generator().manual_seed(4))
+    assert_same_rollouts(nucleus, greedy(engine), lp_atol=0)
+    assert float(nucleus.logprobs[nucleus.mask].abs().max()) == 0.0
+
+
 def test_stop_tokens_end_responses_and_are_kept(pair):
     model, engine = pair
     ro = engine.generate(PROMPTS * 4, max_new_tokens=12, pad_id=0, stop_tokens=list(range(20, 60)),
@@ -330,6 +343,11 @@ def test_a_prompt_too_long_for_max_model_len_is_a_clear_error(pair):
     with pytest.raises(ValueError, match=r"prompt length 150 \+ max_new_tokens 200 = 350 exceeds "
                                          r"the vLLM engine's max_model_len=256"):
         engine.generate(PROMPTS, max_new_tokens=200, pad_id=0, stop_tokens=[3])
+    # one token over: the engine's own limit is not ours to reach (vLLM fails the request)
+    with pytest.raises(ValueError, match=r"prompt length 150 \+ max_new_tokens 107 = 257 "):
+        engine.generate(PROMPTS, max_new_tokens=107, pad_id=0, stop_tokens=[3])
+    with pytest.raises(ValueError, match=r"^max_new_tokens must be >= 1, got 0$"):
+        engine.generate(PROMPTS[:1], max_new_tokens=0, pad_id=0, stop_tokens=[3])
 
 
 def test_the_recipe_drops_prompts_beyond_max_model_len_or_refuses_in_one_line(
