@@ -195,11 +195,13 @@ def test_help_gives_each_default_worth_saying():
     ap.add_argument("--prune", action="store_true", help="prune")
     ap.add_argument("--set", nargs="*", default=[], help="overrides")
     ap.add_argument("--shard", default=(0, 1), help="a shard (default: all of them)")
+    ap.add_argument("--share", default="50%", help="a share")  # argparse formats help with %
     text = " ".join(ap.format_help().split())
     assert "the seed (default: 0)" in text and "the seeds (default: 0 1 2)" in text
+    assert "a share (default: 50%)" in text
     for bare in ("where", "prune", "overrides"):
         assert f"{bare} (default" not in text
-    assert text.count("(default:") == 3
+    assert text.count("(default:") == 4
 
 
 def test_max_runs_trains_that_many_per_call_and_the_last_call_reports(study, tmp_path, monkeypatch,

@@ -396,3 +396,25 @@ def test_an_unknown_sleep_level_is_refused_before_the_engine_starts(pair):
     with pytest.raises(ValueError, match=r"^generation.engine must be one of \['inprocess', "
                                          r"'vllm'\], got 'torchtun'$"):
         check_engine_available("torchtun")
+
+
+def test_a_context_longer_than_2048_tokens_starts_and_samples(tmp_path):
+    """The paper's shape: prompts and responses past 2,048 tokens. vLLM's CPU build prefills
+    whole prompts (chunked prefill off), which it refuses to start with a per-step token budget
+    below ``max_model_len``: catches that budget fixed at 2,048. A 2,100-token prompt samples
+    what the in-process engine samples."""
+    from tests.hf_fixtures import tiny_hf_qwen3
+
+    path = tiny_hf_qwen3(tmp_path / "q", hidden=64, head_dim=32, layers=1, std=0.3,
+                         max_positions=4096)
+    model = from_hf(path, max_seq_len=4096)
+    engine = build_engine("vllm", model, hf_dir=path, dtype="float32",
+                          kv_cache_memory_bytes=32 * 2**20, max_num_seqs=4)
+    try:
+        prompts = [[10 + (7 * i) % 80 for i in range(2100)], [5, 9]]
+        kw = dict(max_new_tokens=6, pad_id=0, stop_tokens=[3], temperature=1.0, top_k=1,
+                  generator=torch.Generator().manual_seed(0))
+        assert_same_rollouts(engine.generate(prompts, **kw), TorchtuneEngine(model).generate(
+            prompts, **kw), lp_atol=1e-3)
+    finally:
+        engine.close()
