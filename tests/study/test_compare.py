@@ -204,6 +204,33 @@ def test_help_gives_each_default_worth_saying():
     assert text.count("(default:") == 4
 
 
+@pytest.mark.parametrize("kind, good, bad", [
+    ("window_arg", {"1": 1, "101": 101}, ["0", "4", "-3", "5.0", "x"]),
+    ("count_arg", {"0": 0, "7": 7}, ["-1", "1.5", ""]),
+    ("positive_arg", {"1": 1}, ["0", "-2"]),
+    ("percent_arg", {"0": 0.0, "100": 100.0, "12.5": 12.5}, ["-0.1", "100.1", "nan"]),
+    ("probability_arg", {"0": 0.0, "1": 1.0, "0.05": 0.05}, ["-0.01", "1.01", "nan"]),
+    ("positive_number_arg", {"1e-6": 1e-6, "3": 3.0}, ["0", "-1", "inf", "nan"]),
+    ("shard_arg", {"0/2": (0, 2), "1/2": (1, 2)}, ["2/2", "-1/2", "1", "a/b", "0/0"]),
+])
+def test_the_studys_option_types_take_their_range_and_refuse_the_rest_in_one_line(
+        kind, good, bad):
+    """Each type's edges: both ends of a closed range taken (a probability of 0, the 100th
+    percentile), the value past each end refused, non-finite numbers refused (``inf`` as a
+    learning rate, ``nan`` passing every comparison), the last shard ``N-1/N`` taken and
+    ``N/N`` refused, with argparse's one-line error naming the value."""
+    import argparse
+
+    import pepo.study.cli as cli
+
+    parse = getattr(cli, kind)
+    for text, value in good.items():
+        assert parse(text) == value
+    for text in bad:
+        with pytest.raises(argparse.ArgumentTypeError, match=rf"^must be .*, got {text!r}$"):
+            parse(text)
+
+
 def test_max_runs_trains_that_many_per_call_and_the_last_call_reports(study, tmp_path, monkeypatch,
                                                                     capsys):
     """A fresh process per run (what a study with vLLM needs: its engine's memory adds up in one
