@@ -192,3 +192,21 @@ class AlwaysRight:
 
     def __call__(self, responses, answers):
         return [1.0] * len(responses)
+
+
+def test_a_model_is_sampled_in_process_where_an_engine_is_expected():
+    """``sample_and_score`` takes a bare module too (what a user's own loop holds): catches it
+    called as an engine (``Module.generate`` does not exist). Its rollouts are the in-process
+    engine's, token for token."""
+    from pepo.training.engines import InProcessEngine
+    from pepo.training.models import tiny_qwen3
+    from pepo.training.rollouts import sample_and_score
+
+    torch.manual_seed(0)
+    model = tiny_qwen3(vocab_size=16)
+    kw = dict(stop_tokens=[7], max_new_tokens=3, seeds=torch.tensor([1, 2, 3]))
+    ro, rewards, texts = sample_and_score(model, RowTokenizer(), PROBLEMS, PartialCredit(), **kw)
+    want = sample_and_score(InProcessEngine(model), RowTokenizer(), PROBLEMS, PartialCredit(),
+                            **kw)
+    assert torch.equal(ro.tokens, want[0].tokens) and torch.equal(rewards, want[1])
+    assert texts == want[2] and ro.tokens.shape[0] == 3
