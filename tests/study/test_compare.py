@@ -892,8 +892,10 @@ def test_what_the_study_sets_itself_and_unplanned_methods_are_refused(study, tmp
                                          r"the study; known: .*; a registered strategy of your "
                                          r"own is not one of them"):
         study.main([*argv, "--methods", "my_strategy"])
-    with pytest.raises(SystemExit, match=r"^error: --set validation.every=0"):
-        study.main([*argv, "--set", "validation.every=0"])
+    for given, shown in (("0", "0"), ("true", "True")):  # True is 1 to Python, not a count
+        with pytest.raises(SystemExit, match=rf"^error: --set validation.every={shown}: the "
+                                             r"study compares validation accuracy"):
+            study.main([*argv, "--set", f"validation.every={given}"])
     with pytest.raises(SystemExit, match=r"^error: --methods 'PESPO' is not a method of the "
                        r"tasks and modes asked for \(tiny; group\)$"):
         study.main([*argv, "--methods", "PESPO"])
