@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -225,3 +226,20 @@ def test_every_published_result_is_named_by_its_methods_slug():
     for mode in MODES:
         names = [slug(label) for label, _ in methods(mode)]
         assert len(set(names)) == len(names), mode
+
+
+@pytest.mark.parametrize("text, why", [
+    ("5", r"not a result JSON \(a int, not an object\)"),
+    ('["task", "mode"]', r"not a result JSON \(a list, not an object\)"),
+    ('{"task": "tiny"}', r"not a result JSON, missing mode, method, seed, val_curve"),
+    ("{", r"not a result JSON \(Expecting"),
+])
+def test_a_result_file_that_is_not_one_is_named_in_one_line(tmp_path, text, why):
+    """Catches the object check left out: a number failed with a TypeError naming no file
+    (``in`` on an int), and a list of the key names passed as a result."""
+    from pepo.study.methods import read_result
+
+    path = tmp_path / "result.json"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: {why}"):
+        read_result(path)
