@@ -206,9 +206,8 @@ class _Recipe:
 
 
 def test_a_step_whose_validation_failed_is_logged_and_checkpointed_owing_it(caplog):
-    """Catches the step's metrics kept out of the metrics log (its line missing from
-    ``log.txt``: the resume does not log it again), and the step marked as not owing its
-    validation (the resume would skip it)."""
+    """Catches the step's metrics kept out of the metrics log (the resume does not log them
+    again), and the step marked as not owing its validation (the resume would skip it)."""
     import logging
 
     from pepo.training.closing import keep_unvalidated_step

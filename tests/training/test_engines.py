@@ -343,7 +343,7 @@ def test_a_prompt_too_long_for_max_model_len_is_a_clear_error(pair):
     with pytest.raises(ValueError, match=r"prompt length 150 \+ max_new_tokens 200 = 350 exceeds "
                                          r"the vLLM engine's max_model_len=256"):
         engine.generate(PROMPTS, max_new_tokens=200, pad_id=0, stop_tokens=[3])
-    # one token over: the engine's own limit is not ours to reach (vLLM fails the request)
+    # one token over: our message, not vLLM's failed request
     with pytest.raises(ValueError, match=r"prompt length 150 \+ max_new_tokens 107 = 257 "):
         engine.generate(PROMPTS, max_new_tokens=107, pad_id=0, stop_tokens=[3])
     with pytest.raises(ValueError, match=r"^max_new_tokens must be >= 1, got 0$"):
@@ -385,14 +385,15 @@ def test_the_recipe_drops_prompts_beyond_max_model_len_or_refuses_in_one_line(
 
 
 def test_an_unknown_sleep_level_is_refused_before_the_engine_starts(pair):
-    """vLLM knows sleep levels 1 and 2: catches another value passed on (vLLM would take 3 as
-    level 2 or fail at the first sleep, after a rollout phase's work)."""
+    """vLLM knows sleep levels 1 and 2: catches another value passed on to vLLM, which is
+    given it only at the first sleep, after a rollout phase's work. The in-process engine's old
+    name is still an engine's, a misspelling none."""
     from pepo.training.engines import VLLMEngine, check_engine_available
 
     model, _ = pair
     with pytest.raises(ValueError, match=r"^sleep_level must be 0, 1 or 2, got 3$"):
         VLLMEngine(model, sleep_level=3)
-    check_engine_available("torchtune")  # the in-process engine's old name is still one
+    check_engine_available("torchtune")
     with pytest.raises(ValueError, match=r"^generation.engine must be one of \['inprocess', "
                                          r"'vllm'\], got 'torchtun'$"):
         check_engine_available("torchtun")

@@ -26,8 +26,8 @@ def test_the_weights_digest_covers_weight_files_only_and_their_names(tmp_path):
     change when a weight file does and nowhere else. Catches a pepo checkpoint's
     ``training_state.pt`` (the optimizer's state, rewritten by every resume; not the weights)
     hashed in, a config, a log or a checksum file hashed in (a cache thrown away for nothing),
-    and file names left out (a renamed shard, ``model.safetensors`` beside a
-    ``pytorch_model.bin``, is other weights)."""
+    and file names left out (the same bytes under another file name are another checkpoint:
+    a shard of a sharded one, say)."""
     d = _weights_dir(tmp_path / "a")
     base = weights_digest(d)
     assert len(base) == 16 and int(base, 16) >= 0
@@ -36,18 +36,17 @@ def test_the_weights_digest_covers_weight_files_only_and_their_names(tmp_path):
     (d / "checksums.json").write_text("{}", encoding="utf-8")
     (d / "notes.txt").write_text("a log", encoding="utf-8")
     assert weights_digest(d) == base
-    os.utime(d / "training_state.pt", ns=(1, 1))
     (d / "training_state.pt").write_bytes(b"optimizer, step 2 (a resumed run)")
     assert weights_digest(d) == base
     (d / "model.safetensors").write_bytes(b"weights, trained further")
     assert weights_digest(d) != base
-    # the same bytes under another name are another checkpoint
+    # the same bytes under another name
     e = tmp_path / "b"
     e.mkdir()
     (e / "model-00001-of-00001.safetensors").write_bytes(b"weights")
     assert weights_digest(e) != base
     (e / "model-00001-of-00001.safetensors").rename(e / "model.safetensors")
-    assert weights_digest(e) == base  # the name and the bytes alone: not the directory
+    assert weights_digest(e) == base  # names and bytes alike: the directory's path is no part
 
 
 def test_write_durably_fsyncs_the_file_it_wrote(tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ from pepo.training.reporting import plot_curves, read_summary, write_rollouts, w
 
 
 def test_a_failed_rollout_dump_leaves_no_file_behind(tmp_path):
-    """A record json cannot write (a tensor left in it) fails the write: catches the temporary
+    """A record json cannot write (an object left in it) fails the write: catches the temporary
     file kept (``step_000003.jsonl.tmp`` beside the dumps, half written) and a partial dump
     renamed into place."""
     path = tmp_path / "rollouts" / "step_000003.jsonl"
