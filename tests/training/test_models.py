@@ -78,9 +78,9 @@ def test_qwen3_rejects_bad_shapes():
 @pytest.mark.parametrize("name, value", [("num_layers", 2.0), ("embed_dim", "32"),
                                          ("vocab_size", True), ("max_seq_len", 0)])
 def test_qwen3_refuses_a_size_that_is_not_a_positive_int(name, value):
-    """A YAML ``2.0`` or a quoted ``"32"`` reached torchtune's modules, which failed deep inside
-    with a TypeError naming none of them (or built a model of one layer from ``True``):
-    catches only ``< 1`` checked."""
+    """A YAML ``2.0``, a quoted ``"32"`` or a ``true`` is refused in one line naming the key:
+    catches only ``< 1`` checked (torchtune's modules then fail deep inside with a TypeError
+    naming none of them), and a bool taken for an int (``true`` built a model of one layer)."""
     sizes = dict(vocab_size=8, num_layers=1, num_heads=2, num_kv_heads=1, embed_dim=16,
                  intermediate_dim=8, max_seq_len=8)
     with pytest.raises(ValueError, match=rf"^{name} must be a positive int, got {value!r}$"):
