@@ -75,6 +75,8 @@ def test_conversion_keeps_the_logits_of_transformers_gguf_loader_and_pepo(tiny, 
             "<|im_start|>assistant\n")
     assert ids == bpe.encode(text).ids
     assert tok.stop_tokens == [2] and tok.pad_id == 2
+    # a per-token dump shows the text a byte-level token stands for (" 1"), not its "Ġ1"
+    assert tok.id_to_token(tok.encode(" 12")[0]).startswith(" ")
     x = torch.tensor([ids + bpe.encode("7 + 5 = 12. The answer is 12.").ids])
     with torch.no_grad():
         want = ref(x).logits  # the weights the file de-quantises to, built independently
