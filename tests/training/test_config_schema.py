@@ -237,6 +237,9 @@ def test_every_key_is_typed(tmp_path, override, message):
      "parameters, got 'proximal_softmax' (did you mean strategy.name=proximal_softmax?)"),
     ({"estimator": "group"}, "estimator must be a section with a name and its parameters, "
      "got 'group' (did you mean estimator.name=group?)"),
+    # the core's message, read as the config key (not "estimator name must be ...")
+    ({"estimator": {"name": "grpo"}}, "estimator.name must be one of ['group', "
+     "'single_stream'], got 'grpo' (the paper's GRPO is 'group')"),
     ({"device": "gpu"}, "device must be 'cpu', 'cuda' or 'cuda:N', got 'gpu'"),
     # torch checked these once the model was built: an IndexError traceback for [0.9]
     ({"optimizer": {"betas": [0.9]}}, "optimizer.betas must be two numbers in [0, 1), got [0.9]"),
@@ -1003,3 +1006,53 @@ def test_a_component_whose_module_fails_on_a_missing_dependency_names_the_depend
             resolve_component("reward", path)
     with pytest.raises(ValueError, match=r"no module 'nowhere_xyz'"):  # itself missing
         resolve_component("reward", "nowhere_xyz.Reward")
+
+
+def test_a_top_level_variable_read_through_a_dot_or_an_index_is_not_a_typo(tmp_path):
+    """A top-level key the config reads as ``${paths.out}`` or ``${roots[0]}`` is a variable,
+    as ``${key}`` is. Catches the variables found by ``${key}`` alone: those configs were
+    refused as unknown keys ``paths`` and ``roots``. A key nothing reads is still refused."""
+    from pepo.training.config import check_output_dir
+
+    out = tmp_path / "out"
+    cfg = tiny_cfg(tmp_path, paths={"out": str(out)}, roots=[str(tmp_path)],
+                   output_dir="${paths.out}/run", metric_logger={"log_dir": "${roots[0]}/logs"})
+    rc = validate_config(cfg)
+    assert (rc.output_dir, rc.metric_logger.log_dir) == (f"{out}/run", f"{tmp_path}/logs")
+    check_output_dir(rc.output_dir)
+    with pytest.raises(ValueError, match=r"^unknown config key 'unread'"):
+        validate_config(tiny_cfg(tmp_path, unread=1))
+
+
+def test_an_unknown_packaged_asset_is_one_line_naming_it():
+    """``${pepo_asset:tinyy}`` is one config error naming the asset, not a path that does not
+    exist handed to the tokenizer and the checkpoint loader (catches the check left out)."""
+    from pepo.training.config import asset_dir, config_error_exit, register_resolvers
+
+    assert (Path(asset_dir("tiny")) / "tokenizer.json").is_file()
+    register_resolvers()
+    cfg = OmegaConf.create({"checkpoint_dir": "${pepo_asset:tinyy}"})
+    with pytest.raises(ValueError, match=r"no packaged asset 'tinyy' \(looked in .*assets\)") as e:
+        OmegaConf.to_container(cfg, resolve=True)
+    with pytest.raises(SystemExit) as done:
+        config_error_exit(e.value)
+    assert str(done.value.code).startswith("config error: no packaged asset 'tinyy' (looked in ")
+
+
+def test_a_strategy_section_is_a_mapping_or_null(tmp_path):
+    """``strategy.global_topk: null`` drops that strategy's parameters (the chosen one keeps
+    its own); a section that is not a mapping, and no ``strategy`` at all, are one line each.
+    Catches a null section refused as not a mapping, a number taken for one, and the missing
+    section an ``AttributeError`` on None."""
+    cfg = tiny_cfg(tmp_path)
+    cfg.strategy.global_topk = None
+    rc = validate_config(cfg)
+    assert rc.strategy.name == "proximal_softmax" and rc.strategy.params["window"] == 11
+    cfg.strategy.window_average = 5
+    with pytest.raises(ValueError, match=r"^strategy.window_average must be a mapping of its "
+                                         r"parameters, got 5$"):
+        validate_config(cfg)
+    cfg = tiny_cfg(tmp_path)
+    cfg.strategy = None
+    with pytest.raises(ValueError, match=r"^config key 'strategy.name' is required$"):
+        validate_config(cfg)
