@@ -237,6 +237,13 @@ def test_every_key_is_typed(tmp_path, override, message):
      "parameters, got 'proximal_softmax' (did you mean strategy.name=proximal_softmax?)"),
     ({"estimator": "group"}, "estimator must be a section with a name and its parameters, "
      "got 'group' (did you mean estimator.name=group?)"),
+    ({"generation": {"vllm": 5}},
+     "generation.vllm must be a mapping of the engine's options, got 5"),
+    ({"loss": {"eps_low": 1.0}}, "loss.eps_low must be < 1 (the ratio floor 1 - eps_low must "
+     "be > 0), got 1.0"),
+    # a loss that takes no clip range: a TypeError at the first update
+    ({"loss": {"_component_": "torch.nn.functional.mse_loss"}},
+     "loss: torch.nn.functional.mse_loss got an unexpected keyword argument 'eps_low'"),
     # the core's message, read as the config key (not "estimator name must be ...")
     ({"estimator": {"name": "grpo"}}, "estimator.name must be one of ['group', "
      "'single_stream'], got 'grpo' (the paper's GRPO is 'group')"),
@@ -563,6 +570,10 @@ def test_a_benchmark_set_to_null_is_dropped(tmp_path):
     cfg.benchmarks = {"x": 5}
     with pytest.raises(ValueError, match=r"^benchmarks.x must be a section with dataset and k"):
         validate_eval_config(cfg)
+    cfg.benchmarks = ["eval_tiny"]  # a list of names: a traceback from .items()
+    with pytest.raises(ValueError, match=r"^benchmarks must be a mapping name -> \{dataset, k\}, "
+                                         r"got \['eval_tiny'\]$"):
+        validate_eval_config(cfg)
 
 
 def test_the_command_line_forms_torchtune_cannot_take_are_named(capsys):
@@ -577,6 +588,8 @@ def test_the_command_line_forms_torchtune_cannot_take_are_named(capsys):
     with pytest.raises(SystemExit, match="torchtune's overrides take one '='"):
         resolve_config_arg(["x", "--config", "tiny", "output_dir=runs/lr=1e-6"])
     assert resolve_config_arg(["x", "--config", "tiny", "~val_dataset"])[-1] == "~val_dataset"
+    with pytest.raises(SystemExit, match=r"^error: --config needs a config: a bundled name"):
+        resolve_config_arg(["x", "--config"])  # an IndexError traceback, not a line
 
 
 def test_a_config_file_that_is_not_a_mapping_or_of_the_other_recipe_is_one_line(tmp_path):
@@ -1048,6 +1061,10 @@ def test_a_strategy_section_is_a_mapping_or_null(tmp_path):
     cfg.strategy.global_topk = None
     rc = validate_config(cfg)
     assert rc.strategy.name == "proximal_softmax" and rc.strategy.params["window"] == 11
+    cfg.strategy.global_topk = {"fraction": 2.0}  # every section, not only the chosen one's
+    with pytest.raises(ValueError, match=r"^strategy.global_topk: fraction"):
+        validate_config(cfg)
+    cfg.strategy.global_topk = None
     cfg.strategy.window_average = 5
     with pytest.raises(ValueError, match=r"^strategy.window_average must be a mapping of its "
                                          r"parameters, got 5$"):
