@@ -237,6 +237,10 @@ def test_every_key_is_typed(tmp_path, override, message):
      "parameters, got 'proximal_softmax' (did you mean strategy.name=proximal_softmax?)"),
     ({"estimator": "group"}, "estimator must be a section with a name and its parameters, "
      "got 'group' (did you mean estimator.name=group?)"),
+    # what the recipe passes the engine itself
+    ({"generation": {"vllm": {"seed": 1}}}, "unknown config key 'generation.vllm.seed'; valid "
+     "keys: ['device', 'dtype', 'enforce_eager', 'gpu_memory_utilization', "
+     "'kv_cache_memory_bytes', 'max_model_len', 'max_num_seqs', 'sleep_level']"),
     ({"generation": {"vllm": 5}},
      "generation.vllm must be a mapping of the engine's options, got 5"),
     ({"loss": {"eps_low": 1.0}}, "loss.eps_low must be < 1 (the ratio floor 1 - eps_low must "
@@ -569,6 +573,13 @@ def test_a_benchmark_set_to_null_is_dropped(tmp_path):
         validate_eval_config(cfg)
     cfg.benchmarks = {"x": 5}
     with pytest.raises(ValueError, match=r"^benchmarks.x must be a section with dataset and k"):
+        validate_eval_config(cfg)
+    cfg.benchmarks = {"x": {"k": 1}}  # the dataset is the benchmark
+    with pytest.raises(ValueError, match=r"^benchmarks.x.dataset is required$"):
+        validate_eval_config(cfg)
+    cfg.benchmarks = {"x": {"k": 1, "datset": {}}}
+    with pytest.raises(ValueError, match=r"^unknown config key 'benchmarks.x.datset'; valid keys: "
+                                         r"\['dataset', 'k'\]$"):
         validate_eval_config(cfg)
     cfg.benchmarks = ["eval_tiny"]  # a list of names: a traceback from .items()
     with pytest.raises(ValueError, match=r"^benchmarks must be a mapping name -> \{dataset, k\}, "
@@ -1073,3 +1084,62 @@ def test_a_strategy_section_is_a_mapping_or_null(tmp_path):
     cfg.strategy = None
     with pytest.raises(ValueError, match=r"^config key 'strategy.name' is required$"):
         validate_config(cfg)
+
+
+def test_the_eval_config_reads_generation_as_training_does(caplog):
+    """An eval config's ``generation.engine: torchtune`` (the in-process engine's old name)
+    works as in training, with the notice; a typo under ``generation.vllm`` is refused as
+    there. Catches the eval's schema without the renaming or the vLLM keys' check."""
+    register_resolvers()
+    cfg = OmegaConf.load(find_config("eval_tiny"))
+    cfg.generation.engine = "torchtune"
+    assert validate_eval_config(cfg).generation.engine == "inprocess"
+    assert "generation.engine=torchtune is now called inprocess" in caplog.text
+    cfg.generation.vllm = {"gpu_memory_utilisation": 0.5}
+    with pytest.raises(ValueError, match=r"^unknown config key 'generation.vllm."
+                                         r"gpu_memory_utilisation'; did you mean "
+                                         r"'generation.vllm.gpu_memory_utilization'\?$"):
+        validate_eval_config(cfg)
+
+
+def test_a_checkpoint_dir_is_a_directory_of_whole_or_sharded_weights(tmp_path):
+    """Catches a file taken for the checkpoint directory (a traceback from the loader) and a
+    sharded checkpoint (``model.safetensors.index.json``, as 1.7-4B checkpoints ship) refused."""
+    from pepo.training.config import check_checkpoint_dir
+
+    (tmp_path / "weights.safetensors").write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"^checkpoint_dir=.*weights.safetensors' is a file, not "
+                                         r"a checkpoint directory$"):
+        check_checkpoint_dir(tmp_path / "weights.safetensors")
+    with pytest.raises(ValueError, match=r"has no model.safetensors \(nor "
+                                         r"model.safetensors.index.json\)$"):
+        check_checkpoint_dir(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text("{}", encoding="utf-8")
+    check_checkpoint_dir(tmp_path)
+
+
+def duplicate_ids():
+    """A dataset component whose two problems share an id."""
+    from pepo.tasks.problems import Problem
+
+    return [Problem("p0", "1 + 1 = ?", "2"), Problem("p0", "2 + 2 = ?", "4")]
+
+
+@pytest.mark.parametrize("estimator", ["group", "single_stream"])
+def test_repeated_ids_are_refused_only_where_the_run_keys_state_by_them(estimator):
+    """Ids key SPO's tracker and its prior cache, which read the training set alone: a repeated
+    id in a single-stream run's ``dataset`` is refused; in its ``val_dataset``, or in a group
+    run, it is warned of. Catches the validation set held to the training set's rule."""
+    from pepo.training.config import build
+
+    section = {"_component_": "tests.training.test_config_schema.duplicate_ids"}
+    cfg = OmegaConf.create({"dataset": section, "val_dataset": section,
+                            "estimator": {"name": estimator}})
+    with pytest.warns(UserWarning, match="items 0 and 1 have the same id 'p0'"):
+        assert len(build(cfg, "val_dataset")) == 2
+    if estimator == "group":
+        with pytest.warns(UserWarning, match="items 0 and 1 have the same id 'p0'"):
+            build(cfg, "dataset")
+    else:
+        with pytest.raises(ValueError, match=r"^dataset: items 0 and 1 have the same id 'p0'"):
+            build(cfg, "dataset")
