@@ -1143,3 +1143,35 @@ def test_repeated_ids_are_refused_only_where_the_run_keys_state_by_them(estimato
     else:
         with pytest.raises(ValueError, match=r"^dataset: items 0 and 1 have the same id 'p0'"):
             build(cfg, "dataset")
+
+
+def test_the_checkpoint_a_resume_takes(tmp_path):
+    """``resumable_checkpoint`` on a checkpointer's newest checkpoint: none is one line; one that
+    records no experiment is taken with a warning (the resume cannot check it); one at
+    ``num_steps`` is refused once the run closed and taken when it did not (it stopped after
+    that step's checkpoint, before its summary); one beyond ``num_steps`` is refused. Catches
+    the warning left out, and ``closed`` ignored either way."""
+    from pepo.training.config import resumable_checkpoint
+
+    class Holding:
+        root = tmp_path
+
+        def __init__(self, found):
+            self.found = found
+
+        def load_latest(self):
+            return self.found
+
+    with pytest.raises(ValueError, match=r"^resume_from_checkpoint=True but .* holds no intact "
+                                         r"checkpoint"):
+        resumable_checkpoint(Holding(None), {}, 5, print)
+    warned: list = []
+    at_3 = (tmp_path / "step_3", {"step": 3})
+    assert resumable_checkpoint(Holding(at_3), {"seed": 0}, 5, warned.append) == at_3
+    assert warned == [f"{tmp_path / 'step_3'} records no experiment config; the resume cannot "
+                      f"check it"]
+    assert resumable_checkpoint(Holding(at_3), {}, 3, print, closed=False) == at_3
+    for num_steps, closed in ((3, True), (2, False)):
+        with pytest.raises(ValueError, match=rf"step_3 is at step 3, and num_steps={num_steps} "
+                                             rf"asks for no more"):
+            resumable_checkpoint(Holding(at_3), {}, num_steps, print, closed=closed)
