@@ -945,8 +945,40 @@ def test_an_lr_schedule_that_fails_after_its_warm_up_is_refused_before_training(
     validate_config(tiny_cfg(tmp_path, lr_scheduler=bad, num_steps=1, ppo_mini_batches=2))
     with pytest.raises(ValueError, match="at optimizer step 3 of 3"):
         validate_config(tiny_cfg(tmp_path, lr_scheduler=bad, num_steps=3, ppo_mini_batches=1))
+    with pytest.raises(ValueError, match="at optimizer step 3 of 4"):  # epochs step it too
+        validate_config(tiny_cfg(tmp_path, lr_scheduler=bad, num_steps=2, ppo_epochs=2,
+                                 ppo_mini_batches=1))
     good = {"_component_": COSINE, "num_warmup_steps": 3}
     validate_config(tiny_cfg(tmp_path, lr_scheduler=good, num_steps=4, ppo_mini_batches=2))
+
+
+def falling_schedule(optimizer, num_training_steps):
+    """A schedule whose learning rate falls by the initial one each step: negative at step 2."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step)
+
+
+def test_an_lr_schedule_that_goes_negative_is_refused(tmp_path):
+    """Catches a learning rate below 0 let through (AdamW then climbs the loss, in silence)."""
+    sched = {"_component_": "tests.training.test_config_schema.falling_schedule"}
+    with pytest.raises(ValueError, match=r"^lr_scheduler: .*falling_schedule gives the learning "
+                                         r"rate -0.01 at optimizer step 2 of 2 "):
+        validate_config(tiny_cfg(tmp_path, lr_scheduler=sched, num_steps=2, ppo_mini_batches=1))
+    # 0 at its last step
+    validate_config(tiny_cfg(tmp_path, lr_scheduler=sched, num_steps=1, ppo_mini_batches=1))
+
+
+def test_a_tokenizer_path_without_its_config_is_refused(tmp_path):
+    """Catches ``tokenizer.path`` checked for ``tokenizer.json`` alone: the run failed once the
+    model was built."""
+    import shutil
+
+    from pepo.training.config import asset_dir
+
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    shutil.copy(Path(asset_dir("tiny")) / "tokenizer.json", tok)
+    with pytest.raises(ValueError, match=r"^tokenizer.path='.*tok' has no tokenizer_config.json$"):
+        validate_config(tiny_cfg(tmp_path, tokenizer={"path": str(tok)}))
 
 
 def test_a_key_the_recipe_passes_itself_is_refused(tmp_path):
