@@ -241,6 +241,11 @@ def test_every_key_is_typed(tmp_path, override, message):
     ({"generation": {"vllm": {"seed": 1}}}, "unknown config key 'generation.vllm.seed'; valid "
      "keys: ['device', 'dtype', 'enforce_eager', 'gpu_memory_utilization', "
      "'kv_cache_memory_bytes', 'max_model_len', 'max_num_seqs', 'sleep_level']"),
+    # the rules between keys: compiling is the in-process decoder's
+    ({"generation": {"engine": "vllm", "compile": True}},
+     "generation.compile applies to the in-process decoder (generation.engine=inprocess); vLLM "
+     "compiles its own model"),
+    ({"tokenizer": {"path": None}}, "config key 'tokenizer.path' is required"),
     ({"generation": {"vllm": 5}},
      "generation.vllm must be a mapping of the engine's options, got 5"),
     ({"loss": {"eps_low": 1.0}}, "loss.eps_low must be < 1 (the ratio floor 1 - eps_low must "
@@ -630,8 +635,12 @@ def test_a_config_file_that_is_not_a_mapping_or_of_the_other_recipe_is_one_line(
         validate_config(OmegaConf.create({"history": [], "val_problems": 4}))
     with pytest.raises(ValueError, match=r"^the config is empty"):
         validate_config(OmegaConf.create({}))
+    with pytest.raises(ValueError, match=r"^the config is empty"):
+        validate_config(OmegaConf.create({"imports": []}))  # nothing but the modules to import
     with pytest.raises(ValueError, match=r"^this is a training config .* `tune run pepo_recipe`$"):
         validate_eval_config(OmegaConf.load(find_config("tiny")))
+    with pytest.raises(ValueError, match=r"^this is a training config .* `tune run pepo_recipe`$"):
+        validate_eval_config(OmegaConf.create({"estimator": {"name": "group"}}))  # no strategy
     register_resolvers()
     validate_eval_config(OmegaConf.load(find_config("eval_tiny")))  # its own kind passes
 
@@ -1207,3 +1216,19 @@ def test_the_checkpoint_a_resume_takes(tmp_path):
         with pytest.raises(ValueError, match=rf"step_3 is at step 3, and num_steps={num_steps} "
                                              rf"asks for no more"):
             resumable_checkpoint(Holding(at_3), {}, num_steps, print, closed=closed)
+
+
+def test_the_eval_config_checks_the_machine_as_training_does(tmp_path, monkeypatch):
+    """pepo_eval's config: a checkpoint that does not exist and a CUDA device on a machine
+    without one are one line each before any model is built (catches either check left out
+    of the evaluation's validation)."""
+    register_resolvers()
+    cfg = OmegaConf.load(find_config("eval_tiny"))
+    cfg.checkpoint_dir = str(tmp_path / "no_such_run")
+    with pytest.raises(ValueError, match=r"^checkpoint_dir=.*no_such_run' does not exist"):
+        validate_eval_config(cfg)
+    cfg = OmegaConf.load(find_config("eval_tiny"))
+    cfg.device = "cuda"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"^device='cuda' but CUDA is not available here"):
+        validate_eval_config(cfg)
