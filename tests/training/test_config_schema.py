@@ -1232,3 +1232,18 @@ def test_the_eval_config_checks_the_machine_as_training_does(tmp_path, monkeypat
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match=r"^device='cuda' but CUDA is not available here"):
         validate_eval_config(cfg)
+
+
+def test_the_vllm_engine_without_vllm_is_one_line_before_anything_is_built(tmp_path,
+                                                                            monkeypatch):
+    """Catches the machine phase without the engine's check: vLLM's ImportError once the
+    model was built (the message names the install line)."""
+    from pepo.training import engines
+
+    monkeypatch.setattr(engines, "vllm_available", lambda: False)
+    for validate, cfg in ((validate_config, tiny_cfg(tmp_path)),
+                          (validate_eval_config, OmegaConf.load(find_config("eval_tiny")))):
+        cfg.generation.engine = "vllm"
+        with pytest.raises(ValueError, match=r"^generation.engine=vllm needs vLLM, which is not "
+                                             r"installed: "):
+            validate(cfg)
