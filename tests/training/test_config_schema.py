@@ -165,7 +165,8 @@ def test_the_cache_fingerprints_record_the_precision_auto_chose(tmp_path, monkey
      "lr_scheduler: torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup missing a "
      "required argument: 'num_warmup_steps'"),
     ({"model": {"_component_": "pepo.training.models.tiny_qwen4"}},
-     "model: cannot import 'pepo.training.models.tiny_qwen4'"),
+     "model: cannot import 'pepo.training.models.tiny_qwen4': pepo.training.models has no "
+     "'tiny_qwen4'; did you mean 'tiny_qwen3'?"),
     ({"val_dataset": {"splt": "val"}}, "val_dataset: pepo.tasks.problems.modsum_dataset got an "
                                        "unexpected keyword argument 'splt'; did you mean "
                                        "'val_dataset.split'?"),
@@ -269,6 +270,10 @@ def test_every_key_is_typed(tmp_path, override, message):
     # first generation, in pepo.entropy, naming no config key
     ({"generation": {"temperature": float("inf")}},
      "generation.temperature must be a finite number > 0.0, got inf"),
+    ({"generation": {"temperature": 0}},  # an open bound: 0 divides the logits by zero
+     "generation.temperature must be a finite number > 0.0, got 0"),
+    ({"generation": {"temperature": True}},  # True is an int to isinstance: 1.0
+     "generation.temperature must be a finite number > 0.0, got True"),
     ({"distributed": {"timeout_s": float("inf")}},  # an OverflowError on every rank
      "distributed.timeout_s must be a finite number > 0, got inf"),
     # a TypeError from the cache's file handling, after the model was built
@@ -1247,3 +1252,27 @@ def test_the_vllm_engine_without_vllm_is_one_line_before_anything_is_built(tmp_p
         with pytest.raises(ValueError, match=r"^generation.engine=vllm needs vLLM, which is not "
                                              r"installed: "):
             validate(cfg)
+
+
+def test_a_number_given_as_an_int_is_read_as_a_float(tmp_path):
+    """``temperature: 1`` and ``top_p: 1`` (YAML ints) are floats in the typed config, as its
+    annotations say (catches the int passed on, which a ``:g`` format, JSON and a float-typed
+    caller each read differently)."""
+    rc = validate_config(tiny_cfg(tmp_path, generation={"temperature": 1, "top_p": 1}))
+    assert type(rc.generation.temperature) is float and type(rc.generation.top_p) is float
+    assert (rc.generation.temperature, rc.generation.top_p) == (1.0, 1.0)
+
+
+def test_a_component_whose_module_fails_to_import_is_one_line_naming_the_error(tmp_path,
+                                                                                monkeypatch):
+    """A module that exists but raises at import (not an ``ImportError``) is one line with the
+    error's type and message. Catches only ``ImportError`` caught: the module's own traceback."""
+    from pepo.training.config_rules import resolve_component
+
+    (tmp_path / "pepo_test_broken_module.py").write_text("raise RuntimeError('no GPU here')\n",
+                                                         encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"^reward: cannot import "
+                                         r"'pepo_test_broken_module.Reward': RuntimeError: no "
+                                         r"GPU here$"):
+        resolve_component("reward", "pepo_test_broken_module.Reward")
