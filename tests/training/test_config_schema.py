@@ -296,6 +296,9 @@ def test_every_key_is_typed(tmp_path, override, message):
     # beta 1 (torch's own check refuses it once the model is built)
     ({"optimizer": {"betas": [0.9, 1.0]}},
      "optimizer.betas must be two numbers in [0, 1), got [0.9, 1.0]"),
+    # a bool is an int to isinstance: false read as beta 0
+    ({"optimizer": {"betas": [0.9, False]}},
+     "optimizer.betas must be two numbers in [0, 1), got [0.9, False]"),
     # three betas
     ({"optimizer": {"betas": [0.9, 0.95, 0.99]}},
      "optimizer.betas must be two numbers in [0, 1), got [0.9, 0.95, 0.99]"),
