@@ -1259,8 +1259,8 @@ def test_the_vllm_engine_without_vllm_is_one_line_before_anything_is_built(tmp_p
 
 def test_a_number_given_as_an_int_is_read_as_a_float(tmp_path):
     """``temperature: 1`` and ``top_p: 1`` (YAML ints) are floats in the typed config, as its
-    annotations say (catches the int passed on, which a ``:g`` format, JSON and a float-typed
-    caller each read differently)."""
+    annotations say (catches the int passed on: JSON records it as 1, not 1.0, and a caller
+    typed for a float gets an int)."""
     rc = validate_config(tiny_cfg(tmp_path, generation={"temperature": 1, "top_p": 1}))
     assert type(rc.generation.temperature) is float and type(rc.generation.top_p) is float
     assert (rc.generation.temperature, rc.generation.top_p) == (1.0, 1.0)
