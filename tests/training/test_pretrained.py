@@ -61,7 +61,11 @@ def chat_ids(tok_like, text="What is 7 + 5? Explain briefly, then give the answe
 
 def test_conversion_keeps_the_logits_of_transformers_gguf_loader_and_pepo(tiny, tmp_path):
     path, ref, bpe = tiny
-    out = pre.convert_gguf(path, tmp_path / "hf")
+    umask = os.umask(0o022)  # a umask of 0o077 would make 0666 less it what safetensors writes
+    try:
+        out = pre.convert_gguf(path, tmp_path / "hf")
+    finally:
+        os.umask(umask)
     gguf_model = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     converted = transformers.AutoModelForCausalLM.from_pretrained(
@@ -92,9 +96,8 @@ def test_conversion_keeps_the_logits_of_transformers_gguf_loader_and_pepo(tiny, 
     assert "quantization_config" not in cfg and cfg["architectures"] == ["LlamaForCausalLM"]
     # what vLLM and ChatTokenizer read the stop tokens from
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2
-    mask = os.umask(0)
-    os.umask(mask)  # safetensors writes 0600: a team on a shared file system could not read it
-    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask
+    # safetensors writes 0600: a team on a shared file system could not read it
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o644
     assert cfg["tie_word_embeddings"] is True
     manifest = json.loads((out / pre.MANIFEST).read_text())
     assert set(manifest["files"]) >= {"model.safetensors", "config.json", "tokenizer.json"}
